@@ -1,0 +1,379 @@
+"""Run configuration: one YAML file mapped onto nested, documented dataclasses, plus CLI overrides.
+
+Every field carries its documentation in ``metadata["help"]`` (shown by ``densebatch config``) and,
+where the value is one of a fixed set, ``metadata["choices"]``. ``load_config`` reads a YAML file,
+applies ``--section.key=value`` overrides and validates everything; any mistake raises
+``ConfigError`` naming the key and what was expected. No ``exec``, no class names in strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from densebatch.errors import ConfigError
+
+
+def _f(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **kw: Any) -> Any:
+    meta = {"help": help}
+    if choices is not None:
+        meta["choices"] = choices
+    if minimum is not None:
+        meta["minimum"] = minimum
+    if callable(default) and not isinstance(default, (int, float, str, bool)):
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
+# --------------------------------------------------------------------------------------- data
+@dataclass
+class FieldsConfig:
+    """Which record fields hold what. Only the fields the template needs must exist."""
+
+    instruction: str = _f("instruction", "Field with the instruction (alpaca template).")
+    input: str = _f("input", "Field with the optional input (alpaca); empty or absent means none.")
+    output: str = _f("output", "Field with the response (alpaca and custom templates).")
+    messages: str = _f("messages", "Field with a list of chat messages (chatml template).")
+    role: str = _f("role", "Key of a chat message's role (user / assistant / system).")
+    content: str = _f("content", "Key of a chat message's text.")
+    text: str = _f("text", "Field with plain text (raw template).")
+    input_ids: str = _f("input_ids", "Field with pre-tokenised ids (format: pretokenized or a record that has it).")
+    labels: str = _f("labels", "Optional field with per-token labels of pre-tokenised records (-100 = no loss).")
+
+
+@dataclass
+class CleanConfig:
+    """Text cleaning; each step is opt-in and reports how many records it changed or dropped."""
+
+    strip_html: bool = _f(False, "Remove HTML tags and decode HTML entities.")
+    nfkc: bool = _f(False, "Unicode NFKC normalisation.")
+    control_chars: bool = _f(False, "Remove control characters (keeps newline and tab).")
+    collapse_whitespace: bool = _f(False, "Collapse runs of spaces/tabs; at most one blank line.")
+    dedupe: bool = _f(False, "Drop records whose rendered text exactly repeats an earlier one.")
+    min_chars: int = _f(0, "Drop records whose rendered text is shorter than this (0 = off).", minimum=0)
+    max_chars: int = _f(0, "Drop records whose rendered text is longer than this (0 = off).", minimum=0)
+
+
+@dataclass
+class DefaultDataConfig:
+    """The embedded default dataset, generated from a seed with no files."""
+
+    num_records: int = _f(6000, "Records to generate (train + eval).", minimum=10)
+    seed: int = _f(1234, "Seed of the generator (independent of the run seed).")
+
+
+@dataclass
+class DataConfig:
+    path: str | None = _f(None, "Input file or directory; none = the embedded default dataset.")
+    format: str = _f(
+        "auto",
+        "Input format; auto = from the file name (a directory = Hugging Face save_to_disk).",
+        choices=("auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"),
+    )
+    eval_path: str | None = _f(None, "Separate evaluation file; none = hold out eval_fraction of records.")
+    eval_fraction: float = _f(0.05, "Share of records held out for evaluation when eval_path is unset.", minimum=0.0)
+    fields: FieldsConfig = _f(FieldsConfig, "Field mapping.")
+    template: str = _f(
+        "alpaca",
+        "Prompt template: alpaca, chatml (chat messages), raw (plain text) or custom (prompt_format).",
+        choices=("alpaca", "chatml", "raw", "custom"),
+    )
+    prompt_format: str | None = _f(
+        None, "custom template: prompt with {named} record fields; the response is fields.output."
+    )
+    loss_on: str = _f("response", "Tokens carrying loss: all, or only the response / assistant turns.", choices=("all", "response"))
+    text_split: str = _f(
+        "blank_lines", "format text: split the file into documents on blank lines or fixed-size chunks.",
+        choices=("blank_lines", "chunks"),
+    )
+    chunk_tokens: int = _f(1024, "format text with text_split=chunks: tokens per chunk.", minimum=1)
+    clean: CleanConfig = _f(CleanConfig, "Text cleaning.")
+    tokenizer: str = _f(
+        "default",
+        "default (self-contained byte-level), a tokenizer.json file, a local Hugging Face model "
+        "directory, or a directory with GPT-2 vocab.json + merges.txt.",
+    )
+    pad_id: int | None = _f(None, "Padding id; none = the end-of-text id.")
+    max_seq_len: int = _f(1024, "Longest document in tokens (end-of-text included).", minimum=2)
+    overlong: str = _f("truncate", "Documents over max_seq_len: truncate (keeping a final target) or drop.", choices=("truncate", "drop"))
+    on_bad_record: str = _f("error", "A malformed record stops the run (error) or is counted and skipped (skip).", choices=("error", "skip"))
+    cache_dir: str = _f(".densebatch-cache", "Where tokenised documents are cached (keyed by content hash).")
+    default: DefaultDataConfig = _f(DefaultDataConfig, "The embedded default dataset.")
+
+
+# ----------------------------------------------------------------------------------- batching
+@dataclass
+class BatchingConfig:
+    strategy: str = _f(
+        "packed",
+        "random: fixed rows per batch; length_grouped: HF-style mega-batches sorted by length; "
+        "token_budget: rows x longest <= max_tokens_per_batch; packed: documents packed into rows of seq_len.",
+        choices=("random", "length_grouped", "token_budget", "packed"),
+    )
+    mode: str = _f("causal", "causal language modelling, or mlm (masked-LM labels).", choices=("causal", "mlm"))
+    rows_per_batch: int = _f(8, "Rows per batch for random and length_grouped.", minimum=1)
+    max_tokens_per_batch: int = _f(8192, "Token slots (rows x T) per batch for token_budget and packed.", minimum=1)
+    seq_len: int = _f(1024, "Row length of packed rows.", minimum=2)
+    long_docs: str = _f("split", "packed: documents longer than seq_len are split or truncated.", choices=("split", "truncate"))
+    pad_to_multiple_of: int = _f(1, "Pad the row length up to a multiple of this (8, 64, ...).", minimum=1)
+    mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch (as Hugging Face).", minimum=1)
+    drop_last: bool = _f(False, "random / length_grouped: drop the last incomplete batch.")
+    mlm_probability: float = _f(0.15, "mlm: share of non-special tokens selected.", minimum=0.0)
+    prefetch: int = _f(2, "Batches collated ahead in a background thread (0 = none).", minimum=0)
+
+
+# -------------------------------------------------------------------------------------- model
+@dataclass
+class ModelConfig:
+    kind: str = _f("gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM.", choices=("gpt", "hf"))
+    path: str | None = _f(None, "hf: a local directory with config.json (weights optional: random init when absent).")
+    n_layer: int = _f(4, "gpt: transformer blocks.", minimum=1)
+    n_head: int = _f(4, "gpt: attention heads.", minimum=1)
+    n_embd: int = _f(128, "gpt: width.", minimum=1)
+    block_size: int = _f(1024, "gpt: context length (largest position + 1).", minimum=2)
+    dropout: float = _f(0.0, "gpt: dropout probability.", minimum=0.0)
+    vocab_size: int | None = _f(None, "gpt: vocabulary size; none = the tokenizer's.")
+    attention: str = _f(
+        "auto",
+        "Document-isolating attention: auto (fastest that isolates here), flex, varlen, masked (SDPA with a block mask).",
+        choices=("auto", "flex", "varlen", "masked"),
+    )
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+
+
+# -------------------------------------------------------------------------------------- train
+@dataclass
+class TrainConfig:
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps.", minimum=1)
+    max_epochs: float | None = _f(None, "Stop after this many epochs (fractions allowed).", minimum=0.0)
+    max_tokens: int | None = _f(None, "Stop after this many real tokens.", minimum=1)
+    lr: float = _f(3e-4, "Peak learning rate.", minimum=0.0)
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a share of lr (cosine / linear).", minimum=0.0)
+    schedule: str = _f("cosine", "Learning-rate schedule after warm-up.", choices=("cosine", "linear", "constant"))
+    warmup_steps: int = _f(0, "Linear warm-up steps.", minimum=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (not on norms, biases or embeddings unless decay_all).", minimum=0.0)
+    decay_all: bool = _f(False, "Apply weight decay to every parameter.")
+    beta1: float = _f(0.9, "AdamW beta1.", minimum=0.0)
+    beta2: float = _f(0.95, "AdamW beta2.", minimum=0.0)
+    eps: float = _f(1e-8, "AdamW epsilon.", minimum=0.0)
+    lr_mult_embeddings: float = _f(1.0, "Learning-rate multiplier of the embedding layers.", minimum=0.0)
+    lr_mult_blocks: float = _f(1.0, "Learning-rate multiplier of the transformer blocks.", minimum=0.0)
+    lr_mult_head: float = _f(1.0, "Learning-rate multiplier of the final norm and output head.", minimum=0.0)
+    grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
+    loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
+    grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
+    grad_clip_mode: str = _f("fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics).", choices=("fixed", "adaptive"))
+    precision: str = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling).", choices=("fp32", "bf16", "fp16"))
+    compile: bool = _f(False, "torch.compile the model.")
+    device: str = _f("auto", "auto (cuda when present), cpu or cuda.", choices=("auto", "cpu", "cuda"))
+    log_every: int = _f(1, "Write metrics every this many steps.", minimum=1)
+    progress: bool = _f(True, "Show a progress bar.")
+    spike_zscore: float = _f(6.0, "Loss spike: robust z-score over the window above this rolls back (0 = off).", minimum=0.0)
+    spike_window: int = _f(50, "Steps in the moving window of the spike detector.", minimum=5)
+    max_bad_steps: int = _f(3, "Consecutive non-finite steps that trigger a rollback.", minimum=1)
+    rollback_lr_factor: float = _f(0.5, "Multiply the learning rate by this after a rollback.", minimum=0.0)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = _f(0, "Evaluate every this many steps (0 = only at the end).", minimum=0)
+    max_batches: int | None = _f(None, "Cap on evaluation batches (none = the whole split).", minimum=1)
+    patience: int = _f(0, "Early stopping: evaluations without improvement before stopping (0 = off).", minimum=0)
+    accuracy_samples: int = _f(200, "Embedded default: held-out prompts answered greedily for exact-match accuracy.", minimum=0)
+    max_new_tokens: int = _f(64, "Longest generated answer in the accuracy check.", minimum=1)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = _f(0, "Save every this many steps (0 = only at the end and on SIGTERM/SIGINT).", minimum=0)
+    keep_last: int = _f(3, "Keep the newest this many checkpoints.", minimum=1)
+    mirror_dir: str | None = _f(None, "Second location that receives a verified copy of every checkpoint.")
+    resume: str = _f("never", "auto: continue from the newest verified checkpoint; never: start fresh.", choices=("never", "auto"))
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = _f("runs/default", "Where metrics, checkpoints and the final model go.")
+    seed: int = _f(0, "Seed of everything random in the run.")
+    data: DataConfig = _f(DataConfig, "Data preparation.")
+    batching: BatchingConfig = _f(BatchingConfig, "Batch planning and collation.")
+    model: ModelConfig = _f(ModelConfig, "Model.")
+    train: TrainConfig = _f(TrainConfig, "Optimisation.")
+    eval: EvalConfig = _f(EvalConfig, "Evaluation.")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig, "Checkpoints and resume.")
+
+
+# ------------------------------------------------------------------------------- loading logic
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"in section '{prefix}'" if prefix else "at the top level"
+        raise ConfigError(f"unknown key '{prefix + '.' if prefix else ''}{unknown[0]}' {where}; expected one of: {', '.join(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], key)
+            continue
+        value = _coerce(key, data[name], tp)
+        choices = f.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+        minimum = f.metadata.get("minimum")
+        if minimum is not None and value is not None and value < minimum:
+            raise ConfigError(f"{key}: expected a value >= {minimum}; got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _check(cfg: RunConfig) -> None:
+    """Cross-field rules that one field alone cannot express."""
+    d, b, m = cfg.data, cfg.batching, cfg.model
+    if d.template == "custom" and not d.prompt_format:
+        raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction: expected a number in [0, 1); got {d.eval_fraction}")
+    if not 0.0 < b.mlm_probability < 1.0:
+        raise ConfigError(f"batching.mlm_probability: expected a number in (0, 1); got {b.mlm_probability}")
+    if m.kind == "hf" and not m.path:
+        raise ConfigError("model.path: required when model.kind is hf (a local directory with config.json)")
+    if m.kind == "gpt" and m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({m.n_head}); got {m.n_embd}")
+    if b.strategy == "packed" and b.seq_len > b.max_tokens_per_batch:
+        raise ConfigError(
+            f"batching.max_tokens_per_batch: expected at least batching.seq_len ({b.seq_len}) so one packed row fits; got {b.max_tokens_per_batch}"
+        )
+    if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
+        raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
+
+
+def parse_override(arg: str) -> tuple[list[str], Any]:
+    """``--train.lr=3e-4`` → (["train", "lr"], 0.0003). Values are read as YAML scalars."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body:
+        raise ConfigError(f"override '{arg}': expected --section.key=value")
+    key, raw = body.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, (dict, list)):
+        value = raw  # a bare string like "[x]" is not a structure here
+    return key.split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read ``path`` (YAML; None = defaults), apply overrides, validate. Raises ``ConfigError``."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for arg in overrides:
+        keys, value = parse_override(arg)
+        node = data
+        for k in keys[:-1]:
+            nxt = node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override '{arg}': '{k}' is not a section")
+            node = nxt
+        node[keys[-1]] = value
+    cfg = _build(RunConfig, data, "")
+    _check(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved configuration as YAML (re-loadable with ``load_config``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def config_fingerprint(section: Any) -> str:
+    """Stable JSON of a config section, for cache keys."""
+    return json.dumps(dataclasses.asdict(section), sort_keys=True)
+
+
+def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) for every field, for ``densebatch config --help-keys`` and the docs."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, key))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_ = f.metadata.get("help", "")
+        if "choices" in f.metadata:
+            help_ += f" [{' | '.join(map(str, f.metadata['choices']))}]"
+        rows.append((key, json.dumps(default), help_))
+    return rows
