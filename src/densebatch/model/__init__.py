@@ -1,0 +1,61 @@
+"""Models that map a Batch to per-token losses, with attention that never crosses documents.
+
+Public API: ``build_model(cfg, vocab_size)``, ``load_model(dir)``, ``save_model(model, dir)``,
+``generate(model, prompt_ids, ...)``, ``generate_batch(model, prompts, ...)``, and the classes
+``GPT`` / ``GPTConfig`` (reference decoder) and ``HFCausalLM`` (Hugging Face adapter, imported
+lazily so that transformers is needed only for ``model.kind: hf``).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from densebatch.config import ModelConfig
+from densebatch.errors import ConfigError
+from densebatch.model.generate import generate, generate_batch
+from densebatch.model.gpt import GPT, GPTConfig
+from densebatch.model.io import load_model, save_model
+
+__all__ = ["GPT", "GPTConfig", "HFCausalLM", "build_model", "generate", "generate_batch", "load_model", "save_model"]
+
+
+def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
+    """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt)."""
+    if cfg.kind == "gpt":
+        vocab = cfg.vocab_size or vocab_size
+        if vocab < vocab_size:
+            raise ConfigError(f"model.vocab_size: expected at least the tokenizer's {vocab_size} ids; got {vocab}")
+        return GPT(
+            GPTConfig(
+                vocab_size=vocab,
+                n_layer=cfg.n_layer,
+                n_head=cfg.n_head,
+                n_embd=cfg.n_embd,
+                block_size=cfg.block_size,
+                dropout=cfg.dropout,
+                attention=cfg.attention,
+                gradient_checkpointing=cfg.gradient_checkpointing,
+            )
+        )
+    if cfg.kind == "hf":
+        if not cfg.path:
+            raise ConfigError("model.path: required when model.kind is hf (a local directory with config.json)")
+        if cfg.attention not in ("auto", "masked"):
+            raise ConfigError(
+                f"model.attention: {cfg.attention!r} is not available for Hugging Face models; use auto or masked "
+                "(SDPA with a 4-D document mask, the backend tests show isolates packed documents)"
+            )
+        from densebatch.model.hf import HFCausalLM
+
+        model = HFCausalLM(cfg.path, attn_implementation="sdpa", gradient_checkpointing=cfg.gradient_checkpointing)
+        model.resize_vocab(vocab_size)
+        return model
+    raise ConfigError(f"model.kind: expected gpt or hf; got {cfg.kind!r}")
+
+
+def __getattr__(name: str):
+    if name == "HFCausalLM":
+        from densebatch.model.hf import HFCausalLM
+
+        return HFCausalLM
+    raise AttributeError(name)

@@ -1,0 +1,224 @@
+"""The reference decoder: a one-file GPT whose attention never crosses document boundaries.
+
+nanoGPT-shaped: token + learned position embeddings, pre-LN blocks (multi-head attention, GELU
+MLP), final LayerNorm, lm head tied to the token embedding, GPT-2 initialisation (residual
+projections scaled by 1/sqrt(2 * n_layer)). Positions come from the ``Batch`` (0 at every document
+start), so a packed document sees exactly what it would see alone; attention kernels live in
+``model/attention.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.errors import ConfigError
+from densebatch.model.attention import (
+    AttentionPlan,
+    attend,
+    only_padding_after_first_document,
+    plan_attention,
+    resolve_backend,
+)
+
+KIND = "densebatch-gpt"  # written to config.json so load_model knows what it is reading
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 1024
+    dropout: float = 0.0
+    attention: str = "auto"  # auto | flex | varlen | masked
+    gradient_checkpointing: bool = False
+
+
+class KVCache:
+    """Keys and values of tokens already seen, per layer, for incremental decoding."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.kv: list[tuple[Tensor, Tensor] | None] = [None] * n_layer
+        self.positions: Tensor | None = None  # (rows, S)
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        old = self.kv[layer]
+        if old is not None:
+            k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)  # (rows, H, S+T, D)
+        self.kv[layer] = (k, v)
+        return k, v
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        self.proj.residual = True  # type: ignore[attr-defined]  (scaled init)
+        self.dropout = cfg.dropout
+        self.resid_drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, plan: AttentionPlan, cache: KVCache | None, layer: int) -> Tensor:
+        rows, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(rows, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (rows, H, T, D)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)  # (rows, H, S+T, D)
+        y = attend(q, k, v, plan, self.dropout if self.training else 0.0)  # (rows, H, T, D)
+        y = y.transpose(1, 2).reshape(rows, T, C)  # (rows, T, C)
+        return self.resid_drop(self.proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.proj.residual = True  # type: ignore[attr-defined]
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.drop(self.proj(F.gelu(self.fc(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = SelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, plan: AttentionPlan, cache: KVCache | None = None, layer: int = 0) -> Tensor:
+        x = x + self.attn(self.ln1(x), plan, cache, layer)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.n_embd % cfg.n_head:
+            raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({cfg.n_head}); got {cfg.n_embd}")
+        resolve_backend(cfg.attention, "cpu", training=False)  # validates the name early
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one matrix, saved once
+        self.apply(self._init_weights)
+
+    def _init_weights(self, m: nn.Module) -> None:
+        # GPT-2: N(0, 0.02); projections into the residual stream shrink with depth so the
+        # residual's variance does not grow with n_layer.
+        if isinstance(m, nn.Linear):
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if getattr(m, "residual", False) else 0.02
+            nn.init.normal_(m.weight, mean=0.0, std=std)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    # ---------------------------------------------------------------------------------- forward
+    def attention_backend(self, device: torch.device) -> str:
+        return resolve_backend(self.cfg.attention, device, training=torch.is_grad_enabled())
+
+    def hidden_states(
+        self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False, cache: KVCache | None = None
+    ) -> Tensor:
+        """Final-normed hidden states. (rows, T, n_embd)"""
+        if int(positions.max()) >= self.cfg.block_size:
+            raise ConfigError(
+                f"a document has {int(positions.max()) + 1} tokens but model.block_size is {self.cfg.block_size}; "
+                "raise model.block_size or lower data.max_seq_len / batching.seq_len"
+            )
+        past = cache.positions if cache is not None else None
+        plan = plan_attention(positions, self.attention_backend(input_ids.device), single_doc_rows, past)
+        if cache is not None:
+            cache.positions = positions if past is None else torch.cat([past, positions], dim=-1)
+        x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (rows, T, C)
+        for i, block in enumerate(self.blocks):
+            if self.cfg.gradient_checkpointing and self.training and torch.is_grad_enabled() and cache is None:
+                x = checkpoint(block, x, plan, use_reentrant=False)
+            else:
+                x = block(x, plan, cache, i)
+        return self.ln_f(x)
+
+    def forward(
+        self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False, cache: KVCache | None = None
+    ) -> Tensor:
+        """Logits (rows, T, vocab). ``single_doc_rows``: the caller guarantees that everything after
+        the first segment of every row is padding (then plain causal attention is exact)."""
+        return self.lm_head(self.hidden_states(input_ids, positions, single_doc_rows, cache))
+
+    def token_losses(self, batch: Batch) -> Tensor:
+        """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
+
+        The head runs only on positions that carry a target: padding and prompt tokens cost no
+        vocabulary projection.
+        """
+        single = only_padding_after_first_document(batch)
+        h = self.hidden_states(batch.input_ids, batch.positions, single)  # (rows, T, C)
+        keep = batch.labels != IGNORE_INDEX  # (rows, T)
+        logits = self.lm_head(h[keep]).float()  # (n, vocab); fp32 even under autocast
+        out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=h.device)  # (rows, T)
+        out[keep] = F.cross_entropy(logits, batch.labels[keep], reduction="none")
+        return out
+
+    # -------------------------------------------------------------------------------- structure
+    def layer_groups(self) -> dict[str, list[nn.Parameter]]:
+        """Parameters by group (each exactly once; the head is tied to ``wte`` so it adds only ln_f)."""
+        groups = {
+            "embeddings": [self.wte.weight, self.wpe.weight],
+            "blocks": [p for b in self.blocks for p in b.parameters()],
+            "head": list(self.ln_f.parameters()),
+        }
+        if self.lm_head.weight is not self.wte.weight:
+            groups["head"].append(self.lm_head.weight)
+        return groups
+
+    def init_kv_cache(self) -> KVCache:
+        return KVCache(self.cfg.n_layer)
+
+    @property
+    def max_positions(self) -> int:
+        return self.cfg.block_size
+
+    # ------------------------------------------------------------------------------------- I/O
+    def save(self, path: str | Path) -> None:
+        """``config.json`` + ``model.safetensors`` (no pickle); ``load_model(path)`` reads them back."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "lm_head.weight"}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps({"densebatch_kind": KIND, **asdict(self.cfg)}, indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "GPT":
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        meta = json.loads((path / "config.json").read_text())
+        meta.pop("densebatch_kind", None)
+        model = cls(GPTConfig(**meta))
+        state = load_file(str(path / "model.safetensors"))
+        state["lm_head.weight"] = state["wte.weight"]
+        model.load_state_dict(state)
+        return model
+

@@ -1,0 +1,38 @@
+"""Saving and loading models: the reference GPT as config.json + safetensors, HF via save_pretrained."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch.nn as nn
+
+from densebatch.errors import ConfigError
+
+
+def save_model(model: nn.Module, path: str | Path) -> None:
+    """Write ``model`` to the directory ``path`` so that ``load_model(path)`` rebuilds it."""
+    model.save(path)
+
+
+def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module:
+    """Rebuild a model saved by ``save_model``: the kind is read from ``config.json``.
+
+    A ``config.json`` marked ``densebatch_kind: densebatch-gpt`` is the reference GPT; any other is
+    a Hugging Face model directory (weights optional, see ``HFCausalLM``).
+    """
+    from densebatch.model.gpt import GPT, KIND
+
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"'{path}' is not a saved model: no config.json there")
+    try:
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file}: not valid JSON: {e}") from None
+    if meta.get("densebatch_kind") == KIND:
+        return GPT.load(path)
+    from densebatch.model.hf import HFCausalLM
+
+    return HFCausalLM(path, attn_implementation=attn_implementation)

@@ -1,0 +1,135 @@
+"""The reference GPT: packed documents see only themselves, on every backend that runs here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import densebatch.model.gpt as gpt_mod
+from conftest import pack, random_docs
+from densebatch.config import ModelConfig
+from densebatch.errors import ConfigError
+from densebatch.model import GPT, GPTConfig, build_model, load_model
+
+V = 97
+LENGTHS = [[7, 12, 5], [20], [3, 9, 1, 6]]  # rows of documents; one of length 1 (no target)
+
+
+def tiny(attention: str = "masked", **kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=4, n_embd=32, block_size=64, attention=attention, **kw)).eval()
+
+
+def alone_vs_packed(model, docs_by_row, seq_len=24):
+    packed = pack(docs_by_row, seq_len=seq_len)
+    got = model.token_losses(packed)
+    worst = 0.0
+    for r, docs in enumerate(docs_by_row):
+        t = 0
+        for d in docs:
+            alone = model.token_losses(pack([[d]]))[0]
+            worst = max(worst, (got[r, t : t + len(d)] - alone).abs().max().item())
+            t += len(d)
+    return worst
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["masked", "auto", "flex"])
+def test_packed_equals_alone(backend, gen):
+    docs = [random_docs(gen, row, V) for row in LENGTHS]
+    model = tiny(backend)
+    # flex runs forward-only on CPU (no backward in torch 2.13): test it under no_grad.
+    ctx = torch.no_grad() if backend == "flex" else torch.enable_grad()
+    with ctx:
+        assert alone_vs_packed(model, docs) <= 1e-5
+
+
+def test_negative_control_plain_causal_leaks(gen, monkeypatch):
+    docs = [random_docs(gen, row, V) for row in LENGTHS]
+    model = tiny()
+    monkeypatch.setattr(gpt_mod, "only_padding_after_first_document", lambda b: True)  # force is_causal
+    assert alone_vs_packed(model, docs) > 1e-3
+
+
+def test_single_document_rows_take_the_causal_path_exactly(gen, monkeypatch):
+    docs = [[d] for d in random_docs(gen, [5, 17, 11], V)]
+    model = tiny()
+    fast = model.token_losses(pack(docs, seq_len=20))
+    monkeypatch.setattr(gpt_mod, "only_padding_after_first_document", lambda b: False)
+    assert torch.allclose(fast, model.token_losses(pack(docs, seq_len=20)), atol=1e-6)
+
+
+def test_padding_never_changes_real_losses(gen):
+    docs = [random_docs(gen, row, V) for row in LENGTHS]
+    model = tiny()
+    short = model.token_losses(pack(docs))  # T = longest row
+    long = model.token_losses(pack(docs, seq_len=40))
+    T = short.shape[1]
+    assert torch.allclose(short, long[:, :T], atol=1e-6)
+    assert long[:, T:].abs().max() == 0  # padding carries no loss
+    assert (short[pack(docs).labels == -100] == 0).all()
+
+
+def test_token_losses_are_float32_under_autocast(gen):
+    docs = [random_docs(gen, row, V) for row in LENGTHS]
+    model = tiny()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.token_losses(pack(docs))
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, model.token_losses(pack(docs)), atol=0.1)
+
+
+def test_layer_groups_cover_every_parameter_once():
+    model = tiny()
+    groups = model.layer_groups()
+    ids = [id(p) for ps in groups.values() for p in ps]
+    assert len(ids) == len(set(ids))
+    assert set(ids) == {id(p) for p in model.parameters()}
+    assert {id(model.wte.weight), id(model.wpe.weight)} == {id(p) for p in groups["embeddings"]}
+    assert model.lm_head.weight is model.wte.weight  # tied
+
+
+def test_gradient_checkpointing_same_gradients(gen):
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS])
+    grads = []
+    for ckpt in (False, True):
+        model = tiny(gradient_checkpointing=ckpt).train()
+        model.token_losses(batch).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_save_load_round_trip(tmp_path, gen):
+    model = tiny()
+    model.save(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors"}
+    again = load_model(tmp_path)
+    assert isinstance(again, GPT) and again.cfg == model.cfg
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS])
+    assert torch.equal(model(batch.input_ids, batch.positions), again.eval()(batch.input_ids, batch.positions))
+    assert again.lm_head.weight is again.wte.weight
+
+
+def test_build_model_from_config():
+    cfg = ModelConfig(n_layer=2, n_head=2, n_embd=16, block_size=32, attention="masked", gradient_checkpointing=True)
+    model = build_model(cfg, vocab_size=50)
+    assert model.cfg.vocab_size == 50 and model.cfg.gradient_checkpointing
+    with pytest.raises(ConfigError, match="vocab_size"):
+        build_model(dataclasses.replace(cfg, vocab_size=10), vocab_size=50)
+    with pytest.raises(ConfigError, match="model.attention"):
+        build_model(dataclasses.replace(cfg, attention="nope"), vocab_size=50)
+
+
+def test_document_longer_than_block_size_is_a_clear_error():
+    model = tiny()
+    with pytest.raises(ConfigError, match="block_size"):
+        model.token_losses(pack([[list(range(1, 70))]]))
+
+
+def test_gpt2_style_init():
+    model = tiny()
+    std = model.blocks[0].attn.proj.weight.std().item()
+    assert abs(std - 0.02 / (2 * 2) ** 0.5) < 0.004  # residual projections scaled by 1/sqrt(2 n_layer)

@@ -1,0 +1,199 @@
+"""The Hugging Face adapter: which attn_implementations isolate packed documents, decided here.
+
+Every allowed backend must give each packed document the losses it has alone (fp32, 1e-5); the
+backends the adapter refuses are refused with a message. If a transformers upgrade changes the
+behaviour, these tests say so before a training run silently leaks across documents.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import pack, random_docs
+from densebatch.config import ModelConfig
+from densebatch.errors import ConfigError
+from densebatch.model import build_model, load_model
+from densebatch.model.attention import document_mask
+from densebatch.model.hf import ALLOWED, HFCausalLM
+
+transformers = pytest.importorskip("transformers")
+V = 300
+LENGTHS = [[7, 12, 5], [20], [3, 9, 1, 6]]
+
+
+def tiny_config(kind: str):
+    common = dict(vocab_size=V, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **common)
+    llama_like = dict(
+        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, **common,
+    )
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[kind]
+    if kind == "qwen3":
+        llama_like["head_dim"] = 8
+    return getattr(transformers, cls)(tie_word_embeddings=False, **llama_like)
+
+
+@pytest.fixture(scope="module")
+def config_dirs(tmp_path_factory):
+    """A directory with only config.json per architecture (random init when loaded)."""
+    out = {}
+    for kind in ("gpt2", "llama", "mistral", "qwen2", "qwen3"):
+        d = tmp_path_factory.mktemp(kind)
+        tiny_config(kind).save_pretrained(d)
+        out[kind] = d
+    return out
+
+
+def adapter(path, impl="sdpa", **kw) -> HFCausalLM:
+    torch.manual_seed(0)
+    return HFCausalLM(path, attn_implementation=impl, **kw).eval()
+
+
+def worst_packed_vs_alone(losses_fn, docs_by_row, seq_len=24) -> float:
+    got = losses_fn(pack(docs_by_row, seq_len=seq_len))
+    worst = 0.0
+    for r, docs in enumerate(docs_by_row):
+        t = 0
+        for d in docs:
+            alone = losses_fn(pack([[d]]))[0]
+            worst = max(worst, (got[r, t : t + len(d)] - alone).abs().max().item())
+            t += len(d)
+    return worst
+
+
+@pytest.mark.parametrize("impl", sorted(ALLOWED))
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_allowed_backends_isolate_documents(config_dirs, kind, impl, gen):
+    docs = [random_docs(gen, row, V) for row in LENGTHS]
+    model = adapter(config_dirs[kind], impl)
+    assert worst_packed_vs_alone(model.token_losses, docs) <= 1e-5
+    # forward() too (full logits, no fast path), per position of every document
+    packed = pack(docs, seq_len=24)
+    logits = model(packed.input_ids, packed.positions)
+    for r, row in enumerate(docs):
+        t = 0
+        for d in row:
+            alone = model(torch.tensor([d]), torch.arange(len(d))[None])[0]
+            assert (logits[r, t : t + len(d)] - alone).abs().max() <= 1e-5
+            t += len(d)
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_negative_control_position_ids_alone_leak(config_dirs, impl, gen):
+    docs = [random_docs(gen, row, V) for row in LENGTHS]
+    model = adapter(config_dirs["llama"], impl)
+
+    def leaky(batch):  # what Hugging Face does with packed rows and no mask
+        logits = model.hf(input_ids=batch.input_ids, position_ids=batch.positions).logits.float()
+        ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch.labels, reduction="none")
+        return ce
+
+    assert worst_packed_vs_alone(leaky, docs) > 1e-3
+
+
+def test_eager_needs_an_additive_mask(config_dirs, gen):
+    """Why eager gets a float mask: the boolean 4-D mask that isolates under sdpa leaks under eager."""
+    docs = [random_docs(gen, row, V) for row in LENGTHS]
+    model = adapter(config_dirs["gpt2"], "eager")
+
+    def bool_mask(batch):
+        mask = document_mask(batch.positions)
+        logits = model.hf(input_ids=batch.input_ids, position_ids=batch.positions, attention_mask=mask).logits
+        return torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), batch.labels, reduction="none")
+
+    assert worst_packed_vs_alone(bool_mask, docs) > 1e-3
+
+
+@pytest.mark.parametrize("impl", ["flex_attention", "flash_attention_2", "paged_attention"])
+def test_unsafe_backends_are_refused(config_dirs, impl):
+    # flex_attention: GPT-2 refuses it, Llama crashed the process (segfault) with a 4-D mask.
+    with pytest.raises(ConfigError, match="cannot keep packed documents isolated"):
+        HFCausalLM(config_dirs["llama"], attn_implementation=impl)
+
+
+def test_single_document_rows_fast_path_is_exact(config_dirs, gen, monkeypatch):
+    import densebatch.model.hf as hf_mod
+
+    model = adapter(config_dirs["llama"])
+    batch = pack([[d] for d in random_docs(gen, [5, 17, 11], V)], seq_len=20)
+    fast = model.token_losses(batch)
+    monkeypatch.setattr(hf_mod, "only_padding_after_first_document", lambda b: False)
+    assert torch.allclose(fast, model.token_losses(batch), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])
+def test_hidden_state_path_matches_full_logits(config_dirs, kind, gen):
+    model = adapter(config_dirs[kind])
+    assert model._hidden_path
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS], seq_len=24)
+    fast = model.token_losses(batch)
+    model._hidden_path = False
+    assert torch.allclose(fast, model.token_losses(batch), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_layer_groups_cover_every_parameter_once(config_dirs, kind):
+    model = adapter(config_dirs[kind])
+    groups = model.layer_groups()
+    ids = [id(p) for ps in groups.values() for p in ps]
+    assert len(ids) == len(set(ids)) and set(ids) == {id(p) for p in model.parameters()}
+    assert id(model.hf.get_input_embeddings().weight) in {id(p) for p in groups["embeddings"]}
+    assert groups["blocks"] and groups["head"]  # final norm at least
+    if kind == "llama":  # untied output matrix belongs to the head
+        assert id(model.hf.get_output_embeddings().weight) in {id(p) for p in groups["head"]}
+    else:  # GPT-2's position table is an embedding
+        assert id(model.hf.transformer.wpe.weight) in {id(p) for p in groups["embeddings"]}
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_save_load_round_trip(config_dirs, kind, tmp_path, gen):
+    model = adapter(config_dirs[kind])
+    model.save(tmp_path)
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS], seq_len=24)
+    want = model(batch.input_ids, batch.positions)
+    again = load_model(tmp_path)
+    assert isinstance(again, HFCausalLM)
+    assert torch.equal(again.eval()(batch.input_ids, batch.positions), want)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        ids = torch.tensor([batch.input_ids[1].tolist()])
+        assert torch.allclose(plain(ids).logits, model.hf(ids).logits, atol=1e-6)
+
+
+def test_gradient_checkpointing_same_gradients(config_dirs, gen):
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS], seq_len=24)
+    grads = []
+    for ckpt in (False, True):
+        model = adapter(config_dirs["llama"], gradient_checkpointing=ckpt).train()
+        model.token_losses(batch).sum().backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_build_model_hf(config_dirs):
+    cfg = ModelConfig(kind="hf", path=str(config_dirs["gpt2"]))
+    model = build_model(cfg, vocab_size=V + 20)
+    assert isinstance(model, HFCausalLM) and model.vocab_size >= V + 20
+    with pytest.raises(ConfigError, match="model.attention"):
+        build_model(ModelConfig(kind="hf", path=str(config_dirs["gpt2"]), attention="flex"), vocab_size=V)
+    with pytest.raises(ConfigError, match="config.json"):
+        build_model(ModelConfig(kind="hf", path=str(config_dirs["gpt2"] / "missing")), vocab_size=V)
+
+
+def test_token_losses_float32_under_autocast(config_dirs, gen):
+    model = adapter(config_dirs["llama"])
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS], seq_len=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.token_losses(batch)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, model.token_losses(batch), atol=0.1)
+    assert (out[batch.labels == -100] == 0).all()
+
+
+def test_load_model_needs_a_saved_model(tmp_path):
+    with pytest.raises(ConfigError, match="no config.json"):
+        load_model(tmp_path)
