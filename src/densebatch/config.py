@@ -242,6 +242,11 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -341,6 +346,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
                 raise ConfigError(f"override '{arg}': '{k}' is not a section")
             node = nxt
         node[keys[-1]] = value
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    """Validate a plain dict (a parsed YAML file, or a config stored in a checkpoint)."""
     cfg = _build(RunConfig, data, "")
     _check(cfg)
     return cfg

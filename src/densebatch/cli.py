@@ -1,0 +1,111 @@
+"""Command line: parse arguments, load the configuration, call ``run``; user mistakes exit 2 without a traceback.
+
+    densebatch prepare  [CONFIG] [--section.key=value ...]
+    densebatch inspect  [CONFIG] [--num N] [--split train|eval]
+    densebatch analyze  [CONFIG | --lengths FILE] [--json] [--dump-plan FILE --strategy S] [--plot FILE]
+    densebatch train    [CONFIG] [--resume]
+    densebatch eval     CONFIG --checkpoint DIR [--json]
+    densebatch generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--raw]
+    densebatch config   [CONFIG] [--keys]
+
+With no CONFIG, the embedded default (a built-in instruction dataset and a small GPT) is used.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from densebatch.errors import UserError
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate ``--section.key=value`` overrides (also ``--section.key value``) from other args."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if "." in name:
+            if "=" not in arg:
+                if i + 1 >= len(argv):
+                    raise UserError(f"override '{arg}' has no value: write {arg}=VALUE")
+                arg = f"{arg}={argv[i + 1]}"
+                i += 1
+            overrides.append(arg)
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="densebatch",
+        description="Train causal language models with dense batches. "
+        "Any config field can be overridden as --section.key=value (e.g. --train.max_steps=20).",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def with_config(name: str, help: str, required: bool = False) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        if required:
+            sp.add_argument("config", metavar="CONFIG", help="YAML run configuration")
+        else:
+            sp.add_argument("config", metavar="CONFIG", nargs="?", help="YAML run configuration (default: the embedded default)")
+        return sp
+
+    with_config("prepare", "Read, clean, template and tokenise records into cached documents.")
+
+    sp = with_config("inspect", "Show prepared documents decoded, with the tokens that carry loss marked.")
+    sp.add_argument("--num", type=int, default=3, help="documents to show (default 3)")
+    sp.add_argument("--split", choices=("train", "eval"), default="train")
+    sp.add_argument("--start", type=int, default=0, help="index of the first document shown")
+
+    sp = with_config("analyze", "Compare batching strategies (fill rate, batches, planning time) on a dataset's lengths.")
+    sp.add_argument("--lengths", metavar="FILE", help="document lengths: text (one integer per line) or .npy")
+    sp.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
+    sp.add_argument("--strategy", help="strategy for --dump-plan (default: batching.strategy)")
+    sp.add_argument("--dump-plan", metavar="FILE", help="write the plan as JSON: batches → rows → document indices")
+    sp.add_argument("--plot", metavar="FILE", help="write a PNG histogram of lengths with each strategy's fill rate")
+
+    sp = with_config("train", "Train (with no CONFIG: the embedded default task and a small GPT).")
+    sp.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+
+    sp = with_config("eval", "Token-weighted loss and perplexity of a checkpoint on the evaluation split.", required=True)
+    sp.add_argument("--checkpoint", required=True, metavar="DIR", help="a final model dir, a checkpoint dir, or an output_dir")
+    sp.add_argument("--json", action="store_true", help="print one JSON object")
+
+    sp = sub.add_parser("generate", help="Generate text from a trained model.")
+    sp.add_argument("--checkpoint", required=True, metavar="DIR")
+    sp.add_argument("--prompt", required=True, metavar="TEXT")
+    sp.add_argument("--max-new-tokens", type=int, default=64)
+    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    sp.add_argument("--top-k", type=int, default=None)
+    sp.add_argument("--raw", action="store_true", help="send the prompt verbatim instead of through the run's template")
+
+    sp = with_config("config", "Print the resolved configuration (or every key with its help).")
+    sp.add_argument("--keys", action="store_true", help="list every key, its default and what it means")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        rest, overrides = _split_overrides(argv)
+        args = _parser().parse_args(rest)
+        from densebatch import run  # imported late: `--help` stays fast
+
+        return int(run.dispatch(args, overrides) or 0)
+    except UserError as e:
+        print(f"densebatch: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("densebatch: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

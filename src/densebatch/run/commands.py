@@ -1,0 +1,156 @@
+"""The short commands: prepare, inspect, analyze, eval, generate and config."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+
+from densebatch.config import RunConfig, config_from_dict, describe, load_config, to_dict
+from densebatch.data.collate import collator_from_config
+from densebatch.data.loader import BatchLoader
+from densebatch.data.plan import PlanSettings
+from densebatch.data.prepare import prepare as prepare_data
+from densebatch.data.templates import prompt_text
+from densebatch.data.tokenizers import load_tokenizer
+from densebatch.errors import UserError
+from densebatch.model import build_model, generate as generate_ids, load_model
+from densebatch.train.checkpoint import latest_valid, load_checkpoint
+from densebatch.train.evaluate import evaluate as evaluate_batches
+from densebatch.train.loop import resolve_device
+
+FINAL_DIR = "final"  # output_dir/final: model + tokenizer + config.yaml
+CHECKPOINT_DIR = "checkpoints"
+
+
+def prepare(cfg: RunConfig, args) -> int:
+    prepared = prepare_data(cfg.data)
+    print(prepared.summary)
+    print(f"documents: {prepared.cache_dir}")
+    return 0
+
+
+def inspect(cfg: RunConfig, args) -> int:
+    from densebatch.data.inspect import render_documents
+
+    prepared = prepare_data(cfg.data)
+    store = prepared.train if args.split == "train" else prepared.eval
+    if store is None:
+        raise UserError("there is no eval split: set data.eval_path or data.eval_fraction > 0")
+    stop = min(len(store), args.start + max(0, args.num))
+    print(render_documents(store, prepared.tokenizer, range(args.start, stop), color=sys.stdout.isatty()), end="")
+    return 0
+
+
+def analyze(cfg: RunConfig, args) -> int:
+    from densebatch.analyze import analyze_main, read_lengths
+
+    if args.lengths:
+        lengths = read_lengths(args.lengths)
+    else:
+        lengths = np.asarray(prepare_data(cfg.data).train.lengths)
+    settings = PlanSettings.from_config(cfg.batching)
+    print(analyze_main(lengths, settings, json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy,
+                       plot=args.plot, seed=cfg.seed))
+    return 0
+
+
+def show_config(cfg: RunConfig, args) -> int:
+    if args.keys:
+        width = max(len(k) for k, _, _ in describe())
+        for key, default, help_ in describe():
+            print(f"{key:<{width}}  {default:<18}  {help_}")
+    else:
+        print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+# ----------------------------------------------------------------------------- trained models
+def find_model_dir(path: str | Path) -> tuple[str, Path]:
+    """What ``--checkpoint DIR`` names: ("final", dir) for a saved model, ("checkpoint", dir) for a
+    training checkpoint; an output_dir resolves to its final model, else its newest valid checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"--checkpoint {path}: no such directory")
+    if (p / "manifest.json").is_file():
+        return "checkpoint", p
+    if (p / "config.json").is_file():
+        return "final", p
+    if (p / FINAL_DIR / "config.json").is_file():
+        return "final", p / FINAL_DIR
+    ckpt = latest_valid(p / CHECKPOINT_DIR) if (p / CHECKPOINT_DIR).is_dir() else None
+    if ckpt is not None:
+        return "checkpoint", ckpt
+    raise UserError(f"--checkpoint {path}: neither a saved model (config.json) nor a checkpoint (manifest.json), "
+                    f"nor an output_dir holding {FINAL_DIR}/ or {CHECKPOINT_DIR}/")
+
+
+def load_trained(path: str | Path, cfg: RunConfig | None = None):
+    """(model, tokenizer, run config) from a final model dir, a checkpoint or an output_dir."""
+    kind, d = find_model_dir(path)
+    if kind == "final":
+        model = load_model(d)
+        tokenizer = load_tokenizer(d)
+        run_cfg = cfg or (load_config(d / "config.yaml") if (d / "config.yaml").is_file() else None)
+        return model, tokenizer, run_cfg
+    ckpt = load_checkpoint(d)
+    saved = (ckpt.extra_state or {}).get("config")
+    run_cfg = cfg or (config_from_dict(saved) if saved else None)
+    if run_cfg is None:
+        raise UserError(f"{d}: the checkpoint carries no configuration; pass the run's CONFIG")
+    tokenizer = load_tokenizer(run_cfg.data.tokenizer, run_cfg.data.pad_id)
+    model = build_model(run_cfg.model, tokenizer.vocab_size)
+    model.load_state_dict(ckpt.model_state)
+    return model, tokenizer, run_cfg
+
+
+def evaluate(cfg: RunConfig, args) -> int:
+    prepared = prepare_data(cfg.data)
+    if prepared.eval is None:
+        raise UserError("there is no evaluation split: set data.eval_path or data.eval_fraction > 0")
+    model, _tok, _ = load_trained(args.checkpoint, cfg)
+    device = resolve_device(cfg.train.device)
+    collator = collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed)
+    loader = BatchLoader(prepared.eval, PlanSettings.from_config(cfg.batching), collator, seed=cfg.seed, prefetch=0)
+    result = evaluate_batches(model.to(device), loader.iter_epoch(0), device=device, precision=cfg.train.precision,
+                              max_batches=cfg.eval.max_batches)
+    out = result.as_dict() | {"strategy": cfg.batching.strategy, "checkpoint": str(args.checkpoint)}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"eval loss {result.loss:.6f}  ppl {result.ppl:.4f}  over {result.tokens} loss tokens "
+              f"({result.batches} batches, strategy {cfg.batching.strategy})")
+    return 0
+
+
+def templated_prompt(text: str, cfg: RunConfig | None) -> str:
+    """The prompt as the run's template would show it to the model (alpaca / chatml / custom)."""
+    if cfg is None or cfg.data.template == "raw":
+        return text
+    f = cfg.data.fields
+    if cfg.data.template == "alpaca":
+        record = {f.instruction: text, f.input: ""}
+    elif cfg.data.template == "chatml":
+        record = {f.messages: [{f.role: "user", f.content: text}]}
+    else:
+        return text
+    return prompt_text(record, cfg.data)
+
+
+def generate(args) -> int:
+    model, tok, run_cfg = load_trained(args.checkpoint)
+    if args.max_new_tokens < 1:
+        raise UserError("--max-new-tokens: expected a positive integer")
+    if args.temperature < 0:
+        raise UserError("--temperature: expected 0 (greedy) or more")
+    prompt = args.prompt if args.raw else templated_prompt(args.prompt, run_cfg)
+    model.eval()
+    with torch.no_grad():
+        new = generate_ids(model, tok.encode(prompt), args.max_new_tokens, temperature=args.temperature,
+                           eos_id=tok.eos_id, top_k=args.top_k)
+    print(tok.decode([i for i in new if i != tok.eos_id]))
+    return 0

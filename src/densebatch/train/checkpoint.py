@@ -1,0 +1,397 @@
+"""Checkpoints on disk: atomic, checksummed, pickle-free save / verify / find / load of training state.
+
+A checkpoint is a directory ``step-000120/``: ``model.safetensors`` (tied tensors stored once),
+``optimizer.safetensors`` (tensors keyed by their path, ``state.3.exp_avg``), ``extra.safetensors``
+(only if the extra state holds tensors or arrays), ``state.json`` (everything else: the structure of
+the three states, tensors replaced by ``{"__tensor__": key}``, tuples and non-string keys tagged so
+they come back as they went in) and, written last, ``manifest.json`` (size and SHA-256 of each file).
+
+Guarantees: a directory named ``step-N`` is complete (written as ``.tmp-step-N-<pid>``, every file and
+the directory fsynced, manifest last, then renamed); ``verify`` detects any flipped byte or truncation
+and names the file; loading reads only JSON and safetensors: it never unpickles, never runs code.
+Measured on a 2-core VM, 9.5M parameters + AdamW state (113 MB): save 0.4-0.8 s (with fsync),
+verify 0.11-0.17 s (SHA-256), load about the same (it verifies; tensors are mmapped copy-on-write).
+Only one process (rank 0) may save into a directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Callable, Iterator, NamedTuple
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from densebatch.errors import UserError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+STATE = "state.json"
+PARTS = ("model", "optimizer", "extra")
+_STEP_RE = re.compile(r"step-(\d+)")
+_TEMP_RE = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)")
+_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be written or read (corrupt, incomplete, or not a checkpoint at all)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint was skipped (corrupt or incomplete) or its mirror copy failed."""
+
+
+class Checkpoint(NamedTuple):
+    model_state: dict[str, torch.Tensor]
+    optimizer_state: Any  # what was saved: the optimizer's state_dict, or None
+    extra_state: Any  # what was saved: a JSON-able dict, or None
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"  # zero-padded so that names sort like steps up to 999,999
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The step of a checkpoint directory, from its name ``step-000120``."""
+    if not (m := _STEP_RE.fullmatch(Path(path).name)):
+        raise CheckpointError(f"{path}: not a checkpoint directory name (expected step-NNNNNN)")
+    return int(m.group(1))
+
+
+# ------------------------------------------------------------------ state <-> JSON + tensors
+def _encode(obj: Any, path: list[str], tensors: dict[str, Any]) -> Any:
+    """JSON-able tree of ``obj``; tensors / arrays go to ``tensors`` under their dotted path."""
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        key = ".".join(path) or "tensor"
+        while key in tensors:  # "a.b" as a key and as a nested path: keep both apart
+            key += "_"
+        tensors[key] = obj
+        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__tensor__": key}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, np.generic):  # numpy scalars sneak into loader states; stored as Python numbers
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v, path + [str(i)], tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_encode(v, path + [str(i)], tensors) for i, v in enumerate(obj)]
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
+            return {k: _encode(v, path + [k], tensors) for k, v in obj.items()}
+        # int keys (optimizer "state"), tuple keys, or a key that looks like a tag: keep exact types
+        return {"__items__": [[_encode(k, path, {}), _encode(v, path + [str(k)], tensors)] for k, v in obj.items()]}
+    raise CheckpointError(f"cannot store {'.'.join(path) or 'value'} of type {type(obj).__name__}: only tensors, numpy arrays and JSON data")
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> Any:
+    if isinstance(node, list):
+        return [_decode(v, tensors, aliases) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if len(node) == 1:
+        (tag, value), = node.items()
+        if tag in ("__tensor__", "__ndarray__"):
+            key = aliases.get(value, value)
+            if key not in tensors:
+                raise CheckpointError(f"state.json refers to tensor '{value}' that no tensor file holds")
+            return tensors[key] if tag == "__tensor__" else tensors[key].numpy()
+        if tag == "__tuple__":
+            return tuple(_decode(v, tensors, aliases) for v in value)
+        if tag == "__items__":  # keys were encoded like values: tuples come back as tuples (hashable)
+            return {_decode(k, tensors, aliases): _decode(v, tensors, aliases) for k, v in value}
+    return {k: _decode(v, tensors, aliases) for k, v in node.items()}
+
+
+def _dedupe(tensors: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Store each tensor once: identical views (tied weights) become aliases of the first key;
+    distinct views of one storage are cloned, since safetensors refuses shared memory."""
+    unique, aliases, first_of_view, views_of = {}, {}, {}, {}
+    as_tensor = {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach() for k, v in tensors.items()}
+    storage = {k: (t.device, t.untyped_storage().data_ptr()) for k, t in as_tensor.items() if t.numel()}  # empty: no memory
+    for key, where in storage.items():
+        t = as_tensor[key]
+        view = (*where, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        views_of.setdefault(where, set()).add(view)
+        if view in first_of_view:
+            aliases[key] = first_of_view[view]
+        else:
+            first_of_view[view] = key
+    for key, t in as_tensor.items():
+        if key not in aliases:
+            shared = key in storage and len(views_of[storage[key]]) > 1
+            unique[key] = t.to("cpu", copy=True).contiguous() if shared else t.cpu().contiguous()
+    return unique, aliases
+
+
+# --------------------------------------------------------------------------- files on disk
+def _sha256(path: Path, fsync: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError as e:  # PermissionError: it exists, owned by someone else
+        return not isinstance(e, ProcessLookupError)
+    return True
+
+
+def cleanup_temp_dirs(root: str | Path) -> list[Path]:
+    """Remove ``.tmp-step-*`` / ``.old-step-*`` left by a crashed save (this process's or a dead one's).
+    A temp dir of a live other process is left alone: it may be writing right now."""
+    root = Path(root)
+    leftovers = [p for p in (root.iterdir() if root.is_dir() else ()) if (m := _TEMP_RE.fullmatch(p.name))
+                 and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1))))]
+    for p in leftovers:
+        shutil.rmtree(p, ignore_errors=True)
+    return leftovers
+
+
+def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
+    """``(step, path)`` of every ``step-N`` directory under ``root``, newest first; not verified."""
+    root = Path(root)
+    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ()) if (m := _STEP_RE.fullmatch(p.name)) and p.is_dir()]
+    return sorted(found, key=lambda sp: sp[0], reverse=True)
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Rename first (atomic), then delete: a crash mid-delete leaves a temp dir, not a broken step-N."""
+    aside = path.with_name(f".old-{path.name}-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _staging(final: Path) -> Iterator[Path]:
+    """A temp dir beside ``final`` that is fsynced and renamed to it on success, removed on failure."""
+    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
+    tmp.mkdir()
+    try:
+        yield tmp
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again: rename(2) cannot replace a non-empty directory
+            _remove_checkpoint(final)
+        os.rename(tmp, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _prune(root: Path, keep_last: int, step: int) -> None:
+    for s, p in list_checkpoints(root):
+        if s > step:  # this run resumed from an earlier step: never let auto-resume jump onto the abandoned one
+            warnings.warn(f"checkpoint {p}: newer than the step just saved ({step}), from an abandoned run — removed", CheckpointWarning, stacklevel=3)
+            _remove_checkpoint(p)
+    for _, p in list_checkpoints(root)[keep_last:]:
+        _remove_checkpoint(p)
+
+
+# ------------------------------------------------------------------------------ public API
+def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: Any = None,
+                    extra_state: Any = None, *, keep_last: int = 3, mirror_dir: str | Path | None = None) -> Path:
+    """Write ``root/step-NNNNNN`` atomically and return its path; then keep the newest ``keep_last``
+    and, when ``mirror_dir`` is set, place a verified copy there (a failed mirror only warns)."""
+    if keep_last < 1 or step < 0:
+        raise CheckpointError(f"expected keep_last >= 1 and step >= 0; got keep_last={keep_last}, step={step}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    cleanup_temp_dirs(root)
+    final = root / step_dir_name(step)
+    with _staging(final) as tmp:
+        parts = {}
+        for part, obj in zip(PARTS, (model_state, optimizer_state, extra_state)):
+            tree = _encode(obj, [], tensors := {})
+            unique, aliases = _dedupe(tensors)
+            if file := f"{part}.safetensors" if unique else None:
+                save_file(unique, str(tmp / file), metadata={"format": "pt"})
+            parts[part] = {"file": file, "aliases": aliases, "tree": tree}
+        # Module versions that load_state_dict hands to _load_from_state_dict (e.g. BatchNorm's).
+        parts["model"]["metadata"] = _encode(getattr(model_state, "_metadata", None), ["_metadata"], {})
+        _write_json(tmp / STATE, {"format_version": FORMAT_VERSION, "step": step, "parts": parts})
+        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p, fsync=True)} for p in sorted(tmp.iterdir())}
+        _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "step": step, "files": files})
+    _prune(root, keep_last, step)
+    if mirror_dir is not None and Path(mirror_dir).resolve() != root.resolve():
+        try:
+            mirror_checkpoint(final, mirror_dir, keep_last=keep_last)
+        except (OSError, CheckpointError) as e:
+            # A second storage location is a safety net: losing it must not kill a long run.
+            warnings.warn(f"checkpoint {final.name}: mirror copy to {mirror_dir} failed: {e}", CheckpointWarning, stacklevel=2)
+    return final
+
+
+def mirror_checkpoint(src: str | Path, mirror_dir: str | Path, keep_last: int = 3) -> Path:
+    """Copy a complete checkpoint into ``mirror_dir`` (temp + rename), verified before it is named."""
+    src, mirror = Path(src), Path(mirror_dir)
+    mirror.mkdir(parents=True, exist_ok=True)
+    cleanup_temp_dirs(mirror)
+    with _staging(mirror / src.name) as tmp:
+        names = sorted(json.loads((src / MANIFEST).read_text(encoding="utf-8"))["files"]) + [MANIFEST]
+        for name in names:  # manifest last, as in save
+            shutil.copyfile(src / name, tmp / name)
+            _sha256(tmp / name, fsync=True)
+        ok, reason = verify(tmp)  # before it gets its name: a bad copy is never a checkpoint
+        if not ok or (tmp / MANIFEST).read_bytes() != (src / MANIFEST).read_bytes():
+            raise CheckpointError(f"the copy does not verify against the source manifest: {reason}")
+    _prune(mirror, keep_last, checkpoint_step(src))
+    return mirror / src.name
+
+
+def _check_safetensors_header(path: Path) -> str | None:
+    """Parse only the header (no tensor data is read): a pickle or zip fails here."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            f.keys()
+    except (SafetensorError, OSError, ValueError) as e:
+        return f"not a safetensors file ({e})"
+    return None
+
+
+def verify(path: str | Path) -> tuple[bool, str]:
+    """``(True, "ok")`` when the manifest parses and every file it lists has its size and SHA-256;
+    otherwise ``(False, reason)`` with the reason naming the file."""
+    path = Path(path)
+    if not path.is_dir():
+        return False, "not a directory"
+    if not (path / MANIFEST).is_file():
+        return False, f"{MANIFEST} missing (incomplete write, or not a checkpoint)"
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+        version, files = manifest["format_version"], dict(manifest["files"])
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return False, f"{MANIFEST} is not a valid manifest"
+    if version != FORMAT_VERSION:
+        return False, f"{MANIFEST}: format_version {version!r} is not supported (expected {FORMAT_VERSION})"
+    m = _STEP_RE.fullmatch(path.name)
+    if m and manifest.get("step") != int(m.group(1)):
+        return False, f"{MANIFEST}: step {manifest.get('step')!r} does not match the directory name"
+    if STATE not in files:
+        return False, f"{STATE} is not listed in {MANIFEST}"
+    for name, entry in files.items():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", "..", MANIFEST):
+            return False, f"{MANIFEST} lists an invalid file name {name!r}"
+        f = path / name
+        if not f.is_file():
+            return False, f"{name} missing"
+        try:
+            size, digest = int(entry["size"]), str(entry["sha256"])
+        except (KeyError, TypeError, ValueError):
+            return False, f"{MANIFEST}: bad entry for {name}"
+        if f.stat().st_size != size:
+            return False, f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
+        if _sha256(f) != digest:
+            return False, f"{name} SHA-256 mismatch"
+    try:
+        state = json.loads((path / STATE).read_text(encoding="utf-8"))
+        needed = [state["parts"][p]["file"] for p in PARTS]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return False, f"{STATE} is not valid"
+    for name in filter(None, needed):
+        if not isinstance(name, str) or name not in files or not name.endswith(".safetensors"):
+            return False, f"{STATE} needs {name!r}, which the manifest does not list as a safetensors file"
+        if problem := _check_safetensors_header(path / name):
+            return False, f"{name}: {problem}"
+    return True, "ok"
+
+
+def latest_valid(root: str | Path, mirror_dir: str | Path | None = None,
+                 on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
+    """Newest checkpoint that verifies, in ``root`` or ``mirror_dir`` (``root`` first at equal steps).
+    Each skipped one is reported through ``on_skip(path, reason)`` (default: a CheckpointWarning
+    "checkpoint …/step-000120: model.safetensors SHA-256 mismatch — skipped"). Removes leftovers of
+    crashed saves. ``None`` when there is none."""
+    candidates = []
+    dirs = [Path(root)] + ([Path(mirror_dir)] if mirror_dir is not None else [])
+    if len(dirs) == 2 and dirs[1].resolve() == dirs[0].resolve():
+        dirs = dirs[:1]
+    for rank, d in enumerate(dirs):
+        cleanup_temp_dirs(d)
+        candidates += [(step, -rank, p) for step, p in list_checkpoints(d)]
+    for _, _, p in sorted(candidates, key=lambda c: c[:2], reverse=True):
+        ok, reason = verify(p)
+        if ok:
+            return p
+        if on_skip is not None:
+            on_skip(p, reason)
+        else:
+            warnings.warn(f"checkpoint {p}: {reason} — skipped", CheckpointWarning, stacklevel=2)
+    return None
+
+
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+    """Verify, then read a checkpoint: ``Checkpoint(model_state, optimizer_state, extra_state)`` with
+    exact dtypes and structure (tied tensors come back as one shared tensor). Raises CheckpointError."""
+    path = Path(path)
+    ok, reason = verify(path)
+    if not ok:
+        raise CheckpointError(f"{path}: not a valid checkpoint: {reason}")
+    state = json.loads((path / STATE).read_text(encoding="utf-8"))
+    out = []
+    for part in PARTS:
+        entry = state["parts"][part]
+        try:
+            tensors = load_file(str(path / entry["file"]), device=str(device)) if entry["file"] else {}
+        except (SafetensorError, OSError, ValueError) as e:
+            raise CheckpointError(f"{path}: {entry['file']} cannot be read as safetensors: {e}") from None
+        try:
+            out.append(_decode(entry["tree"], tensors, entry["aliases"]))
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{path}: {STATE} is malformed ({type(e).__name__}: {e})") from None
+    if isinstance(out[0], dict):  # what nn.Module.state_dict() returns, with its version metadata
+        out[0] = OrderedDict(out[0])
+        if state["parts"]["model"].get("metadata") is not None:
+            out[0]._metadata = _decode(state["parts"]["model"]["metadata"], {}, {})
+    return Checkpoint(*out)
+
+
+class CheckpointManager:
+    """The functions above bound to one run's settings (``CheckpointConfig``)."""
+
+    def __init__(self, root: str | Path, keep_last: int = 3, mirror_dir: str | Path | None = None):
+        self.root, self.keep_last = Path(root), keep_last
+        self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
+
+    def save(self, step: int, model_state: dict, optimizer_state: Any = None, extra_state: Any = None) -> Path:
+        return save_checkpoint(self.root, step, model_state, optimizer_state, extra_state,
+                               keep_last=self.keep_last, mirror_dir=self.mirror_dir)
+
+    def latest_valid(self, on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
+        return latest_valid(self.root, self.mirror_dir, on_skip)
+
+    def load(self, path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+        return load_checkpoint(path, device)
+
+    verify = staticmethod(verify)

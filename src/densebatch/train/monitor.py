@@ -1,0 +1,200 @@
+"""What a run shows and leaves behind: metrics.jsonl, the progress bar / periodic log lines, the summary.
+
+``metrics.jsonl`` holds one JSON object per line: ``"kind": "train"`` per optimizer step, ``"kind":
+"eval"`` per evaluation (other kinds, e.g. anomaly events, may be added by the caller). Every line is
+flushed as it is written, so a killed process leaves only complete lines (at most one torn last line,
+which ``read_metrics`` and ``truncate_metrics`` ignore). Non-finite floats are written as ``null``
+so the file stays strict JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, TextIO
+
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+_EVAL_BASE = ("kind", "step", "loss", "ppl", "tokens", "real_tokens", "batches", "elapsed_s")
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    return value
+
+
+class MetricsWriter:
+    """Append JSON records to ``path``, one per line, flushed per line. ``append=False`` starts afresh."""
+
+    def __init__(self, path: str | Path, append: bool = True):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = open(self.path, "a" if append else "w", encoding="utf-8")
+
+    def write(self, record: dict) -> None:
+        assert self._file is not None, "MetricsWriter used after close()"
+        self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """All complete records of a metrics file (a torn last line from a killed process is skipped)."""
+    out = []
+    p = Path(path)
+    if not p.exists():
+        return out
+    for line in p.read_text(encoding="utf-8").splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+def truncate_metrics(path: str | Path, after_step: int) -> int:
+    """Keep only records with ``step <= after_step`` (and complete lines); returns how many were dropped.
+
+    Used on resume from the checkpoint of step ``after_step``: the steps the dead process logged after
+    that checkpoint will be run (and logged) again. Rewritten through a temporary file and an atomic
+    rename, so a crash here cannot lose the records that are kept.
+    """
+    p = Path(path)
+    if not p.exists():
+        return 0
+    lines = p.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= after_step:
+            kept.append(line)
+    tmp = p.with_name(p.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("".join(line + "\n" for line in kept))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, p)
+    return len(lines) - len(kept)
+
+
+def _fmt_tokens(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def _fmt_time(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class Console:
+    """Progress bar on a terminal; one log line every ~10% of the steps when not a terminal (CI, files).
+
+    ``enabled=False`` silences everything (non-zero ranks). The bar shows loss, lr, real tokens/s,
+    fill rate, and (from tqdm) time left; tokens/s on the bar is the average since the bar started.
+    """
+
+    def __init__(self, total_steps: int | None, initial_step: int, enabled: bool = True, progress: bool = True,
+                 stream: TextIO | None = None, print_fn: Callable[[str], None] | None = None):
+        self.enabled = enabled
+        self.total = total_steps
+        self._print = print_fn or (lambda s: print(s, flush=True))
+        stream = stream or sys.stderr
+        use_bar = enabled and progress and hasattr(stream, "isatty") and stream.isatty()
+        self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", file=stream,
+                        dynamic_ncols=True, disable=not use_bar) if use_bar else None
+        self._log_every = max(1, (total_steps or 100) // 10)
+        self._initial = initial_step
+        self._tokens = 0
+        self._seconds = 0.0
+
+    def set_total(self, total_steps: int | None) -> None:
+        self.total = total_steps
+        self._log_every = max(1, (total_steps or 100) // 10)
+        if self.bar is not None:
+            self.bar.total = total_steps
+            self.bar.refresh()
+
+    def step(self, rec: dict, step_seconds: float) -> None:
+        if not self.enabled:
+            return
+        self._tokens += rec.get("real_tokens", 0)
+        self._seconds += step_seconds
+        tps = self._tokens / self._seconds if self._seconds > 0 else 0.0
+        loss = rec.get("loss")
+        loss_s = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "skip"
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss={loss_s} lr={rec['lr']:.2e} tok/s={_fmt_tokens(tps)} fill={rec['fill_rate']:.3f}", refresh=False)
+            self.bar.update(1)
+            return
+        step = rec["step"]
+        if step % self._log_every == 0 or step == self.total or step == 1:
+            left = ""
+            if self.total and tps > 0 and step < self.total:
+                per_step = self._seconds / max(1, step - self._initial)
+                left = f" | left {_fmt_time(per_step * (self.total - step))}"
+            of = f"/{self.total}" if self.total else ""
+            self._print(f"step {step}{of} | loss {loss_s} | lr {rec['lr']:.2e} | {_fmt_tokens(tps)} tok/s"
+                        f" | fill {rec['fill_rate']:.3f}{left}")
+
+    def eval(self, rec: dict) -> None:
+        """One line per evaluation: loss, perplexity and any extra numeric metric (e.g. accuracy)."""
+        extra = "".join(f" {k} {v:.4f}" for k, v in rec.items() if k not in _EVAL_BASE and isinstance(v, float))
+        fmt = lambda v: f"{v:.4f}" if isinstance(v, float) and math.isfinite(v) else "n/a"  # noqa: E731
+        self.message(f"eval @ step {rec['step']}: loss {fmt(rec.get('loss'))} ppl {fmt(rec.get('ppl'))}{extra}")
+
+    def message(self, text: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            with tqdm.external_write_mode(file=self.bar.fp):  # clear the bar, print, redraw it
+                self._print(text)
+        else:
+            self._print(text)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def format_summary(s: dict) -> str:
+    """One screen of end-of-run facts from the loop's summary dict (keys as in ``Trainer.summary()``)."""
+    lines = [f"── densebatch run finished: {s['stop_reason']} ──"]
+    total = f" (skipped {s['skipped_steps']})" if s.get("skipped_steps") else ""
+    lines.append(f"steps            {s['steps']}{total}")
+    lines.append(f"tokens seen      {_fmt_tokens(s['real_tokens'])} real, {_fmt_tokens(s['loss_tokens'])} with loss, "
+                 f"epoch {s['epoch']:.2f}")
+    lines.append(f"fill rate        {s['fill_rate']:.3f} (real tokens / slots computed)")
+    fmt = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) and v is not None and math.isfinite(v) else "n/a"  # noqa: E731
+    lines.append(f"train loss       {fmt(s.get('first_loss'))} (first) → {fmt(s.get('final_loss'))} (final)")
+    ev = s.get("final_eval")
+    if ev:
+        lines.append(f"eval loss        {fmt(ev.get('loss'))}  ppl {fmt(ev.get('ppl'))}  ({_fmt_tokens(ev.get('tokens', 0))} tokens)")
+        for k, v in ev.items():
+            if k not in _EVAL_BASE and isinstance(v, (int, float)) and not isinstance(v, bool):
+                lines.append(f"eval {k:<11} {fmt(float(v))}")
+    if s.get("best_eval_loss") is not None and ev and s["best_eval_loss"] != ev.get("loss"):
+        lines.append(f"best eval loss   {fmt(s['best_eval_loss'])}")
+    tps = s["session_real_tokens"] / s["session_seconds"] if s.get("session_seconds") else 0.0
+    lines.append(f"wall time        {_fmt_time(s['elapsed_s'])} total, {_fmt_tokens(tps)} real tok/s this session")
+    lines.append(f"outputs          {s['output_dir']}  (metrics: {METRICS_FILE})")
+    return "\n".join(lines)

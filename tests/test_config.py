@@ -1,0 +1,83 @@
+"""Run configuration: YAML + overrides map onto dataclasses; mistakes name the key; every shipped config loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from densebatch.config import ConfigError, RunConfig, describe, load_config, save_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+
+
+def test_default_yaml_is_the_embedded_default():
+    """configs/default.yaml writes out exactly what `densebatch train` runs with no config."""
+    from densebatch.run import resolve_config
+
+    assert load_config(REPO / "configs" / "default.yaml") == resolve_config(None, [])
+
+
+def test_overrides_apply_with_types():
+    cfg = load_config(None, ["--train.max_steps=20", "--batching.strategy=token_budget", "--train.lr=3e-4",
+                             "--data.clean.nfkc=true", "--model.path=x/y", "--seed=7"])
+    assert cfg.train.max_steps == 20 and cfg.batching.strategy == "token_budget"
+    assert cfg.train.lr == pytest.approx(3e-4) and cfg.data.clean.nfkc is True
+    assert cfg.model.path == "x/y" and cfg.seed == 7
+
+
+def test_override_beats_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  max_steps: 5\n")
+    assert load_config(p, ["--train.max_steps=9"]).train.max_steps == 9
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("--train.max_stepz=3", "train.max_stepz"),
+        ("--train.max_steps=abc", "train.max_steps: expected an integer"),
+        ("--batching.strategy=bogus", "batching.strategy: expected one of"),
+        ("--train.lr=-1", "train.lr: expected a value >= 0"),
+        ("--train.precision=fp8", "train.precision"),
+        ("--nosuch.key=1", "nosuch"),
+        ("--train=3", "train: expected a mapping"),
+        ("--train.progress=maybe", "train.progress: expected true or false"),
+    ],
+)
+def test_mistakes_name_the_key(override, needle):
+    with pytest.raises(ConfigError, match=needle.replace(".", r"\.").replace("(", r"\(")):
+        load_config(None, [override])
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(None, ["--model.kind=hf"])
+    with pytest.raises(ConfigError, match="prompt_format"):
+        load_config(None, ["--data.template=custom"])
+
+
+def test_bad_yaml_file(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["--train.max_steps=11", "--data.path=a.jsonl"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml") == cfg
+
+
+def test_every_field_is_documented():
+    for key, _default, help_ in describe():
+        assert help_.strip(), f"{key} has no help text"

@@ -1,0 +1,274 @@
+"""The training loop: exact token-normalised loss across micro-batches, stopping, eval, hooks, state, determinism."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from densebatch.config import EvalConfig, TrainConfig
+from densebatch.errors import ConfigError
+from densebatch.train.loop import Trainer
+from densebatch.train.monitor import read_metrics
+
+
+def _cfg(**kw) -> TrainConfig:
+    base = dict(lr=1e-2, warmup_steps=0, progress=False, device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _trainer(tiny, tmp_path, batches, cfg=None, eval_cfg=None, **kw) -> Trainer:
+    return Trainer(tiny.TinyLM(), batches, cfg or _cfg(), eval_cfg, output_dir=tmp_path, device="cpu", console=False, **kw)
+
+
+def _flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _losses(path) -> list[float]:
+    return [r["loss"] for r in read_metrics(path / "metrics.jsonl") if r["kind"] == "train"]
+
+
+# ------------------------------------------------------------------- loss normalisation
+def test_micro_batches_give_the_same_gradient_and_loss_as_one_batch(tiny, tmp_path):
+    docs = tiny.make_docs(12, seed=1, min_len=2, max_len=40)
+    whole = [tiny.collate(docs)]
+    split = [tiny.collate(docs[:1]), tiny.collate(docs[1:9]), tiny.collate(docs[9:])]
+    counts = [b.num_loss_tokens for b in split]
+    assert max(counts) > 5 * min(counts)  # very different loss-token counts
+
+    one = _trainer(tiny, tmp_path / "a", whole)
+    many = _trainer(tiny, tmp_path / "b", split)
+    s1, sk = one.forward_backward(whole), many.forward_backward(split)
+    g1, gk = _flat_grad(one.model), _flat_grad(many.model)
+    assert ((g1 - gk).abs().max() / g1.abs().max()).item() <= 1e-6
+    assert s1["loss_tokens"] == sk["loss_tokens"] == sum(counts)
+    assert sk["loss"] == pytest.approx(s1["loss"], rel=1e-6)
+
+    # Negative control: the mean of micro-batch means weights tokens of small batches more.
+    model = tiny.TinyLM()
+    for b in split:
+        losses = model.token_losses(b)
+        (losses.sum() / b.num_loss_tokens / len(split)).backward()
+    assert ((g1 - _flat_grad(model)).abs().max() / g1.abs().max()).item() > 1e-3
+
+
+def test_loss_tokens_per_step_groups_batches(tiny, tmp_path):
+    sizes = [5, 3, 10, 2, 2, 7]
+    batches = [tiny.batch_with_loss_tokens(n, seed=i) for i, n in enumerate(sizes)]
+    t = _trainer(tiny, tmp_path, batches, _cfg(loss_tokens_per_step=8, max_steps=3))
+    assert [[b.num_loss_tokens for b in t.next_step_batches()] for _ in range(3)] == [[5, 3], [10], [2, 2, 7]]
+
+    t = _trainer(tiny, tmp_path, batches, _cfg(loss_tokens_per_step=8, max_steps=3))
+    t.run()
+    recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [(r["batches"], r["loss_tokens"]) for r in recs] == [(2, 8), (1, 10), (3, 11)]
+
+
+def test_grad_accum_batches_groups_batches(tiny, tmp_path):
+    batches = [tiny.batch_with_loss_tokens(n, seed=n) for n in (1, 2, 3, 4, 5)]
+    t = _trainer(tiny, tmp_path, batches, _cfg(grad_accum_batches=2))
+    result = t.run()  # no limit: one epoch of 5 batches = 3 steps, the last one short
+    recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["loss_tokens"] for r in recs] == [3, 7, 5]
+    assert result.stop_reason == "max_epochs" and result.summary["steps"] == 3
+
+
+# -------------------------------------------------------------------------- the update
+def test_lr_multipliers_are_applied(tiny, tmp_path):
+    cfg = _cfg(lr=0.1, schedule="constant", lr_mult_embeddings=0.5, lr_mult_head=3.0, max_steps=1)
+    t = _trainer(tiny, tmp_path, [tiny.collate(tiny.make_docs(4))], cfg)
+    t.run()
+    lrs = {g["name"]: g["lr"] for g in t.optimizer.param_groups}
+    assert lrs["embeddings.no_decay"] == pytest.approx(0.05)
+    assert lrs["blocks.decay"] == pytest.approx(0.1)
+    assert lrs["head.decay"] == pytest.approx(0.3)
+
+
+def test_non_finite_loss_skips_the_step(tiny, tmp_path):
+    batches = [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(3)]
+    t = _trainer(tiny, tmp_path, batches, _cfg(max_steps=3))
+    t.model.poison_calls = {1}  # the second step's forward returns NaN
+    before = {}
+    seen = []
+
+    def on_step(trainer, step):
+        seen.append(step)
+        if step == 1:
+            before.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+        if step == 2:
+            after = trainer.model.state_dict()
+            assert all(torch.equal(before[k], after[k]) for k in before)
+
+    t.on_step = on_step
+    result = t.run()
+    assert seen == [1, 2, 3]
+    assert t.state.skipped_steps == 1 and result.summary["skipped_steps"] == 1
+    recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert recs[1]["loss"] is None and recs[1]["skipped"] == "skip"
+    assert all(torch.isfinite(p).all() for p in t.model.parameters())
+    json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])  # strict JSON (no NaN)
+
+
+def test_custom_step_check_receives_loss_and_norm(tiny, tmp_path):
+    calls = []
+
+    def check(loss, grad_norm):
+        calls.append((loss, grad_norm))
+        return "rollback" if len(calls) == 2 else "ok"
+
+    t = _trainer(tiny, tmp_path, [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(3)], _cfg(max_steps=3), step_check=check)
+    t.run()
+    assert len(calls) == 3 and all(math.isfinite(l) and g > 0 for l, g in calls)
+    recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert recs[1]["skipped"] == "rollback" and "skipped" not in recs[0]
+
+
+# ------------------------------------------------------------------------------ stopping
+@pytest.mark.parametrize("kw, steps, reason", [
+    (dict(max_steps=4), 4, "max_steps"),
+    (dict(max_epochs=0.5), 3, "max_epochs"),
+    (dict(max_epochs=2.0), 12, "max_epochs"),
+    (dict(), 6, "max_epochs"),  # nothing set: one epoch
+    (dict(max_steps=100, max_epochs=1.5), 9, "max_epochs"),
+])
+def test_stops_at_steps_or_epochs(tiny, tmp_path, kw, steps, reason):
+    loader = tiny.ListLoader([tiny.collate(tiny.make_docs(2, seed=s)) for s in range(6)])
+    result = _trainer(tiny, tmp_path, loader, _cfg(**kw)).run()
+    assert (result.summary["steps"], result.stop_reason) == (steps, reason)
+    assert loader.position == steps  # no batch drawn beyond the last step
+
+
+def test_stops_at_max_tokens(tiny, tmp_path):
+    batches = [tiny.collate(tiny.make_docs(2, seed=s)) for s in range(6)]
+    per = [b.num_real_tokens for b in batches]
+    limit = per[0] + per[1] + 1  # reached during the third step
+    result = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_tokens=limit)).run()
+    assert (result.summary["steps"], result.stop_reason) == (3, "max_tokens")
+    assert result.summary["real_tokens"] == sum(per[:3])
+
+
+def test_should_stop_finishes_the_step_and_skips_final_eval(tiny, tmp_path):
+    batches = [tiny.collate(tiny.make_docs(2, seed=s)) for s in range(6)]
+
+    def on_step(trainer, step):
+        if step == 2:
+            trainer.should_stop = True  # what a SIGTERM handler does
+
+    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=5), on_step=on_step, eval_batches=batches[:2])
+    result = t.run()
+    assert (result.stop_reason, result.summary["steps"]) == ("interrupted", 2)
+    assert not [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
+
+
+# ---------------------------------------------------------------------- outputs and eval
+def test_metrics_records_and_eval(tiny, tmp_path):
+    batches = [tiny.collate(tiny.make_docs(3, seed=s)) for s in range(4)]
+    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=4), EvalConfig(every_steps=2),
+                 eval_batches=lambda: iter(batches[:2]), evaluate_fn=lambda model: {"accuracy": 0.75})
+    result = t.run()
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    train = [r for r in recs if r["kind"] == "train"]
+    evals = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in train] == [1, 2, 3, 4]
+    keys = {"step", "loss", "lr", "grad_norm", "loss_tokens", "real_tokens", "slot_tokens", "fill_rate",
+            "tokens_per_s", "elapsed_s", "epoch"}
+    assert all(keys <= r.keys() for r in train)
+    assert train[0]["real_tokens"] == batches[0].num_real_tokens and train[0]["slot_tokens"] == batches[0].num_slots
+    assert train[0]["fill_rate"] == pytest.approx(batches[0].fill_rate)
+    assert train[-1]["epoch"] == 1.0
+    assert [e["step"] for e in evals] == [2, 4]  # the end coincides with step 4: no duplicate
+    e = evals[-1]
+    assert {"loss", "ppl", "tokens", "accuracy"} <= e.keys() and e["accuracy"] == 0.75
+    assert e["ppl"] == pytest.approx(math.exp(e["loss"]))
+    assert e["tokens"] == batches[0].num_loss_tokens + batches[1].num_loss_tokens
+    assert result.summary["final_eval"]["loss"] == e["loss"]
+    assert "accuracy" in result.text and str(tmp_path) in result.text
+
+
+def test_early_stopping_with_patience(tiny, tmp_path):
+    scripted = iter([3.0, 2.0, 2.5, 2.1, 1.0])
+    batches = [tiny.collate(tiny.make_docs(2, seed=s)) for s in range(3)]
+    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=10), EvalConfig(every_steps=1, patience=2),
+                 evaluate_fn=lambda model: {"loss": next(scripted)})
+    result = t.run()
+    assert (result.stop_reason, result.summary["steps"]) == ("early_stopping", 4)
+    assert t.state.best_eval_loss == 2.0
+
+
+def test_bf16_autocast_runs_on_cpu_and_fp16_is_refused(tiny, tmp_path):
+    batches = [tiny.collate(tiny.make_docs(3, seed=s)) for s in range(2)]
+    result = _trainer(tiny, tmp_path, batches, _cfg(precision="bf16", max_steps=2), eval_batches=batches).run()
+    assert math.isfinite(result.summary["final_loss"]) and math.isfinite(result.summary["final_eval"]["loss"])
+    with pytest.raises(ConfigError, match="fp16"):
+        _trainer(tiny, tmp_path, batches, _cfg(precision="fp16"))
+
+
+# ------------------------------------------------------------------ determinism and state
+def test_two_identical_runs_give_bitwise_equal_losses_and_leave_global_rng_alone(tiny, tmp_path):
+    batches = [tiny.collate(tiny.make_docs(5, seed=s)) for s in range(4)]
+    rng = torch.get_rng_state()
+    for name in ("a", "b"):
+        _trainer(tiny, tmp_path / name, tiny.ListLoader(batches), _cfg(max_steps=6, grad_accum_batches=2)).run()
+    assert torch.equal(rng, torch.get_rng_state())
+    a, b = _losses(tmp_path / "a"), _losses(tmp_path / "b")
+    assert len(a) == 6 and a == b  # exact float equality
+
+
+def test_state_round_trip_resumes_exactly(tiny, tmp_path):
+    batches = [tiny.collate(tiny.make_docs(3, seed=s)) for s in range(5)]
+    cfg = _cfg(max_steps=6, warmup_steps=2)
+    _trainer(tiny, tmp_path / "full", tiny.ListLoader(batches), cfg).run()
+
+    saved = {}
+
+    def checkpoint_and_stop(trainer, step):
+        if step == 3:
+            saved.update(trainer.state_dict())
+            trainer.should_stop = True
+
+    first = _trainer(tiny, tmp_path / "resumed", tiny.ListLoader(batches), cfg, on_step=checkpoint_and_stop)
+    first.run()
+    state = json.loads(json.dumps(saved["trainer"]))  # the trainer part is JSON-able
+    assert state["step"] == 3 and state["loader"] == {"position": 3} and state["total_steps"] == 6
+
+    second = _trainer(tiny, tmp_path / "resumed", tiny.ListLoader(batches), cfg)
+    second.load_state_dict({"model": saved["model"], "optimizer": saved["optimizer"], "trainer": state})
+    second.run()
+    assert _losses(tmp_path / "resumed") == _losses(tmp_path / "full")  # appended after step 3, bit for bit
+
+
+def test_stateful_hooks_are_saved_and_restored(tiny, tmp_path):
+    class Guard:
+        def __init__(self):
+            self.seen = 0
+
+        def check(self, loss, grad_norm):
+            self.seen += 1
+            return "ok"
+
+        def state_dict(self):
+            return {"seen": self.seen}
+
+        def load_state_dict(self, d):
+            self.seen = d["seen"]
+
+    class Clipper(Guard):
+        def step(self, norm):
+            self.seen += 1
+            return 0.5
+
+    batches = [tiny.collate(tiny.make_docs(2, seed=s)) for s in range(3)]
+    guard, clipper = Guard(), Clipper()
+    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=2), step_check=guard.check, clipper=clipper)
+    t.run()
+    state = t.trainer_state()
+    assert state["guard"] == {"seen": 2} and state["clipper"] == {"seen": 2} and state["loader"] == {"position": 2}
+    assert all(r["grad_norm"] > 0 for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train")
+    g2, c2 = Guard(), Clipper()
+    t2 = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=2), step_check=g2.check, clipper=c2)
+    t2.load_trainer_state(state)
+    assert (g2.seen, c2.seen, t2.batches.position, t2.state.step) == (2, 2, 2, 2)
