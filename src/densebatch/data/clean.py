@@ -1,0 +1,134 @@
+"""Text cleaning: opt-in steps on field values and record filters, each counting what it changed.
+
+Per field value, in this order (each only when enabled in ``data.clean``):
+``strip_html`` (tags removed, entities decoded, script/style bodies dropped, block tags → newline),
+``nfkc`` (Unicode NFKC), ``control_chars`` (Unicode Cc removed except newline and tab; ``\\r\\n`` →
+``\\n``), ``collapse_whitespace`` (runs of spaces/tabs → one space, trailing spaces cut, at most one
+blank line, ends stripped).
+Per rendered record: ``min_chars`` / ``max_chars`` (length of the whole rendered text), then
+``dedupe`` (drop a record whose rendered text equals an earlier kept one).
+
+``changed[step]`` counts *records* in which the step changed at least one value; ``dropped[step]``
+counts records a filter removed (plus ``emptied`` for records whose required field became empty).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from html.parser import HTMLParser
+
+from densebatch.config import CleanConfig
+
+_BLOCK_TAGS = {"p", "br", "div", "li", "ul", "ol", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "blockquote", "hr", "table"}
+_SKIP_TAGS = {"script", "style"}
+_TAG_HINT = re.compile(r"<[A-Za-z/!]|&[#A-Za-z0-9]+;")
+_SPACES = re.compile(r"[^\S\n]+")  # whitespace other than newline
+_TRAILING = re.compile(r" +\n")
+_BLANKS = re.compile(r"\n{3,}")
+
+
+class _TextExtractor(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)  # entities decoded inside data
+        self.parts: list[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag in _SKIP_TAGS:
+            self._skip += 1
+        elif tag in _BLOCK_TAGS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag in _SKIP_TAGS:
+            self._skip = max(0, self._skip - 1)
+        elif tag in _BLOCK_TAGS:
+            self.parts.append("\n")
+
+    def handle_data(self, data):
+        if not self._skip:
+            self.parts.append(data)
+
+
+def strip_html(text: str) -> str:
+    """Visible text of an HTML fragment; text without tags or entities comes back unchanged."""
+    if not _TAG_HINT.search(text):
+        return text
+    parser = _TextExtractor()
+    parser.feed(text)
+    parser.close()
+    return "".join(parser.parts)
+
+
+def remove_control_chars(text: str) -> str:
+    text = text.replace("\r\n", "\n")
+    return "".join(c for c in text if c in "\n\t" or unicodedata.category(c) != "Cc")
+
+
+def collapse_whitespace(text: str) -> str:
+    text = _SPACES.sub(" ", text)
+    text = _TRAILING.sub("\n", text)
+    text = text.replace("\n ", "\n")
+    return _BLANKS.sub("\n\n", text).strip()
+
+
+def _nfkc(text: str) -> str:
+    return unicodedata.normalize("NFKC", text)
+
+
+class Cleaner:
+    """Applies ``CleanConfig`` to field values (``transform``) and rendered records (``keep``)."""
+
+    def __init__(self, cfg: CleanConfig) -> None:
+        self.cfg = cfg
+        self.steps = [(name, fn) for name, fn in (("strip_html", strip_html), ("nfkc", _nfkc),
+                                                  ("control_chars", remove_control_chars),
+                                                  ("collapse_whitespace", collapse_whitespace))
+                      if getattr(cfg, name)]
+        self.changed: dict[str, int] = {name: 0 for name, _ in self.steps}
+        self.dropped: dict[str, int] = {}
+        self._touched: set[str] = set()  # steps that changed something in the current record
+        self._seen: set[bytes] = set()
+
+    @property
+    def active(self) -> bool:
+        c = self.cfg
+        return bool(self.steps or c.dedupe or c.min_chars or c.max_chars)
+
+    def start_record(self) -> None:
+        self._touched = set()
+
+    def transform(self, value: str) -> str:
+        for name, fn in self.steps:
+            new = fn(value)
+            if new != value:
+                self._touched.add(name)
+                value = new
+        return value
+
+    def finish_record(self) -> None:
+        """Count the steps that changed the record just rendered (call once per rendered record)."""
+        for name in self._touched:
+            self.changed[name] += 1
+
+    def drop(self, step: str) -> None:
+        self.dropped[step] = self.dropped.get(step, 0) + 1
+
+    def keep(self, rendered: str) -> bool:
+        """Length filters and exact dedupe on the rendered text; counts a drop when False."""
+        n = len(rendered)
+        if self.cfg.min_chars and n < self.cfg.min_chars:
+            self.drop("min_chars")
+            return False
+        if self.cfg.max_chars and n > self.cfg.max_chars:
+            self.drop("max_chars")
+            return False
+        if self.cfg.dedupe:
+            key = hashlib.blake2b(rendered.encode("utf-8", "surrogateescape"), digest_size=16).digest()
+            if key in self._seen:
+                self.drop("dedupe")
+                return False
+            self._seen.add(key)
+        return True

@@ -1,0 +1,256 @@
+"""Sources: read records from a file or directory, reporting every unreadable one with its place.
+
+``iter_records(path, fmt)`` yields, for each record, either ``(where, record_dict)`` or a
+``BadRecord(where, reason, message)``; the caller decides whether a bad record stops the run.
+``where`` names the file and place: ``file:LINE`` (1-based line) for JSONL, CSV and text, and
+``file: record N (0-based index)`` for JSON arrays, Parquet and Hugging Face datasets.
+
+Undecodable bytes are read with ``surrogateescape`` so one bad record can be skipped without
+losing the rest of the file; ``has_undecodable`` finds them afterwards.
+Problems with the whole file (missing, empty, not parseable at all) always raise ``DataError``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from densebatch.errors import DataError
+
+FORMATS = ("json", "jsonl", "csv", "parquet", "text", "hf_disk")
+_SUFFIXES = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet",
+             ".txt": "text", ".text": "text", ".md": "text"}
+SURROGATE = re.compile("[\udc80-\udcff]")
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    where: str
+    reason: str  # a short key for counting: invalid_json, undecodable_bytes, wrong_type, ...
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.where}: {self.message}"
+
+
+def detect_format(path: str | Path, fmt: str = "auto") -> str:
+    p = Path(path)
+    if fmt != "auto":
+        return fmt
+    if p.is_dir():
+        return "hf_disk"
+    found = _SUFFIXES.get(p.suffix.lower())
+    if found is None:
+        raise DataError(f"{p}: cannot tell the format from the name; set data.format to one of {', '.join(FORMATS)}")
+    return found
+
+
+def has_undecodable(value: Any) -> bool:
+    """True when a string anywhere in ``value`` holds bytes that were not valid UTF-8."""
+    if isinstance(value, str):
+        return SURROGATE.search(value) is not None
+    if isinstance(value, dict):
+        return any(has_undecodable(v) for v in value.values())
+    if isinstance(value, list):
+        return any(has_undecodable(v) for v in value)
+    return False
+
+
+def _check_file(p: Path) -> None:
+    if not p.exists():
+        raise DataError(f"{p}: file not found")
+    if p.is_file() and p.stat().st_size == 0:
+        raise DataError(f"{p}: the file is empty")
+
+
+def iter_records(path: str | Path, fmt: str = "auto") -> Iterator[tuple[str, dict] | BadRecord]:
+    """Records of ``path`` in file order (see the module docstring)."""
+    p = Path(path)
+    _check_file(p)
+    fmt = detect_format(p, fmt)
+    reader = {"json": _json_array, "jsonl": _jsonl, "csv": _csv, "parquet": _parquet, "text": _text_lines,
+              "hf_disk": _hf_disk}[fmt]
+    count = 0
+    for item in reader(p):
+        count += 1
+        yield item
+    if count == 0:
+        raise DataError(f"{p}: holds no records (the file is empty or only whitespace)")
+
+
+def _undecodable_where(raw: bytes) -> str:
+    try:
+        raw.decode("utf-8")
+        return ""
+    except UnicodeDecodeError as e:
+        return f"byte {e.start} is not valid UTF-8"
+
+
+def _jsonl(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            where = f"{p}:{lineno}"
+            if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+                raw = raw[3:]  # a UTF-8 byte-order mark is not content
+            if not raw.strip():
+                continue  # blank lines separate nothing in JSONL; they are not records
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                yield BadRecord(where, "undecodable_bytes", f"undecodable bytes ({_undecodable_where(raw)}); the file must be UTF-8")
+                continue
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                yield BadRecord(where, "invalid_json", f"invalid JSON at column {e.colno}: {e.msg}")
+                continue
+            if not isinstance(obj, dict):
+                yield BadRecord(where, "wrong_type", f"expected a JSON object per line, got {type(obj).__name__}")
+                continue
+            yield where, obj
+
+
+def _json_array(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+    text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        # One syntax error makes the whole array unreadable: no record can be skipped safely.
+        raise DataError(
+            f"{p}:{e.lineno}: invalid JSON at column {e.colno}: {e.msg} (a JSON array cannot be read around "
+            "an error; fix it, or write one record per line as JSONL so bad lines can be skipped)"
+        ) from None
+    if isinstance(data, dict):
+        raise DataError(f"{p}: expected a JSON array of records at the top level, got an object (one record per line? use .jsonl)")
+    if not isinstance(data, list):
+        raise DataError(f"{p}: expected a JSON array of records at the top level, got {type(data).__name__}")
+    for i, obj in enumerate(data):
+        where = f"{p}: record {i} (0-based index)"
+        if not isinstance(obj, dict):
+            yield BadRecord(where, "wrong_type", f"expected a JSON object, got {type(obj).__name__}")
+        elif has_undecodable(obj):
+            yield BadRecord(where, "undecodable_bytes", "undecodable bytes; the file must be UTF-8")
+        else:
+            yield where, obj
+
+
+def _csv(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long documents are legitimate in one field
+    with open(p, encoding="utf-8-sig", errors="surrogateescape", newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            raise DataError(f"{p}:1: cannot read the CSV header: {e}") from None
+        if not header or len(set(header)) != len(header) or any(not h.strip() for h in header):
+            raise DataError(f"{p}:1: the CSV header must name every column once; got {header}")
+        prev_end = reader.line_num
+        while True:
+            start = prev_end + 1
+            try:
+                row = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                raise DataError(f"{p}:{start}: malformed CSV: {e}") from None
+            prev_end = reader.line_num
+            where = f"{p}:{start}"
+            if not row or all(not c.strip() for c in row):
+                continue
+            if len(row) != len(header):
+                yield BadRecord(where, "wrong_field_count", f"row has {len(row)} fields, the header has {len(header)}")
+                continue
+            rec = dict(zip(header, row))
+            if has_undecodable(rec):
+                yield BadRecord(where, "undecodable_bytes", "undecodable bytes; the file must be UTF-8")
+                continue
+            yield where, rec
+
+
+def _text_lines(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+    """The text format yields one record per paragraph; ``prepare`` regroups them for chunking."""
+    text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
+    lines = text.splitlines()
+    start, buf = 0, []
+    for lineno, line in enumerate(lines + [""], 1):
+        if line.strip():
+            if not buf:
+                start = lineno
+            buf.append(line)
+        elif buf:
+            para = "\n".join(buf)
+            buf = []
+            if has_undecodable(para):
+                yield BadRecord(f"{p}:{start}", "undecodable_bytes", "undecodable bytes; the file must be UTF-8")
+            else:
+                yield f"{p}:{start}", {"text": para}
+
+
+def _require_pyarrow(what: str):
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise DataError(f"reading {what} needs pyarrow: pip install 'densebatch[parquet]'") from None
+
+
+def _parquet(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+    _require_pyarrow("Parquet")
+    import pyarrow.parquet as pq
+
+    try:
+        pf = pq.ParquetFile(p)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for non-Parquet bytes
+        raise DataError(f"{p}: not a readable Parquet file: {e}") from None
+    i = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        for rec in batch.to_pylist():
+            yield f"{p}: record {i} (0-based index)", rec
+            i += 1
+
+
+def _arrow_files(d: Path) -> list[Path]:
+    state = d / "state.json"
+    if state.is_file():
+        try:
+            files = [d / f["filename"] for f in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
+        except (ValueError, KeyError, TypeError):
+            raise DataError(f"{state}: not a Hugging Face dataset state file") from None
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise DataError(f"{d}: dataset files listed in state.json are missing: {', '.join(missing)}")
+        return files
+    return sorted(d.glob("*.arrow"))
+
+
+def _hf_disk(d: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+    """A ``datasets`` ``save_to_disk`` directory, read with pyarrow alone (no ``datasets`` needed)."""
+    _require_pyarrow("a Hugging Face dataset directory")
+    import pyarrow as pa
+
+    dict_file = d / "dataset_dict.json"
+    if dict_file.is_file():
+        splits = json.loads(dict_file.read_text(encoding="utf-8")).get("splits", [])
+        if "train" not in splits:
+            raise DataError(f"{d}: a DatasetDict without a 'train' split; point data.path at one of: {', '.join(map(str, splits))}")
+        d = d / "train"
+    files = _arrow_files(d)
+    if not files:
+        raise DataError(f"{d}: a directory, but not a Hugging Face save_to_disk dataset (no state.json or .arrow files)")
+    i = 0
+    for f in files:
+        try:
+            with pa.memory_map(str(f), "r") as src:
+                reader = pa.ipc.open_stream(src)
+                for batch in reader:
+                    for rec in batch.to_pylist():
+                        yield f"{d}: record {i} (0-based index)", rec
+                        i += 1
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{f}: not a readable Arrow stream: {e}") from None

@@ -1,0 +1,177 @@
+"""DocumentStore: one prepared split on disk — flat memory-mapped tokens, offsets and loss mask.
+
+Layout of a store directory::
+
+    tokens.npy     int32  (total_tokens,)   all documents back to back
+    offsets.npy    int64  (n + 1,)          document i is tokens[offsets[i]:offsets[i+1]]
+    loss_mask.npy  uint8  (total_tokens,)   1 = this token, *as a target*, carries loss
+    meta.json      eos_id, pad_id, vocab_size, mask_id, special_ids, tokenizer, ...
+    COMPLETE       written last: file sizes; a directory without it (or with other sizes) is not a store
+
+The first token of a document is never a target (nothing precedes it), so its mask is always 0.
+Writes go to a temporary sibling directory, every file is fsynced, then the directory is renamed
+into place (atomic on POSIX): a crash mid-write leaves only a ``.tmp-*`` directory, never a
+directory that ``open`` would trust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from densebatch.errors import DataError
+
+MARKER = "COMPLETE"
+_ARRAYS = ("tokens", "offsets", "loss_mask")
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or file creation inside ``path`` durable (no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, write) -> None:
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_marker(directory: Path, payload: dict) -> None:
+    _write_file(directory / MARKER, lambda f: f.write(json.dumps(payload, sort_keys=True).encode()))
+    fsync_dir(directory)
+
+
+def marker_ok(directory: Path) -> bool:
+    """True when ``directory`` holds a completion marker whose recorded file sizes all match."""
+    try:
+        payload = json.loads((directory / MARKER).read_text(encoding="utf-8"))
+        return all((directory / name).stat().st_size == size for name, size in payload["sizes"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def write_store_files(directory: Path, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict) -> None:
+    """Write a store's files into an existing (temporary) directory, marker last."""
+    arrays = {"tokens": tokens.astype(np.int32, copy=False), "offsets": offsets.astype(np.int64, copy=False),
+              "loss_mask": loss_mask.astype(np.uint8, copy=False)}
+    assert arrays["offsets"][0] == 0 and arrays["offsets"][-1] == len(tokens) == len(loss_mask)
+    for name, arr in arrays.items():
+        _write_file(directory / f"{name}.npy", lambda f, a=arr: np.save(f, a, allow_pickle=False))
+    meta = dict(meta, num_documents=len(offsets) - 1, num_tokens=int(len(tokens)), num_loss_tokens=int(loss_mask.sum()))
+    _write_file(directory / "meta.json", lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()))
+    names = [f"{n}.npy" for n in _ARRAYS] + ["meta.json"]
+    write_marker(directory, {"sizes": {n: (directory / n).stat().st_size for n in names}})
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Rename a finished temporary directory to ``final``; if another writer won the race, keep theirs."""
+    fsync_dir(tmp)
+    if final.exists() and not marker_ok(final):
+        shutil.rmtree(final, ignore_errors=True)  # a stale, untrusted directory from an older crash
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        if not marker_ok(final):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(final.parent)
+
+
+def temp_dir_for(final: Path) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+class DocumentStore:
+    """Read access to one prepared split. Arrays are memory-mapped read-only when opened from disk."""
+
+    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict, path: Path | None = None):
+        self.tokens = tokens  # (total_tokens,) int32
+        self.offsets = offsets  # (n + 1,) int64
+        self.loss_mask = loss_mask  # (total_tokens,) uint8
+        self.lengths = np.diff(offsets)  # (n,) int64
+        self.meta = meta
+        self.path = path
+
+    # ------------------------------------------------------------------ reading
+    @classmethod
+    def open(cls, directory: str | Path) -> "DocumentStore":
+        d = Path(directory)
+        if not marker_ok(d):
+            raise DataError(f"{d}: not a complete document store (missing or mismatched {MARKER} marker); prepare it again")
+        arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in _ARRAYS}
+        meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
+        return cls(arrays["tokens"], np.asarray(arrays["offsets"]), arrays["loss_mask"], meta, d)
+
+    @staticmethod
+    def is_complete(directory: str | Path) -> bool:
+        return marker_ok(Path(directory))
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def document(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, loss_mask) of document ``i``: views, no copy."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[a:b], self.loss_mask[a:b]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    @property
+    def eos_id(self) -> int:
+        return int(self.meta["eos_id"])
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.meta["pad_id"])
+
+    def __repr__(self) -> str:
+        return f"DocumentStore({len(self)} documents, {self.num_tokens} tokens, path={self.path})"
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def from_documents(cls, documents: Iterable[tuple[Sequence[int], Sequence[int]]], meta: dict | None = None) -> "DocumentStore":
+        """An in-memory store from ``(tokens, loss_mask)`` pairs (tests, small tools)."""
+        toks, masks, lengths = [], [], [0]
+        for t, m in documents:
+            t, m = np.asarray(t, dtype=np.int32), np.asarray(m, dtype=np.uint8)
+            if t.shape != m.shape:
+                raise ValueError(f"document {len(toks)}: {len(t)} tokens but {len(m)} mask entries")
+            toks.append(t)
+            masks.append(m)
+            lengths.append(len(t))
+        tokens = np.concatenate(toks) if toks else np.zeros(0, np.int32)
+        mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
+        return cls(tokens, np.cumsum(lengths, dtype=np.int64), mask, dict(meta or {}))
+
+    def save(self, directory: str | Path) -> "DocumentStore":
+        """Write atomically to ``directory`` (replacing an incomplete one) and return the opened copy."""
+        final = Path(directory)
+        tmp = temp_dir_for(final)
+        try:
+            write_store_files(tmp, np.asarray(self.tokens), np.asarray(self.offsets), np.asarray(self.loss_mask), self.meta)
+            publish(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        return DocumentStore.open(final)

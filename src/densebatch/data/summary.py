@@ -1,0 +1,102 @@
+"""PrepareSummary: what ``prepare`` read, kept, skipped and dropped, printable and as JSON.
+
+Every record read is accounted for: ``records_read = kept + skipped + dropped by cleaning +
+dropped overlong / without target / without loss tokens`` (for text chunks, ``records_read`` counts
+the file once and documents are chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def percentiles(lengths: np.ndarray) -> dict:
+    if len(lengths) == 0:
+        return {"p50": 0, "p90": 0, "p99": 0, "max": 0}
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {"p50": float(p50), "p90": float(p90), "p99": float(p99), "max": int(np.max(lengths))}
+
+
+@dataclass
+class PrepareSummary:
+    source: str = ""
+    format: str = ""
+    template: str = ""
+    tokenizer: str = ""
+    eval_source: str = ""
+    records_read: int = 0
+    skipped: dict = field(default_factory=dict)  # reason -> records skipped as malformed
+    skip_examples: dict = field(default_factory=dict)  # reason -> the first such record's "file:line: message"
+    cleaning_changed: dict = field(default_factory=dict)  # step -> records it changed
+    cleaning_dropped: dict = field(default_factory=dict)  # filter -> records it dropped
+    truncated: int = 0
+    dropped_overlong: int = 0  # overlong=drop
+    dropped_no_target: int = 0  # overlong=truncate left no loss-carrying target
+    dropped_no_loss: int = 0  # no token carries loss at all (e.g. pre-tokenised labels all -100)
+    train_documents: int = 0
+    eval_documents: int = 0
+    train_tokens: int = 0
+    eval_tokens: int = 0
+    train_loss_tokens: int = 0
+    eval_loss_tokens: int = 0
+    lengths: dict = field(default_factory=dict)  # train document lengths (tokens incl. end-of-text): p50/p90/p99/max
+    seconds: float = 0.0
+    cache_hit: bool = False
+    cache_path: str = ""
+
+    @property
+    def records_kept(self) -> int:
+        return self.train_documents + self.eval_documents
+
+    @property
+    def records_skipped(self) -> int:
+        return sum(self.skipped.values())
+
+    def accounting(self) -> str:
+        return (f"{self.records_read} read, {self.records_skipped} skipped as malformed, "
+                f"{sum(self.cleaning_dropped.values())} dropped by cleaning, {self.dropped_overlong} dropped as overlong, "
+                f"{self.dropped_no_target + self.dropped_no_loss} without loss tokens")
+
+    def fill_counts(self, train_docs: list, eval_docs: list) -> None:
+        self.train_documents, self.eval_documents = len(train_docs), len(eval_docs)
+        self.train_tokens = int(sum(len(d.tokens) for d in train_docs))
+        self.eval_tokens = int(sum(len(d.tokens) for d in eval_docs))
+        self.train_loss_tokens = int(sum(int(d.mask.sum()) for d in train_docs))
+        self.eval_loss_tokens = int(sum(int(d.mask.sum()) for d in eval_docs))
+        self.lengths = percentiles(np.array([len(d.tokens) for d in train_docs]))
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["records_kept"], d["records_skipped"] = self.records_kept, self.records_skipped
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrepareSummary":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+    def __str__(self) -> str:
+        def counts(d: dict) -> str:
+            return ", ".join(f"{k} {v}" for k, v in sorted(d.items())) or "none"
+
+        L = self.lengths or percentiles(np.zeros(0))
+        rows = [
+            ("source", f"{self.source} ({self.format}, template {self.template}, tokenizer {self.tokenizer})"),
+            ("records", f"{self.records_read} read, {self.records_kept} kept "
+                        f"({self.train_documents} train, {self.eval_documents} eval), {self.records_skipped} skipped"),
+            ("skipped", counts(self.skipped)),
+            ("cleaning", f"changed: {counts(self.cleaning_changed)}; dropped: {counts(self.cleaning_dropped)}"),
+            ("overlong", f"{self.truncated} truncated, {self.dropped_overlong} dropped, "
+                         f"{self.dropped_no_target} dropped (no target left); {self.dropped_no_loss} without loss tokens"),
+            ("tokens", f"train {self.train_tokens} ({self.train_loss_tokens} carry loss), "
+                       f"eval {self.eval_tokens} ({self.eval_loss_tokens} carry loss)"),
+            ("length", f"p50 {L['p50']:g}  p90 {L['p90']:g}  p99 {L['p99']:g}  max {L['max']} tokens (train, end-of-text included)"),
+            ("eval split", self.eval_source),
+            ("time", f"{self.seconds:.2f} s ({'cache hit' if self.cache_hit else 'built'}: {self.cache_path})"),
+        ]
+        lines = [f"{k:<10} {v}" for k, v in rows]
+        lines += [f"{'':<10} first {reason}: {ex}" for reason, ex in sorted(self.skip_examples.items())]
+        return "\n".join(lines)

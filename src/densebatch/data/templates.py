@@ -1,0 +1,195 @@
+"""Prompt templates: turn one record into text segments, each marked as carrying loss or not.
+
+``render(record, cfg, transform)`` returns ``[(text, carries_loss), ...]``; ``prepare`` tokenizes each
+segment on its own and concatenates, so the prompt/response boundary is exact *by position* (no
+search for a token value). Templates (``data.template``):
+
+- ``alpaca`` (byte for byte as in "Build a Large Language Model (From Scratch)", ch. 7)::
+
+      Below is an instruction that describes a task. Write a response that appropriately completes the request.
+
+      ### Instruction:
+      {instruction}
+
+      ### Input:            <- these two lines (and the blank line above) only when input is non-empty
+      {input}
+
+      ### Response:
+      {output}              <- the response: carries loss with loss_on=response
+
+- ``chatml``: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message; with loss_on=response only
+  each assistant turn's ``{content}<|im_end|>`` carries loss.
+- ``raw``: the text field, all of it carrying loss.
+- ``custom``: ``data.prompt_format`` with ``{named}`` record fields as the prompt, ``fields.output`` as
+  the response.
+
+A field that is missing, null, empty or of the wrong type raises ``RecordError(reason, message)``.
+``transform`` (the cleaning steps) is applied to each field value the template uses, never to the
+template's own text.
+"""
+
+from __future__ import annotations
+
+import string
+from typing import Callable
+
+from densebatch.config import DataConfig
+from densebatch.errors import ConfigError
+
+Segment = tuple[str, bool]
+Transform = Callable[[str], str]
+
+ALPACA_PREAMBLE = (
+    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
+)
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+
+
+class RecordError(Exception):
+    """A record lacks what the template needs; ``reason`` is a short key used for counting."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class EmptiedByCleaning(Exception):
+    """A required field was non-empty in the input but empty after cleaning (a cleaning drop)."""
+
+
+def _identity(s: str) -> str:
+    return s
+
+
+def _required_str(record: dict, key: str, transform: Transform, allow_numbers: bool = False) -> str:
+    if key not in record:
+        raise RecordError("missing_field", f"missing field '{key}' (set data.fields to map your field names)")
+    value = record[key]
+    if value is None:
+        raise RecordError("null_field", f"field '{key}' is null")
+    if allow_numbers and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str):
+        raise RecordError("wrong_type", f"field '{key}' should be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RecordError("empty_field", f"field '{key}' is empty")
+    out = transform(value)
+    if not out.strip():
+        raise EmptiedByCleaning(key)
+    return out
+
+
+def _optional_str(record: dict, key: str, transform: Transform) -> str:
+    value = record.get(key)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise RecordError("wrong_type", f"field '{key}' should be a string, got {type(value).__name__}")
+    return transform(value) if value.strip() else ""
+
+
+def alpaca_prompt(instruction: str, input: str = "") -> str:
+    """The Alpaca prompt up to and including ``### Response:\\n`` (what a model is asked to continue)."""
+    text = f"{ALPACA_PREAMBLE}\n\n### Instruction:\n{instruction}"
+    if input:
+        text += f"\n\n### Input:\n{input}"
+    return text + "\n\n### Response:\n"
+
+
+def _alpaca(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
+    f = cfg.fields
+    instruction = _required_str(record, f.instruction, transform)
+    inp = _optional_str(record, f.input, transform)
+    output = _required_str(record, f.output, transform)
+    return [(alpaca_prompt(instruction, inp), False), (output, True)]
+
+
+def _chatml(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
+    f = cfg.fields
+    if f.messages not in record:
+        raise RecordError("missing_field", f"missing field '{f.messages}' (a list of chat messages)")
+    messages = record[f.messages]
+    if messages is None:
+        raise RecordError("null_field", f"field '{f.messages}' is null")
+    if not isinstance(messages, list):
+        raise RecordError("wrong_type", f"field '{f.messages}' should be a list of messages, got {type(messages).__name__}")
+    if not messages:
+        raise RecordError("empty_field", f"field '{f.messages}' is an empty list")
+    segments: list[Segment] = []
+    has_assistant = False
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RecordError("wrong_type", f"{f.messages}[{i}] should be an object with '{f.role}' and '{f.content}'")
+        try:
+            role = _required_str(m, f.role, _identity)
+            content = _required_str(m, f.content, transform)
+        except RecordError as e:
+            raise RecordError(e.reason, f"{f.messages}[{i}]: {e.message}") from None
+        if role == "assistant":
+            has_assistant = True
+            segments += [(f"{IM_START}{role}\n", False), (f"{content}{IM_END}", True), ("\n", False)]
+        else:
+            segments.append((f"{IM_START}{role}\n{content}{IM_END}\n", False))
+    if cfg.loss_on == "response" and not has_assistant:
+        raise RecordError("no_response", f"no message with role 'assistant' in '{f.messages}': nothing would carry loss")
+    return segments
+
+
+def _raw(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
+    return [(_required_str(record, cfg.fields.text, transform), True)]
+
+
+def format_fields(prompt_format: str) -> list[str]:
+    """Named fields of a custom prompt format; ConfigError for positional or malformed ones."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(prompt_format) if name is not None]
+    except ValueError as e:
+        raise ConfigError(f"data.prompt_format: {e} (write literal braces as {{{{ and }}}})") from None
+    if any(not n or not n.isidentifier() for n in names):
+        raise ConfigError(f"data.prompt_format: every placeholder must name a record field, like {{question}}; got {names}")
+    return names
+
+
+def _custom(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
+    if not cfg.prompt_format:
+        raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
+    values = {n: _required_str(record, n, transform, allow_numbers=True) for n in format_fields(cfg.prompt_format)}
+    prompt = cfg.prompt_format.format(**values)
+    return [(prompt, False), (_required_str(record, cfg.fields.output, transform, allow_numbers=True), True)]
+
+
+TEMPLATES = {"alpaca": _alpaca, "chatml": _chatml, "raw": _raw, "custom": _custom}
+
+
+def render(record: dict, cfg: DataConfig, transform: Transform = _identity) -> list[Segment]:
+    """Segments of one record; with loss_on=all every segment carries loss. Adjacent equal flags merge."""
+    if cfg.template not in TEMPLATES:
+        raise ConfigError(f"data.template: expected one of {', '.join(TEMPLATES)}; got {cfg.template!r}")
+    segments = TEMPLATES[cfg.template](record, cfg, transform)
+    if cfg.loss_on == "all":
+        segments = [(t, True) for t, _ in segments]
+    merged: list[Segment] = []
+    for text, flag in segments:
+        if merged and merged[-1][1] == flag:
+            merged[-1] = (merged[-1][0] + text, flag)
+        elif text:
+            merged.append((text, flag))
+    return merged
+
+
+def prompt_text(record: dict, cfg: DataConfig) -> str:
+    """What a model is given to answer ``record`` (every segment before the first response segment)."""
+    segments = TEMPLATES[cfg.template](record, cfg, _identity)
+    out = []
+    for text, flag in segments:
+        if flag:
+            break
+        out.append(text)
+    return "".join(out)
+
+
+def render_text(record: dict, cfg: DataConfig) -> str:
+    """The whole rendered text of a record (prompt and response), for display and tests."""
+    return "".join(t for t, _ in render(record, cfg))
+

@@ -1,0 +1,237 @@
+"""Tokenizers: turn text into ids and back, behind one small interface, offline.
+
+``load_tokenizer(spec)`` understands:
+
+- ``"default"``: a self-contained byte-level tokenizer (ids 0..255 are the UTF-8 bytes, then
+  ``<|endoftext|>`` 256, ``<|mask|>`` 257, ``<|pad|>`` 258). Needs no files, never changes.
+- a ``tokenizer.json`` file, or a local Hugging Face model directory holding one: read with the
+  ``tokenizers`` library; the end-of-text token comes from ``tokenizer_config.json`` /
+  ``special_tokens_map.json`` (``eos_token``), else from a well-known name.
+- a directory with GPT-2 style ``vocab.json`` + ``merges.txt`` (byte-level BPE; end-of-text
+  ``<|endoftext|>``, 50256 for GPT-2).
+- a directory written by ``Tokenizer.save`` (so a checkpoint carries its tokenizer).
+
+Every tokenizer has ``encode``, ``encode_batch``, ``decode``, ``eos_id``, ``pad_id`` (default: eos),
+``mask_id`` (or None), ``vocab_size``, ``name``, ``special_ids``, ``fingerprint()`` (content hash for
+cache keys) and ``save(dir)``. Special-token strings in text are *not* special for the byte-level
+tokenizer (text is always just bytes); the Hugging Face tokenizers keep their library's behaviour.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+from densebatch.errors import ConfigError
+
+SAVED_META = "densebatch_tokenizer.json"
+# Names tried, in order, when a tokenizer.json comes without a config naming its end-of-text token.
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|eot_id|>", "[SEP]")
+_MASK_NAMES = ("<|mask|>", "<mask>", "[MASK]")
+
+
+class Tokenizer:
+    """Common interface; subclasses implement ``encode_batch`` and ``decode``."""
+
+    name: str
+    eos_id: int
+    pad_id: int
+    mask_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_batch([text])[0]
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def decode(self, ids: Sequence[int]) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    @property
+    def special_ids(self) -> list[int]:
+        return sorted({i for i in (self.eos_id, self.pad_id, self.mask_id) if i is not None})
+
+    def fingerprint(self) -> str:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def describe(self) -> dict:
+        return {"name": self.name, "eos_id": self.eos_id, "pad_id": self.pad_id, "mask_id": self.mask_id,
+                "vocab_size": self.vocab_size, "fingerprint": self.fingerprint()}
+
+    def save(self, directory: str | Path) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _check_pad(self, pad_id: int | None) -> int:
+        pad = self.eos_id if pad_id is None else int(pad_id)
+        if not 0 <= pad < self.vocab_size:
+            raise ConfigError(f"data.pad_id: expected an id in [0, {self.vocab_size}) for tokenizer {self.name}; got {pad_id}")
+        return pad
+
+
+class ByteTokenizer(Tokenizer):
+    """UTF-8 bytes as ids; three special ids above them. Deterministic, no files, 259 ids."""
+
+    SPECIALS = ("<|endoftext|>", "<|mask|>", "<|pad|>")
+
+    def __init__(self, pad_id: int | None = None) -> None:
+        self.name = "default"
+        self.eos_id, self.mask_id = 256, 257
+        self.vocab_size = 256 + len(self.SPECIALS)
+        self.pad_id = self._check_pad(pad_id)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # surrogateescape: a lone surrogate (from undecodable input) maps back to its raw byte.
+        return [list(t.encode("utf-8", "surrogateescape")) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out, run = [], bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                run.append(i)
+                continue
+            out.append(run.decode("utf-8", "replace"))
+            run = bytearray()
+            out.append(self.SPECIALS[i - 256] if i - 256 < len(self.SPECIALS) else f"<|{i}|>")
+        out.append(run.decode("utf-8", "replace"))
+        return "".join(out)
+
+    def fingerprint(self) -> str:
+        return "byte-v1"
+
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        (d / SAVED_META).write_text(json.dumps({"kind": "byte", "pad_id": self.pad_id}, indent=1), encoding="utf-8")
+
+
+class HFTokenizer(Tokenizer):
+    """A ``tokenizers.Tokenizer`` (tokenizer.json or byte-level BPE files) plus its special ids."""
+
+    def __init__(self, tok, name: str, eos_token: str, mask_token: str | None = None, pad_id: int | None = None) -> None:
+        self._tok = tok
+        self.name = name
+        self.eos_token = eos_token
+        eos = tok.token_to_id(eos_token)
+        if eos is None:
+            raise ConfigError(f"data.tokenizer: {name}: end-of-text token {eos_token!r} is not in the vocabulary")
+        self.eos_id = int(eos)
+        self.mask_token = mask_token
+        self.mask_id = None if mask_token is None else tok.token_to_id(mask_token)
+        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        self.pad_id = self._check_pad(pad_id)
+        self._fingerprint: str | None = None
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # add_special_tokens=False: densebatch appends the end-of-text itself, by position.
+        texts = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in texts]
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def fingerprint(self) -> str:
+        # The serialised tokenizer covers vocabulary, merges, normalisers and added tokens.
+        if self._fingerprint is None:
+            h = hashlib.sha256(self._tok.to_str().encode("utf-8"))
+            h.update(json.dumps([self.eos_token, self.mask_token]).encode())
+            self._fingerprint = "hf-" + h.hexdigest()[:32]
+        return self._fingerprint
+
+    def save(self, directory: str | Path) -> None:
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(d / "tokenizer.json"))
+        meta = {"kind": "hf", "name": self.name, "eos_token": self.eos_token, "mask_token": self.mask_token, "pad_id": self.pad_id}
+        (d / SAVED_META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+
+
+def _token_from_config(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _special_from_configs(directory: Path, key: str) -> str | None:
+    for fname in ("tokenizer_config.json", "special_tokens_map.json"):
+        p = directory / fname
+        if p.is_file():
+            try:
+                tok = _token_from_config(json.loads(p.read_text(encoding="utf-8")).get(key))
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+                raise ConfigError(f"data.tokenizer: {p} is not a valid JSON object") from None
+            if tok:
+                return tok
+    return None
+
+
+def _first_known(tok, names: Sequence[str]) -> str | None:
+    return next((n for n in names if tok.token_to_id(n) is not None), None)
+
+
+def _load_tokenizer_json(path: Path, name: str, pad_id: int | None, eos_token: str | None = None,
+                         mask_token: str | None = None) -> HFTokenizer:
+    from tokenizers import Tokenizer as _Tok
+
+    try:
+        tok = _Tok.from_file(str(path))
+    except Exception as e:  # the library raises a bare Exception for malformed files
+        raise ConfigError(f"data.tokenizer: cannot read {path}: {e}") from None
+    eos_token = eos_token or _special_from_configs(path.parent, "eos_token") or _first_known(tok, _EOS_NAMES)
+    if eos_token is None:
+        raise ConfigError(
+            f"data.tokenizer: {path}: cannot tell the end-of-text token; add tokenizer_config.json with "
+            f'"eos_token" beside it (tried {", ".join(_EOS_NAMES)})'
+        )
+    mask_token = mask_token or _special_from_configs(path.parent, "mask_token") or _first_known(tok, _MASK_NAMES)
+    return HFTokenizer(tok, name, eos_token, mask_token, pad_id)
+
+
+def _load_bpe_files(directory: Path, pad_id: int | None) -> HFTokenizer:
+    from tokenizers import ByteLevelBPETokenizer
+
+    try:
+        bpe = ByteLevelBPETokenizer(str(directory / "vocab.json"), str(directory / "merges.txt"))
+    except Exception as e:
+        raise ConfigError(f"data.tokenizer: cannot read GPT-2 BPE files in {directory}: {e}") from None
+    tok = bpe._tokenizer  # the underlying tokenizers.Tokenizer: same encode/save as tokenizer.json ones
+    eos = _special_from_configs(directory, "eos_token") or "<|endoftext|>"
+    if tok.token_to_id(eos) is None:
+        raise ConfigError(f"data.tokenizer: {directory}/vocab.json has no {eos!r} (the end-of-text token)")
+    # As Hugging Face's GPT2TokenizerFast: the end-of-text string in text maps to its one id.
+    tok.add_special_tokens([eos])
+    return HFTokenizer(tok, str(directory), eos, None, pad_id)
+
+
+def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None) -> Tokenizer:
+    """Load the tokenizer named by ``spec`` (see the module docstring); ``pad_id`` None = eos."""
+    if str(spec) == "default":
+        return ByteTokenizer(pad_id)
+    p = Path(spec).expanduser()
+    if p.is_file():
+        return _load_tokenizer_json(p, str(spec), pad_id)
+    if p.is_dir():
+        meta_path = p / SAVED_META
+        if meta_path.is_file():
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            pad = meta.get("pad_id") if pad_id is None else pad_id
+            if meta.get("kind") == "byte":
+                return ByteTokenizer(pad)
+            return _load_tokenizer_json(p / "tokenizer.json", meta.get("name", str(spec)), pad,
+                                        meta.get("eos_token"), meta.get("mask_token"))
+        if (p / "tokenizer.json").is_file():
+            return _load_tokenizer_json(p / "tokenizer.json", str(spec), pad_id)
+        if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
+            return _load_bpe_files(p, pad_id)
+        raise ConfigError(
+            f"data.tokenizer: directory '{spec}' has neither tokenizer.json nor vocab.json + merges.txt"
+        )
+    raise ConfigError(
+        f"data.tokenizer: '{spec}' not found; expected 'default', a tokenizer.json file, a local Hugging Face "
+        "model directory, or a directory with vocab.json + merges.txt"
+    )

@@ -1,0 +1,218 @@
+"""prepare: formats, loss masks by position, bad records, overlong policy, eval split, cache."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import shutil
+
+import numpy as np
+import pytest
+
+from densebatch.config import CleanConfig
+from densebatch.data.prepare import prepare
+from densebatch.data.store import MARKER
+from densebatch.data.templates import alpaca_prompt
+from densebatch.errors import DataError
+
+
+def _texts(prepared, store=None):
+    store = store or prepared.train
+    tok = prepared.tokenizer
+    out = []
+    for i in range(len(store)):
+        t, m = store.document(i)
+        out.append((tok.decode(t.tolist()), tok.decode(t[m.astype(bool)].tolist())))
+    return out
+
+
+def test_book_token_counts_with_gpt2(shared_dir, data_cfg):
+    p = prepare(data_cfg(path=str(shared_dir / "instruction-data.json"), tokenizer=str(shared_dir / "gpt2")))
+    lengths = np.asarray(p.train.lengths) - 1  # without the appended end-of-text
+    assert len(lengths) == 1100 and np.median(lengths) == 55 and lengths.max() == 91
+    tokens, _ = p.train.document(0)
+    assert tokens[-1] == 50256 and p.train.pad_id == 50256
+
+
+def test_loss_mask_is_the_response_by_position(data_cfg, tmp_path, records, write_jsonl):
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    p = prepare(data_cfg(path=str(path)))
+    for rec, (full, loss) in zip(records, _texts(p)):
+        prompt = alpaca_prompt(rec["instruction"], rec["input"])
+        assert full == prompt + rec["output"] + "<|endoftext|>"
+        assert loss == rec["output"] + "<|endoftext|>"
+    for i in range(len(p.train)):
+        t, m = p.train.document(i)
+        n_prompt = len(alpaca_prompt(records[i]["instruction"], records[i]["input"]).encode())
+        assert m[:n_prompt].sum() == 0 and m[n_prompt:].all() and t[-1] == p.tokenizer.eos_id
+    # loss_on=all: identical tokens, every token but the first carries loss.
+    q = prepare(data_cfg(path=str(path), loss_on="all"))
+    assert np.array_equal(np.asarray(q.train.tokens), np.asarray(p.train.tokens))
+    for i in range(len(q.train)):
+        _, m = q.train.document(i)
+        assert m[0] == 0 and m[1:].all()
+
+
+def test_text_holding_the_eos_string_is_masked_by_position(data_cfg, tmp_path, write_jsonl, shared_dir):
+    rec = {"instruction": "Echo <|endoftext|> please", "input": "", "output": "ok<|endoftext|>ok"}
+    p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", [rec])), tokenizer=str(shared_dir / "gpt2")))
+    t, m = p.train.document(0)
+    eos_positions = np.flatnonzero(t == 50256)
+    assert len(eos_positions) == 3 and m[eos_positions].tolist() == [0, 1, 1]
+
+
+def _malformed_jsonl(path, n_good=950):
+    lines = [json.dumps({"instruction": f"task {i}", "input": "", "output": f"answer {i}"}) for i in range(n_good)]
+    bad = ([b'{"instruction": "x", "output": '] * 10 + [b'{"instruction": "x", "output": "\xff\xfe"}'] * 8
+           + [json.dumps({"input": "", "output": "y"}).encode()] * 8
+           + [json.dumps({"instruction": None, "output": "y"}).encode()] * 8
+           + [json.dumps({"instruction": "", "output": "y"}).encode()] * 8
+           + [json.dumps({"instruction": ["x"], "output": "y"}).encode()] * 4 + [b"[1, 2, 3]"] * 4)
+    rng = random.Random(0)
+    all_lines = [x.encode() for x in lines]
+    slots = sorted(rng.sample(range(1, len(all_lines) + len(bad)), len(bad)))
+    for slot, b in zip(slots, bad):
+        all_lines.insert(slot, b)
+    path.write_bytes(b"\n".join(all_lines) + b"\n")
+    first_bad = min(slots) + 1
+    return path, first_bad
+
+
+def test_malformed_records_error_mode_names_the_first_bad_line(data_cfg, tmp_path):
+    path, first_bad = _malformed_jsonl(tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match=rf"bad\.jsonl:{first_bad}: ") as e:
+        prepare(data_cfg(path=str(path)))
+    assert "on_bad_record" in str(e.value)
+    assert not list((tmp_path / "cache").glob("*/" + MARKER)), "no cache is left behind"
+
+
+def test_malformed_records_skip_mode_counts_by_reason(data_cfg, tmp_path):
+    path, first_bad = _malformed_jsonl(tmp_path / "bad.jsonl")
+    p = prepare(data_cfg(path=str(path), on_bad_record="skip", eval_fraction=0.1))
+    s = p.summary
+    assert s.records_read == 1000 and s.records_skipped == 50 and s.records_kept == 950
+    assert s.skipped == {"invalid_json": 10, "undecodable_bytes": 8, "missing_field": 8, "null_field": 8,
+                         "empty_field": 8, "wrong_type": 8}
+    assert s.skip_examples["invalid_json"].startswith(str(path) + ":")
+    assert "skipped" in str(s) and json.dumps(s.as_dict())
+
+
+def _write_formats(tmp_path, records):
+    (tmp_path / "a.json").write_text(json.dumps(records))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    with open(tmp_path / "a.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(records[0]))
+        w.writeheader()
+        w.writerows(records)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "a.parquet")
+    import datasets
+
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "hf"))
+    return ["a.json", "a.jsonl", "a.csv", "a.parquet", "hf"]
+
+
+def test_every_format_gives_the_same_documents(data_cfg, tmp_path, records):
+    pytest.importorskip("datasets")
+    names = _write_formats(tmp_path, records)
+    results = [np.asarray(prepare(data_cfg(path=str(tmp_path / n))).train.tokens).tolist() for n in names]
+    assert all(r == results[0] for r in results)
+
+
+def test_text_formats(data_cfg, tmp_path):
+    (tmp_path / "a.txt").write_text("para one\nstill one\n\n\npara two\n")
+    p = prepare(data_cfg(path=str(tmp_path / "a.txt"), loss_on="all"))
+    assert [full for full, _ in _texts(p)] == ["para one\nstill one<|endoftext|>", "para two<|endoftext|>"]
+    text = "abcdefghij" * 5
+    (tmp_path / "b.txt").write_text(text)
+    p = prepare(data_cfg(path=str(tmp_path / "b.txt"), text_split="chunks", chunk_tokens=16, loss_on="all"))
+    assert p.train.lengths.tolist() == [16, 16, 16, 3]
+    assert "".join(full for full, _ in _texts(p)) == text + "<|endoftext|>"
+    (tmp_path / "c.txt").write_bytes(b"fine\nstill fine\nbad \xff here\n")
+    with pytest.raises(DataError, match=r"c\.txt:3: undecodable"):
+        prepare(data_cfg(path=str(tmp_path / "c.txt"), text_split="chunks"))
+
+
+def test_pretokenized_records(data_cfg, tmp_path, write_jsonl):
+    recs = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9, 256]},
+            {"input_ids": [1, 2], "labels": [-100, 3]}, {"input_ids": "nope"}]
+    p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", recs)), on_bad_record="skip"))
+    assert [p.train.document(i)[0].tolist() for i in range(2)] == [[5, 6, 7, 256], [8, 9, 256]]
+    assert [p.train.document(i)[1].tolist() for i in range(2)] == [[0, 1, 1, 1], [0, 1, 1]]
+    assert p.summary.skipped == {"bad_labels": 1, "wrong_type": 1}
+
+
+def test_overlong_truncate_and_drop_are_counted(data_cfg, tmp_path, write_jsonl):
+    recs = [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "a", "input": "x" * 300, "output": "b"},
+            {"instruction": "a" * 50, "input": "", "output": "b" * 300}]
+    path = write_jsonl(tmp_path / "a.jsonl", recs)
+    p = prepare(data_cfg(path=str(path), max_seq_len=200))
+    # record 1: its response is cut away -> dropped (no target); record 2: truncated inside the response.
+    assert (p.summary.truncated, p.summary.dropped_no_target, len(p.train)) == (1, 1, 2)
+    assert p.train.lengths.max() == 200
+    q = prepare(data_cfg(path=str(path), max_seq_len=200, overlong="drop"))
+    assert (q.summary.dropped_overlong, len(q.train)) == (2, 1)
+
+
+def test_cleaning_through_prepare(data_cfg, tmp_path, write_jsonl):
+    recs = [{"instruction": "<b>Say</b>  hi", "input": "", "output": "hi"},
+            {"instruction": "Say hi", "input": "", "output": "hi"},
+            {"instruction": "x", "input": "", "output": "<br>"}]
+    clean = CleanConfig(strip_html=True, collapse_whitespace=True, dedupe=True)
+    p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", recs)), clean=clean))
+    assert len(p.train) == 1
+    assert p.summary.cleaning_changed == {"strip_html": 2, "collapse_whitespace": 2}  # "<br>" -> "\n\n" -> ""
+    assert p.summary.cleaning_dropped == {"dedupe": 1, "emptied": 1}
+
+
+def test_eval_split_is_deterministic_disjoint_and_order_free(data_cfg, tmp_path, write_jsonl):
+    recs = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(200)]
+    p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", recs)), eval_fraction=0.1))
+    assert (len(p.train), len(p.eval)) == (180, 20) and len(p.eval_records) == 20
+    train_texts = {full for full, _ in _texts(p)}
+    eval_texts = {full for full, _ in _texts(p, p.eval)}
+    assert not train_texts & eval_texts
+    shuffled = recs[::-1]
+    q = prepare(data_cfg(path=str(write_jsonl(tmp_path / "b.jsonl", shuffled)), eval_fraction=0.1))
+    assert {full for full, _ in _texts(q, q.eval)} == eval_texts
+    write_jsonl(tmp_path / "c.jsonl", recs[:20])
+    e = prepare(data_cfg(path=str(tmp_path / "a.jsonl"), eval_path=str(tmp_path / "c.jsonl"), clean=CleanConfig(dedupe=True)))
+    assert (len(e.train), len(e.eval)) == (180, 20) and "eval_path" in e.summary.eval_source
+    assert e.summary.cleaning_dropped == {"dedupe": 20}  # train records repeating eval ones are dropped
+
+
+def test_cache_hit_rebuild_and_untrusted_half_written_dir(data_cfg, tmp_path, records, write_jsonl):
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    first = prepare(data_cfg(path=str(path)))
+    assert not first.summary.cache_hit
+    again = prepare(data_cfg(path=str(path)))
+    assert again.summary.cache_hit and again.cache_dir == first.cache_dir and "cache hit" in str(again.summary)
+    changed = prepare(data_cfg(path=str(path), max_seq_len=512))
+    assert not changed.summary.cache_hit and changed.cache_dir != first.cache_dir
+    # The same size and mtime but other bytes: the content hash notices.
+    st = path.stat()
+    path.write_text(path.read_text().replace("hi", "yo"))
+    import os
+
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert prepare(data_cfg(path=str(path))).cache_dir != first.cache_dir
+    # A directory left without its marker (a crash) is rebuilt, not trusted.
+    path.write_text(path.read_text().replace("yo", "hi"))
+    (first.cache_dir / MARKER).unlink()
+    shutil.rmtree(first.cache_dir / "eval", ignore_errors=True)
+    rebuilt = prepare(data_cfg(path=str(path)))
+    assert not rebuilt.summary.cache_hit and (first.cache_dir / MARKER).is_file()
+
+
+def test_missing_and_empty_inputs(data_cfg, tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        prepare(data_cfg(path=str(tmp_path / "missing.jsonl")))
+    (tmp_path / "e.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        prepare(data_cfg(path=str(tmp_path / "e.jsonl"), on_bad_record="skip"))
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    with pytest.raises(DataError, match="no usable"):
+        prepare(data_cfg(path=str(tmp_path / "bad.jsonl"), on_bad_record="skip"))

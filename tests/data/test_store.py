@@ -1,0 +1,67 @@
+"""DocumentStore: round trips, memory mapping, and never trusting an incomplete directory."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from densebatch.data.store import MARKER, DocumentStore
+from densebatch.errors import DataError
+
+docs_strategy = st.lists(
+    st.lists(st.tuples(st.integers(0, 50_000), st.integers(0, 1)), min_size=1, max_size=30), max_size=20
+)
+
+
+@given(docs_strategy)
+@settings(max_examples=30, deadline=None)
+def test_round_trip_through_disk(tmp_path_factory, docs):
+    documents = [([t for t, _ in d], [m for _, m in d]) for d in docs]
+    store = DocumentStore.from_documents(documents, {"eos_id": 1, "pad_id": 1})
+    opened = store.save(tmp_path_factory.mktemp("s") / "store")
+    assert len(opened) == len(documents)
+    assert opened.lengths.tolist() == [len(t) for t, _ in documents]
+    for i, (t, m) in enumerate(documents):
+        tokens, mask = opened.document(i)
+        assert tokens.tolist() == t and mask.tolist() == m
+    assert opened.tokens.dtype == np.int32 and opened.offsets.dtype == np.int64 and opened.loss_mask.dtype == np.uint8
+    assert opened.meta["num_documents"] == len(documents) and opened.eos_id == 1 and opened.pad_id == 1
+
+
+def test_opened_arrays_are_memory_mapped(tmp_path):
+    store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1])]).save(tmp_path / "s")
+    assert isinstance(store.tokens, np.memmap) and isinstance(store.loss_mask, np.memmap)
+    assert not list(tmp_path.glob(".tmp-*")), "the temporary directory is removed"
+
+
+def test_directory_without_marker_is_not_trusted(tmp_path):
+    store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1])]).save(tmp_path / "s")
+    (store.path / MARKER).unlink()
+    assert not DocumentStore.is_complete(store.path)
+    with pytest.raises(DataError, match="not a complete document store"):
+        DocumentStore.open(store.path)
+
+
+def test_truncated_file_is_not_trusted(tmp_path):
+    store = DocumentStore.from_documents([([1, 2, 3, 4], [0, 1, 1, 1])]).save(tmp_path / "s")
+    path = store.path / "tokens.npy"
+    del store
+    path.write_bytes(path.read_bytes()[:-4])  # a crash mid-write of one file
+    assert not DocumentStore.is_complete(tmp_path / "s")
+
+
+def test_save_replaces_an_incomplete_directory(tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "tokens.npy").write_bytes(b"garbage")
+    store = DocumentStore.from_documents([([5, 6], [0, 1])]).save(tmp_path / "s")
+    assert store.document(0)[0].tolist() == [5, 6]
+    assert json.loads((tmp_path / "s" / "meta.json").read_text())["num_tokens"] == 2
+
+
+def test_mismatched_document_is_rejected():
+    with pytest.raises(ValueError, match="mask"):
+        DocumentStore.from_documents([([1, 2], [1])])

@@ -1,0 +1,100 @@
+"""Tokenizers: byte-level default, GPT-2 BPE files, tokenizer.json / HF model dirs, save/load round trips."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from densebatch.data.tokenizers import ByteTokenizer, load_tokenizer
+from densebatch.errors import ConfigError
+
+
+@given(st.text())
+@settings(max_examples=200, deadline=None)
+def test_byte_tokenizer_round_trips_any_text(text):
+    tok = ByteTokenizer()
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8"))
+    assert tok.decode(ids) == text
+
+
+def test_byte_tokenizer_specials_and_defaults():
+    tok = load_tokenizer("default")
+    assert (tok.eos_id, tok.mask_id, tok.vocab_size, tok.pad_id) == (256, 257, 259, 256)
+    assert tok.decode([104, 105, 256]) == "hi<|endoftext|>"
+    # Special-token strings in text are plain bytes for the byte-level tokenizer.
+    assert 256 not in tok.encode("<|endoftext|>")
+    assert load_tokenizer("default", pad_id=258).pad_id == 258
+    assert tok.encode_batch(["a", "bc"]) == [tok.encode("a"), tok.encode("bc")]
+
+
+def test_pad_id_out_of_range_is_a_config_error():
+    with pytest.raises(ConfigError, match="data.pad_id"):
+        load_tokenizer("default", pad_id=9999)
+
+
+def test_byte_tokenizer_save_load(tmp_path):
+    load_tokenizer("default", pad_id=258).save(tmp_path / "tok")
+    tok = load_tokenizer(str(tmp_path / "tok"))
+    assert isinstance(tok, ByteTokenizer) and tok.pad_id == 258 and tok.fingerprint() == "byte-v1"
+
+
+def test_unknown_spec_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_tokenizer(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="neither tokenizer.json"):
+        load_tokenizer(str(tmp_path / "empty"))
+
+
+def test_gpt2_bpe_files(gpt2):
+    assert gpt2.eos_id == 50256 and gpt2.pad_id == 50256 and gpt2.vocab_size == 50257
+    assert gpt2.encode("Hello world") == [15496, 995]
+    assert gpt2.encode("<|endoftext|>") == [50256]  # as Hugging Face's GPT2TokenizerFast
+
+
+@given(st.text(max_size=200))
+@settings(max_examples=50, deadline=None)
+def test_gpt2_round_trips_text(gpt2, text):
+    assert gpt2.decode(gpt2.encode(text)) == text
+
+
+def test_gpt2_save_load_round_trip(gpt2, tmp_path):
+    gpt2.save(tmp_path / "tok")
+    back = load_tokenizer(str(tmp_path / "tok"))
+    assert (back.eos_id, back.pad_id, back.vocab_size) == (50256, 50256, 50257)
+    assert back.fingerprint() == gpt2.fingerprint()
+    text = "Below is an instruction.\n\n### Response:\nDone — café!"
+    assert back.encode(text) == gpt2.encode(text)
+
+
+def _tiny_tokenizer_json(path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "</s>": 1, "hello": 2, "world": 3, "<mask>": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+
+
+def test_tokenizer_json_file_and_model_dir(tmp_path):
+    _tiny_tokenizer_json(tmp_path / "tokenizer.json")
+    tok = load_tokenizer(str(tmp_path / "tokenizer.json"))  # eos found by its well-known name
+    assert tok.eos_id == 1 and tok.mask_id == 4 and tok.encode("hello world") == [2, 3]
+    # A model directory whose tokenizer_config.json names the end-of-text token.
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "world"}}))
+    tok = load_tokenizer(str(tmp_path))
+    assert tok.eos_id == 3 and tok.pad_id == 3
+    tok.save(tmp_path / "saved")
+    assert load_tokenizer(str(tmp_path / "saved")).eos_id == 3
+
+
+def test_tokenizer_json_without_eos_is_a_config_error(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="end-of-text"):
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
