@@ -1,0 +1,132 @@
+"""`densebatch analyze`: compare the batching strategies on a set of document lengths.
+
+``analyze_main`` plans one epoch with each strategy and returns a table (or JSON) of fill rate,
+batches, mean / max real tokens per batch, max token slots per batch and planning seconds; it can
+also write one strategy's plan as JSON and a PNG histogram of the lengths. ``read_lengths`` reads a
+lengths file (one integer per line, or ``.npy``). The CLI parses arguments and prints the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.errors import ConfigError, DataError, UserError
+
+
+def read_lengths(path: str | Path) -> np.ndarray:
+    """Document lengths from ``.npy`` or text with one positive integer per line (blank lines skipped)."""
+    p = Path(path)
+    if not p.is_file():
+        raise DataError(f"lengths file '{path}' not found")
+    if p.suffix == ".npy":
+        try:
+            x = np.load(p, allow_pickle=False)
+        except (ValueError, OSError) as e:
+            raise DataError(f"{path}: not a readable .npy array ({e})") from None
+        if x.ndim != 1 or not np.issubdtype(x.dtype, np.integer):
+            raise DataError(f"{path}: expected a one-dimensional integer array; got {x.dtype} with shape {x.shape}")
+        x = x.astype(np.int64)
+        if len(x) and x.min() < 1:
+            raise DataError(f"{path}: entry {int(np.argmin(x))} is {int(x.min())}; lengths must be positive")
+        return x
+    try:  # fast path: 10M lines in ~2 s; the loop below only runs to name a bad line
+        x = np.array(p.read_bytes().split()).astype(np.int64)
+        if not len(x) or x.min() >= 1:
+            return x
+    except ValueError:
+        pass
+    out = []
+    with p.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            s = line.strip()
+            if not s:
+                continue
+            try:
+                v = int(s)
+            except ValueError:
+                raise DataError(f"{path}:{line_no}: expected one integer per line; got {s[:40]!r}") from None
+            if v < 1:
+                raise DataError(f"{path}:{line_no}: lengths must be positive; got {v}")
+            out.append(v)
+    return np.array(out, np.int64)
+
+
+def analyze(lengths: np.ndarray, settings: PlanSettings, strategies=STRATEGIES, seed: int = 0) -> dict[str, dict]:
+    """{strategy: stats} for one epoch of each strategy (see ``Plan.stats``), with ``plan_seconds``."""
+    results = {}
+    for name in strategies:
+        if name not in STRATEGIES:
+            raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
+        s = dataclasses.replace(settings, strategy=name)
+        t0 = time.perf_counter()
+        plan = plan_epoch(lengths, s, seed, 0)
+        stats = plan.stats()
+        stats["plan_seconds"] = time.perf_counter() - t0
+        results[name] = stats
+    return results
+
+
+def format_table(results: dict[str, dict]) -> str:
+    head = ("strategy", "fill", "batches", "mean real/batch", "max real/batch", "max slots/batch", "plan s")
+    rows = [(k, f"{r['fill_rate']:.4f}", str(r["batches"]), f"{r['mean_real_tokens']:.1f}", str(r["max_real_tokens"]),
+             str(r["max_slots"]), f"{r['plan_seconds']:.3f}") for k, r in results.items()]
+    w = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
+    line = lambda x: "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(x))
+    notes = [f"{k}: {r['split']} split, {r['truncated']} truncated, {r['dropped']} dropped"
+             for k, r in results.items() if r["split"] or r["truncated"] or r["dropped"]]
+    return "\n".join([line(head), *map(line, rows), *notes])
+
+
+def write_plot(lengths: np.ndarray, results: dict[str, dict], path: str | Path, settings: PlanSettings) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.hist(lengths, bins=min(100, max(10, len(np.unique(lengths)))), color="#4c72b0")
+    ax.set_xlabel("document length (tokens)")
+    ax.set_ylabel("documents")
+    ax.set_title(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens")
+    text = "\n".join(f"{k}: fill {r['fill_rate']:.3f}, {r['batches']} batches" for k, r in results.items())
+    text += f"\nseq_len {settings.seq_len}, max_tokens_per_batch {settings.max_tokens_per_batch}, rows_per_batch {settings.rows_per_batch}"
+    ax.text(0.98, 0.95, text, transform=ax.transAxes, ha="right", va="top", fontsize=8,
+            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#999"})
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def analyze_main(lengths: np.ndarray, settings: PlanSettings, strategies=STRATEGIES, json_out: bool = False,
+                 dump_plan: str | Path | None = None, strategy: str | None = None, plot: str | Path | None = None,
+                 seed: int = 0) -> str:
+    """Run the analysis; return the text to print (table, or one JSON object keyed by strategy).
+
+    ``dump_plan``: write the plan of ``strategy`` (default ``settings.strategy``) as JSON: a list of
+    batches, each a list of rows, each a list of 0-based document indices (a split document appears
+    once per piece). ``plot``: write a PNG histogram of lengths with each strategy's fill rate.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if len(lengths) == 0:
+        raise DataError("no document lengths to analyze")
+    strategies = list(strategies or STRATEGIES)
+    results = analyze(lengths, settings, strategies, seed)
+    if dump_plan is not None:
+        name = strategy or settings.strategy
+        if name not in STRATEGIES:
+            raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
+        plan = plan_epoch(lengths, dataclasses.replace(settings, strategy=name), seed, 0)
+        Path(dump_plan).write_text(json.dumps(plan.doc_lists(), separators=(",", ":")), encoding="utf-8")
+    if plot is not None:
+        write_plot(lengths, results, plot, settings)
+    if json_out:
+        return json.dumps(results, indent=2)
+    return format_table(results)

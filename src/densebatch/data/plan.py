@@ -1,0 +1,352 @@
+"""Batch planning: decide which document pieces go in which row and batch, from lengths only.
+
+Pure functions of (lengths, settings, seed, epoch): numpy only, no torch, no I/O. A ``Plan`` is
+CSR-shaped: pieces ``(doc, start, stop)`` → rows (``row_ptr``) → batches (``batch_ptr``)::
+
+    pieces     (7,0,5) (2,0,3) | (4,0,8) | (4,8,11) (9,0,4)     document 4 split into two pieces
+    row_ptr    0 2 3 5                                         row 0 = pieces 0-1, row 1 = piece 2, ...
+    batch_ptr  0 2 3                                           batch 0 = rows 0-1, batch 1 = row 2
+
+A piece of a split document (``start > 0``) is its own segment: positions restart at 0 there and
+its first token has no context from the previous piece. Every planner places every document
+exactly once per epoch; what the policy changed is reported in ``split``, ``truncated``, ``dropped``.
+Costs measured here (2 shared cores): 10M lengths (lognormal, median 300) plan in ~1.0 s (packed)
+and ~1.2 s (token_budget); see docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from densebatch.data.packing import best_fit_decreasing, exact_cuts, greedy_cuts, layout_rows, ranges
+
+STRATEGIES = ("random", "length_grouped", "token_budget", "packed")
+_EXACT_TOKEN_BUDGET_MAX = 20_000  # exact DP up to this many pieces (and work below); greedy (gap -> 0 with n) above
+_EXACT_TOKEN_BUDGET_WORK = 40_000_000  # pieces x DP window: ~0.5 s of numpy
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """Planner knobs (the planning part of ``BatchingConfig``), so planners stay config-free."""
+
+    strategy: str = "packed"
+    rows_per_batch: int = 8  # random, length_grouped
+    max_tokens_per_batch: int = 8192  # token_budget, packed: rows x T slots
+    seq_len: int = 1024  # packed row length
+    long_docs: str = "split"  # packed / token_budget: documents longer than a row: split | truncate
+    pad_to_multiple_of: int = 1
+    mega_batch_mult: int = 50
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
+        if self.long_docs not in ("split", "truncate"):
+            raise ValueError(f"long_docs: expected split or truncate; got {self.long_docs!r}")
+        for name in ("rows_per_batch", "max_tokens_per_batch", "seq_len", "pad_to_multiple_of", "mega_batch_mult"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"{name}: expected a positive integer; got {getattr(self, name)!r}")
+        if self.max_tokens_per_batch < self.pad_to_multiple_of:
+            raise ValueError(
+                f"max_tokens_per_batch ({self.max_tokens_per_batch}) must be at least pad_to_multiple_of ({self.pad_to_multiple_of})")
+        if self.strategy == "packed" and self.rows_per_packed_batch < 1:
+            raise ValueError(
+                f"max_tokens_per_batch ({self.max_tokens_per_batch}) must hold one packed row of "
+                f"{_round_up(self.seq_len, self.pad_to_multiple_of)} slots (seq_len rounded up to pad_to_multiple_of)")
+
+    @property
+    def rows_per_packed_batch(self) -> int:
+        return self.max_tokens_per_batch // _round_up(self.seq_len, self.pad_to_multiple_of)
+
+    @classmethod
+    def from_config(cls, cfg, **overrides) -> "PlanSettings":
+        """From a ``BatchingConfig`` (any object with the same field names)."""
+        kw = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if hasattr(cfg, f)}
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One epoch's batches for one rank. Arrays are int64; ``batch(i)`` gives rows of (doc, start, stop)."""
+
+    doc: np.ndarray
+    start: np.ndarray
+    stop: np.ndarray
+    row_ptr: np.ndarray  # (rows + 1,) into pieces
+    batch_ptr: np.ndarray  # (batches + 1,) into rows
+    pad_to_multiple_of: int = 1
+    split: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # docs cut into > 1 piece
+    truncated: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # docs cut short
+    dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # docs left out (drop_last)
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batch_ptr) - 1
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_ptr) - 1
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def batch(self, i: int) -> list[list[tuple[int, int, int]]]:
+        r0, r1 = int(self.batch_ptr[i]), int(self.batch_ptr[i + 1])
+        p0, p1 = int(self.row_ptr[r0]), int(self.row_ptr[r1])
+        pieces = list(zip(self.doc[p0:p1].tolist(), self.start[p0:p1].tolist(), self.stop[p0:p1].tolist()))
+        bounds = (self.row_ptr[r0 : r1 + 1] - p0).tolist()
+        return [pieces[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def batch_docs(self, i: int) -> list[int]:
+        """Sorted document indices in batch ``i`` (for error messages)."""
+        p0, p1 = int(self.row_ptr[self.batch_ptr[i]]), int(self.row_ptr[self.batch_ptr[i + 1]])
+        return np.unique(self.doc[p0:p1]).tolist()
+
+    def doc_lists(self) -> list[list[list[int]]]:
+        """Batches → rows → document indices (a split document appears once per piece)."""
+        return [[[d for d, _, _ in row] for row in self.batch(i)] for i in range(self.num_batches)]
+
+    def row_lengths(self) -> np.ndarray:
+        return _segment_sum(self.stop - self.start, self.row_ptr)
+
+    def batch_stats(self) -> tuple[np.ndarray, np.ndarray]:
+        """(real tokens, token slots) per batch; slots = rows x longest row rounded up."""
+        rl = self.row_lengths()
+        real = _segment_sum(rl, self.batch_ptr)
+        longest = _segment_max(rl, self.batch_ptr)
+        slots = np.diff(self.batch_ptr) * _round_up(longest, self.pad_to_multiple_of)
+        return real, slots
+
+    def stats(self) -> dict:
+        real, slots = self.batch_stats()
+        return {
+            "fill_rate": float(real.sum() / max(1, slots.sum())),
+            "batches": self.num_batches,
+            "rows": self.num_rows,
+            "mean_real_tokens": float(real.mean()) if len(real) else 0.0,
+            "max_real_tokens": int(real.max(initial=0)),
+            "max_slots": int(slots.max(initial=0)),
+            "split": len(self.split), "truncated": len(self.truncated), "dropped": len(self.dropped),
+        }
+
+
+def plan_epoch(lengths, settings: PlanSettings, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> Plan:
+    """Plan one epoch of ``lengths`` (tokens per document) for ``rank`` of ``world_size``."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.ndim != 1:
+        raise ValueError("lengths: expected a one-dimensional array of token counts")
+    if len(lengths) and lengths.min() < 1:
+        raise ValueError(f"lengths: every document needs at least one token; document {int(np.argmin(lengths))} has {int(lengths.min())}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}); got {rank}")
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2**63, int(epoch) % 2**63, STRATEGIES.index(settings.strategy)]))
+    plan = _PLANNERS[settings.strategy](lengths, settings, rng)
+    return plan if world_size == 1 else _shard(plan, rank, world_size)
+
+
+# ------------------------------------------------------------------------------ the planners
+def _plan_random(lengths, s: PlanSettings, rng) -> Plan:
+    return _one_doc_per_row(rng.permutation(len(lengths)), lengths, s)
+
+
+def _plan_length_grouped(lengths, s: PlanSettings, rng) -> Plan:
+    """Hugging Face ``get_length_grouped_indices``: shuffle, sort mega-batches of
+    ``mega_batch_mult * rows_per_batch`` by length (descending, stable), then swap the longest
+    document into the very first slot so an out-of-memory shows at step 0."""
+    order = rng.permutation(len(lengths))
+    mega = s.mega_batch_mult * s.rows_per_batch
+    key = np.arange(len(order)) // mega
+    ls = lengths[order]
+    if len(order) and ls.max() < 2**16 and key[-1] < 2**16:  # two stable 16-bit radix passes: 5x lexsort
+        o = np.argsort((2**16 - 1 - ls).astype(np.uint16), kind="stable")
+        o = o[np.argsort((o // mega).astype(np.uint16), kind="stable")]
+    else:
+        o = np.lexsort((-ls, key))  # stable: ties keep the shuffled order
+    order = order[o]
+    if len(order):
+        heads = order[::mega]  # each mega-batch's longest
+        j = int(np.argmax(lengths[heads])) * mega
+        order[0], order[j] = order[j], order[0]
+    return _one_doc_per_row(order, lengths, s)
+
+
+def _plan_token_budget(lengths, s: PlanSettings, rng) -> Plan:
+    """Padding batches with rows x roundup(longest) <= max_tokens_per_batch, one piece per row.
+
+    Guarantee: the fewest batches any grouping of the length-sorted documents can reach (greedy is
+    optimal for that), and among those, the fewest padded slots: exact DP up to 20k pieces; above
+    that, or when short documents make the DP window wide, greedy, whose gap vanishes as runs of
+    equal lengths grow. oasst-threads at 8192: 26 batches, fill 0.952 (the optimum; greedy alone
+    0.949), mean real tokens 0.88 of the budget. 10M lengths: ~1.2 s. Randomness: ties between
+    equal lengths, and batch order. Documents longer than the budget are split or truncated.
+    """
+    cap = s.max_tokens_per_batch // s.pad_to_multiple_of * s.pad_to_multiple_of
+    pc = _cut_long(lengths, cap, s.long_docs)
+    order = _desc_random_ties(pc.plen, rng)
+    sorted_len = _sorted_desc(pc.plen)  # == plen[order], without the gather
+    n = len(sorted_len)
+    widest = s.max_tokens_per_batch // max(1, int(sorted_len[-1])) if n else 0  # DP window of the shortest
+    if n <= _EXACT_TOKEN_BUDGET_MAX and n * min(n, widest) <= _EXACT_TOKEN_BUDGET_WORK:
+        r = _round_up(sorted_len, s.pad_to_multiple_of)
+        cuts = exact_cuts(r, s.max_tokens_per_batch // r)
+    else:
+        h = np.bincount(_round_up(pc.plen, s.pad_to_multiple_of))[::-1]  # runs of equal rounded length
+        vals = np.arange(len(h) - 1, -1, -1)[h > 0]
+        cuts = greedy_cuts(np.cumsum(h[h > 0]), s.max_tokens_per_batch // vals)
+    bperm = rng.permutation(len(cuts) - 1)
+    at = ranges(cuts[bperm], cuts[bperm + 1])  # plan position -> sorted position
+    batch_ptr = np.concatenate([[0], np.cumsum(np.diff(cuts)[bperm])]).astype(np.int64)
+    return Plan(*pc.take(order[at], sorted_len[at]), np.arange(len(at) + 1, dtype=np.int64),
+                batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
+
+
+def _plan_packed(lengths, s: PlanSettings, rng) -> Plan:
+    """Best-fit decreasing into rows of ``seq_len``, run on the length histogram.
+
+    Exact BFD over groups of identical rows (see ``packing.best_fit_decreasing``). Fill 0.994 /
+    0.998 on instruction-data / oasst-threads at seq_len 2048, rows within one of ceil(total /
+    seq_len); 10M lengths in ~1 s. Randomness: which equal-length documents go where, row order
+    (hence batch order). Documents longer than seq_len are split into seq_len pieces or truncated.
+    """
+    S = s.seq_len
+    pc = _cut_long(lengths, S, s.long_docs)
+    plen = pc.plen
+    order = _desc_random_ties(plen, rng)
+    groups = best_fit_decreasing(np.bincount(plen, minlength=S + 1), S)
+    src, src_len, row_ptr, batch_ptr = layout_rows(groups, order, S, s.rows_per_packed_batch, rng)
+    return Plan(*pc.take(src, src_len), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
+
+
+_PLANNERS = {"random": _plan_random, "length_grouped": _plan_length_grouped,
+             "token_budget": _plan_token_budget, "packed": _plan_packed}
+
+
+# ---------------------------------------------------------------------------------- helpers
+def _round_up(x, m: int):
+    return (np.asarray(x) + m - 1) // m * m if m > 1 else np.asarray(x)
+
+
+def _segment_sum(x: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    c = np.concatenate([[0], np.cumsum(x)])
+    return c[ptr[1:]] - c[ptr[:-1]]
+
+
+def _segment_max(x: np.ndarray, ptr: np.ndarray) -> np.ndarray:
+    out = np.zeros(len(ptr) - 1, np.int64)
+    nonempty = ptr[1:] > ptr[:-1]
+    if nonempty.any():
+        out[nonempty] = np.maximum.reduceat(x, ptr[:-1][nonempty]) if len(x) else 0
+    return out
+
+
+def _desc_random_ties(x: np.ndarray, rng) -> np.ndarray:
+    """Order by length descending, equal lengths in random order.
+
+    Two stable 16-bit radix passes (random key, then length) instead of a full permutation plus
+    sort: 10M lengths in ~0.5 s instead of ~1 s. Ties among equal random keys fall back to index
+    order, which at 65,536 keys is still a well-mixed tie-break."""
+    if len(x) == 0 or x.max() >= 2**16:
+        perm = rng.permutation(len(x))
+        return perm[np.argsort(-x[perm], kind="stable")]
+    perm = np.argsort(rng.integers(0, 2**16, len(x), dtype=np.uint16), kind="stable")
+    key = (2**16 - 1 - x).astype(np.uint16)[perm]
+    return perm[np.argsort(key, kind="stable")]
+
+
+@dataclass
+class _Pieces:
+    """Pieces of at most ``cap`` tokens. Piece i < n_docs is document i's first piece (start 0);
+    piece n_docs + j is a further piece of a split document (``xdoc[j]``, from ``xstart[j]``)."""
+
+    n_docs: int
+    plen: np.ndarray
+    xdoc: np.ndarray
+    xstart: np.ndarray
+    split: np.ndarray
+    truncated: np.ndarray
+
+    def take(self, src: np.ndarray, length: np.ndarray):
+        """(doc, start, stop) of pieces ``src`` whose lengths are known: no gather over all pieces."""
+        doc, start = src, np.zeros(len(src), np.int64)
+        if len(self.xdoc):
+            ix = np.flatnonzero(src >= self.n_docs)
+            doc = src.copy()
+            doc[ix] = self.xdoc[src[ix] - self.n_docs]
+            start[ix] = self.xstart[src[ix] - self.n_docs]
+        return doc, start, start + length
+
+
+def _cut_long(lengths, cap: int, policy: str) -> _Pieces:
+    """Split documents longer than ``cap`` into consecutive pieces that tile them, or truncate them
+    to their first ``cap`` tokens. Further pieces are appended after the first pieces (the planners
+    sort pieces anyway, so they need not sit beside their first piece)."""
+    long_ids = np.flatnonzero(lengths > cap)
+    first = np.minimum(lengths, cap) if len(long_ids) else lengths
+    none = np.zeros(0, np.int64)
+    if policy == "truncate" or not len(long_ids):
+        return _Pieces(len(lengths), first, none, none, none, long_ids)
+    extra = -(-lengths[long_ids] // cap) - 1  # pieces after the first
+    xdoc = np.repeat(long_ids, extra)
+    xstart = (ranges(np.zeros(len(extra), np.int64), extra) + 1) * cap
+    xlen = np.minimum(xstart + cap, lengths[xdoc]) - xstart
+    return _Pieces(len(lengths), np.concatenate([first, xlen]), xdoc, xstart, long_ids, none)
+
+
+def _sorted_desc(x: np.ndarray) -> np.ndarray:
+    """``np.sort(x)[::-1]`` for small non-negative integers, from the histogram (no comparison sort)."""
+    h = np.bincount(x)[::-1]
+    return np.repeat(np.arange(len(h) - 1, -1, -1, dtype=np.int64), h)
+
+
+def _one_doc_per_row(order, lengths, s: PlanSettings) -> Plan:
+    n, k = len(order), s.rows_per_batch
+    dropped = np.zeros(0, np.int64)
+    if s.drop_last and n % k:
+        order, dropped = order[: n - n % k], np.sort(order[n - n % k :])
+    n = len(order)
+    return Plan(order.astype(np.int64), np.zeros(n, np.int64), lengths[order], np.arange(n + 1, dtype=np.int64),
+                np.append(np.arange(0, n, k), n).astype(np.int64), s.pad_to_multiple_of, dropped=dropped)
+
+
+def _reorder_batches(p: Plan, bperm: np.ndarray, extra_rows: list[np.ndarray] | None = None) -> Plan:
+    """A plan with batches ``bperm`` (then optional extra batches given as row-index arrays)."""
+    rows_of = [ranges(p.batch_ptr[bperm], p.batch_ptr[bperm + 1])] + (extra_rows or [])
+    rows = np.concatenate(rows_of).astype(np.int64)
+    nrows = np.concatenate([np.diff(p.batch_ptr)[bperm]] + [[len(x)] for x in (extra_rows or [])]).astype(np.int64)
+    pieces = ranges(p.row_ptr[rows], p.row_ptr[rows + 1])
+    row_ptr = np.concatenate([[0], np.cumsum(p.row_ptr[rows + 1] - p.row_ptr[rows])]).astype(np.int64)
+    return Plan(p.doc[pieces], p.start[pieces], p.stop[pieces], row_ptr, np.concatenate([[0], np.cumsum(nrows)]).astype(np.int64),
+                p.pad_to_multiple_of, p.split, p.truncated, p.dropped)
+
+
+def _shard(p: Plan, rank: int, world: int) -> Plan:
+    """This rank's share. A step is ``world`` consecutive batches, one per rank (each within its
+    budget). The last, incomplete step's batches are split row-wise among all ranks (heaviest
+    batch gets the spare ranks first; rows dealt longest-first round-robin, so shares stay within
+    the original batch's budget and balanced in slots). A rank with nothing left gets an empty batch."""
+    nb = p.num_batches
+    full = nb // world * world
+    mine = np.arange(rank, full, world, dtype=np.int64)
+    tail = list(range(full, nb))
+    if not tail:
+        return _reorder_batches(p, mine)
+    _, slots = p.batch_stats()
+    rl = p.row_lengths()
+    nrows = np.diff(p.batch_ptr)
+    shares = {b: 1 for b in tail}
+    for _ in range(world - len(tail)):
+        cand = [b for b in tail if shares[b] < nrows[b]]
+        if not cand:
+            break
+        b = max(cand, key=lambda b: (slots[b] / shares[b], -b))
+        shares[b] += 1
+    parts: list[np.ndarray] = []
+    for b in tail:
+        rows = np.arange(p.batch_ptr[b], p.batch_ptr[b + 1])
+        rows = rows[np.argsort(-rl[rows], kind="stable")]
+        parts.extend(rows[j :: shares[b]] for j in range(shares[b]))
+    parts += [np.zeros(0, np.int64)] * (world - len(parts))
+    return _reorder_batches(p, mine, [parts[rank]])

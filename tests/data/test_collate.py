@@ -1,0 +1,221 @@
+"""Collators: labels are inputs shifted by one except -100 at exactly padding, prompt and boundaries;
+positions restart per piece; counts exact; the book's collate on its own data; masked-LM semantics."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from densebatch.batch import IGNORE_INDEX
+from densebatch.data.collate import CausalCollator, MaskedLMCollator, collator_from_config
+from densebatch.data.plan import PlanSettings, plan_epoch
+
+EOS = 50256
+
+
+class MemStore:
+    """In-memory stand-in for data/store.DocumentStore (same attributes)."""
+
+    def __init__(self, docs: list[list[int]], masks: list[list[int]] | None = None, eos_id=EOS, pad_id=EOS, vocab_size=50257,
+                 mask_id=None, special_ids=(EOS,)):
+        masks = masks or [[1] * len(d) for d in docs]
+        self.tokens = np.array([t for d in docs for t in d], np.int32)
+        self.loss_mask = np.array([m for d in masks for m in d], np.uint8)
+        self.lengths = np.array([len(d) for d in docs], np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        self.meta = {"eos_id": eos_id, "pad_id": pad_id, "vocab_size": vocab_size, "mask_id": mask_id, "special_ids": list(special_ids)}
+
+    def __len__(self):
+        return len(self.lengths)
+
+
+def reference(store, rows, pad_id, mult, use_mask=True):
+    """Per-token Python reference of the causal collate contract."""
+    lens = [sum(b - a for _, a, b in row) for row in rows]
+    T = -(-max(lens, default=0) // mult) * mult
+    ids = np.full((len(rows), T), pad_id)
+    lab = np.full((len(rows), T), IGNORE_INDEX)
+    pos = np.zeros((len(rows), T), np.int64)
+    for r, row in enumerate(rows):
+        t = 0
+        for d, a, b in row:
+            off = store.offsets[d]
+            for k in range(b - a):
+                ids[r, t] = store.tokens[off + a + k]
+                pos[r, t] = k
+                if k < b - a - 1 and (not use_mask or store.loss_mask[off + a + k + 1]):
+                    lab[r, t] = store.tokens[off + a + k + 1]
+                t += 1
+        pos[r, t:] = np.arange(T - t)
+    return ids, lab, pos
+
+
+doc_st = st.lists(st.tuples(st.integers(0, 20), st.integers(0, 1)), min_size=1, max_size=30)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(doc_st, min_size=1, max_size=12), st.data(), st.sampled_from([1, 4, 8]), st.booleans())
+def test_causal_matches_reference(docs, data, mult, use_mask):
+    """Tokens drawn from a tiny vocabulary so pad/eos ids (0..20 includes 0 = pad, 20 = eos) occur inside texts."""
+    store = MemStore([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
+    n = len(docs)
+    rows = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        row = []
+        for d in data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)):
+            L = int(store.lengths[d])
+            a = data.draw(st.integers(0, L - 1))
+            b = data.draw(st.integers(a + 1, L))
+            row.append((d, a, b))
+        rows.append(row)
+    batch = CausalCollator(pad_id=0, pad_to_multiple_of=mult, use_loss_mask=use_mask)(store, rows)
+    ids, lab, pos = reference(store, rows, 0, mult, use_mask)
+    assert batch.input_ids.dtype == torch.int64 and batch.input_ids.shape == ids.shape and ids.shape[1] % mult == 0
+    assert np.array_equal(batch.input_ids.numpy(), ids)
+    assert np.array_equal(batch.labels.numpy(), lab)
+    assert np.array_equal(batch.positions.numpy(), pos)
+    assert batch.num_loss_tokens == int((lab != IGNORE_INDEX).sum())
+    assert batch.num_real_tokens == sum(b - a for row in rows for _, a, b in row)
+
+
+def test_docstring_example_and_padding_segment():
+    store = MemStore([[1, 2, 9], [3, 9]])  # eos = 9 ends each document
+    b = CausalCollator(pad_id=0, pad_to_multiple_of=1)(store, [[(0, 0, 3), (1, 0, 2)], [(1, 0, 2)]])
+    assert b.input_ids.tolist() == [[1, 2, 9, 3, 9], [3, 9, 0, 0, 0]]
+    assert b.labels.tolist() == [[2, 9, -100, 9, -100], [9, -100, -100, -100, -100]]
+    assert b.positions.tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert (b.num_loss_tokens, b.num_real_tokens, b.num_slots) == (4, 7, 10)
+
+
+def test_split_piece_restarts_positions_and_prompt_mask_is_by_position():
+    # doc 0: prompt 5 6 (no loss as targets), response 7 EOS; an EOS id inside the prompt of doc 1
+    store = MemStore([[5, 6, 7, EOS], [EOS, 4, EOS]], [[0, 0, 1, 1], [0, 1, 1]])
+    b = CausalCollator(pad_id=EOS)(store, [[(0, 0, 2), (0, 2, 4)], [(1, 0, 3)]])
+    assert b.positions.tolist() == [[0, 1, 0, 1], [0, 1, 2, 0]]
+    assert b.labels.tolist() == [[-100, -100, EOS, -100], [4, EOS, -100, -100]]
+
+
+def test_bad_piece_is_a_clear_error():
+    store = MemStore([[1, 2, 3]])
+    with pytest.raises(ValueError, match="ends past the document"):
+        CausalCollator(pad_id=0)(store, [[(0, 0, 5)]])
+
+
+# --------------------------------------------------------------------------- book equivalence
+def _book_collate(batch, pad_token_id=EOS, ignore_index=-100):
+    """The book's custom_collate_fn (ch. 7), verbatim in behaviour."""
+    batch_max_length = max(len(item) + 1 for item in batch)
+    inputs_lst, targets_lst = [], []
+    for item in batch:
+        new_item = item.copy() + [pad_token_id]
+        padded = new_item + [pad_token_id] * (batch_max_length - len(new_item))
+        inputs, targets = torch.tensor(padded[:-1]), torch.tensor(padded[1:])
+        indices = torch.nonzero(targets == pad_token_id).squeeze()
+        if indices.numel() > 1:
+            targets[indices[1:]] = ignore_index
+        inputs_lst.append(inputs)
+        targets_lst.append(targets)
+    return torch.stack(inputs_lst), torch.stack(targets_lst)
+
+
+@pytest.fixture(scope="module")
+def book_items():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from shared_lengths import alpaca_text, gpt2_tokenizer, shared_data_dir
+
+    shared = shared_data_dir()
+    if shared is None:
+        pytest.skip("../shared/data is absent")
+
+    data = json.loads((shared / "instruction-data.json").read_text(encoding="utf-8"))
+    train = data[: int(len(data) * 0.85)]
+    return [e.ids for e in gpt2_tokenizer(shared).encode_batch([alpaca_text(r) for r in train])]
+
+
+def test_book_equivalence_on_its_own_data(book_items):
+    """Our documents are the book's items plus the end-of-text prepare appends. With pad = eos = 50256,
+    no prompt masking and one document per row, our batch is exactly one column wider than the
+    book's (T = longest item + 1 vs longest item): on the book's columns inputs and targets are
+    equal, and our extra column has no target. Batches: the book's own loader order
+    (torch.manual_seed(123), shuffle, 8 rows, drop_last), and our `random` planner's."""
+    store = MemStore([ids + [EOS] for ids in book_items])
+    ours = CausalCollator(pad_id=EOS, use_loss_mask=False)
+    torch.manual_seed(123)
+    loader = torch.utils.data.DataLoader(range(len(book_items)), batch_size=8, shuffle=True, drop_last=True, collate_fn=list)
+    book_batches = [b for b in loader]
+    widths = []
+    plan = plan_epoch(store.lengths, PlanSettings(strategy="random", rows_per_batch=8), seed=123, epoch=0)
+    our_batches = [[d for row in plan.batch(i) for d, _, _ in row] for i in range(plan.num_batches)]
+    for k, idx in enumerate(book_batches + our_batches):
+        bi, bt = _book_collate([book_items[i] for i in idx])
+        b = ours(store, [[(i, 0, int(store.lengths[i]))] for i in idx])
+        W = bi.shape[1]
+        if k < len(book_batches):
+            widths.append(W)
+        assert b.input_ids.shape[1] == W + 1
+        assert torch.equal(b.input_ids[:, :W], bi) and torch.equal(b.labels[:, :W], bt)
+        assert (b.labels[:, W] == IGNORE_INDEX).all()
+    assert widths[:10] == [61, 76, 73, 68, 65, 72, 80, 67, 62, 75]  # ../shared/data/README.md
+
+
+def test_book_masks_by_value_we_mask_by_position(book_items):
+    item = book_items[0][:10] + [EOS] + book_items[0][10:]  # an end-of-text id inside the text
+    _, bt = _book_collate([item, book_items[1]])
+    store = MemStore([item + [EOS], book_items[1] + [EOS]])
+    b = CausalCollator(pad_id=EOS, use_loss_mask=False)(store, [[(0, 0, len(item) + 1)], [(1, 0, len(book_items[1]) + 1)]])
+    n = len(item)
+    assert bt[0, 9] == EOS and b.labels[0, 9] == EOS  # the in-text id: both keep it
+    assert bt[0, n - 1] == IGNORE_INDEX  # the book loses the real end-of-text target
+    assert b.labels[0, n - 1] == EOS  # we keep it
+    assert b.labels[0, n] == IGNORE_INDEX  # and never predict past the document
+
+
+# ------------------------------------------------------------------------------------ masked LM
+def _mlm_store():
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(5, 1000, int(n)).tolist() + [2] for n in rng.integers(50, 300, 40)]
+    return MemStore(docs, eos_id=2, pad_id=0, vocab_size=1000, mask_id=3, special_ids=(0, 1, 2, 3))
+
+
+def test_mlm_hf_semantics_and_determinism():
+    store = _mlm_store()
+    coll = collator_from_config(type("C", (), {"mode": "mlm", "mlm_probability": 0.15, "pad_to_multiple_of": 8})(), store.meta, seed=5)
+    rows = [[(d, 0, int(store.lengths[d]))] for d in range(40)]
+    b = coll(store, rows, step=(1, 2))
+    plain = CausalCollator(pad_id=0, pad_to_multiple_of=8)(store, rows)
+    orig, sel = plain.input_ids, b.labels != IGNORE_INDEX
+    real = plain.positions.new_zeros(plain.positions.shape, dtype=torch.bool)
+    for r, n in enumerate(store.lengths.tolist()):
+        real[r, :n] = True
+    special = torch.isin(orig, torch.tensor([0, 1, 2, 3]))
+    assert not (sel & (~real | special)).any(), "padding and special tokens are never selected"
+    assert torch.equal(b.labels[sel], orig[sel])
+    share = sel.sum().item() / (real & ~special).sum().item()
+    assert 0.13 < share < 0.17
+    masked = (b.input_ids == 3) & sel
+    kept = (b.input_ids == orig) & sel
+    assert 0.75 < masked.sum().item() / sel.sum().item() < 0.85
+    assert 0.06 < kept.sum().item() / sel.sum().item() < 0.15  # 10% unchanged (+ random hits of itself)
+    assert torch.equal(b.input_ids[~sel], orig[~sel])
+    assert torch.equal(b.positions, plain.positions) and b.num_loss_tokens == int(sel.sum())
+    again = coll(store, rows, step=(1, 2))
+    assert torch.equal(again.input_ids, b.input_ids) and torch.equal(again.labels, b.labels)
+    other = coll(store, rows, step=(1, 3))
+    assert not torch.equal(other.labels, b.labels)
+
+
+def test_mlm_without_mask_token_is_a_clear_error():
+    with pytest.raises(ValueError, match="mask token"):
+        MaskedLMCollator(pad_id=0, mask_id=None, vocab_size=10)
+
+
+def test_empty_share_collates_to_an_empty_batch():
+    """A rank with nothing left in the last step gets zero rows (see plan._shard)."""
+    b = CausalCollator(pad_id=0)(MemStore([[1, 2, 3]]), [])
+    assert b.input_ids.shape == (0, 0) and b.num_loss_tokens == b.num_real_tokens == 0

@@ -1,0 +1,194 @@
+"""Planner properties over random length arrays: coverage, budgets, determinism, rank shares."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from densebatch.data.packing import exact_cuts as _exact_cuts, greedy_cuts as _greedy_cuts
+from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
+
+lengths_st = st.lists(st.integers(1, 300), min_size=0, max_size=120).map(lambda x: np.array(x, np.int64))
+settings_st = st.builds(
+    PlanSettings,
+    strategy=st.sampled_from(STRATEGIES),
+    rows_per_batch=st.integers(1, 9),
+    max_tokens_per_batch=st.integers(256, 1200),
+    seq_len=st.integers(16, 256),
+    long_docs=st.sampled_from(["split", "truncate"]),
+    pad_to_multiple_of=st.sampled_from([1, 8]),
+    mega_batch_mult=st.integers(1, 5),
+    drop_last=st.booleans(),
+)
+FEW = settings(max_examples=60, deadline=None)
+
+
+def _cap(s: PlanSettings) -> int:
+    if s.strategy == "packed":
+        return s.seq_len
+    if s.strategy == "token_budget":
+        return s.max_tokens_per_batch // s.pad_to_multiple_of * s.pad_to_multiple_of
+    return 1 << 62
+
+
+def check_coverage(lengths: np.ndarray, s: PlanSettings, plan) -> None:
+    """Every document exactly once: whole, tiled exactly by its pieces, truncated, or dropped by policy."""
+    cap = _cap(s)
+    doc, start, stop = plan.doc, plan.start, plan.stop
+    assert (stop > start).all() and (start >= 0).all() and (stop <= lengths[doc]).all()
+    assert (stop - start <= cap).all()
+    if len(doc) == 0:
+        assert len(np.setdiff1d(np.arange(len(lengths)), plan.dropped)) == 0
+        return
+    o = np.lexsort((start, doc))
+    d, a, b = doc[o], start[o], stop[o]
+    first = np.r_[True, d[1:] != d[:-1]]
+    last = np.r_[d[1:] != d[:-1], True]
+    assert (a[first] == 0).all(), "a document's first piece must start at 0"
+    assert (a[~first] == np.r_[0, b[:-1]][~first]).all(), "pieces of a split document must tile it"
+    expected = np.setdiff1d(np.arange(len(lengths)), plan.dropped)
+    assert np.array_equal(d[first], expected), "every document (not dropped by policy) exactly once"
+    truncated = np.isin(d[last], plan.truncated)
+    assert (b[last][~truncated] == lengths[d[last]][~truncated]).all()
+    assert (b[last][truncated] == cap).all() and (lengths[d[last]][truncated] > cap).all()
+    pieces = np.bincount(d, minlength=len(lengths))
+    assert set(np.flatnonzero(pieces > 1).tolist()) == set(plan.split.tolist())
+    assert set(plan.split.tolist()) == set(np.flatnonzero((lengths > cap) & (s.long_docs == "split")).tolist())
+    assert set(plan.truncated.tolist()) == set(np.flatnonzero((lengths > cap) & (s.long_docs == "truncate")).tolist())
+
+
+def check_budget(s: PlanSettings, plan) -> None:
+    real, slots = plan.batch_stats()
+    nrows = np.diff(plan.batch_ptr)
+    rl = plan.row_lengths()
+    if s.strategy in ("token_budget", "packed"):
+        assert (slots <= s.max_tokens_per_batch).all()
+    if s.strategy == "packed":
+        assert (rl <= s.seq_len).all() and (nrows <= s.rows_per_packed_batch).all()
+    else:
+        assert (np.diff(plan.row_ptr) == 1).all()  # one piece per row
+    if s.strategy in ("random", "length_grouped"):
+        assert (nrows <= s.rows_per_batch).all() and (nrows[:-1] == s.rows_per_batch).all()
+    assert (nrows >= 1).all()
+
+
+@FEW
+@given(lengths_st, settings_st, st.integers(0, 2**32), st.integers(0, 5))
+def test_every_document_once_and_budgets_hold(lengths, s, seed, epoch):
+    plan = plan_epoch(lengths, s, seed, epoch)
+    check_coverage(lengths, s, plan)
+    check_budget(s, plan)
+
+
+@FEW
+@given(lengths_st, settings_st, st.integers(0, 2**32))
+def test_same_seed_same_plan(lengths, s, seed):
+    a, b = plan_epoch(lengths, s, seed, 3), plan_epoch(lengths, s, seed, 3)
+    for f in ("doc", "start", "stop", "row_ptr", "batch_ptr"):
+        assert np.array_equal(getattr(a, f), getattr(b, f))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_next_epoch_changes_order(strategy):
+    lengths = np.random.default_rng(0).integers(1, 200, 500)
+    s = PlanSettings(strategy=strategy, seq_len=256, max_tokens_per_batch=1024)
+    a, b = plan_epoch(lengths, s, 7, 0), plan_epoch(lengths, s, 7, 1)
+    assert not np.array_equal(a.doc, b.doc)
+    assert sorted(a.doc.tolist()) == sorted(b.doc.tolist())
+
+
+@FEW
+@given(lengths_st, settings_st, st.integers(0, 2**32), st.integers(2, 5))
+def test_rank_shares_are_disjoint_cover_each_step_and_keep_budgets(lengths, s, seed, world):
+    whole = plan_epoch(lengths, s, seed, 0)
+    shares = [plan_epoch(lengths, s, seed, 0, rank=r, world_size=world) for r in range(world)]
+    assert len({p.num_batches for p in shares}) == 1, "every rank takes the same number of steps"
+    key = lambda p: sorted(zip(p.doc.tolist(), p.start.tolist(), p.stop.tolist()))
+    assert sorted(sum((key(p) for p in shares), [])) == key(whole)
+    pieces = lambda p, i: [x for row in p.batch(i) for x in row]
+    for i in range(shares[0].num_batches):  # step i = whole batches i*world .. (i+1)*world - 1
+        parts = [pieces(p, i) for p in shares]
+        flat = sum(parts, [])
+        assert len(flat) == len(set(flat)), "rank shares overlap"
+        step = sum((pieces(whole, b) for b in range(i * world, min(whole.num_batches, (i + 1) * world))), [])
+        assert sorted(flat) == sorted(step)
+    for p in shares:
+        check_budget_shards(s, p)
+
+
+def check_budget_shards(s: PlanSettings, plan) -> None:
+    _, slots = plan.batch_stats()
+    if s.strategy in ("token_budget", "packed"):
+        assert (slots <= s.max_tokens_per_batch).all()
+
+
+def test_rank_must_be_valid():
+    with pytest.raises(ValueError, match="rank"):
+        plan_epoch(np.array([3, 4]), PlanSettings(), 0, 0, rank=2, world_size=2)
+
+
+def test_bad_settings_are_value_errors():
+    with pytest.raises(ValueError, match="strategy"):
+        PlanSettings(strategy="nope")
+    with pytest.raises(ValueError, match="packed row"):
+        PlanSettings(strategy="packed", seq_len=1000, max_tokens_per_batch=999)
+    with pytest.raises(ValueError, match="at least one token"):
+        plan_epoch(np.array([3, 0]), PlanSettings(), 0, 0)
+
+
+def test_from_config_reads_batching_config():
+    from densebatch.config import BatchingConfig
+
+    s = PlanSettings.from_config(BatchingConfig(strategy="token_budget", max_tokens_per_batch=4096, prefetch=0))
+    assert s.strategy == "token_budget" and s.max_tokens_per_batch == 4096
+
+
+def test_length_grouped_matches_hugging_face_shape():
+    """Mega-batches are sorted descending and the longest document comes first."""
+    lengths = np.random.default_rng(1).integers(1, 1000, 1000)
+    s = PlanSettings(strategy="length_grouped", rows_per_batch=4, mega_batch_mult=5)
+    p = plan_epoch(lengths, s, 0, 0)
+    assert p.doc[0] == np.argmax(lengths) or lengths[p.doc[0]] == lengths.max()
+    ls = lengths[p.doc]
+    for m in range(0, len(ls), 20):
+        chunk = ls[m : m + 20].copy()
+        if m == 0:
+            chunk = chunk[1:]  # the swapped-in longest
+        elif np.argmax(lengths) in p.doc[m : m + 20].tolist():
+            continue
+        assert (np.diff(chunk[1:] if m else chunk) <= 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=60), st.sampled_from([64, 128, 200]))
+def test_token_budget_exact_dp_is_no_worse_than_greedy(xs, budget):
+    r = np.sort(np.array(xs, np.int64))[::-1]
+    k = budget // r
+    ends = np.append(np.flatnonzero(np.diff(r)) + 1, len(r))
+    g, e = _greedy_cuts(ends, k[ends - 1]), _exact_cuts(r, k)
+    slots = lambda c: sum((c[i + 1] - c[i]) * r[c[i]] for i in range(len(c) - 1))
+    assert len(e) == len(g)  # both reach the fewest batches
+    assert slots(e) <= slots(g)
+    for c in (g, e):
+        assert all((c[i + 1] - c[i]) * r[c[i]] <= budget for i in range(len(c) - 1))
+
+
+def test_packed_is_near_the_bound_on_long_tails():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(300), 1.0, 20000).astype(np.int64), 1, 4096)
+    s = PlanSettings(strategy="packed", seq_len=2048, max_tokens_per_batch=8192)
+    p = plan_epoch(lengths, s, 0, 0)
+    bound = -(-lengths.sum() // 2048)
+    assert p.num_rows <= max(bound + 1, bound * 1.01)
+    assert p.stats()["fill_rate"] >= 0.99
+    check_coverage(lengths, s, p)
+
+
+def test_token_budget_greedy_path_on_many_documents():
+    lengths = np.random.default_rng(2).integers(1, 3000, 30000)
+    s = PlanSettings(strategy="token_budget", max_tokens_per_batch=4096, pad_to_multiple_of=8)
+    p = plan_epoch(lengths, s, 0, 0)
+    check_coverage(lengths, s, p)
+    check_budget(s, p)
+    assert p.stats()["fill_rate"] > 0.97
