@@ -81,3 +81,9 @@ def test_resolved_config_round_trips(tmp_path):
 def test_every_field_is_documented():
     for key, _default, help_ in describe():
         assert help_.strip(), f"{key} has no help text"
+
+
+def test_configuration_doc_lists_every_key():
+    doc = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
+    missing = [key for key, _, _ in describe() if f"`{key}`" not in doc]
+    assert not missing, f"docs/configuration.md lacks {missing}"

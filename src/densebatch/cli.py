@@ -20,13 +20,19 @@ from densebatch.errors import UserError
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Separate ``--section.key=value`` overrides (also ``--section.key value``) from other args."""
+    """Separate config overrides — ``--section.key=value``, ``--output_dir=DIR``, ``--seed=1`` (also
+    written ``--section.key value``) — from the other arguments."""
+    from dataclasses import fields
+
+    from densebatch.config import RunConfig
+
+    top = {f.name for f in fields(RunConfig)}
     rest, overrides = [], []
     i = 0
     while i < len(argv):
         arg = argv[i]
         name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
-        if "." in name:
+        if "." in name or name in top:
             if "=" not in arg:
                 if i + 1 >= len(argv):
                     raise UserError(f"override '{arg}' has no value: write {arg}=VALUE")
