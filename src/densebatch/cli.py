@@ -26,7 +26,8 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
     from densebatch.config import RunConfig
 
-    top = {f.name for f in fields(RunConfig)}
+    # Top-level scalars only: `--checkpoint DIR` is a command argument, not the checkpoint section.
+    top = {f.name for f in fields(RunConfig) if f.type in ("str", "int", str, int)}
     rest, overrides = [], []
     i = 0
     while i < len(argv):

@@ -14,6 +14,7 @@ import math
 import random
 import signal
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +86,10 @@ class AccuracyCheck:
         return "\n".join(lines)
 
 
+# TrainState fields that count what was consumed rather than what the weights have seen: kept by a rollback.
+_CONSUMED = ("batches_seen", "real_tokens", "loss_tokens", "slot_tokens", "skipped_steps", "elapsed_s")
+
+
 class Session:
     """One training run: the trainer plus its checkpoints, signals and anomaly rollbacks."""
 
@@ -105,10 +110,17 @@ class Session:
         loader_state = t.batches.state_dict() if keep_loader_position else None
         guard = getattr(t.step_check, "__self__", None)
         guard_state = guard.state_dict() if (keep_loader_position and guard is not None) else None
+        # Counters of the data consumed (and wall time, skipped steps) follow the loader position, which a
+        # rollback keeps: restored with the weights, batches_seen would lag the loader by the skipped
+        # batches (wrong epoch in the logs, max_epochs overshot) and the skipped steps would be forgotten.
+        consumed = {k: getattr(t.state, k) for k in _CONSUMED} if keep_loader_position else {}
         t.load_state_dict({"model": ck.model_state, "optimizer": ck.optimizer_state, "trainer": ck.extra_state["trainer"]})
         if keep_loader_position:  # a rollback skips the batches that caused it and keeps the guard's history
             t.batches.load_state_dict(loader_state)
-            guard.load_state_dict(guard_state)
+            if guard is not None:
+                guard.load_state_dict(guard_state)
+            for k, v in consumed.items():
+                setattr(t.state, k, v)
         else:
             restore_rng_state(ck.extra_state["rng"])
 
@@ -138,15 +150,19 @@ class Session:
               if target is not None else event["note"]), file=sys.stderr, flush=True)
 
 
-def _install_signal_handlers(trainer: Trainer) -> None:
+def _install_signal_handlers(trainer: Trainer) -> dict:
+    """Route SIGTERM / SIGINT to ``trainer.should_stop``; returns the handlers they replace (to put back).
+    Outside the main thread (``train`` called from a worker thread) signals cannot be caught: none."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
     def handler(signum, frame):
         if trainer.should_stop:  # a second signal: stop now
             raise KeyboardInterrupt
         trainer.should_stop = True
         print(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint", file=sys.stderr, flush=True)
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
 
 def train(cfg: RunConfig, resume: bool = False) -> int:
@@ -190,12 +206,12 @@ def train(cfg: RunConfig, resume: bool = False) -> int:
             truncate_metrics(out / METRICS_FILE, trainer.state.step)
             print(f"resumed from {path} (step {trainer.state.step})", flush=True)
 
-    _install_signal_handlers(trainer)
+    previous = _install_signal_handlers(trainer)
     try:
         result = trainer.run()
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        for sig, old in previous.items():  # the caller's handlers (Python's KeyboardInterrupt for SIGINT), not SIG_DFL
+            signal.signal(sig, old if old is not None else signal.SIG_DFL)
     if session.last_saved_step != trainer.state.step:
         path = session.save()
         print(f"checkpoint: {path}", flush=True)
