@@ -92,13 +92,18 @@ def _undecodable_where(raw: bytes) -> str:
 
 
 def _jsonl(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+    blank: list[int] = []
     with open(p, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             where = f"{p}:{lineno}"
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]  # a UTF-8 byte-order mark is not content
             if not raw.strip():
-                continue  # blank lines separate nothing in JSONL; they are not records
+                blank.append(lineno)  # trailing blank lines are harmless; one between records is reported
+                continue
+            for b in blank:
+                yield BadRecord(f"{p}:{b}", "blank_line", "blank line (JSONL holds one JSON object on every line)")
+            blank.clear()
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:

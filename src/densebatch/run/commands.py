@@ -132,10 +132,11 @@ def templated_prompt(text: str, cfg: RunConfig | None) -> str:
     if cfg is None or cfg.data.template == "raw":
         return text
     f = cfg.data.fields
+    # A placeholder response: prompt_text returns everything before the first response segment.
     if cfg.data.template == "alpaca":
-        record = {f.instruction: text, f.input: ""}
+        record = {f.instruction: text, f.input: "", f.output: "-"}
     elif cfg.data.template == "chatml":
-        record = {f.messages: [{f.role: "user", f.content: text}]}
+        record = {f.messages: [{f.role: "user", f.content: text}, {f.role: "assistant", f.content: "-"}]}
     else:
         return text
     return prompt_text(record, cfg.data)
