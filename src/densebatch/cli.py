@@ -93,6 +93,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sp = with_config("config", "Print the resolved configuration (or every key with its help).")
     sp.add_argument("--keys", action="store_true", help="list every key, its default and what it means")
+    sp.add_argument("--markdown", action="store_true", help="with --keys: as the Markdown table of docs/configuration.md")
     return p
 
 

@@ -142,8 +142,9 @@ class ModelConfig:
     vocab_size: int | None = _f(None, "gpt: vocabulary size; none = the tokenizer's.")
     attention: str = _f(
         "auto",
-        "Document-isolating attention: auto (fastest that isolates here), flex, varlen, masked (SDPA with a block mask).",
-        choices=("auto", "flex", "varlen", "masked"),
+        "Document-isolating attention: auto (fastest that isolates here), flex, varlen, segmented (length-bucketed "
+        "causal SDPA per document, any device), masked (SDPA with a block mask).",
+        choices=("auto", "flex", "varlen", "segmented", "masked"),
     )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
 

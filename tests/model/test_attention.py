@@ -1,19 +1,44 @@
-"""Document masks, the single-document fast-path test and backend resolution."""
+"""Document masks, segment plans, the single-document fast-path test and backend resolution."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import pack
 from densebatch.errors import ConfigError
 from densebatch.model.attention import (
+    SEGMENTED_MIN_LEN,
     attend,
     document_mask,
     only_padding_after_first_document,
     plan_attention,
     resolve_backend,
+    segment_plan,
+    segmented_attention,
 )
+
+
+def positions_of(rows: list[list[int]], T: int) -> torch.Tensor:
+    """Positions of rows of documents with these lengths, padded to T (padding restarts at 0). (rows, T)"""
+    out = torch.zeros(len(rows), T, dtype=torch.int64)
+    for r, lengths in enumerate(rows):
+        pos = [p for n in lengths for p in range(n)]
+        out[r] = torch.tensor(pos + list(range(T - len(pos))))
+    return out
+
+
+def qkv(rows: int, T: int, H: int = 2, D: int = 8, dtype=torch.float32, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, H, T, D, generator=gen, dtype=dtype).requires_grad_() for _ in range(3)]
+
+
+def outputs_and_grads(q, k, v, fn):
+    out = fn(q, k, v)
+    grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out) + out.detach())  # a non-uniform upstream
+    return out, grads
 
 
 def test_document_mask_is_block_diagonal_and_causal():
@@ -34,7 +59,11 @@ def test_fast_path_only_when_rest_is_padding():
 
 
 def test_resolve_backend_on_cpu():
-    assert resolve_backend("auto", "cpu", training=True) == "masked"
+    assert resolve_backend("auto", "cpu", training=True) == "segmented"
+    assert resolve_backend("auto", "cpu", training=True, seq_len=SEGMENTED_MIN_LEN) == "segmented"
+    # Short rows: the gathers cost as much as the scores they save.
+    assert resolve_backend("auto", "cpu", training=True, seq_len=SEGMENTED_MIN_LEN - 1) == "masked"
+    assert resolve_backend("segmented", "cpu", seq_len=8) == "segmented"
     assert resolve_backend("masked", "cpu") == "masked"
     assert resolve_backend("flex", "cpu", training=False) == "flex"
     with pytest.raises(ConfigError, match="no backward pass on CPU"):
@@ -45,7 +74,7 @@ def test_resolve_backend_on_cpu():
         resolve_backend("fast", "cpu")
 
 
-def test_varlen_plan_fp32_falls_back_to_exact_mask():
+def test_varlen_plan_fp32_falls_back_to_exact_segments():
     # The varlen plan's cu_seqlens are checked here; the kernel itself needs CUDA + half precision.
     pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])
     plan = plan_attention(pos, "varlen")
@@ -56,7 +85,7 @@ def test_varlen_plan_fp32_falls_back_to_exact_mask():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["varlen", "flex"])
+@pytest.mark.parametrize("backend", ["varlen", "flex", "segmented"])
 def test_cuda_backends_match_masked(backend):
     torch.manual_seed(0)
     pos = torch.tensor([[*range(100), *range(60), *range(96)]] * 2, device="cuda")
@@ -64,3 +93,84 @@ def test_cuda_backends_match_masked(backend):
     ref = attend(q, k, v, plan_attention(pos, "masked")).float()
     out = attend(q, k, v, plan_attention(pos, backend)).float()
     assert (out - ref).abs().max() < 2e-2
+
+
+def test_segment_plan_buckets_and_round_trip():
+    pos = positions_of([[5, 40, 3], [48], [1, 47]], T=48)
+    seg = segment_plan(pos)  # default bounds: <= 32, (32, 40], (40, 50]
+    assert seg.buckets == [(3, 5), (1, 40), (2, 48)]
+    n_slots = sum(n * L for n, L in seg.buckets)
+    assert seg.gather.shape == (n_slots,) and seg.pad_slots.numel() == n_slots - pos.numel()
+    assert torch.equal(seg.gather[seg.scatter], torch.arange(pos.numel()))  # each token is its own slot
+    # Slots of a segment are contiguous and in order: token t sits `offset` slots after its segment's first.
+    assert torch.equal(seg.scatter[3 * 48 - 47 :] - seg.scatter[3 * 48 - 47], torch.arange(47))
+
+
+def test_a_row_start_is_a_segment_start():
+    # Left-over positions that do not restart at a row start still never attend across rows.
+    pos = torch.tensor([[3, 4, 5, 0, 1], [7, 8, 0, 1, 2]])
+    q, k, v = qkv(2, 5)
+    ref = attend(q, k, v, plan_attention(pos, "masked"))
+    assert torch.allclose(attend(q, k, v, plan_attention(pos, "segmented")), ref, atol=1e-6)
+
+
+def test_one_segment_per_row_takes_the_causal_path():
+    assert plan_attention(torch.arange(300).repeat(2, 1), "segmented").backend == "causal"
+    assert plan_attention(positions_of([[3, 4]], 9), "segmented").backend == "segmented"
+
+
+def test_segmented_matches_masked_with_gradients_and_dropout_off():
+    pos = positions_of([[100, 60, 90], [256], [1, 2, 3, 200], [17]], T=256)
+    q, k, v = qkv(4, 256, H=4, D=16)
+    ref, ref_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "masked")))
+    out, out_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "segmented")))
+    assert (out - ref).abs().max() <= 1e-5
+    for a, b in zip(out_g, ref_g):
+        assert (a - b).abs().max() <= 1e-5
+
+
+def test_segmented_gradcheck_float64():
+    pos = positions_of([[3, 6], [2, 2, 4]], T=11)
+    q, k, v = qkv(2, 11, H=1, D=3, dtype=torch.float64)
+    seg = segment_plan(pos, ratio=1.5, min_len=2)  # several buckets, padded slots in most
+    assert len(seg.buckets) > 2
+    assert torch.autograd.gradcheck(lambda *x: segmented_attention(*x, seg), (q, k, v))
+
+
+@st.composite
+def layouts(draw):
+    """Rows of document lengths plus trailing padding, and bucket settings that split them finely."""
+    T = draw(st.integers(1, 40))
+    rows = []
+    for _ in range(draw(st.integers(1, 4))):
+        lengths, left = [], T
+        while left and draw(st.booleans()):
+            n = draw(st.integers(1, left))
+            lengths.append(n)
+            left -= n
+        rows.append(lengths)
+    return T, rows, draw(st.sampled_from([1.25, 1.5, 2.0])), draw(st.integers(1, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(layouts())
+def test_random_layouts_match_masked(layout):
+    T, rows, ratio, min_len = layout
+    pos = positions_of(rows, T)
+    seg = segment_plan(pos, ratio=ratio, min_len=min_len)
+    q, k, v = qkv(len(rows), T, seed=T)
+    ref, ref_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "masked")))
+    out, out_g = outputs_and_grads(q, k, v, lambda *x: segmented_attention(*x, seg))
+    assert (out - ref).abs().max() <= 1e-5
+    for a, b in zip(out_g, ref_g):
+        assert (a - b).abs().max() <= 1e-5
+
+
+def test_segmented_runs_in_bfloat16():
+    pos = positions_of([[30, 50], [70]], T=80)
+    q, k, v = (x.detach().bfloat16().requires_grad_() for x in qkv(2, 80))
+    out = attend(q, k, v, plan_attention(pos, "segmented"))
+    ref = attend(*(x.float() for x in (q, k, v)), plan_attention(pos, "masked"))
+    assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 3e-2
+    out.float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()

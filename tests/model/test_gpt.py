@@ -36,7 +36,7 @@ def alone_vs_packed(model, docs_by_row, seq_len=24):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("backend", ["masked", "auto", "flex"])
+@pytest.mark.parametrize("backend", ["masked", "segmented", "auto", "flex"])
 def test_packed_equals_alone(backend, gen):
     docs = [random_docs(gen, row, V) for row in LENGTHS]
     model = tiny(backend)
@@ -44,6 +44,47 @@ def test_packed_equals_alone(backend, gen):
     ctx = torch.no_grad() if backend == "flex" else torch.enable_grad()
     with ctx:
         assert alone_vs_packed(model, docs) <= 1e-5
+
+
+def test_auto_on_long_rows_is_segmented_and_exact(gen):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=4, n_embd=32, block_size=300)).eval()
+    assert model.attention_backend(torch.device("cpu"), 300) == "segmented"
+    docs = [random_docs(gen, row, V) for row in [[90, 120, 40], [250], [7, 200, 1, 60]]]
+    assert alone_vs_packed(model, docs, seq_len=300) <= 1e-5
+
+
+def grads_of(model, batch):
+    model.zero_grad(set_to_none=True)
+    model.token_losses(batch).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_segmented_gradients_equal_masked(gen):
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS], seq_len=30)
+    want = grads_of(tiny("masked").train(), batch)
+    got = grads_of(tiny("segmented").train(), batch)
+    for a, b in zip(got, want):
+        assert (a - b).abs().max() <= 1e-5
+
+
+def test_segmented_with_gradient_checkpointing(gen):
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS])
+    want = grads_of(tiny("segmented").train(), batch)
+    got = grads_of(tiny("segmented", gradient_checkpointing=True).train(), batch)
+    for a, b in zip(got, want):
+        assert torch.allclose(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_segmented_under_bf16_autocast_trains(gen):
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS])
+    model = tiny("segmented").train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.token_losses(batch)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, model.token_losses(batch), atol=0.1)
+    out.sum().backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
 def test_negative_control_plain_causal_leaks(gen, monkeypatch):

@@ -41,7 +41,7 @@ class GPTConfig:
     n_embd: int = 128
     block_size: int = 1024
     dropout: float = 0.0
-    attention: str = "auto"  # auto | flex | varlen | masked
+    attention: str = "auto"  # auto | flex | varlen | segmented | masked
     gradient_checkpointing: bool = False
 
 
@@ -134,8 +134,8 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, mean=0.0, std=0.02)
 
     # ---------------------------------------------------------------------------------- forward
-    def attention_backend(self, device: torch.device) -> str:
-        return resolve_backend(self.cfg.attention, device, training=torch.is_grad_enabled())
+    def attention_backend(self, device: torch.device, seq_len: int | None = None) -> str:
+        return resolve_backend(self.cfg.attention, device, training=torch.is_grad_enabled(), seq_len=seq_len)
 
     def hidden_states(
         self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False, cache: KVCache | None = None
@@ -147,7 +147,8 @@ class GPT(nn.Module):
                 "raise model.block_size or lower data.max_seq_len / batching.seq_len"
             )
         past = cache.positions if cache is not None else None
-        plan = plan_attention(positions, self.attention_backend(input_ids.device), single_doc_rows, past)
+        backend = self.attention_backend(input_ids.device, positions.shape[-1])
+        plan = plan_attention(positions, backend, single_doc_rows, past)  # once per forward, shared by all layers
         if cache is not None:
             cache.positions = positions if past is None else torch.cat([past, positions], dim=-1)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (rows, T, C)

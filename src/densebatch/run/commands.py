@@ -59,8 +59,29 @@ def analyze(cfg: RunConfig, args) -> int:
     return 0
 
 
+CONFIG_DOC_HEADER = """# Configuration
+
+One YAML file per run maps onto nested dataclasses (`src/densebatch/config.py`, each field documented
+in place). Any key can be overridden on the command line as `--section.key=value`; unknown keys,
+wrong types and invalid values stop the run with a message naming the key (exit code 2).
+`densebatch config --keys` prints this table; `densebatch config CONFIG` prints a resolved configuration.
+With no config, `densebatch train` runs the embedded default (`configs/default.yaml` writes it out).
+This page is generated: `densebatch config --keys --markdown > docs/configuration.md`.
+
+| key | default | meaning |
+|---|---|---|
+"""
+
+
+def config_markdown() -> str:
+    rows = "".join(f"| `{k}` | `{d}` | {h.replace('|', '/')} |\n" for k, d, h in describe())
+    return CONFIG_DOC_HEADER + rows
+
+
 def show_config(cfg: RunConfig, args) -> int:
-    if args.keys:
+    if args.keys and args.markdown:
+        print(config_markdown(), end="")
+    elif args.keys:
         width = max(len(k) for k, _, _ in describe())
         for key, default, help_ in describe():
             print(f"{key:<{width}}  {default:<18}  {help_}")
