@@ -98,3 +98,42 @@ def test_tokenizer_json_without_eos_is_a_config_error(tmp_path):
     Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ConfigError, match="end-of-text"):
         load_tokenizer(str(tmp_path / "tokenizer.json"))
+
+
+# ----------------------------------------------------------------------------- bpe:N (learned)
+def test_learned_bpe_is_deterministic_and_round_trips(tmp_path):
+    from densebatch.data.tokenizers import train_bpe
+
+    texts = [f"Below is an instruction number {i}. Write a response." for i in range(300)]
+    a, b = train_bpe(texts, 400), train_bpe(texts, 400)
+    assert a.fingerprint() == b.fingerprint()
+    assert a.vocab_size <= 400 and a.decode([a.eos_id]) == "<|endoftext|>" and a.mask_id is not None
+    ids = a.encode("Below is an instruction — ünïcode too")
+    assert a.decode(ids) == "Below is an instruction — ünïcode too"  # byte-level: every byte encodable
+    assert len(a.encode(texts[0])) < len(texts[0].encode()) / 2  # frequent strings became single ids
+    a.save(tmp_path / "tok")
+    c = load_tokenizer(tmp_path / "tok")
+    assert c.encode(texts[5]) == a.encode(texts[5]) and c.eos_id == a.eos_id
+
+
+def test_learned_bpe_spec_errors():
+    from densebatch.errors import ConfigError
+
+    for spec in ("bpe:x", "bpe:10"):
+        with pytest.raises(ConfigError, match="bpe:N"):
+            load_tokenizer(spec)
+
+
+def test_prepare_learns_and_caches_bpe(tmp_path):
+    from densebatch.config import load_config
+    from densebatch.data.prepare import prepare
+
+    cfg = load_config(None, ["--data.tokenizer=bpe:600", f"--data.cache_dir={tmp_path}", "--data.default.num_records=300"]).data
+    first = prepare(cfg)
+    again = prepare(cfg)
+    assert not first.summary.cache_hit and again.summary.cache_hit
+    assert again.tokenizer.fingerprint() == first.tokenizer.fingerprint()
+    assert first.train.meta["vocab_size"] == first.tokenizer.vocab_size <= 600
+    tokens, _ = again.train.document(0)
+    assert tokens[-1] == again.tokenizer.eos_id
+    assert "### Response:" in again.tokenizer.decode(tokens.tolist())

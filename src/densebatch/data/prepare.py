@@ -42,10 +42,11 @@ from densebatch.data.sources import SURROGATE, BadRecord, detect_format, has_und
 from densebatch.data.store import DocumentStore, marker_ok, publish, temp_dir_for, write_marker, write_store_files
 from densebatch.data.summary import PrepareSummary
 from densebatch.data.templates import EmptiedByCleaning, RecordError, render
-from densebatch.data.tokenizers import Tokenizer, load_tokenizer
+from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_tokenizer, train_bpe
 from densebatch.errors import DataError
 
 CACHE_VERSION = 1
+LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
 _ENCODE_CHUNK = 4096  # texts per encode_batch call: large enough for the library's threads
 
 
@@ -269,9 +270,25 @@ def _eval_source(cfg: DataConfig) -> str:
     return f"{cfg.eval_fraction:g} of records held out by content hash"
 
 
+def _learn_bpe(items: list[tuple[str, dict]], cfg: DataConfig, pending: PendingBPE) -> Tokenizer:
+    """Learn ``bpe:N`` from the rendered text of the training file's records (held-out ones
+    included: the split is drawn from token contents afterwards; no label is involved)."""
+    texts = []
+    for _, rec in items:
+        try:
+            texts.append("".join(t for t, _ in render(rec, cfg)))
+        except (RecordError, EmptiedByCleaning):
+            continue  # reported when the documents are built
+    if not texts:
+        raise DataError(f"data.tokenizer {pending.name}: no readable text to learn a tokenizer from")
+    return train_bpe(texts, pending.vocab_size, pending.requested_pad_id, pending.name)
+
+
 def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
     if not marker_ok(final) or not DocumentStore.is_complete(final / "train"):
         return None
+    if isinstance(tok, PendingBPE):  # a learned tokenizer lives with the documents it made
+        tok = load_tokenizer(final / LEARNED_TOKENIZER, tok.requested_pad_id)
     summary = PrepareSummary.from_dict(json.loads((final / "summary.json").read_text(encoding="utf-8")))
     has_eval = DocumentStore.is_complete(final / "eval")
     eval_records = [json.loads(line) for line in (final / "eval_records.jsonl").read_text(encoding="utf-8").splitlines() if line]
@@ -298,10 +315,14 @@ def prepare(cfg: DataConfig) -> Prepared:
     s = PrepareSummary(source=cfg.path or "embedded default dataset", format=fmt, template=cfg.template,
                        tokenizer=tok.name, eval_source=_eval_source(cfg))
     b = _Builder(cfg, tok, s)
+    items = b.read(cfg.path, fmt)
+    if isinstance(tok, PendingBPE):
+        tok = b.tok = _learn_bpe(items, cfg, tok)
+        s.tokenizer = tok.name
     eval_docs: list[_Doc] = []
     if cfg.eval_path is not None:
         eval_docs = b.documents(b.read(cfg.eval_path, detect_format(cfg.eval_path, cfg.format)))
-    train_docs = b.documents(b.read(cfg.path, fmt))
+    train_docs = b.documents(items)
     if fmt == "text" and cfg.text_split == "chunks":
         train_docs, eval_docs = b.chunk(train_docs), b.chunk(eval_docs)
     if cfg.eval_path is None:
@@ -314,6 +335,8 @@ def prepare(cfg: DataConfig) -> Prepared:
 
     tmp = temp_dir_for(final)
     try:
+        if cfg.tokenizer.startswith("bpe:"):
+            tok.save(tmp / LEARNED_TOKENIZER)
         (tmp / "train").mkdir()
         write_store_files(tmp / "train", *_arrays(train_docs), _meta(tok, cfg, "train"))
         if eval_docs:

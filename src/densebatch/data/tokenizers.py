@@ -10,6 +10,9 @@
 - a directory with GPT-2 style ``vocab.json`` + ``merges.txt`` (byte-level BPE; end-of-text
   ``<|endoftext|>``, 50256 for GPT-2).
 - a directory written by ``Tokenizer.save`` (so a checkpoint carries its tokenizer).
+- ``"bpe:N"``: a byte-level BPE of ``N`` ids learned from the run's own training text at prepare
+  time (``train_bpe``), stored with the prepared documents. ``load_tokenizer`` returns a
+  ``PendingBPE`` placeholder for it; ``prepare`` trains and caches the real one.
 
 Every tokenizer has ``encode``, ``encode_batch``, ``decode``, ``eos_id``, ``pad_id`` (default: eos),
 ``mask_id`` (or None), ``vocab_size``, ``name``, ``special_ids``, ``fingerprint()`` (content hash for
@@ -208,10 +211,50 @@ def _load_bpe_files(directory: Path, pad_id: int | None) -> HFTokenizer:
     return HFTokenizer(tok, str(directory), eos, None, pad_id)
 
 
+BPE_SPECIALS = ("<|endoftext|>", "<|mask|>")
+
+
+class PendingBPE(Tokenizer):
+    """``bpe:N`` before training: knows its size and identity (for cache keys), encodes nothing."""
+
+    def __init__(self, spec: str, pad_id: int | None) -> None:
+        try:
+            self.vocab_size = int(spec.split(":", 1)[1])
+        except ValueError:
+            raise ConfigError(f"data.tokenizer: expected bpe:N with an integer N (e.g. bpe:2048); got {spec!r}") from None
+        if not 300 <= self.vocab_size <= 1_000_000:
+            raise ConfigError(f"data.tokenizer: bpe:N needs N between 300 and 1000000 (256 bytes + merges); got {self.vocab_size}")
+        self.name, self.requested_pad_id = spec, pad_id
+        self.eos_id = self.pad_id = 0  # unknown until trained
+        self.mask_id = None
+
+    def fingerprint(self) -> str:
+        return "pending-" + self.name  # the cache key also hashes the input text and every setting
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        raise RuntimeError("bpe:N tokenizer used before prepare trained it")
+
+
+def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | None = None) -> HFTokenizer:
+    """A byte-level BPE with ``vocab_size`` ids learned from ``texts`` (deterministic for the same
+    texts in the same order): every byte stays encodable, frequent strings become single ids."""
+    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+
+    tok = _Tok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(BPE_SPECIALS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id)
+
+
 def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None) -> Tokenizer:
     """Load the tokenizer named by ``spec`` (see the module docstring); ``pad_id`` None = eos."""
     if str(spec) == "default":
         return ByteTokenizer(pad_id)
+    if str(spec).startswith("bpe:"):
+        return PendingBPE(str(spec), pad_id)
     p = Path(spec).expanduser()
     if p.is_file():
         return _load_tokenizer_json(p, str(spec), pad_id)
