@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# GPU throughput and MFU of densebatch `packed` vs Hugging Face Trainer `group_by_length` at the same
+# memory cap: a GPT-2 124M-shaped model with random weights, random token documents with the lengths
+# of oasst-threads.jsonl. No downloads; about 1-3 minutes on one H100/H200 (hard limit 5 minutes).
+#
+#   bash benchmarks/gpu.sh                   # the benchmark (needs CUDA)
+#   bash benchmarks/gpu.sh --dry-run         # tiny config on CPU: proves the script end to end
+#   bash benchmarks/gpu.sh --slots 65536     # any benchmarks/gpu_bench.py option (--help lists them)
+#
+# Python: $PYTHON if set, else the repository's .venv, else .venv-gpu (created here with the system
+# site-packages, so a machine's preinstalled CUDA torch is used), else python3. densebatch is used
+# from src/ (PYTHONPATH), so no install is needed. Missing transformers / accelerate are installed
+# only when a package index is reachable; otherwise the Hugging Face rows are skipped and said so.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+LIMIT_S="${GPU_BENCH_LIMIT_S:-290}"
+
+say() { printf '[gpu.sh] %s\n' "$*"; }
+
+has_torch() { "$1" -c 'import torch' >/dev/null 2>&1; }
+has_cuda() { "$1" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+
+pick_python() {
+  if [[ -n "${PYTHON:-}" ]]; then
+    echo "$PYTHON"; return
+  fi
+  local sys_py=""
+  for c in python3 python; do
+    if command -v "$c" >/dev/null 2>&1; then sys_py="$(command -v "$c")"; break; fi
+  done
+  # Prefer an environment whose torch sees a GPU; fall back to any with torch.
+  local cands=()
+  [[ -x .venv/bin/python ]] && cands+=(".venv/bin/python")
+  [[ -x .venv-gpu/bin/python ]] && cands+=(".venv-gpu/bin/python")
+  [[ -n "$sys_py" ]] && cands+=("$sys_py")
+  for c in "${cands[@]}"; do
+    if has_torch "$c" && has_cuda "$c"; then echo "$c"; return; fi
+  done
+  if [[ -n "$sys_py" ]] && has_torch "$sys_py" && [[ ! -x .venv-gpu/bin/python ]]; then
+    "$sys_py" -m venv --system-site-packages .venv-gpu >&2 && { echo ".venv-gpu/bin/python"; return; }
+  fi
+  for c in "${cands[@]}"; do
+    if has_torch "$c"; then echo "$c"; return; fi
+  done
+  echo ""
+}
+
+PY="$(pick_python)"
+if [[ -z "$PY" ]]; then
+  say "ERROR: no Python with torch found (set PYTHON=/path/to/python)"; exit 2
+fi
+say "python: $PY"
+"$PY" - <<'EOF'
+import torch
+print(f"[gpu.sh] torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}"
+      + (f" ({torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda})" if torch.cuda.is_available() else ""))
+EOF
+
+for mod in numpy yaml safetensors tqdm transformers accelerate; do
+  if ! "$PY" -c "import $mod" >/dev/null 2>&1; then
+    pkg="$mod"; [[ "$mod" == yaml ]] && pkg=pyyaml
+    say "$mod missing: trying pip install $pkg (works only with a reachable package index)"
+    if ! timeout 60 "$PY" -m pip install --quiet "$pkg" >/dev/null 2>&1; then
+      case "$mod" in
+        transformers|accelerate) say "WARNING: $pkg unavailable: the Hugging Face rows will be skipped" ;;
+        *) say "ERROR: $pkg is required by densebatch and could not be installed"; exit 2 ;;
+      esac
+    fi
+  fi
+done
+
+export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+say "running benchmarks/gpu_bench.py $* (limit ${LIMIT_S} s)"
+status=0
+if command -v timeout >/dev/null 2>&1; then
+  timeout --signal=TERM "$LIMIT_S" "$PY" benchmarks/gpu_bench.py "$@" || status=$?
+else
+  "$PY" benchmarks/gpu_bench.py "$@" || status=$?
+fi
+if [[ $status -eq 124 ]]; then
+  say "ERROR: stopped after ${LIMIT_S} s (lower --steps or --slots)"
+elif [[ $status -ne 0 ]]; then
+  say "ERROR: gpu_bench.py exited with status $status"
+else
+  say "done"
+fi
+exit "$status"

@@ -1,0 +1,438 @@
+"""GPU throughput and MFU: densebatch ``packed`` vs Hugging Face ``Trainer`` ``group_by_length``, same memory cap.
+
+Called by ``benchmarks/gpu.sh`` (read that for the one-line usage). No downloads: the model is a
+GPT-2 124M-shaped config with random weights (12 layers, width 768, 12 heads, vocabulary 50,257,
+context 1024, dropout 0), the data are random token documents whose lengths are those of
+``oasst-threads.jsonl`` under the GPT-2 BPE (computed from ``../shared/data`` when it is there; else a
+lognormal with the same p50 317 / p90 807, clipped to 3,031), truncated to the context like
+``prepare`` does, resampled to enough documents for the run; every token carries loss.
+
+Memory cap: ``--slots`` token slots per batch (rows x row length). densebatch packs documents into
+``slots / seq_len`` rows of ``seq_len``; Hugging Face pads each batch to its longest document, so the
+same cap allows ``slots / seq_len`` rows (a batch of the longest documents must fit too).
+
+Methods (``--methods``):
+- ``db_packed``      densebatch packed, reference GPT (``model.kind: gpt``), attention ``auto`` (varlen
+  FlashAttention on CUDA when torch has it, else flex, else SDPA with a block mask), bf16 autocast,
+  fused AdamW, pinned memory + non-blocking copies (the loader's defaults on CUDA).
+- ``db_packed_hf``   densebatch packed, the same GPT-2 as Hugging Face builds it, through ``HFCausalLM``
+  (SDPA with a 4-D document mask).
+- ``hf_group_by_length``  ``transformers.Trainer``, ``train_sampling_strategy="group_by_length"``, bf16,
+  its default fused AdamW, SDPA, right padding.
+- ``ceiling``        forward + backward + fused AdamW of the Hugging Face GPT-2 on full rows of real
+  tokens (no padding, one causal sequence per row): the ceiling at this cap.
+
+Reported: real (non-padding) tokens per second over the timed steps (after ``--warmup-steps``; CUDA
+synchronised at every step end) and MFU = real tokens/s x model FLOPs per token / peak bf16 FLOP/s.
+Model FLOPs per token = 6 N (N = parameters without the position table; the tied head counts) +
+12 L d l, with l the document's own length (PaLM's formula with document-isolated attention: the
+padding and any cross-document attention are not useful work, whoever computes them).
+
+``--smoke``: a tiny config on CPU in fp32 (seconds), proving the whole script end to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+if str(REPO / "src") not in sys.path:  # run from a plain checkout without `pip install -e .`
+    sys.path.insert(0, str(REPO / "src"))
+
+METHODS = ("db_packed", "db_packed_hf", "hf_group_by_length", "ceiling")
+LABELS = {
+    "db_packed": "densebatch packed (reference GPT)",
+    "db_packed_hf": "densebatch packed (HF GPT-2 adapter)",
+    "hf_group_by_length": "HF Trainer group_by_length",
+    "ceiling": "dense ceiling (HF GPT-2, full rows)",
+}
+# Dense bf16 peak FLOP/s (no sparsity) by device-name substring; first match wins.
+PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12),
+             ("L40S", 362e12), ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12), ("4090", 165e12))
+OASST_FIT = {"p50": 317, "p90": 807, "max": 3031}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------- lengths
+def shared_data_dir(arg: str | None) -> Path | None:
+    env = os.environ.get("DENSEBATCH_SHARED")
+    cands = ([Path(arg)] if arg else []) + ([Path(env) / "data", Path(env)] if env else [])
+    cands += [REPO.parent / "shared" / "data", REPO / "shared" / "data"]
+    for c in cands:
+        if (c / "oasst-threads.jsonl").is_file() and (c / "gpt2" / "vocab.json").is_file():
+            return c
+    return None
+
+
+def oasst_lengths(arg: str | None) -> tuple[np.ndarray, str]:
+    """GPT-2 BPE lengths of oasst-threads.jsonl (chatml + end-of-text), or the lognormal fallback."""
+    shared = shared_data_dir(arg)
+    if shared is not None:
+        try:
+            from tokenizers import ByteLevelBPETokenizer
+
+            tok = ByteLevelBPETokenizer(str(shared / "gpt2" / "vocab.json"), str(shared / "gpt2" / "merges.txt"))
+            texts = []
+            for line in (shared / "oasst-threads.jsonl").read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    texts.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in rec["messages"]))
+            lengths = np.array([len(e.ids) + 1 for e in tok.encode_batch(texts)], np.int64)
+            return lengths, f"oasst-threads.jsonl with the GPT-2 BPE ({shared})"
+        except Exception as e:  # tokenizers missing or data unreadable: fall back, say why
+            log(f"note: could not tokenize {shared} ({type(e).__name__}: {e}); using the lognormal fit")
+    mu = math.log(OASST_FIT["p50"])
+    sigma = (math.log(OASST_FIT["p90"]) - mu) / 1.2815515655446004  # z of the 90th percentile
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.rint(rng.lognormal(mu, sigma, 400)), 8, OASST_FIT["max"]).astype(np.int64)
+    return lengths, f"lognormal fit (p50 {OASST_FIT['p50']}, p90 {OASST_FIT['p90']}, max {OASST_FIT['max']}), 400 documents"
+
+
+def make_documents(lengths: np.ndarray, seq_len: int, vocab: int, total_tokens: int, seed: int):
+    """Resampled lengths (truncated to seq_len) and random token ids with an end-of-text at the end."""
+    rng = np.random.default_rng(seed)
+    base = np.minimum(lengths, seq_len)
+    n = max(len(base), int(math.ceil(total_tokens / base.mean())))
+    lens = rng.choice(base, size=n, replace=True)
+    tokens = rng.integers(0, vocab - 1, size=int(lens.sum()), dtype=np.int64).astype(np.int32)
+    ends = np.cumsum(lens) - 1
+    tokens[ends] = vocab - 1  # end-of-text = the last id, as GPT-2's 50256
+    return lens, tokens
+
+
+# --------------------------------------------------------------------------------------- models
+def gpt2_config(a):
+    from transformers import GPT2Config
+
+    return GPT2Config(vocab_size=a.vocab, n_positions=a.seq_len, n_embd=a.width, n_layer=a.layers, n_head=a.heads,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=a.vocab - 1, eos_token_id=a.vocab - 1)
+
+
+def flops_per_token(a, n_params: int, lengths: np.ndarray) -> float:
+    ctx = float((lengths.astype(np.float64) ** 2).sum() / lengths.sum())  # token-weighted mean document length
+    return 6.0 * n_params + 12.0 * a.layers * a.width * ctx
+
+
+def peak_flops(device: torch.device, override_tflops: float | None) -> tuple[float | None, str]:
+    if override_tflops:
+        return override_tflops * 1e12, f"--peak-tflops {override_tflops}"
+    if device.type != "cuda":
+        return None, "no peak known for CPU"
+    name = torch.cuda.get_device_name(device)
+    for key, val in PEAK_BF16:
+        if key in name:
+            return val, f"{name}: {val / 1e12:.0f} TFLOP/s bf16 dense"
+    return None, f"{name}: peak unknown (pass --peak-tflops)"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Result:
+    def __init__(self, method: str, seconds: list[float], real: list[int], slots: list[int], peak_mem: float):
+        self.method, self.seconds, self.real, self.slots, self.peak_mem = method, seconds, real, slots, peak_mem
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.real) / sum(self.seconds)
+
+    @property
+    def fill(self) -> float:
+        return sum(self.real) / max(1, sum(self.slots))
+
+
+def _reset_mem(device):
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _gib(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.1f}"
+
+
+def _peak_mem(device) -> float:
+    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+
+
+# -------------------------------------------------------------------------------------- runners
+def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
+    from densebatch.config import BatchingConfig, EvalConfig, ModelConfig, TrainConfig
+    from densebatch.data.collate import collator_from_config
+    from densebatch.data.loader import BatchLoader
+    from densebatch.data.plan import PlanSettings
+    from densebatch.model import build_model
+    from densebatch.train.loop import Trainer
+
+    bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=a.slots, seq_len=a.seq_len)
+    loader = BatchLoader(store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, store.meta, a.seed),
+                         seed=a.seed, prefetch=bcfg.prefetch)
+    torch.manual_seed(a.seed)
+    if kind == "gpt":
+        mcfg = ModelConfig(kind="gpt", n_layer=a.layers, n_head=a.heads, n_embd=a.width, block_size=a.seq_len,
+                           attention=a.attention)
+    else:
+        mcfg = ModelConfig(kind="hf", path=str(model_dir))
+    model = build_model(mcfg, a.vocab)
+    tcfg = TrainConfig(max_steps=a.warmup_steps + a.steps, lr=3e-4, precision=a.precision, device=device.type,
+                       progress=False, compile=a.compile)
+    ends, recs = [], []
+
+    def on_step(trainer, step):
+        sync(device)
+        ends.append(time.perf_counter())
+        recs.append(dict(trainer.last_record))
+
+    _reset_mem(device)
+    with tempfile.TemporaryDirectory() as out:
+        trainer = Trainer(model, loader, tcfg, EvalConfig(), output_dir=out, device=device, on_step=on_step, console=False)
+        backend = getattr(trainer.model, "attention_backend", None)
+        if callable(backend):
+            log(f"  densebatch attention backend: {backend(device)}")
+        trainer.run()
+        if trainer._it is not None:
+            trainer._it.close()
+    w = a.warmup_steps
+    m = recs[w:]
+    return Result("db_packed" if kind == "gpt" else "db_packed_hf", list(np.diff(ends[w - 1:])),
+                  [r["real_tokens"] for r in m], [r["slot_tokens"] for r in m], _peak_mem(device))
+
+
+class PadCollator:
+    """Right-pad to the longest feature: input_ids with pad_id, labels with -100, attention_mask 0/1
+    (what DataCollatorForSeq2Seq does, without needing a tokenizer). Logs (real, slots) per batch."""
+
+    def __init__(self, pad_id: int):
+        self.pad_id, self.log = pad_id, []
+
+    def __call__(self, features):
+        T = max(len(f["input_ids"]) for f in features)
+        ids = torch.full((len(features), T), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(features), T), -100, dtype=torch.long)
+        am = torch.zeros((len(features), T), dtype=torch.long)
+        for i, f in enumerate(features):
+            n = len(f["input_ids"])
+            ids[i, :n] = torch.as_tensor(f["input_ids"])
+            labels[i, :n] = ids[i, :n]
+            am[i, :n] = 1
+        self.log.append((int(am.sum()), int(am.numel())))
+        return {"input_ids": ids, "labels": labels, "attention_mask": am}
+
+
+def run_hf(a, store, device, model_dir: Path) -> Result:
+    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+    feats = [{"input_ids": store.document(i)[0]} for i in range(len(store))]
+    collator = PadCollator(a.vocab - 1)
+    ends: list[float] = []
+
+    class Timer(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            sync(device)
+            ends.append(time.perf_counter())
+
+    torch.manual_seed(a.seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation="sdpa")
+    rows = max(1, a.slots // a.seq_len)
+    _reset_mem(device)
+    with tempfile.TemporaryDirectory() as out:
+        kw = dict(output_dir=out, per_device_train_batch_size=rows, max_steps=a.warmup_steps + a.steps,
+                  learning_rate=3e-4, train_sampling_strategy="group_by_length", report_to="none",
+                  save_strategy="no", logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+                  seed=a.seed, data_seed=a.seed, torch_compile=a.compile)
+        if device.type == "cuda":
+            kw.update(bf16=a.precision == "bf16", optim="adamw_torch_fused", dataloader_pin_memory=True)
+        else:
+            kw.update(use_cpu=True, dataloader_pin_memory=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            Trainer(model=model, args=TrainingArguments(**kw), train_dataset=feats, data_collator=collator,
+                    callbacks=[Timer()]).train()
+    w = a.warmup_steps
+    m = collator.log[w:w + a.steps]
+    return Result("hf_group_by_length", list(np.diff(ends[w - 1:])), [x for x, _ in m], [y for _, y in m], _peak_mem(device))
+
+
+def run_ceiling(a, store, device, model_dir: Path) -> Result:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(a.seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation="sdpa").to(device)
+    model.train()
+    fused = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    rows = max(1, a.slots // a.seq_len)
+    n = rows * a.seq_len
+    toks = torch.from_numpy(np.asarray(store.tokens, np.int64))
+    steps = a.warmup_steps + a.steps
+    ends = []
+    use_amp = a.precision == "bf16"
+    _reset_mem(device)
+    for s in range(steps):
+        start = (s * n) % max(1, len(toks) - n)
+        x = toks[start:start + n].view(rows, a.seq_len).to(device, non_blocking=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+            loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        ends.append(time.perf_counter())
+    w = a.warmup_steps
+    return Result("ceiling", list(np.diff(ends[w - 1:])), [n] * a.steps, [n] * a.steps, _peak_mem(device))
+
+
+# ---------------------------------------------------------------------------------------- main
+def parse(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", "--dry-run", action="store_true", help="tiny config on CPU, fp32: proves the script runs")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--slots", type=int, default=None, help="token slots per batch, the memory cap (default 32768; smoke 1024)")
+    ap.add_argument("--seq-len", type=int, default=None, help="packed row length and context (default 1024; smoke 256)")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 30; smoke 2)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="untimed first steps (default 5; smoke 1)")
+    ap.add_argument("--attention", default="auto", choices=("auto", "varlen", "flex", "masked"))
+    ap.add_argument("--precision", default=None, choices=("bf16", "fp32"), help="default bf16 on CUDA, fp32 on CPU")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both densebatch and HF")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="peak bf16 TFLOP/s when the GPU is not in the table")
+    ap.add_argument("--shared-data", default=None, help="folder with oasst-threads.jsonl and gpt2/ (default: ../shared/data)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    tiny = a.smoke
+    a.layers, a.width, a.heads, a.vocab = (2, 64, 2, 2048) if tiny else (12, 768, 12, 50257)
+    a.slots = a.slots or (1024 if tiny else 32768)
+    a.seq_len = a.seq_len or (256 if tiny else 1024)
+    a.steps = a.steps or (2 if tiny else 30)
+    a.warmup_steps = a.warmup_steps or (1 if tiny else 5)
+    if a.slots < a.seq_len:
+        ap.error("--slots must hold at least one row of --seq-len")
+    a.methods = [m.strip() for m in a.methods.split(",") if m.strip()]
+    for m in a.methods:
+        if m not in METHODS:
+            ap.error(f"unknown method {m!r}; expected some of {', '.join(METHODS)}")
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not a.smoke:
+        log("WARNING: no CUDA device here; running the full-size benchmark on CPU will be very slow. "
+            "Use --smoke for an end-to-end check.")
+    a.precision = a.precision or ("bf16" if device.type == "cuda" else "fp32")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    from densebatch.data.store import DocumentStore
+
+    lengths, source = oasst_lengths(a.shared_data)
+    need = int(1.5 * (a.steps + a.warmup_steps) * a.slots)
+    lens, tokens = make_documents(lengths, a.seq_len, a.vocab, need, a.seed)
+    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    mask = np.ones(len(tokens), np.uint8)
+    mask[offsets[:-1]] = 0  # a document's first token is never a target
+    eos = a.vocab - 1
+    meta = {"eos_id": eos, "pad_id": eos, "vocab_size": a.vocab, "mask_id": None, "special_ids": [eos]}
+    store = DocumentStore(tokens, offsets, mask, meta)
+    try:
+        import transformers
+
+        hf_version = transformers.__version__
+    except ImportError:
+        hf_version = None
+    log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+        f"transformers {hf_version}; precision {a.precision}; compile {a.compile}")
+    log(f"model GPT-2 shape: {a.layers} layers, width {a.width}, {a.heads} heads, vocab {a.vocab}, context {a.seq_len}, random init")
+    log(f"lengths: {source}: p50 {np.percentile(lengths, 50):.0f} p90 {np.percentile(lengths, 90):.0f} max {lengths.max()}; "
+        f"{len(lens)} documents resampled, truncated to {a.seq_len}, mean {lens.mean():.0f}")
+    log(f"memory cap {a.slots} token slots per batch: packed {a.slots // a.seq_len} x {a.seq_len}; HF {a.slots // a.seq_len} rows "
+        f"padded to the batch's longest; {a.steps} timed steps after {a.warmup_steps} warm-up")
+
+    tmp = tempfile.TemporaryDirectory()
+    model_dir = Path(tmp.name) / "gpt2"
+    peak, peak_note = peak_flops(device, a.peak_tflops)
+    results: dict[str, Result] = {}
+    for m in a.methods:
+        if m != "db_packed" and hf_version is None:
+            log(f"SKIP {LABELS[m]}: transformers is not installed")
+            continue
+        if m == "hf_group_by_length":
+            try:
+                import accelerate  # noqa: F401  (transformers.Trainer needs it)
+            except ImportError:
+                log(f"SKIP {LABELS[m]}: accelerate is not installed (transformers.Trainer needs it)")
+                continue
+        if hf_version is not None and not (model_dir / "config.json").is_file():
+            gpt2_config(a).save_pretrained(model_dir)
+        log(f"running {LABELS[m]} ...")
+        t0 = time.perf_counter()
+        try:
+            if m == "db_packed":
+                r = run_densebatch(a, store, device, "gpt", model_dir)
+            elif m == "db_packed_hf":
+                r = run_densebatch(a, store, device, "hf", model_dir)
+            elif m == "hf_group_by_length":
+                r = run_hf(a, store, device, model_dir)
+            else:
+                r = run_ceiling(a, store, device, model_dir)
+        except Exception as e:  # report and go on: one failing method must not hide the others
+            log(f"FAILED {LABELS[m]}: {type(e).__name__}: {e}")
+            continue
+        results[m] = r
+        log(f"  {r.tokens_per_s:,.0f} real tokens/s, fill {r.fill:.2f}, {statistics.mean(r.seconds) * 1e3:.0f} ms/step, "
+            f"peak memory {_gib(r.peak_mem)} GiB ({time.perf_counter() - t0:.0f} s)")
+    from densebatch.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        ref = GPT(GPTConfig(vocab_size=a.vocab, n_layer=a.layers, n_head=a.heads, n_embd=a.width, block_size=a.seq_len))
+    n_params = sum(p.numel() for p in ref.parameters()) - ref.wpe.weight.numel()  # tied head counted once
+    fpt = flops_per_token(a, n_params, lens)
+
+    log("")
+    log(f"model FLOPs per real token {fpt / 1e9:.3f} GFLOP; peak: {peak_note}")
+    log(f"{'method':40s} {'real tok/s':>12s} {'fill':>5s} {'ms/step':>8s} {'MFU':>6s} {'vs ceiling':>10s} {'mem GiB':>8s}")
+    ceil = results.get("ceiling")
+    out = {"device": str(device), "precision": a.precision, "lengths": source, "slots": a.slots, "seq_len": a.seq_len,
+           "flops_per_token": fpt, "peak_flops": peak, "methods": {}}
+    for m, r in results.items():
+        mfu = r.tokens_per_s * fpt / peak if peak else None
+        vs = r.tokens_per_s / ceil.tokens_per_s if ceil else None
+        log(f"{LABELS[m]:40s} {r.tokens_per_s:12,.0f} {r.fill:5.2f} {statistics.mean(r.seconds) * 1e3:8.0f} "
+            f"{(f'{mfu:6.1%}' if mfu is not None else '   n/a')} {(f'{vs:10.2f}' if vs else '         -')} {_gib(r.peak_mem):>8s}")
+        out["methods"][m] = {"tokens_per_s": r.tokens_per_s, "fill": r.fill, "mfu": mfu, "vs_ceiling": vs,
+                             "ms_per_step": statistics.mean(r.seconds) * 1e3, "peak_mem_gib": None if math.isnan(r.peak_mem) else r.peak_mem}
+    if "db_packed" in results and "hf_group_by_length" in results:
+        ratio = results["db_packed"].tokens_per_s / results["hf_group_by_length"].tokens_per_s
+        log(f"densebatch packed / HF group_by_length = {ratio:.2f}")
+        out["db_packed/hf_group_by_length"] = ratio
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+    tmp.cleanup()
+    missing = [m for m in a.methods if m not in results]
+    if missing:
+        log(f"not measured: {', '.join(missing)}")
+    return 1 if not results else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
