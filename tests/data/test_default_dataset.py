@@ -26,21 +26,33 @@ def test_records_are_alpaca_with_unique_prompts_and_short_answers():
 def test_answers_are_right():
     for r in generate_records(2000, seed=3):
         task, inp, out = r["task"], r["input"], r["output"]
-        expected = {"upper": inp.upper(), "reverse": inp[::-1], "repeat": f"{inp} {inp}",
-                    "first": inp.split(", ")[0], "last": inp.split(", ")[-1], "tail": inp.split()[-1]}
-        if task in expected:
-            assert out == expected[task]
-        elif task == "key":
-            assert inp.split("KEY: ", 1)[1].split()[0] == out
+        if task == "key":
+            assert out == ("yes" if "KEY" in inp.split() else "no")
+        elif task == "color":
+            named = [w for w in inp.split() if w in ("red", "green", "blue", "yellow", "black", "white")]
+            assert named == [out]  # exactly one color word: the answer is never ambiguous
+        elif task == "upper":
+            assert out == ("yes" if inp.isupper() else "no")
+        elif task == "parity":
+            n = int(next(w for w in r["instruction"].split() if w.isdigit()))
+            assert out == ("even" if n % 2 == 0 else "odd")
         assert check_answer(r, f"  {out}\n") and check_answer(r, out + "<|endoftext|>junk")
         assert not check_answer(r, out + "x")
+
+
+def test_both_answers_of_binary_tasks_are_common():
+    recs = generate_records(6000, seed=1234)
+    for task in ("key", "upper", "parity"):
+        outs = [r["output"] for r in recs if r["task"] == task]
+        for value in set(outs):
+            assert 0.4 < outs.count(value) / len(outs) < 0.6, (task, value)
 
 
 def test_lengths_are_long_tailed_and_fit_1024_bytes():
     recs = generate_records(6000, seed=1234)
     lengths = np.array([len((alpaca_prompt(r["instruction"], r["input"]) + r["output"]).encode()) + 1 for r in recs])
-    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
-    assert p50 < 260 and p90 > 350 and p99 > 700 and lengths.max() <= 1024
+    p10, p50, p99 = np.percentile(lengths, [10, 50, 99])
+    assert p10 < 200 and p50 > 250 and p99 > 700 and lengths.max() <= 1024
 
 
 def test_prepared_default_splits_are_disjoint(data_cfg):
