@@ -33,6 +33,7 @@ import random
 
 from densebatch.errors import ConfigError
 
+VERSION = "tasks-v2"  # part of the prepare cache key: change it whenever the generated records change
 _CONSONANTS = "bdfgklmnprstvz"
 _VOWELS = "aeiou"
 _COLORS = ("red", "green", "blue", "yellow", "black", "white")

@@ -90,7 +90,7 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
         settings["format"] = detect_format(cfg.path, cfg.format)
     material = {
         "version": CACHE_VERSION, "settings": settings, "tokenizer": tok.fingerprint(), "pad_id": tok.pad_id,
-        "input": None if cfg.path is None else _file_digest(Path(cfg.path)),
+        "input": default_dataset.VERSION if cfg.path is None else _file_digest(Path(cfg.path)),
         "eval_input": None if cfg.eval_path is None else _file_digest(Path(cfg.eval_path)),
     }
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
