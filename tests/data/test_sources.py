@@ -37,10 +37,12 @@ def test_jsonl_bad_lines_are_named_by_line(tmp_path):
     p.write_bytes(b'{"a": 1}\n\n{"a": \n[1, 2]\n{"a": "\xff"}\n{"a": 2}\n')
     items = list(iter_records(p))
     bad = [i for i in items if isinstance(i, BadRecord)]
-    assert [(b.where, b.reason) for b in bad] == [
-        (f"{p}:3", "invalid_json"), (f"{p}:4", "wrong_type"), (f"{p}:5", "undecodable_bytes")]
+    assert [(b.where, b.reason) for b in bad] == [  # a blank line between records is reported too
+        (f"{p}:2", "blank_line"), (f"{p}:3", "invalid_json"), (f"{p}:4", "wrong_type"), (f"{p}:5", "undecodable_bytes")]
     assert _good(items) == [{"a": 1}, {"a": 2}]
     assert items[-1][0] == f"{p}:6"
+    p.write_bytes(b'{"a": 1}\n{"a": 2}\n\n\n')  # trailing blank lines are harmless
+    assert not [i for i in iter_records(p) if isinstance(i, BadRecord)]
 
 
 def test_json_array_errors(tmp_path):

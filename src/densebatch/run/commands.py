@@ -123,7 +123,10 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
     run_cfg = cfg or (config_from_dict(saved) if saved else None)
     if run_cfg is None:
         raise UserError(f"{d}: the checkpoint carries no configuration; pass the run's CONFIG")
-    tokenizer = load_tokenizer(run_cfg.data.tokenizer, run_cfg.data.pad_id)
+    if run_cfg.data.tokenizer.startswith("bpe:"):  # a learned tokenizer lives with the prepared documents
+        tokenizer = prepare_data(run_cfg.data).tokenizer
+    else:
+        tokenizer = load_tokenizer(run_cfg.data.tokenizer, run_cfg.data.pad_id)
     model = build_model(run_cfg.model, tokenizer.vocab_size)
     model.load_state_dict(ckpt.model_state)
     return model, tokenizer, run_cfg
