@@ -218,8 +218,11 @@ class GPT(nn.Module):
         meta = json.loads((path / "config.json").read_text())
         meta.pop("densebatch_kind", None)
         model = cls(GPTConfig(**meta))
-        state = load_file(str(path / "model.safetensors"))
-        state["lm_head.weight"] = state["wte.weight"]
-        model.load_state_dict(state)
+        try:  # safetensors only: a tampered or truncated file is refused, never unpickled
+            state = load_file(str(path / "model.safetensors"))
+            state["lm_head.weight"] = state["wte.weight"]
+            model.load_state_dict(state)
+        except Exception as e:  # SafetensorError, OSError, missing / mis-shaped keys
+            raise ConfigError(f"{path / 'model.safetensors'}: cannot be loaded as this model's weights: {e}") from None
         return model
 
