@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shared_lengths import chatml_text, gpt2_tokenizer, shared_data_dir  # noqa: E402
+from shared_lengths import book_collate, chatml_text, gpt2_tokenizer, shared_data_dir  # noqa: E402
 
 from densebatch.data.collate import CausalCollator  # noqa: E402
 from densebatch.data.plan import PlanSettings, plan_epoch  # noqa: E402
@@ -33,21 +33,6 @@ class Store:
         self.loss_mask = np.ones(len(self.tokens), np.uint8)
         self.lengths = np.array([len(d) for d in docs], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-
-
-def book_collate(batch, pad_token_id=EOS, ignore_index=-100):
-    batch_max_length = max(len(item) + 1 for item in batch)
-    inputs_lst, targets_lst = [], []
-    for item in batch:
-        new_item = item.copy() + [pad_token_id]
-        padded = new_item + [pad_token_id] * (batch_max_length - len(new_item))
-        inputs, targets = torch.tensor(padded[:-1]), torch.tensor(padded[1:])
-        indices = torch.nonzero(targets == pad_token_id).squeeze()
-        if indices.numel() > 1:
-            targets[indices[1:]] = ignore_index
-        inputs_lst.append(inputs)
-        targets_lst.append(targets)
-    return torch.stack(inputs_lst), torch.stack(targets_lst)
 
 
 def median_ms(fn, repeats: int) -> float:

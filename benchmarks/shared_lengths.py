@@ -1,4 +1,5 @@
-"""GPT-2 token lengths of the ../shared/data sets, computed here (not via data/prepare.py) and cached.
+"""GPT-2 token lengths of the ../shared/data sets, computed here (not via data/prepare.py) and cached;
+plus the book's reference collate, shared by the collate benchmark and the equivalence test.
 
 Each length counts one appended end-of-text, as prepare stores documents. Cached as
 ``benchmarks/.cache/<name>.npy``. ``python benchmarks/shared_lengths.py`` prints a summary.
@@ -77,3 +78,21 @@ if __name__ == "__main__":
         x = shared_lengths(n)
         print(f"{n:12s} n={len(x):6d} total={x.sum():8d} p50={np.percentile(x, 50):.0f} "
               f"p90={np.percentile(x, 90):.0f} max={x.max()}")
+
+
+def book_collate(batch, pad_token_id=50256, ignore_index=-100):
+    """The book's custom_collate_fn (ch. 7), verbatim in behaviour: masks padding targets by *value*."""
+    import torch
+
+    batch_max_length = max(len(item) + 1 for item in batch)
+    inputs_lst, targets_lst = [], []
+    for item in batch:
+        new_item = item.copy() + [pad_token_id]
+        padded = new_item + [pad_token_id] * (batch_max_length - len(new_item))
+        inputs, targets = torch.tensor(padded[:-1]), torch.tensor(padded[1:])
+        indices = torch.nonzero(targets == pad_token_id).squeeze()
+        if indices.numel() > 1:
+            targets[indices[1:]] = ignore_index
+        inputs_lst.append(inputs)
+        targets_lst.append(targets)
+    return torch.stack(inputs_lst), torch.stack(targets_lst)

@@ -16,6 +16,9 @@ from densebatch.batch import IGNORE_INDEX
 from densebatch.data.collate import CausalCollator, MaskedLMCollator, collator_from_config
 from densebatch.data.plan import PlanSettings, plan_epoch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from shared_lengths import alpaca_text, book_collate as _book_collate, gpt2_tokenizer, shared_data_dir  # noqa: E402
+
 EOS = 50256
 
 
@@ -108,27 +111,8 @@ def test_bad_piece_is_a_clear_error():
 
 
 # --------------------------------------------------------------------------- book equivalence
-def _book_collate(batch, pad_token_id=EOS, ignore_index=-100):
-    """The book's custom_collate_fn (ch. 7), verbatim in behaviour."""
-    batch_max_length = max(len(item) + 1 for item in batch)
-    inputs_lst, targets_lst = [], []
-    for item in batch:
-        new_item = item.copy() + [pad_token_id]
-        padded = new_item + [pad_token_id] * (batch_max_length - len(new_item))
-        inputs, targets = torch.tensor(padded[:-1]), torch.tensor(padded[1:])
-        indices = torch.nonzero(targets == pad_token_id).squeeze()
-        if indices.numel() > 1:
-            targets[indices[1:]] = ignore_index
-        inputs_lst.append(inputs)
-        targets_lst.append(targets)
-    return torch.stack(inputs_lst), torch.stack(targets_lst)
-
-
 @pytest.fixture(scope="module")
 def book_items():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from shared_lengths import alpaca_text, gpt2_tokenizer, shared_data_dir
-
     shared = shared_data_dir()
     if shared is None:
         pytest.skip("../shared/data is absent")
