@@ -78,11 +78,15 @@ class AccuracyCheck:
         return {"accuracy": sum(hits) / len(hits), "accuracy_samples": len(hits)}
 
     def show(self, n: int = 4) -> str:
-        lines = []
+        by_task: dict[str, list[bool]] = {}
+        for record, answer in self.samples:
+            by_task.setdefault(record.get("task", "all"), []).append(check_answer(record, answer))
+        lines = ["  by task: " + ", ".join(f"{k} {sum(v) / len(v):.2f} ({len(v)})" for k, v in sorted(by_task.items()))]
         for record, answer in self.samples[:n]:
             ok = "ok " if check_answer(record, answer) else "BAD"
             shown = record["input"] if len(record["input"]) <= 50 else "…" + record["input"][-47:]
-            lines.append(f"  [{ok}] {record['instruction']} {shown!r} → {answer.strip()!r} (expected {record['output']!r})")
+            said = answer.strip() if len(answer.strip()) <= 40 else answer.strip()[:37] + "…"
+            lines.append(f"  [{ok}] {record['instruction']} {shown!r} → {said!r} (expected {record['output']!r})")
         return "\n".join(lines)
 
 

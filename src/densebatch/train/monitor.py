@@ -191,7 +191,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"eval loss        {fmt(ev.get('loss'))}  ppl {fmt(ev.get('ppl'))}  ({_fmt_tokens(ev.get('tokens', 0))} tokens)")
         for k, v in ev.items():
             if k not in _EVAL_BASE and isinstance(v, (int, float)) and not isinstance(v, bool):
-                lines.append(f"eval {k:<11} {fmt(float(v))}")
+                lines.append(f"eval {k:<11} {v if isinstance(v, int) else fmt(v)}")  # counts stay integers
     if s.get("best_eval_loss") is not None and ev and s["best_eval_loss"] != ev.get("loss"):
         lines.append(f"best eval loss   {fmt(s['best_eval_loss'])}")
     tps = s["session_real_tokens"] / s["session_seconds"] if s.get("session_seconds") else 0.0
