@@ -38,111 +38,16 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-DATASETS = {  # name -> (file, template)
-    "instruction": ("instruction-data.json", "alpaca"),
-    "oasst": ("oasst-threads.jsonl", "chatml"),
-}
-METHODS = ("db_token_budget", "db_packed", "hf_random", "hf_group_by_length", "ceiling", "ceiling_lossonly")
-DEFAULT_METHODS = ("db_token_budget", "db_packed", "hf_random", "hf_group_by_length", "ceiling")
-LABELS = {
-    "db_token_budget": "densebatch token_budget",
-    "db_packed": "densebatch packed",
-    "hf_random": "HF Trainer (random)",
-    "hf_group_by_length": "HF Trainer group_by_length",
-    "ceiling": "dense ceiling",
-    "ceiling_lossonly": "dense ceiling, loss-only head",
-}
-
-
-def find_shared_data(arg: str | None) -> Path:
-    for cand in ([Path(arg)] if arg else []) + [REPO.parent / "shared" / "data", REPO / "shared" / "data"]:
-        if (cand / "gpt2" / "vocab.json").is_file():
-            return cand
-    sys.exit("shared data not found: pass --data-dir DIR (a folder with gpt2/vocab.json, instruction-data.json, ...)")
-
-
-# ------------------------------------------------------------------------------------- setup
-@dataclass
-class Setup:
-    name: str
-    store: object  # densebatch DocumentStore
-    model_dir: Path
-    tokens_per_step: int  # target real tokens per optimizer step
-    seq_len: int
-    steps: int
-    warmup: int
-    lr: float
-    seed: int
-    gpt2_dir: Path
-    hf_rows: int = 0  # HF per_device_train_batch_size
-    budget: int = 0  # token_budget slot budget
-    notes: dict = field(default_factory=dict)
-
-
-def write_model_dir(path: Path, n_positions: int) -> None:
-    from transformers import GPT2Config
-
-    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=256, n_layer=4, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=50256, eos_token_id=50256)
-    cfg.save_pretrained(path)
-
-
-def build_hf_model(setup: Setup, attn: str = "sdpa"):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(setup.seed)
-    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setup.model_dir), attn_implementation=attn)
-
-
-def token_budget_for(store, target: int, seq_len_cap: int, seed: int) -> tuple[int, float]:
-    """Slot budget whose token_budget plan has a mean of ``target`` real tokens per batch (epoch 0)."""
-    from densebatch.data.plan import PlanSettings, plan_epoch
-
-    lengths = np.asarray(store.lengths, np.int64)
-    budget = max(target, int(lengths.max()))
-    best = (budget, 0.0)
-    for _ in range(8):
-        plan = plan_epoch(lengths, PlanSettings(strategy="token_budget", max_tokens_per_batch=budget,
-                                                seq_len=seq_len_cap), seed, 0)
-        real, slots = plan.batch_stats()
-        mean = float(real.mean())
-        best = (budget, float(real.sum() / slots.sum()))
-        if abs(mean - target) / target < 0.01:
-            break
-        budget = max(int(lengths.max()), int(round(budget * target / mean)))
-    return best
-
-
-# ------------------------------------------------------------------------------ measurements
-@dataclass
-class Run:
-    method: str
-    seconds: list[float]  # per measured step
-    real: list[int]  # real tokens per measured step
-    slots: list[int]
-    loss_tokens: list[int]
-    cpu_seconds: list[float]  # process CPU time (all threads) per measured step: less sensitive to other jobs
-
-    @property
-    def tokens_per_cpu_s(self) -> float:
-        return sum(self.real) / max(1e-9, sum(self.cpu_seconds))
-
-    @property
-    def tokens_per_s(self) -> float:
-        return sum(self.real) / sum(self.seconds)
-
-    @property
-    def fill(self) -> float:
-        return sum(self.real) / max(1, sum(self.slots))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from throughput_baselines import hf_features, run_ceiling, run_hf  # noqa: E402
+from throughput_common import (  # noqa: E402
+    DATASETS, DEFAULT_METHODS, LABELS, METHODS, Run, Setup, find_shared_data, token_budget_for, write_model_dir,
+)
 
 
 def run_densebatch(setup: Setup, strategy: str) -> Run:
@@ -183,117 +88,6 @@ def run_densebatch(setup: Setup, strategy: str) -> Run:
     m = recs[w:]
     return Run(f"db_{strategy}", secs, [r["real_tokens"] for r in m], [r["slot_tokens"] for r in m],
                [r["loss_tokens"] for r in m], list(np.diff(cpu[w - 1:])))
-
-
-class CountingCollator:
-    """DataCollatorForSeq2Seq that remembers (real, slots, loss tokens) of every batch it builds, in order."""
-
-    def __init__(self, inner):
-        self.inner, self.log = inner, []
-
-    def __call__(self, features):
-        batch = self.inner(features)
-        am, lab = batch["attention_mask"], batch["labels"]
-        self.log.append((int(am.sum()), int(am.numel()), int((lab[:, 1:] != -100).sum())))
-        return batch
-
-
-def hf_features(store) -> list[dict]:
-    """The store's documents as HF features: labels = token where it carries loss (HF shifts inside)."""
-    feats = []
-    for i in range(len(store)):
-        tokens, loss_mask = store.document(i)
-        ids = np.asarray(tokens, np.int64)
-        labels = np.where(np.asarray(loss_mask) != 0, ids, -100)
-        feats.append({"input_ids": ids.tolist(), "labels": labels.tolist()})
-    return feats
-
-
-def run_hf(setup: Setup, strategy: str, features: list[dict]) -> Run:
-    from transformers import DataCollatorForSeq2Seq, GPT2TokenizerFast, Trainer, TrainerCallback, TrainingArguments
-
-    tok = GPT2TokenizerFast(vocab_file=str(setup.gpt2_dir / "vocab.json"), merges_file=str(setup.gpt2_dir / "merges.txt"))
-    tok.pad_token = tok.eos_token
-    collator = CountingCollator(DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100, return_tensors="pt"))
-    ends: list[float] = []
-    cpu: list[float] = []
-
-    class Timer(TrainerCallback):
-        def on_step_end(self, args, state, control, **kw):
-            ends.append(time.perf_counter())
-            cpu.append(time.process_time())
-
-    model = build_hf_model(setup)
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=setup.hf_rows, max_steps=setup.warmup + setup.steps,
-            learning_rate=setup.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
-            train_sampling_strategy=strategy, use_cpu=True, report_to="none", save_strategy="no",
-            logging_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, remove_unused_columns=False,
-            seed=setup.seed, data_seed=setup.seed,
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            Trainer(model=model, args=args, train_dataset=features, data_collator=collator,
-                    callbacks=[Timer()]).train()
-    w = setup.warmup
-    secs = list(np.diff(ends[w - 1:]))
-    m = collator.log[w:w + setup.steps]  # batch k is step k (gradient_accumulation_steps = 1)
-    return Run(f"hf_{strategy}", secs, [a for a, _, _ in m], [b for _, b, _ in m], [c for _, _, c in m],
-               list(np.diff(cpu[w - 1:])))
-
-
-def dense_rows(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full rows of real tokens (the documents concatenated) and the data's loss mask, (steps, rows, T)."""
-    rows = setup.tokens_per_step // setup.seq_len
-    need = (setup.warmup + setup.steps) * rows * setup.seq_len
-    toks = np.asarray(setup.store.tokens, np.int64)
-    mask = np.asarray(setup.store.loss_mask, np.int64)
-    reps = -(-need // len(toks))
-    toks, mask = np.tile(toks, reps)[:need], np.tile(mask, reps)[:need]
-    shape = (setup.warmup + setup.steps, rows, setup.seq_len)
-    return torch.from_numpy(toks.reshape(shape)), torch.from_numpy(mask.reshape(shape))
-
-
-def run_ceiling(setup: Setup, loss_only: bool) -> Run:
-    from densebatch.batch import IGNORE_INDEX, Batch
-
-    ids, mask = dense_rows(setup)
-    steps, rows, T = ids.shape
-    if loss_only:
-        from densebatch.model import HFCausalLM
-
-        torch.manual_seed(setup.seed)
-        model = HFCausalLM(setup.model_dir)
-    else:
-        model = build_hf_model(setup)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
-    positions = torch.arange(T).expand(rows, T)
-    ends, cpu, losstoks = [], [], []
-    for s in range(steps):
-        x = ids[s]
-        if loss_only:
-            labels = torch.full_like(x, IGNORE_INDEX)
-            keep = mask[s][:, 1:] != 0
-            labels[:, :-1] = torch.where(keep, x[:, 1:], labels[:, :-1])
-            batch = Batch(x, labels, positions, int((labels != IGNORE_INDEX).sum()), x.numel())
-            losses = model.token_losses(batch)
-            (losses.sum() / max(1, batch.num_loss_tokens)).backward()
-            losstoks.append(batch.num_loss_tokens)
-        else:
-            model(input_ids=x, labels=x, use_cache=False).loss.backward()
-            losstoks.append(rows * (T - 1))
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        ends.append(time.perf_counter())
-        cpu.append(time.process_time())
-    w = setup.warmup
-    secs = list(np.diff(ends[w - 1:]))
-    n = rows * T
-    return Run("ceiling_lossonly" if loss_only else "ceiling", secs, [n] * setup.steps, [n] * setup.steps, losstoks[w:],
-               list(np.diff(cpu[w - 1:])))
 
 
 # ------------------------------------------------------------------------------------ driver

@@ -1,0 +1,59 @@
+"""The GPU benchmark's workload: oasst-threads lengths (GPT-2 BPE, or a lognormal fit) and random-token documents."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+OASST_FIT = {"p50": 317, "p90": 807, "max": 3031}
+
+
+def shared_data_dir(arg: str | None) -> Path | None:
+    env = os.environ.get("DENSEBATCH_SHARED")
+    cands = ([Path(arg)] if arg else []) + ([Path(env) / "data", Path(env)] if env else [])
+    cands += [REPO.parent / "shared" / "data", REPO / "shared" / "data"]
+    for c in cands:
+        if (c / "oasst-threads.jsonl").is_file() and (c / "gpt2" / "vocab.json").is_file():
+            return c
+    return None
+
+
+def oasst_lengths(arg: str | None) -> tuple[np.ndarray, str]:
+    """GPT-2 BPE lengths of oasst-threads.jsonl (chatml + end-of-text), or the lognormal fallback."""
+    shared = shared_data_dir(arg)
+    if shared is not None:
+        try:
+            from tokenizers import ByteLevelBPETokenizer
+
+            tok = ByteLevelBPETokenizer(str(shared / "gpt2" / "vocab.json"), str(shared / "gpt2" / "merges.txt"))
+            texts = []
+            for line in (shared / "oasst-threads.jsonl").read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    rec = json.loads(line)
+                    texts.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in rec["messages"]))
+            lengths = np.array([len(e.ids) + 1 for e in tok.encode_batch(texts)], np.int64)
+            return lengths, f"oasst-threads.jsonl with the GPT-2 BPE ({shared})"
+        except Exception as e:  # tokenizers missing or data unreadable: fall back, say why
+            print(f"note: could not tokenize {shared} ({type(e).__name__}: {e}); using the lognormal fit", flush=True)
+    mu = math.log(OASST_FIT["p50"])
+    sigma = (math.log(OASST_FIT["p90"]) - mu) / 1.2815515655446004  # z of the 90th percentile
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.rint(rng.lognormal(mu, sigma, 400)), 8, OASST_FIT["max"]).astype(np.int64)
+    return lengths, f"lognormal fit (p50 {OASST_FIT['p50']}, p90 {OASST_FIT['p90']}, max {OASST_FIT['max']}), 400 documents"
+
+
+def make_documents(lengths: np.ndarray, seq_len: int, vocab: int, total_tokens: int, seed: int):
+    """Resampled lengths (truncated to seq_len) and random token ids with an end-of-text at the end."""
+    rng = np.random.default_rng(seed)
+    base = np.minimum(lengths, seq_len)
+    n = max(len(base), int(math.ceil(total_tokens / base.mean())))
+    lens = rng.choice(base, size=n, replace=True)
+    tokens = rng.integers(0, vocab - 1, size=int(lens.sum()), dtype=np.int64).astype(np.int32)
+    ends = np.cumsum(lens) - 1
+    tokens[ends] = vocab - 1  # end-of-text = the last id, as GPT-2's 50256
+    return lens, tokens

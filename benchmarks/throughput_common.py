@@ -1,0 +1,109 @@
+"""Shared pieces of the throughput benchmark: data sets, the setup of one comparison, a run's timings."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+DATASETS = {  # name -> (file, template)
+    "instruction": ("instruction-data.json", "alpaca"),
+    "oasst": ("oasst-threads.jsonl", "chatml"),
+}
+METHODS = ("db_token_budget", "db_packed", "hf_random", "hf_group_by_length", "ceiling", "ceiling_lossonly")
+DEFAULT_METHODS = ("db_token_budget", "db_packed", "hf_random", "hf_group_by_length", "ceiling")
+LABELS = {
+    "db_token_budget": "densebatch token_budget",
+    "db_packed": "densebatch packed",
+    "hf_random": "HF Trainer (random)",
+    "hf_group_by_length": "HF Trainer group_by_length",
+    "ceiling": "dense ceiling",
+    "ceiling_lossonly": "dense ceiling, loss-only head",
+}
+
+
+def find_shared_data(arg: str | None) -> Path:
+    for cand in ([Path(arg)] if arg else []) + [REPO.parent / "shared" / "data", REPO / "shared" / "data"]:
+        if (cand / "gpt2" / "vocab.json").is_file():
+            return cand
+    sys.exit("shared data not found: pass --data-dir DIR (a folder with gpt2/vocab.json, instruction-data.json, ...)")
+
+
+# ------------------------------------------------------------------------------------- setup
+@dataclass
+class Setup:
+    name: str
+    store: object  # densebatch DocumentStore
+    model_dir: Path
+    tokens_per_step: int  # target real tokens per optimizer step
+    seq_len: int
+    steps: int
+    warmup: int
+    lr: float
+    seed: int
+    gpt2_dir: Path
+    hf_rows: int = 0  # HF per_device_train_batch_size
+    budget: int = 0  # token_budget slot budget
+    notes: dict = field(default_factory=dict)
+
+
+def write_model_dir(path: Path, n_positions: int) -> None:
+    from transformers import GPT2Config
+
+    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=256, n_layer=4, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=50256, eos_token_id=50256)
+    cfg.save_pretrained(path)
+
+
+def build_hf_model(setup: Setup, attn: str = "sdpa"):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(setup.seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(setup.model_dir), attn_implementation=attn)
+
+
+def token_budget_for(store, target: int, seq_len_cap: int, seed: int) -> tuple[int, float]:
+    """Slot budget whose token_budget plan has a mean of ``target`` real tokens per batch (epoch 0)."""
+    from densebatch.data.plan import PlanSettings, plan_epoch
+
+    lengths = np.asarray(store.lengths, np.int64)
+    budget = max(target, int(lengths.max()))
+    best = (budget, 0.0)
+    for _ in range(8):
+        plan = plan_epoch(lengths, PlanSettings(strategy="token_budget", max_tokens_per_batch=budget,
+                                                seq_len=seq_len_cap), seed, 0)
+        real, slots = plan.batch_stats()
+        mean = float(real.mean())
+        best = (budget, float(real.sum() / slots.sum()))
+        if abs(mean - target) / target < 0.01:
+            break
+        budget = max(int(lengths.max()), int(round(budget * target / mean)))
+    return best
+
+
+# ------------------------------------------------------------------------------ measurements
+@dataclass
+class Run:
+    method: str
+    seconds: list[float]  # per measured step
+    real: list[int]  # real tokens per measured step
+    slots: list[int]
+    loss_tokens: list[int]
+    cpu_seconds: list[float]  # process CPU time (all threads) per measured step: less sensitive to other jobs
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        return sum(self.real) / max(1e-9, sum(self.cpu_seconds))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(self.real) / sum(self.seconds)
+
+    @property
+    def fill(self) -> float:
+        return sum(self.real) / max(1, sum(self.slots))
