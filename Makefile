@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with only Python 3.11: `make demo` and `make test`.
 # Both create .venv and install what the project needs (torch 2.13.0 CPU build first,
-# so that no multi-GB CUDA build is pulled in).
+# so that no multi-GB CUDA build is pulled in). `make test` also runs the linter and the formatter check.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -19,6 +19,8 @@ demo: $(BIN)/.installed
 	$(BIN)/densebatch train
 
 test: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n 2
 
 clean:

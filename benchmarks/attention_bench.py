@@ -120,7 +120,8 @@ def main() -> None:
             names = [name(b, r) for b, r in variants]
             ratio = (
                 f"{med[names.index('masked')] / med[names.index('segmented')]:.2f}x"
-                if {"masked", "segmented"} <= set(names) else "-"
+                if {"masked", "segmented"} <= set(names)
+                else "-"
             )
             table.append(f"| {width} | {rows}x{T} | " + " | ".join(cells) + f" | {ratio} |")
             print(table[-1], flush=True)

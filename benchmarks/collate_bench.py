@@ -58,7 +58,7 @@ def main() -> None:
     import json
 
     lines = (shared / "oasst-threads.jsonl").read_text(encoding="utf-8").splitlines()
-    docs = [e.ids + [EOS] for e in gpt2_tokenizer(shared).encode_batch([chatml_text(json.loads(l)) for l in lines])]
+    docs = [e.ids + [EOS] for e in gpt2_tokenizer(shared).encode_batch([chatml_text(json.loads(line)) for line in lines])]
     store = Store(docs)
     pick = np.random.default_rng(0).choice(len(docs), a.docs, replace=False).tolist()
     items = [docs[i] for i in pick]
@@ -74,8 +74,9 @@ def main() -> None:
     try:
         from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerFast
 
-        tok = PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer(shared)._tokenizer, eos_token="<|endoftext|>",
-                                      pad_token="<|endoftext|>")
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=gpt2_tokenizer(shared)._tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+        )
         s2s = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100, return_tensors="pt")
         feats = lambda: [{"input_ids": list(d), "labels": list(d)} for d in items]
         f = feats()

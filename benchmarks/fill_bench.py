@@ -64,8 +64,11 @@ def main() -> None:
         cells.append(f"{real.mean() / a.max_tokens:.3f} of cap ({hf.num_batches})")
         bound = -(-int(x.sum()) // a.seq_len)
         tb = stats["token_budget"][1]
-        print(f"| {name} | {len(x):,} | {int(x.sum()):,} | " + " | ".join(cells)
-              + f" | {stats['packed'][0].num_rows} / {bound} | {tb['mean_real_tokens'] / a.max_tokens:.3f} |")
+        print(
+            f"| {name} | {len(x):,} | {int(x.sum()):,} | "
+            + " | ".join(cells)
+            + f" | {stats['packed'][0].num_rows} / {bound} | {tb['mean_real_tokens'] / a.max_tokens:.3f} |"
+        )
 
 
 if __name__ == "__main__":

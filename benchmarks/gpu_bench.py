@@ -59,8 +59,19 @@ LABELS = {
     "ceiling": "dense ceiling (HF GPT-2, full rows)",
 }
 # Dense bf16 peak FLOP/s (no sparsity) by device-name substring; first match wins.
-PEAK_BF16 = (("H200", 989e12), ("H100", 989e12), ("GH200", 989e12), ("B200", 2250e12), ("A100", 312e12),
-             ("L40S", 362e12), ("L40", 181e12), ("A10G", 70e12), ("A10", 125e12), ("L4", 121e12), ("4090", 165e12))
+PEAK_BF16 = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("GH200", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("4090", 165e12),
+)
 
 
 from gpu_workload import make_documents, oasst_lengths  # noqa: E402
@@ -74,8 +85,18 @@ def log(msg: str) -> None:
 def gpt2_config(a):
     from transformers import GPT2Config
 
-    return GPT2Config(vocab_size=a.vocab, n_positions=a.seq_len, n_embd=a.width, n_layer=a.layers, n_head=a.heads,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=a.vocab - 1, eos_token_id=a.vocab - 1)
+    return GPT2Config(
+        vocab_size=a.vocab,
+        n_positions=a.seq_len,
+        n_embd=a.width,
+        n_layer=a.layers,
+        n_head=a.heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=a.vocab - 1,
+        eos_token_id=a.vocab - 1,
+    )
 
 
 def flops_per_token(a, n_params: int, lengths: np.ndarray) -> float:
@@ -137,17 +158,20 @@ def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
     from densebatch.train.loop import Trainer
 
     bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=a.slots, seq_len=a.seq_len)
-    loader = BatchLoader(store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, store.meta, a.seed),
-                         seed=a.seed, prefetch=bcfg.prefetch)
+    loader = BatchLoader(
+        store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, store.meta, a.seed), seed=a.seed, prefetch=bcfg.prefetch
+    )
     torch.manual_seed(a.seed)
     if kind == "gpt":
-        mcfg = ModelConfig(kind="gpt", n_layer=a.layers, n_head=a.heads, n_embd=a.width, block_size=a.seq_len,
-                           attention=a.attention)
+        mcfg = ModelConfig(
+            kind="gpt", n_layer=a.layers, n_head=a.heads, n_embd=a.width, block_size=a.seq_len, attention=a.attention
+        )
     else:
         mcfg = ModelConfig(kind="hf", path=str(model_dir))
     model = build_model(mcfg, a.vocab)
-    tcfg = TrainConfig(max_steps=a.warmup_steps + a.steps, lr=3e-4, precision=a.precision, device=device.type,
-                       progress=False, compile=a.compile)
+    tcfg = TrainConfig(
+        max_steps=a.warmup_steps + a.steps, lr=3e-4, precision=a.precision, device=device.type, progress=False, compile=a.compile
+    )
     ends, recs = [], []
 
     def on_step(trainer, step):
@@ -166,8 +190,13 @@ def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
             trainer._it.close()
     w = a.warmup_steps
     m = recs[w:]
-    return Result("db_packed" if kind == "gpt" else "db_packed_hf", list(np.diff(ends[w - 1:])),
-                  [r["real_tokens"] for r in m], [r["slot_tokens"] for r in m], _peak_mem(device))
+    return Result(
+        "db_packed" if kind == "gpt" else "db_packed_hf",
+        list(np.diff(ends[w - 1 :])),
+        [r["real_tokens"] for r in m],
+        [r["slot_tokens"] for r in m],
+        _peak_mem(device),
+    )
 
 
 class PadCollator:
@@ -208,21 +237,33 @@ def run_hf(a, store, device, model_dir: Path) -> Result:
     rows = max(1, a.slots // a.seq_len)
     _reset_mem(device)
     with tempfile.TemporaryDirectory() as out:
-        kw = dict(output_dir=out, per_device_train_batch_size=rows, max_steps=a.warmup_steps + a.steps,
-                  learning_rate=3e-4, train_sampling_strategy="group_by_length", report_to="none",
-                  save_strategy="no", logging_strategy="no", disable_tqdm=True, remove_unused_columns=False,
-                  seed=a.seed, data_seed=a.seed, torch_compile=a.compile)
+        kw = dict(
+            output_dir=out,
+            per_device_train_batch_size=rows,
+            max_steps=a.warmup_steps + a.steps,
+            learning_rate=3e-4,
+            train_sampling_strategy="group_by_length",
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            remove_unused_columns=False,
+            seed=a.seed,
+            data_seed=a.seed,
+            torch_compile=a.compile,
+        )
         if device.type == "cuda":
             kw.update(bf16=a.precision == "bf16", optim="adamw_torch_fused", dataloader_pin_memory=True)
         else:
             kw.update(use_cpu=True, dataloader_pin_memory=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            Trainer(model=model, args=TrainingArguments(**kw), train_dataset=feats, data_collator=collator,
-                    callbacks=[Timer()]).train()
+            Trainer(
+                model=model, args=TrainingArguments(**kw), train_dataset=feats, data_collator=collator, callbacks=[Timer()]
+            ).train()
     w = a.warmup_steps
-    m = collator.log[w:w + a.steps]
-    return Result("hf_group_by_length", list(np.diff(ends[w - 1:])), [x for x, _ in m], [y for _, y in m], _peak_mem(device))
+    m = collator.log[w : w + a.steps]
+    return Result("hf_group_by_length", list(np.diff(ends[w - 1 :])), [x for x, _ in m], [y for _, y in m], _peak_mem(device))
 
 
 def run_ceiling(a, store, device, model_dir: Path) -> Result:
@@ -242,7 +283,7 @@ def run_ceiling(a, store, device, model_dir: Path) -> Result:
     _reset_mem(device)
     for s in range(steps):
         start = (s * n) % max(1, len(toks) - n)
-        x = toks[start:start + n].view(rows, a.seq_len).to(device, non_blocking=True)
+        x = toks[start : start + n].view(rows, a.seq_len).to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
             loss = model(input_ids=x, labels=x, use_cache=False).loss
         loss.backward()
@@ -252,7 +293,7 @@ def run_ceiling(a, store, device, model_dir: Path) -> Result:
         sync(device)
         ends.append(time.perf_counter())
     w = a.warmup_steps
-    return Result("ceiling", list(np.diff(ends[w - 1:])), [n] * a.steps, [n] * a.steps, _peak_mem(device))
+    return Result("ceiling", list(np.diff(ends[w - 1 :])), [n] * a.steps, [n] * a.steps, _peak_mem(device))
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -291,8 +332,10 @@ def main(argv=None) -> int:
     a = parse(argv)
     device = torch.device("cpu" if a.smoke or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not a.smoke:
-        log("WARNING: no CUDA device here; running the full-size benchmark on CPU will be very slow. "
-            "Use --smoke for an end-to-end check.")
+        log(
+            "WARNING: no CUDA device here; running the full-size benchmark on CPU will be very slow. "
+            "Use --smoke for an end-to-end check."
+        )
     a.precision = a.precision or ("bf16" if device.type == "cuda" else "fp32")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -314,13 +357,21 @@ def main(argv=None) -> int:
         hf_version = transformers.__version__
     except ImportError:
         hf_version = None
-    log(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-        f"transformers {hf_version}; precision {a.precision}; compile {a.compile}")
-    log(f"model GPT-2 shape: {a.layers} layers, width {a.width}, {a.heads} heads, vocab {a.vocab}, context {a.seq_len}, random init")
-    log(f"lengths: {source}: p50 {np.percentile(lengths, 50):.0f} p90 {np.percentile(lengths, 90):.0f} max {lengths.max()}; "
-        f"{len(lens)} documents resampled, truncated to {a.seq_len}, mean {lens.mean():.0f}")
-    log(f"memory cap {a.slots} token slots per batch: packed {a.slots // a.seq_len} x {a.seq_len}; HF {a.slots // a.seq_len} rows "
-        f"padded to the batch's longest; {a.steps} timed steps after {a.warmup_steps} warm-up")
+    log(
+        f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
+        f"transformers {hf_version}; precision {a.precision}; compile {a.compile}"
+    )
+    log(
+        f"model GPT-2 shape: {a.layers} layers, width {a.width}, {a.heads} heads, vocab {a.vocab}, context {a.seq_len}, random init"
+    )
+    log(
+        f"lengths: {source}: p50 {np.percentile(lengths, 50):.0f} p90 {np.percentile(lengths, 90):.0f} max {lengths.max()}; "
+        f"{len(lens)} documents resampled, truncated to {a.seq_len}, mean {lens.mean():.0f}"
+    )
+    log(
+        f"memory cap {a.slots} token slots per batch: packed {a.slots // a.seq_len} x {a.seq_len}; HF {a.slots // a.seq_len} rows "
+        f"padded to the batch's longest; {a.steps} timed steps after {a.warmup_steps} warm-up"
+    )
 
     tmp = tempfile.TemporaryDirectory()
     model_dir = Path(tmp.name) / "gpt2"
@@ -353,8 +404,10 @@ def main(argv=None) -> int:
             log(f"FAILED {LABELS[m]}: {type(e).__name__}: {e}")
             continue
         results[m] = r
-        log(f"  {r.tokens_per_s:,.0f} real tokens/s, fill {r.fill:.2f}, {statistics.mean(r.seconds) * 1e3:.0f} ms/step, "
-            f"peak memory {_gib(r.peak_mem)} GiB ({time.perf_counter() - t0:.0f} s)")
+        log(
+            f"  {r.tokens_per_s:,.0f} real tokens/s, fill {r.fill:.2f}, {statistics.mean(r.seconds) * 1e3:.0f} ms/step, "
+            f"peak memory {_gib(r.peak_mem)} GiB ({time.perf_counter() - t0:.0f} s)"
+        )
     from densebatch.model import GPT, GPTConfig
 
     with torch.device("meta"):
@@ -366,15 +419,31 @@ def main(argv=None) -> int:
     log(f"model FLOPs per real token {fpt / 1e9:.3f} GFLOP; peak: {peak_note}")
     log(f"{'method':40s} {'real tok/s':>12s} {'fill':>5s} {'ms/step':>8s} {'MFU':>6s} {'vs ceiling':>10s} {'mem GiB':>8s}")
     ceil = results.get("ceiling")
-    out = {"device": str(device), "precision": a.precision, "lengths": source, "slots": a.slots, "seq_len": a.seq_len,
-           "flops_per_token": fpt, "peak_flops": peak, "methods": {}}
+    out = {
+        "device": str(device),
+        "precision": a.precision,
+        "lengths": source,
+        "slots": a.slots,
+        "seq_len": a.seq_len,
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "methods": {},
+    }
     for m, r in results.items():
         mfu = r.tokens_per_s * fpt / peak if peak else None
         vs = r.tokens_per_s / ceil.tokens_per_s if ceil else None
-        log(f"{LABELS[m]:40s} {r.tokens_per_s:12,.0f} {r.fill:5.2f} {statistics.mean(r.seconds) * 1e3:8.0f} "
-            f"{(f'{mfu:6.1%}' if mfu is not None else '   n/a')} {(f'{vs:10.2f}' if vs else '         -')} {_gib(r.peak_mem):>8s}")
-        out["methods"][m] = {"tokens_per_s": r.tokens_per_s, "fill": r.fill, "mfu": mfu, "vs_ceiling": vs,
-                             "ms_per_step": statistics.mean(r.seconds) * 1e3, "peak_mem_gib": None if math.isnan(r.peak_mem) else r.peak_mem}
+        log(
+            f"{LABELS[m]:40s} {r.tokens_per_s:12,.0f} {r.fill:5.2f} {statistics.mean(r.seconds) * 1e3:8.0f} "
+            f"{(f'{mfu:6.1%}' if mfu is not None else '   n/a')} {(f'{vs:10.2f}' if vs else '         -')} {_gib(r.peak_mem):>8s}"
+        )
+        out["methods"][m] = {
+            "tokens_per_s": r.tokens_per_s,
+            "fill": r.fill,
+            "mfu": mfu,
+            "vs_ceiling": vs,
+            "ms_per_step": statistics.mean(r.seconds) * 1e3,
+            "peak_mem_gib": None if math.isnan(r.peak_mem) else r.peak_mem,
+        }
     if "db_packed" in results and "hf_group_by_length" in results:
         ratio = results["db_packed"].tokens_per_s / results["hf_group_by_length"].tokens_per_s
         log(f"densebatch packed / HF group_by_length = {ratio:.2f}")

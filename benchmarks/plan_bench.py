@@ -61,7 +61,7 @@ def main() -> None:
         for st in STRATEGIES:
             s = PlanSettings(strategy=st, seq_len=2048, max_tokens_per_batch=8192)
             plan_epoch(x, s, 0, 0)  # warm-up (page faults of fresh buffers)
-            w, c = timed(lambda: plan_epoch(x, s, 0, 1), 5 if n < 1_000_000 else 3)
+            w, c = timed(lambda x=x, s=s: plan_epoch(x, s, 0, 1), 5 if n < 1_000_000 else 3)
             cells.append(f"{w:.3f} / {c:.3f}")
         t = trl_time(x, 2048) if n <= a.trl_max else None
         cells.append("n/a" if t is None else f"{t:.2f}")

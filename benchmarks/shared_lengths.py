@@ -15,9 +15,7 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 CACHE = HERE / ".cache"
-ALPACA_HEAD = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-)
+ALPACA_HEAD = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 
 
 def shared_data_dir() -> Path | None:
@@ -76,8 +74,10 @@ def shared_lengths(name: str) -> np.ndarray:
 if __name__ == "__main__":
     for n in ("instruction", "oasst", "shakespeare"):
         x = shared_lengths(n)
-        print(f"{n:12s} n={len(x):6d} total={x.sum():8d} p50={np.percentile(x, 50):.0f} "
-              f"p90={np.percentile(x, 90):.0f} max={x.max()}")
+        print(
+            f"{n:12s} n={len(x):6d} total={x.sum():8d} p50={np.percentile(x, 50):.0f} "
+            f"p90={np.percentile(x, 90):.0f} max={x.max()}"
+        )
 
 
 def book_collate(batch, pad_token_id=50256, ignore_index=-100):

@@ -8,7 +8,6 @@ import warnings
 
 import numpy as np
 import torch
-
 from throughput_common import Run, Setup, build_hf_model
 
 
@@ -53,21 +52,33 @@ def run_hf(setup: Setup, strategy: str, features: list[dict]) -> Run:
     model = build_hf_model(setup)
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(
-            output_dir=out, per_device_train_batch_size=setup.hf_rows, max_steps=setup.warmup + setup.steps,
-            learning_rate=setup.lr, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=1.0,
-            train_sampling_strategy=strategy, use_cpu=True, report_to="none", save_strategy="no",
-            logging_strategy="no", disable_tqdm=True, dataloader_pin_memory=False, remove_unused_columns=False,
-            seed=setup.seed, data_seed=setup.seed,
+            output_dir=out,
+            per_device_train_batch_size=setup.hf_rows,
+            max_steps=setup.warmup + setup.steps,
+            learning_rate=setup.lr,
+            weight_decay=0.1,
+            adam_beta2=0.95,
+            max_grad_norm=1.0,
+            train_sampling_strategy=strategy,
+            use_cpu=True,
+            report_to="none",
+            save_strategy="no",
+            logging_strategy="no",
+            disable_tqdm=True,
+            dataloader_pin_memory=False,
+            remove_unused_columns=False,
+            seed=setup.seed,
+            data_seed=setup.seed,
         )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            Trainer(model=model, args=args, train_dataset=features, data_collator=collator,
-                    callbacks=[Timer()]).train()
+            Trainer(model=model, args=args, train_dataset=features, data_collator=collator, callbacks=[Timer()]).train()
     w = setup.warmup
-    secs = list(np.diff(ends[w - 1:]))
-    m = collator.log[w:w + setup.steps]  # batch k is step k (gradient_accumulation_steps = 1)
-    return Run(f"hf_{strategy}", secs, [a for a, _, _ in m], [b for _, b, _ in m], [c for _, _, c in m],
-               list(np.diff(cpu[w - 1:])))
+    secs = list(np.diff(ends[w - 1 :]))
+    m = collator.log[w : w + setup.steps]  # batch k is step k (gradient_accumulation_steps = 1)
+    return Run(
+        f"hf_{strategy}", secs, [a for a, _, _ in m], [b for _, b, _ in m], [c for _, _, c in m], list(np.diff(cpu[w - 1 :]))
+    )
 
 
 def dense_rows(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +128,13 @@ def run_ceiling(setup: Setup, loss_only: bool) -> Run:
         ends.append(time.perf_counter())
         cpu.append(time.process_time())
     w = setup.warmup
-    secs = list(np.diff(ends[w - 1:]))
+    secs = list(np.diff(ends[w - 1 :]))
     n = rows * T
-    return Run("ceiling_lossonly" if loss_only else "ceiling", secs, [n] * setup.steps, [n] * setup.steps, losstoks[w:],
-               list(np.diff(cpu[w - 1:])))
+    return Run(
+        "ceiling_lossonly" if loss_only else "ceiling",
+        secs,
+        [n] * setup.steps,
+        [n] * setup.steps,
+        losstoks[w:],
+        list(np.diff(cpu[w - 1 :])),
+    )

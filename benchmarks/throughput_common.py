@@ -55,8 +55,18 @@ class Setup:
 def write_model_dir(path: Path, n_positions: int) -> None:
     from transformers import GPT2Config
 
-    cfg = GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=256, n_layer=4, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=50256, eos_token_id=50256)
+    cfg = GPT2Config(
+        vocab_size=50257,
+        n_positions=n_positions,
+        n_embd=256,
+        n_layer=4,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=50256,
+        eos_token_id=50256,
+    )
     cfg.save_pretrained(path)
 
 
@@ -75,8 +85,9 @@ def token_budget_for(store, target: int, seq_len_cap: int, seed: int) -> tuple[i
     budget = max(target, int(lengths.max()))
     best = (budget, 0.0)
     for _ in range(8):
-        plan = plan_epoch(lengths, PlanSettings(strategy="token_budget", max_tokens_per_batch=budget,
-                                                seq_len=seq_len_cap), seed, 0)
+        plan = plan_epoch(
+            lengths, PlanSettings(strategy="token_budget", max_tokens_per_batch=budget, seq_len=seq_len_cap), seed, 0
+        )
         real, slots = plan.batch_stats()
         mean = float(real.mean())
         best = (budget, float(real.sum() / slots.sum()))

@@ -46,7 +46,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput_baselines import hf_features, run_ceiling, run_hf  # noqa: E402
 from throughput_common import (  # noqa: E402
-    DATASETS, DEFAULT_METHODS, LABELS, METHODS, Run, Setup, find_shared_data, token_budget_for, write_model_dir,
+    DATASETS,
+    DEFAULT_METHODS,
+    LABELS,
+    METHODS,
+    Run,
+    Setup,
+    find_shared_data,
+    token_budget_for,
+    write_model_dir,
 )
 
 
@@ -67,8 +75,7 @@ def run_densebatch(setup: Setup, strategy: str) -> Run:
     loader = BatchLoader(setup.store, settings, collator, seed=setup.seed, prefetch=bcfg.prefetch)
     torch.manual_seed(setup.seed)
     model = HFCausalLM(setup.model_dir)
-    tcfg = TrainConfig(max_steps=setup.warmup + setup.steps, lr=setup.lr, progress=False, device="cpu",
-                       spike_zscore=0.0)
+    tcfg = TrainConfig(max_steps=setup.warmup + setup.steps, lr=setup.lr, progress=False, device="cpu", spike_zscore=0.0)
     ends: list[float] = []
     cpu: list[float] = []
     recs: list[dict] = []
@@ -84,10 +91,16 @@ def run_densebatch(setup: Setup, strategy: str) -> Run:
         if trainer._it is not None:  # stop the loader's prefetch thread now, not at garbage collection
             trainer._it.close()
     w = setup.warmup
-    secs = list(np.diff(ends[w - 1:]))
+    secs = list(np.diff(ends[w - 1 :]))
     m = recs[w:]
-    return Run(f"db_{strategy}", secs, [r["real_tokens"] for r in m], [r["slot_tokens"] for r in m],
-               [r["loss_tokens"] for r in m], list(np.diff(cpu[w - 1:])))
+    return Run(
+        f"db_{strategy}",
+        secs,
+        [r["real_tokens"] for r in m],
+        [r["slot_tokens"] for r in m],
+        [r["loss_tokens"] for r in m],
+        list(np.diff(cpu[w - 1 :])),
+    )
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -96,20 +109,45 @@ def prepare_setup(name: str, args, data_dir: Path, tmp: Path) -> Setup:
     from densebatch.data.prepare import prepare
 
     fname, template = DATASETS[name]
-    prepared = prepare(DataConfig(path=str(data_dir / fname), template=template, tokenizer=str(data_dir / "gpt2"),
-                                  eval_fraction=0.0, max_seq_len=args.seq_len, cache_dir=str(tmp / "cache")))
+    prepared = prepare(
+        DataConfig(
+            path=str(data_dir / fname),
+            template=template,
+            tokenizer=str(data_dir / "gpt2"),
+            eval_fraction=0.0,
+            max_seq_len=args.seq_len,
+            cache_dir=str(tmp / "cache"),
+        )
+    )
     model_dir = tmp / "model"
     if not (model_dir / "config.json").is_file():
         write_model_dir(model_dir, n_positions=max(1024, args.seq_len))
-    s = Setup(name, prepared.train, model_dir, args.tokens_per_step, args.seq_len, args.steps, args.warmup_steps,
-              args.lr, args.seed, data_dir / "gpt2")
+    s = Setup(
+        name,
+        prepared.train,
+        model_dir,
+        args.tokens_per_step,
+        args.seq_len,
+        args.steps,
+        args.warmup_steps,
+        args.lr,
+        args.seed,
+        data_dir / "gpt2",
+    )
     lengths = np.asarray(s.store.lengths)
     s.hf_rows = max(1, round(args.tokens_per_step / lengths.mean()))
     s.budget, tb_fill = token_budget_for(s.store, args.tokens_per_step, args.seq_len, args.seed)
-    s.notes = {"documents": len(lengths), "mean_len": float(lengths.mean()), "p50": float(np.percentile(lengths, 50)),
-               "p90": float(np.percentile(lengths, 90)), "max": int(lengths.max()),
-               "loss_share": float(np.asarray(s.store.loss_mask).mean()), "hf_rows": s.hf_rows,
-               "token_budget_slots": s.budget, "token_budget_epoch_fill": tb_fill}
+    s.notes = {
+        "documents": len(lengths),
+        "mean_len": float(lengths.mean()),
+        "p50": float(np.percentile(lengths, 50)),
+        "p90": float(np.percentile(lengths, 90)),
+        "max": int(lengths.max()),
+        "loss_share": float(np.asarray(s.store.loss_mask).mean()),
+        "hf_rows": s.hf_rows,
+        "token_budget_slots": s.budget,
+        "token_budget_epoch_fill": tb_fill,
+    }
     return s
 
 
@@ -121,8 +159,10 @@ def profile_method(setup: Setup, method: str, features, rows: int = 22) -> None:
         t0 = time.perf_counter()
         r = run_method(setup, method, features)
         wall = time.perf_counter() - t0
-    print(f"\n### profile {setup.name} / {LABELS[method]}: {wall:.1f} s in all, timed steps {sum(r.seconds):.1f} s, "
-          f"{r.tokens_per_s:.0f} real tok/s under the profiler")
+    print(
+        f"\n### profile {setup.name} / {LABELS[method]}: {wall:.1f} s in all, timed steps {sum(r.seconds):.1f} s, "
+        f"{r.tokens_per_s:.0f} real tok/s under the profiler"
+    )
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
 
 
@@ -141,12 +181,12 @@ def attention_cost(setup: Setup, repeats: int) -> None:
     from densebatch.model.attention import document_mask
 
     bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=setup.tokens_per_step, seq_len=setup.seq_len)
-    loader = BatchLoader(setup.store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, setup.store.meta),
-                         seed=setup.seed, prefetch=0)
+    loader = BatchLoader(
+        setup.store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, setup.store.meta), seed=setup.seed, prefetch=0
+    )
     packed = next(iter(loader.iter_epoch(0)))
     rows, T = packed.input_ids.shape
-    causal = dataclasses.replace(packed, positions=torch.arange(T).expand(rows, T).contiguous(),
-                                 num_real_tokens=packed.num_slots)
+    causal = dataclasses.replace(packed, positions=torch.arange(T).expand(rows, T).contiguous(), num_real_tokens=packed.num_slots)
     torch.manual_seed(setup.seed)
     model = HFCausalLM(setup.model_dir)
     times: dict[str, list[float]] = {"packed (document mask)": [], "causal (no mask)": [], "mask build only": []}
@@ -162,8 +202,10 @@ def attention_cost(setup: Setup, repeats: int) -> None:
         if i:
             times["mask build only"].append(time.perf_counter() - t0)
     segs = int((packed.positions == 0).sum())
-    print(f"\n### attention cost, {setup.name}: one packed batch {rows} x {T}, {segs} segments, "
-          f"{packed.num_real_tokens} real / {packed.num_loss_tokens} loss tokens; forward + backward, median of {len(times['mask build only'])}")
+    print(
+        f"\n### attention cost, {setup.name}: one packed batch {rows} x {T}, {segs} segments, "
+        f"{packed.num_real_tokens} real / {packed.num_loss_tokens} loss tokens; forward + backward, median of {len(times['mask build only'])}"
+    )
     base = statistics.median(times["causal (no mask)"])
     for name, ts in times.items():
         print(f"  {name:24s} {statistics.median(ts):7.3f} s  ({statistics.median(ts) / base:.2f} x causal)")
@@ -187,18 +229,27 @@ def run_method(setup: Setup, method: str, features) -> Run:
 
 def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
     n = setup.notes
-    print(f"\n## {setup.name}: {n['documents']} documents, length mean {n['mean_len']:.0f} p50 {n['p50']:.0f} "
-          f"p90 {n['p90']:.0f} max {n['max']}, loss-token share {n['loss_share']:.2f}")
-    print(f"target {setup.tokens_per_step} real tokens/step; packed rows {setup.tokens_per_step // setup.seq_len} x "
-          f"{setup.seq_len}; token_budget {setup.budget} slots/batch; HF {setup.hf_rows} rows/batch; "
-          f"{setup.steps} timed steps after {setup.warmup} warm-up; {len(next(iter(runs.values())))} repeat(s)")
+    print(
+        f"\n## {setup.name}: {n['documents']} documents, length mean {n['mean_len']:.0f} p50 {n['p50']:.0f} "
+        f"p90 {n['p90']:.0f} max {n['max']}, loss-token share {n['loss_share']:.2f}"
+    )
+    print(
+        f"target {setup.tokens_per_step} real tokens/step; packed rows {setup.tokens_per_step // setup.seq_len} x "
+        f"{setup.seq_len}; token_budget {setup.budget} slots/batch; HF {setup.hf_rows} rows/batch; "
+        f"{setup.steps} timed steps after {setup.warmup} warm-up; {len(next(iter(runs.values())))} repeat(s)"
+    )
     med = {m: statistics.median(r.tokens_per_s for r in rs) for m, rs in runs.items()}
     ceil = med.get("ceiling")
     cmed = {m: statistics.median(r.tokens_per_cpu_s for r in rs) for m, rs in runs.items()}
-    print(f"{'method':32s} {'real tok/s':>10s} {'min-max':>13s} {'real/step':>9s} {'fill':>5s} {'s/step':>6s} "
-          f"{'vs ceiling':>10s} {'tok/CPU-s':>9s} {'vs ceil':>7s}")
-    out = {"setup": {k: v for k, v in n.items()} | {"tokens_per_step": setup.tokens_per_step, "seq_len": setup.seq_len,
-                                                  "steps": setup.steps, "warmup": setup.warmup}, "methods": {}}
+    print(
+        f"{'method':32s} {'real tok/s':>10s} {'min-max':>13s} {'real/step':>9s} {'fill':>5s} {'s/step':>6s} "
+        f"{'vs ceiling':>10s} {'tok/CPU-s':>9s} {'vs ceil':>7s}"
+    )
+    out = {
+        "setup": {k: v for k, v in n.items()}
+        | {"tokens_per_step": setup.tokens_per_step, "seq_len": setup.seq_len, "steps": setup.steps, "warmup": setup.warmup},
+        "methods": {},
+    }
     for m, rs in runs.items():
         tps = [r.tokens_per_s for r in rs]
         real = statistics.mean(x for r in rs for x in r.real)
@@ -206,11 +257,19 @@ def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
         sps = statistics.median(statistics.mean(r.seconds) for r in rs)
         rc = f"{med[m] / ceil:10.2f}" if ceil else f"{'-':>10s}"
         cc = f"{cmed[m] / cmed['ceiling']:7.2f}" if ceil else f"{'-':>7s}"
-        print(f"{LABELS[m]:32s} {med[m]:10.0f} {min(tps):6.0f}-{max(tps):<6.0f} {real:9.0f} {fill:5.2f} {sps:6.2f} {rc} "
-              f"{cmed[m]:9.0f} {cc}")
-        out["methods"][m] = {"tokens_per_s_median": med[m], "tokens_per_s_all": tps, "tokens_per_cpu_s_median": cmed[m], "real_tokens_per_step": real,
-                             "fill_rate": fill, "seconds_per_step_median": sps,
-                             "loss_tokens_per_step": statistics.mean(x for r in rs for x in r.loss_tokens)}
+        print(
+            f"{LABELS[m]:32s} {med[m]:10.0f} {min(tps):6.0f}-{max(tps):<6.0f} {real:9.0f} {fill:5.2f} {sps:6.2f} {rc} "
+            f"{cmed[m]:9.0f} {cc}"
+        )
+        out["methods"][m] = {
+            "tokens_per_s_median": med[m],
+            "tokens_per_s_all": tps,
+            "tokens_per_cpu_s_median": cmed[m],
+            "real_tokens_per_step": real,
+            "fill_rate": fill,
+            "seconds_per_step_median": sps,
+            "loss_tokens_per_step": statistics.mean(x for r in rs for x in r.loss_tokens),
+        }
     ratios = {}
     for db in ("db_packed", "db_token_budget"):
         if db not in med:
@@ -220,8 +279,10 @@ def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
                 r, rc = med[db] / med[ref], cmed[db] / cmed[ref]
                 ratios[f"{db}/{ref}"] = r
                 ratios[f"{db}/{ref} (CPU time)"] = rc
-                print(f"  {LABELS[db]:24s} / {LABELS[ref]:28s} = {r:5.2f} wall, {rc:5.2f} CPU time  (target >= {target}: "
-                      f"{'met' if r >= target else 'MISSED'}{'' if (r >= target) == (rc >= target) else ', CPU-time ratio disagrees'})")
+                print(
+                    f"  {LABELS[db]:24s} / {LABELS[ref]:28s} = {r:5.2f} wall, {rc:5.2f} CPU time  (target >= {target}: "
+                    f"{'met' if r >= target else 'MISSED'}{'' if (r >= target) == (rc >= target) else ', CPU-time ratio disagrees'})"
+                )
     if "hf_group_by_length" in med and "hf_random" in med:
         ratios["hf_group_by_length/hf_random"] = med["hf_group_by_length"] / med["hf_random"]
     out["ratios"] = ratios
@@ -231,8 +292,9 @@ def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", default="both", choices=("instruction", "oasst", "both"))
-    ap.add_argument("--data-dir", default=None, help="folder with gpt2/, instruction-data.json, oasst-threads.jsonl "
-                    "(default: ../shared/data)")
+    ap.add_argument(
+        "--data-dir", default=None, help="folder with gpt2/, instruction-data.json, oasst-threads.jsonl (default: ../shared/data)"
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per method")
     ap.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first (>= 1)")
     ap.add_argument("--tokens-per-step", type=int, default=2048, help="target real tokens per optimizer step")
@@ -243,10 +305,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--attention-cost", action="store_true", help="time forward+backward of one packed batch with its "
-                    "document mask against the same tokens as one causal sequence per row (no mask), alternating")
-    ap.add_argument("--profile", action="store_true", help="run each method once under torch.profiler and print "
-                    "where its CPU time goes (operators by self time), instead of the throughput table")
+    ap.add_argument(
+        "--attention-cost",
+        action="store_true",
+        help="time forward+backward of one packed batch with its "
+        "document mask against the same tokens as one causal sequence per row (no mask), alternating",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each method once under torch.profiler and print "
+        "where its CPU time goes (operators by self time), instead of the throughput table",
+    )
     args = ap.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     bad = [m for m in methods if m not in METHODS]
@@ -262,10 +332,18 @@ def main(argv: list[str] | None = None) -> int:
     names = ["instruction", "oasst"] if args.dataset == "both" else [args.dataset]
     import transformers
 
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-          f"methods {', '.join(methods)}", flush=True)
-    results = {"argv": sys.argv[1:], "torch": torch.__version__, "transformers": transformers.__version__,
-               "threads": torch.get_num_threads(), "datasets": {}}
+    print(
+        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+        f"methods {', '.join(methods)}",
+        flush=True,
+    )
+    results = {
+        "argv": sys.argv[1:],
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "threads": torch.get_num_threads(),
+        "datasets": {},
+    }
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
@@ -281,13 +359,15 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             runs: dict[str, list[Run]] = {m: [] for m in methods}
             for rep in range(args.repeats):
-                order = methods[rep % len(methods):] + methods[:rep % len(methods)]
+                order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
                 for m in order:
                     r = run_method(setup, m, features)
                     runs[m].append(r)
-                    print(f"  [{name} repeat {rep + 1}/{args.repeats}] {LABELS[m]:32s} {r.tokens_per_s:8.0f} real tok/s "
-                          f"{r.tokens_per_cpu_s:6.0f} per CPU-s (fill {r.fill:.2f}, {statistics.mean(r.seconds):.2f} s/step)",
-                          flush=True)
+                    print(
+                        f"  [{name} repeat {rep + 1}/{args.repeats}] {LABELS[m]:32s} {r.tokens_per_s:8.0f} real tok/s "
+                        f"{r.tokens_per_cpu_s:6.0f} per CPU-s (fill {r.fill:.2f}, {statistics.mean(r.seconds):.2f} s/step)",
+                        flush=True,
+                    )
             results["datasets"][name] = report(setup, runs)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")
     if args.json:

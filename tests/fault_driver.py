@@ -143,8 +143,9 @@ def _env(faults: dict | None) -> dict:
 
 
 def start(args: list[str], faults: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(HERE), *args], env=_env(faults), cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(HERE), *args], env=_env(faults), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def run(args: list[str], faults: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -176,7 +177,7 @@ def metrics(output_dir: Path) -> list[dict]:
     """Complete records of ``metrics.jsonl`` (a torn last line is ignored)."""
     path = Path(output_dir) / "metrics.jsonl"
     out = []
-    for line in (path.read_text(encoding="utf-8").splitlines() if path.exists() else []):
+    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
@@ -194,8 +195,15 @@ def last_step(output_dir: Path) -> int:
     return max(steps, default=0)
 
 
-def signal_at_step(args: list[str], output_dir: Path, step: int, sig: int = signal.SIGKILL, delay_s: float = 0.0,
-                   faults: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+def signal_at_step(
+    args: list[str],
+    output_dir: Path,
+    step: int,
+    sig: int = signal.SIGKILL,
+    delay_s: float = 0.0,
+    faults: dict | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
     """Start a run, wait until ``metrics.jsonl`` shows ``step`` (plus ``delay_s``), send ``sig``, wait for the end."""
     p = start(args, faults)
     deadline = time.monotonic() + timeout

@@ -19,7 +19,7 @@ def test_table_has_one_row_per_strategy():
     out = analyze_main(LENGTHS, S)
     lines = out.splitlines()
     assert lines[0].split()[:2] == ["strategy", "fill"]
-    assert [l.split()[0] for l in lines[1:5]] == list(STRATEGIES)
+    assert [line.split()[0] for line in lines[1:5]] == list(STRATEGIES)
 
 
 def test_json_keyed_by_strategy():

@@ -16,9 +16,18 @@ import pytest
 from densebatch.cli import _parser, _split_overrides, main
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=256",
-        "--data.max_seq_len=256", "--batching.seq_len=256", "--batching.max_tokens_per_batch=1024",
-        "--data.default.num_records=200", "--train.progress=false", "--eval.accuracy_samples=0"]
+TINY = [
+    "--model.n_layer=1",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=256",
+    "--data.max_seq_len=256",
+    "--batching.seq_len=256",
+    "--batching.max_tokens_per_batch=1024",
+    "--data.default.num_records=200",
+    "--train.progress=false",
+    "--eval.accuracy_samples=0",
+]
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:
@@ -42,8 +51,15 @@ def _malformed_jsonl(path: Path) -> list[int]:
     """1,000 records, 50 of them malformed in different ways; returns the bad line numbers."""
     rng = random.Random(0)
     bad_lines = sorted(rng.sample(range(1, 1001), 50))
-    kinds = ["{not json", '{"instruction": null, "input": "", "output": "x"}', '{"instruction": "", "input": "", "output": "x"}',
-             '{"input": "", "output": "x"}', '{"instruction": 5, "input": "", "output": ["a"]}', '["a", "list"]', ""]
+    kinds = [
+        "{not json",
+        '{"instruction": null, "input": "", "output": "x"}',
+        '{"instruction": "", "input": "", "output": "x"}',
+        '{"input": "", "output": "x"}',
+        '{"instruction": 5, "input": "", "output": ["a"]}',
+        '["a", "list"]',
+        "",
+    ]
     lines = []
     for i in range(1, 1001):
         if i in bad_lines:
@@ -77,8 +93,23 @@ def test_analyze_lengths_json_and_dump_plan(tmp_path, capsys):
     lengths = np.clip(rng.lognormal(5.5, 0.9, 3000).astype(int), 2, 2048)
     (tmp_path / "lengths.txt").write_text("\n".join(map(str, lengths)) + "\n")
     plan_file = tmp_path / "plan.json"
-    assert main(["analyze", "--lengths", str(tmp_path / "lengths.txt"), "--json", "--strategy", "token_budget",
-                 "--dump-plan", str(plan_file), "--batching.max_tokens_per_batch=8192", "--batching.seq_len=2048"]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                "--lengths",
+                str(tmp_path / "lengths.txt"),
+                "--json",
+                "--strategy",
+                "token_budget",
+                "--dump-plan",
+                str(plan_file),
+                "--batching.max_tokens_per_batch=8192",
+                "--batching.seq_len=2048",
+            ]
+        )
+        == 0
+    )
     results = json.loads(capsys.readouterr().out)
     assert set(results) == {"random", "length_grouped", "token_budget", "packed"}
     plan = json.loads(plan_file.read_text())
@@ -102,8 +133,20 @@ def test_eval_loss_does_not_depend_on_strategy(trained, capsys):
     out, common = trained
     losses = {}
     for strategy in ("random", "length_grouped", "token_budget", "packed"):
-        assert main(["eval", str(REPO / "configs" / "default.yaml"), "--checkpoint", str(out), "--json",
-                     f"--batching.strategy={strategy}", *common]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    str(REPO / "configs" / "default.yaml"),
+                    "--checkpoint",
+                    str(out),
+                    "--json",
+                    f"--batching.strategy={strategy}",
+                    *common,
+                ]
+            )
+            == 0
+        )
         losses[strategy] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ref = losses["packed"]
     for name, res in losses.items():
@@ -120,7 +163,9 @@ def test_train_outputs_and_generate(trained, capsys):
         assert key in train[0]
     assert any(r["kind"] == "eval" for r in records)
     assert (out / "config.yaml").is_file() and (out / "final" / "model.safetensors").is_file()
-    assert main(["generate", "--checkpoint", str(out), "--prompt", "Convert the word to uppercase.", "--max-new-tokens", "5"]) == 0
+    assert (
+        main(["generate", "--checkpoint", str(out), "--prompt", "Convert the word to uppercase.", "--max-new-tokens", "5"]) == 0
+    )
     capsys.readouterr()
     # A step checkpoint works too, and a missing directory is a clear error.
     ckpt = sorted((out / "checkpoints").iterdir())[-1]

@@ -25,8 +25,17 @@ def test_default_yaml_is_the_embedded_default():
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(None, ["--train.max_steps=20", "--batching.strategy=token_budget", "--train.lr=3e-4",
-                             "--data.clean.nfkc=true", "--model.path=x/y", "--seed=7"])
+    cfg = load_config(
+        None,
+        [
+            "--train.max_steps=20",
+            "--batching.strategy=token_budget",
+            "--train.lr=3e-4",
+            "--data.clean.nfkc=true",
+            "--model.path=x/y",
+            "--seed=7",
+        ],
+    )
     assert cfg.train.max_steps == 20 and cfg.batching.strategy == "token_budget"
     assert cfg.train.lr == pytest.approx(3e-4) and cfg.data.clean.nfkc is True
     assert cfg.model.path == "x/y" and cfg.seed == 7

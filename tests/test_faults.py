@@ -16,11 +16,11 @@ import shutil
 import signal
 import struct
 
+import fault_driver as fd
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import fault_driver as fd
 from densebatch.cli import main as cli_main
 from densebatch.model.gpt import GPT
 from densebatch.train.checkpoint import MANIFEST, list_checkpoints, load_checkpoint, verify
@@ -37,8 +37,9 @@ def cache_dir(tmp_path_factory):
 def base_run(tmp_path_factory, cache_dir):
     """One finished run: 10 steps, checkpoints at steps 2, 4, ..., 10 (all kept). Tests work on copies."""
     d = tmp_path_factory.mktemp("base")
-    cfg = fd.write_config(d / "run.yaml", d / "out", cache_dir, train={"max_steps": BASE_STEPS},
-                          checkpoint={"every_steps": 2, "keep_last": 5})
+    cfg = fd.write_config(
+        d / "run.yaml", d / "out", cache_dir, train={"max_steps": BASE_STEPS}, checkpoint={"every_steps": 2, "keep_last": 5}
+    )
     assert fd.run_in_process(["train", str(cfg)]) == 0
     return d / "out"
 
@@ -46,8 +47,9 @@ def base_run(tmp_path_factory, cache_dir):
 def _copy_run(base_run, tmp_path, cache_dir):
     out = tmp_path / "out"
     shutil.copytree(base_run, out)
-    cfg = fd.write_config(tmp_path / "run.yaml", out, cache_dir, train={"max_steps": BASE_STEPS},
-                          checkpoint={"every_steps": 2, "keep_last": 5})
+    cfg = fd.write_config(
+        tmp_path / "run.yaml", out, cache_dir, train={"max_steps": BASE_STEPS}, checkpoint={"every_steps": 2, "keep_last": 5}
+    )
     return str(cfg), out
 
 
@@ -124,7 +126,6 @@ def test_pickle_payload_in_a_checkpoint_is_never_executed(base_run, tmp_path, ca
     assert not marker.exists()
 
 
-
 def test_pickle_payload_is_refused_by_eval_and_generate(base_run, tmp_path, cache_dir, capsys):
     cfg, out = _copy_run(base_run, tmp_path, cache_dir)
     marker = tmp_path / "pwned"
@@ -174,9 +175,13 @@ def test_nan_loss_skips_the_step_and_weights_stay_finite(tmp_path, cache_dir, mo
 
 def test_loss_spike_rolls_back_logs_and_lowers_the_lr(tmp_path, cache_dir, monkeypatch, capsys):
     steps, spike = 30, 25  # the guard needs 20 accepted losses before it judges a spike
-    cfg = fd.write_config(tmp_path / "run.yaml", tmp_path / "out", cache_dir,
-                          train={"max_steps": steps, "spike_window": 20, "rollback_lr_factor": 0.5},
-                          checkpoint={"every_steps": 4, "keep_last": 2})
+    cfg = fd.write_config(
+        tmp_path / "run.yaml",
+        tmp_path / "out",
+        cache_dir,
+        train={"max_steps": steps, "spike_window": 20, "rollback_lr_factor": 0.5},
+        checkpoint={"every_steps": 4, "keep_last": 2},
+    )
     calls, orig = [0], GPT.token_losses
 
     def token_losses(self, batch):
@@ -200,7 +205,7 @@ def test_loss_spike_rolls_back_logs_and_lowers_the_lr(tmp_path, cache_dir, monke
     assert events[0]["loss"] > 10  # the spiked loss, for the post-mortem
     train = [r for r in records if r["kind"] == "train"]
     i = train.index(next(r for r in train if r.get("skipped")))
-    bad, after = train[i], train[i + 1:]
+    bad, after = train[i], train[i + 1 :]
     assert bad["step"] == spike and bad["skipped"] == "rollback"
     assert records.index(events[0]) == records.index(bad) + 1  # logged right after the step that caused it
     # training continued from step 24's weights, at half the learning rate, to the end

@@ -18,10 +18,10 @@ import re
 import shutil
 import signal
 
+import fault_driver as fd
 import pytest
 
 import densebatch.run.training as training
-import fault_driver as fd
 from densebatch.data.loader import BatchLoader
 from densebatch.train.checkpoint import list_checkpoints, verify
 
@@ -140,8 +140,9 @@ def test_killed_once_resumes_bit_for_bit(tmp_path, cache_dir, strategy, monkeypa
         monkeypatch.setattr(training, "restore_rng_state", lambda state: None)
     elif strategy == "length_grouped":  # one batch off after the restore
         load = BatchLoader.load_state_dict
-        monkeypatch.setattr(BatchLoader, "load_state_dict",
-                            lambda self, st: load(self, dict(st, batch_index=st["batch_index"] + 1)))
+        monkeypatch.setattr(
+            BatchLoader, "load_state_dict", lambda self, st: load(self, dict(st, batch_index=st["batch_index"] + 1))
+        )
     else:
         return
     shutil.rmtree(out)

@@ -74,12 +74,25 @@ def analyze(lengths: np.ndarray, settings: PlanSettings, strategies=STRATEGIES, 
 
 def format_table(results: dict[str, dict]) -> str:
     head = ("strategy", "fill", "batches", "mean real/batch", "max real/batch", "max slots/batch", "plan s")
-    rows = [(k, f"{r['fill_rate']:.4f}", str(r["batches"]), f"{r['mean_real_tokens']:.1f}", str(r["max_real_tokens"]),
-             str(r["max_slots"]), f"{r['plan_seconds']:.3f}") for k, r in results.items()]
+    rows = [
+        (
+            k,
+            f"{r['fill_rate']:.4f}",
+            str(r["batches"]),
+            f"{r['mean_real_tokens']:.1f}",
+            str(r["max_real_tokens"]),
+            str(r["max_slots"]),
+            f"{r['plan_seconds']:.3f}",
+        )
+        for k, r in results.items()
+    ]
     w = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
     line = lambda x: "  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(x))
-    notes = [f"{k}: {r['split']} split, {r['truncated']} truncated, {r['dropped']} dropped"
-             for k, r in results.items() if r["split"] or r["truncated"] or r["dropped"]]
+    notes = [
+        f"{k}: {r['split']} split, {r['truncated']} truncated, {r['dropped']} dropped"
+        for k, r in results.items()
+        if r["split"] or r["truncated"] or r["dropped"]
+    ]
     return "\n".join([line(head), *map(line, rows), *notes])
 
 
@@ -98,16 +111,31 @@ def write_plot(lengths: np.ndarray, results: dict[str, dict], path: str | Path, 
     ax.set_title(f"{len(lengths):,} documents, {int(lengths.sum()):,} tokens")
     text = "\n".join(f"{k}: fill {r['fill_rate']:.3f}, {r['batches']} batches" for k, r in results.items())
     text += f"\nseq_len {settings.seq_len}, max_tokens_per_batch {settings.max_tokens_per_batch}, rows_per_batch {settings.rows_per_batch}"
-    ax.text(0.98, 0.95, text, transform=ax.transAxes, ha="right", va="top", fontsize=8,
-            bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#999"})
+    ax.text(
+        0.98,
+        0.95,
+        text,
+        transform=ax.transAxes,
+        ha="right",
+        va="top",
+        fontsize=8,
+        bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#999"},
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def analyze_main(lengths: np.ndarray, settings: PlanSettings, strategies=STRATEGIES, json_out: bool = False,
-                 dump_plan: str | Path | None = None, strategy: str | None = None, plot: str | Path | None = None,
-                 seed: int = 0) -> str:
+def analyze_main(
+    lengths: np.ndarray,
+    settings: PlanSettings,
+    strategies=STRATEGIES,
+    json_out: bool = False,
+    dump_plan: str | Path | None = None,
+    strategy: str | None = None,
+    plot: str | Path | None = None,
+    seed: int = 0,
+) -> str:
     """Run the analysis; return the text to print (table, or one JSON object keyed by strategy).
 
     ``dump_plan``: write the plan of ``strategy`` (default ``settings.strategy``) as JSON: a list of

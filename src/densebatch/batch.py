@@ -51,7 +51,7 @@ class Batch:
     def fill_rate(self) -> float:
         return self.num_real_tokens / max(1, self.num_slots)
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return replace(
             self,
             input_ids=self.input_ids.to(device, non_blocking=non_blocking),
@@ -59,7 +59,7 @@ class Batch:
             positions=self.positions.to(device, non_blocking=non_blocking),
         )
 
-    def pin_memory(self) -> "Batch":
+    def pin_memory(self) -> Batch:
         return replace(
             self,
             input_ids=self.input_ids.pin_memory(),

@@ -85,12 +85,13 @@ class DataConfig:
         "Prompt template: alpaca, chatml (chat messages), raw (plain text) or custom (prompt_format).",
         choices=("alpaca", "chatml", "raw", "custom"),
     )
-    prompt_format: str | None = _f(
-        None, "custom template: prompt with {named} record fields; the response is fields.output."
+    prompt_format: str | None = _f(None, "custom template: prompt with {named} record fields; the response is fields.output.")
+    loss_on: str = _f(
+        "response", "Tokens carrying loss: all, or only the response / assistant turns.", choices=("all", "response")
     )
-    loss_on: str = _f("response", "Tokens carrying loss: all, or only the response / assistant turns.", choices=("all", "response"))
     text_split: str = _f(
-        "blank_lines", "format text: split the file into documents on blank lines or fixed-size chunks.",
+        "blank_lines",
+        "format text: split the file into documents on blank lines or fixed-size chunks.",
         choices=("blank_lines", "chunks"),
     )
     chunk_tokens: int = _f(1024, "format text with text_split=chunks: tokens per chunk.", minimum=1)
@@ -102,8 +103,12 @@ class DataConfig:
     )
     pad_id: int | None = _f(None, "Padding id; none = the end-of-text id.")
     max_seq_len: int = _f(1024, "Longest document in tokens (end-of-text included).", minimum=2)
-    overlong: str = _f("truncate", "Documents over max_seq_len: truncate (keeping a final target) or drop.", choices=("truncate", "drop"))
-    on_bad_record: str = _f("error", "A malformed record stops the run (error) or is counted and skipped (skip).", choices=("error", "skip"))
+    overlong: str = _f(
+        "truncate", "Documents over max_seq_len: truncate (keeping a final target) or drop.", choices=("truncate", "drop")
+    )
+    on_bad_record: str = _f(
+        "error", "A malformed record stops the run (error) or is counted and skipped (skip).", choices=("error", "skip")
+    )
     cache_dir: str = _f(".densebatch-cache", "Where tokenised documents are cached (keyed by content hash).")
     default: DefaultDataConfig = _f(DefaultDataConfig, "The embedded default dataset.")
 
@@ -170,7 +175,9 @@ class TrainConfig:
     grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
     loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
     grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
-    grad_clip_mode: str = _f("fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics).", choices=("fixed", "adaptive"))
+    grad_clip_mode: str = _f(
+        "fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics).", choices=("fixed", "adaptive")
+    )
     precision: str = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling).", choices=("fp32", "bf16", "fp16"))
     compile: bool = _f(False, "torch.compile the model.")
     device: str = _f("auto", "auto (cuda when present), cpu or cuda.", choices=("auto", "cpu", "cuda"))
@@ -196,7 +203,9 @@ class CheckpointConfig:
     every_steps: int = _f(0, "Save every this many steps (0 = only at the end and on SIGTERM/SIGINT).", minimum=0)
     keep_last: int = _f(3, "Keep the newest this many checkpoints.", minimum=1)
     mirror_dir: str | None = _f(None, "Second location that receives a verified copy of every checkpoint.")
-    resume: str = _f("never", "auto: continue from the newest verified checkpoint; never: start fresh.", choices=("never", "auto"))
+    resume: str = _f(
+        "never", "auto: continue from the newest verified checkpoint; never: start fresh.", choices=("never", "auto")
+    )
 
 
 @dataclass
@@ -216,7 +225,9 @@ def _type_name(tp: Any) -> str:
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -266,7 +277,9 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"in section '{prefix}'" if prefix else "at the top level"
-        raise ConfigError(f"unknown key '{prefix + '.' if prefix else ''}{unknown[0]}' {where}; expected one of: {', '.join(fields)}")
+        raise ConfigError(
+            f"unknown key '{prefix + '.' if prefix else ''}{unknown[0]}' {where}; expected one of: {', '.join(fields)}"
+        )
     kwargs = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name

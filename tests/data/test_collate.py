@@ -10,14 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from densebatch.batch import IGNORE_INDEX
 from densebatch.data.collate import CausalCollator, MaskedLMCollator, collator_from_config
 from densebatch.data.plan import PlanSettings, plan_epoch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from shared_lengths import alpaca_text, book_collate as _book_collate, gpt2_tokenizer, shared_data_dir  # noqa: E402
+from shared_lengths import alpaca_text, gpt2_tokenizer, shared_data_dir  # noqa: E402
+from shared_lengths import book_collate as _book_collate
 
 EOS = 50256
 
@@ -25,14 +27,28 @@ EOS = 50256
 class MemStore:
     """In-memory stand-in for data/store.DocumentStore (same attributes)."""
 
-    def __init__(self, docs: list[list[int]], masks: list[list[int]] | None = None, eos_id=EOS, pad_id=EOS, vocab_size=50257,
-                 mask_id=None, special_ids=(EOS,)):
+    def __init__(
+        self,
+        docs: list[list[int]],
+        masks: list[list[int]] | None = None,
+        eos_id=EOS,
+        pad_id=EOS,
+        vocab_size=50257,
+        mask_id=None,
+        special_ids=(EOS,),
+    ):
         masks = masks or [[1] * len(d) for d in docs]
         self.tokens = np.array([t for d in docs for t in d], np.int32)
         self.loss_mask = np.array([m for d in masks for m in d], np.uint8)
         self.lengths = np.array([len(d) for d in docs], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        self.meta = {"eos_id": eos_id, "pad_id": pad_id, "vocab_size": vocab_size, "mask_id": mask_id, "special_ids": list(special_ids)}
+        self.meta = {
+            "eos_id": eos_id,
+            "pad_id": pad_id,
+            "vocab_size": vocab_size,
+            "mask_id": mask_id,
+            "special_ids": list(special_ids),
+        }
 
     def __len__(self):
         return len(self.lengths)
@@ -169,7 +185,9 @@ def _mlm_store():
 
 def test_mlm_hf_semantics_and_determinism():
     store = _mlm_store()
-    coll = collator_from_config(type("C", (), {"mode": "mlm", "mlm_probability": 0.15, "pad_to_multiple_of": 8})(), store.meta, seed=5)
+    coll = collator_from_config(
+        type("C", (), {"mode": "mlm", "mlm_probability": 0.15, "pad_to_multiple_of": 8})(), store.meta, seed=5
+    )
     rows = [[(d, 0, int(store.lengths[d]))] for d in range(40)]
     b = coll(store, rows, step=(1, 2))
     plain = CausalCollator(pad_id=0, pad_to_multiple_of=8)(store, rows)

@@ -88,5 +88,5 @@ def test_ranks_take_the_same_number_of_batches():
     s = PlanSettings(strategy="token_budget", max_tokens_per_batch=128)
     store = MemStore()
     ls = [BatchLoader(store, s, CausalCollator(pad_id=0), seed=1, rank=r, world_size=3, prefetch=0) for r in range(3)]
-    assert len({l.batches_per_epoch for l in ls}) == 1
-    assert sum(b.num_real_tokens for l in ls for b in l.iter_epoch(0)) == int(store.lengths.sum())
+    assert len({ld.batches_per_epoch for ld in ls}) == 1
+    assert sum(b.num_real_tokens for ld in ls for b in ld.iter_epoch(0)) == int(store.lengths.sum())

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from densebatch.data.packing import exact_cuts as _exact_cuts, greedy_cuts as _greedy_cuts
+from densebatch.data.packing import exact_cuts as _exact_cuts
+from densebatch.data.packing import greedy_cuts as _greedy_cuts
 from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
 
 lengths_st = st.lists(st.integers(1, 300), min_size=0, max_size=120).map(lambda x: np.array(x, np.int64))

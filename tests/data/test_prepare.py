@@ -64,11 +64,15 @@ def test_text_holding_the_eos_string_is_masked_by_position(data_cfg, tmp_path, w
 
 def _malformed_jsonl(path, n_good=950):
     lines = [json.dumps({"instruction": f"task {i}", "input": "", "output": f"answer {i}"}) for i in range(n_good)]
-    bad = ([b'{"instruction": "x", "output": '] * 10 + [b'{"instruction": "x", "output": "\xff\xfe"}'] * 8
-           + [json.dumps({"input": "", "output": "y"}).encode()] * 8
-           + [json.dumps({"instruction": None, "output": "y"}).encode()] * 8
-           + [json.dumps({"instruction": "", "output": "y"}).encode()] * 8
-           + [json.dumps({"instruction": ["x"], "output": "y"}).encode()] * 4 + [b"[1, 2, 3]"] * 4)
+    bad = (
+        [b'{"instruction": "x", "output": '] * 10
+        + [b'{"instruction": "x", "output": "\xff\xfe"}'] * 8
+        + [json.dumps({"input": "", "output": "y"}).encode()] * 8
+        + [json.dumps({"instruction": None, "output": "y"}).encode()] * 8
+        + [json.dumps({"instruction": "", "output": "y"}).encode()] * 8
+        + [json.dumps({"instruction": ["x"], "output": "y"}).encode()] * 4
+        + [b"[1, 2, 3]"] * 4
+    )
     rng = random.Random(0)
     all_lines = [x.encode() for x in lines]
     slots = sorted(rng.sample(range(1, len(all_lines) + len(bad)), len(bad)))
@@ -92,8 +96,14 @@ def test_malformed_records_skip_mode_counts_by_reason(data_cfg, tmp_path):
     p = prepare(data_cfg(path=str(path), on_bad_record="skip", eval_fraction=0.1))
     s = p.summary
     assert s.records_read == 1000 and s.records_skipped == 50 and s.records_kept == 950
-    assert s.skipped == {"invalid_json": 10, "undecodable_bytes": 8, "missing_field": 8, "null_field": 8,
-                         "empty_field": 8, "wrong_type": 8}
+    assert s.skipped == {
+        "invalid_json": 10,
+        "undecodable_bytes": 8,
+        "missing_field": 8,
+        "null_field": 8,
+        "empty_field": 8,
+        "wrong_type": 8,
+    }
     assert s.skip_examples["invalid_json"].startswith(str(path) + ":")
     assert "skipped" in str(s) and json.dumps(s.as_dict())
 
@@ -137,8 +147,12 @@ def test_text_formats(data_cfg, tmp_path):
 
 
 def test_pretokenized_records(data_cfg, tmp_path, write_jsonl):
-    recs = [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9, 256]},
-            {"input_ids": [1, 2], "labels": [-100, 3]}, {"input_ids": "nope"}]
+    recs = [
+        {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]},
+        {"input_ids": [8, 9, 256]},
+        {"input_ids": [1, 2], "labels": [-100, 3]},
+        {"input_ids": "nope"},
+    ]
     p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", recs)), on_bad_record="skip"))
     assert [p.train.document(i)[0].tolist() for i in range(2)] == [[5, 6, 7, 256], [8, 9, 256]]
     assert [p.train.document(i)[1].tolist() for i in range(2)] == [[0, 1, 1, 1], [0, 1, 1]]
@@ -146,8 +160,11 @@ def test_pretokenized_records(data_cfg, tmp_path, write_jsonl):
 
 
 def test_overlong_truncate_and_drop_are_counted(data_cfg, tmp_path, write_jsonl):
-    recs = [{"instruction": "a", "input": "", "output": "b"}, {"instruction": "a", "input": "x" * 300, "output": "b"},
-            {"instruction": "a" * 50, "input": "", "output": "b" * 300}]
+    recs = [
+        {"instruction": "a", "input": "", "output": "b"},
+        {"instruction": "a", "input": "x" * 300, "output": "b"},
+        {"instruction": "a" * 50, "input": "", "output": "b" * 300},
+    ]
     path = write_jsonl(tmp_path / "a.jsonl", recs)
     p = prepare(data_cfg(path=str(path), max_seq_len=200))
     # record 1: its response is cut away -> dropped (no target); record 2: truncated inside the response.
@@ -158,9 +175,11 @@ def test_overlong_truncate_and_drop_are_counted(data_cfg, tmp_path, write_jsonl)
 
 
 def test_cleaning_through_prepare(data_cfg, tmp_path, write_jsonl):
-    recs = [{"instruction": "<b>Say</b>  hi", "input": "", "output": "hi"},
-            {"instruction": "Say hi", "input": "", "output": "hi"},
-            {"instruction": "x", "input": "", "output": "<br>"}]
+    recs = [
+        {"instruction": "<b>Say</b>  hi", "input": "", "output": "hi"},
+        {"instruction": "Say hi", "input": "", "output": "hi"},
+        {"instruction": "x", "input": "", "output": "<br>"},
+    ]
     clean = CleanConfig(strip_html=True, collapse_whitespace=True, dedupe=True)
     p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", recs)), clean=clean))
     assert len(p.train) == 1

@@ -11,7 +11,6 @@ from densebatch.data.sources import BadRecord, detect_format, iter_records
 from densebatch.errors import DataError
 
 
-
 def _good(items):
     return [rec for item in items if not isinstance(item, BadRecord) for rec in [item[1]]]
 
@@ -38,7 +37,11 @@ def test_jsonl_bad_lines_are_named_by_line(tmp_path):
     items = list(iter_records(p))
     bad = [i for i in items if isinstance(i, BadRecord)]
     assert [(b.where, b.reason) for b in bad] == [  # a blank line between records is reported too
-        (f"{p}:2", "blank_line"), (f"{p}:3", "invalid_json"), (f"{p}:4", "wrong_type"), (f"{p}:5", "undecodable_bytes")]
+        (f"{p}:2", "blank_line"),
+        (f"{p}:3", "invalid_json"),
+        (f"{p}:4", "wrong_type"),
+        (f"{p}:5", "undecodable_bytes"),
+    ]
     assert _good(items) == [{"a": 1}, {"a": 2}]
     assert items[-1][0] == f"{p}:6"
     p.write_bytes(b'{"a": 1}\n{"a": 2}\n\n\n')  # trailing blank lines are harmless

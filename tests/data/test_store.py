@@ -12,9 +12,7 @@ from hypothesis import strategies as st
 from densebatch.data.store import MARKER, DocumentStore
 from densebatch.errors import DataError
 
-docs_strategy = st.lists(
-    st.lists(st.tuples(st.integers(0, 50_000), st.integers(0, 1)), min_size=1, max_size=30), max_size=20
-)
+docs_strategy = st.lists(st.lists(st.tuples(st.integers(0, 50_000), st.integers(0, 1)), min_size=1, max_size=30), max_size=20)
 
 
 @given(docs_strategy)

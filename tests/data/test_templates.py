@@ -16,13 +16,16 @@ PREAMBLE = "Below is an instruction that describes a task. Write a response that
 def test_alpaca_record_0_of_the_book_byte_for_byte(shared_dir):
     rec = json.loads((shared_dir / "instruction-data.json").read_text(encoding="utf-8"))[0]
     # The book's format_input (ch. 7) + "\n\n### Response:\n" + output, written out.
-    expected = (f"{PREAMBLE}\n\n### Instruction:\n{rec['instruction']}"
-                + (f"\n\n### Input:\n{rec['input']}" if rec["input"] else "")
-                + f"\n\n### Response:\n{rec['output']}")
+    expected = (
+        f"{PREAMBLE}\n\n### Instruction:\n{rec['instruction']}"
+        + (f"\n\n### Input:\n{rec['input']}" if rec["input"] else "")
+        + f"\n\n### Response:\n{rec['output']}"
+    )
     assert render_text(rec, DataConfig()) == expected
     assert render_text(rec, DataConfig()).startswith(
         "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-        "\n\n### Instruction:\nEvaluate the following phrase by transforming it into the spelling given.")
+        "\n\n### Instruction:\nEvaluate the following phrase by transforming it into the spelling given."
+    )
 
 
 def test_alpaca_segments_and_optional_input():
@@ -36,14 +39,17 @@ def test_alpaca_segments_and_optional_input():
     assert prompt_text(rec, DataConfig()) == render(rec, DataConfig())[0][0]
 
 
-@pytest.mark.parametrize("rec,reason", [
-    ({"input": "", "output": "x"}, "missing_field"),
-    ({"instruction": None, "output": "x"}, "null_field"),
-    ({"instruction": "  ", "output": "x"}, "empty_field"),
-    ({"instruction": 3, "output": "x"}, "wrong_type"),
-    ({"instruction": "a", "input": ["x"], "output": "x"}, "wrong_type"),
-    ({"instruction": "a", "output": ""}, "empty_field"),
-])
+@pytest.mark.parametrize(
+    "rec,reason",
+    [
+        ({"input": "", "output": "x"}, "missing_field"),
+        ({"instruction": None, "output": "x"}, "null_field"),
+        ({"instruction": "  ", "output": "x"}, "empty_field"),
+        ({"instruction": 3, "output": "x"}, "wrong_type"),
+        ({"instruction": "a", "input": ["x"], "output": "x"}, "wrong_type"),
+        ({"instruction": "a", "output": ""}, "empty_field"),
+    ],
+)
 def test_alpaca_field_errors(rec, reason):
     with pytest.raises(RecordError) as e:
         render(rec, DataConfig())
@@ -56,24 +62,37 @@ def test_field_mapping():
 
 
 def test_chatml_layout_and_assistant_only_loss():
-    rec = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-                        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"},
-                        {"role": "assistant", "content": "Bye!"}]}
+    rec = {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye"},
+            {"role": "assistant", "content": "Bye!"},
+        ]
+    }
     segs = render(rec, DataConfig(template="chatml"))
     assert "".join(t for t, _ in segs) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
-        "<|im_start|>assistant\nBye!<|im_end|>\n")
+        "<|im_start|>assistant\nBye!<|im_end|>\n"
+    )
     assert [t for t, f in segs if f] == ["Hello!<|im_end|>", "Bye!<|im_end|>"]
     assert all(f for _, f in render(rec, DataConfig(template="chatml", loss_on="all")))
 
 
-@pytest.mark.parametrize("rec,reason", [
-    ({}, "missing_field"), ({"messages": None}, "null_field"), ({"messages": "hi"}, "wrong_type"),
-    ({"messages": []}, "empty_field"), ({"messages": ["hi"]}, "wrong_type"),
-    ({"messages": [{"role": "user"}]}, "missing_field"),
-    ({"messages": [{"role": "user", "content": "only a question"}]}, "no_response"),
-])
+@pytest.mark.parametrize(
+    "rec,reason",
+    [
+        ({}, "missing_field"),
+        ({"messages": None}, "null_field"),
+        ({"messages": "hi"}, "wrong_type"),
+        ({"messages": []}, "empty_field"),
+        ({"messages": ["hi"]}, "wrong_type"),
+        ({"messages": [{"role": "user"}]}, "missing_field"),
+        ({"messages": [{"role": "user", "content": "only a question"}]}, "no_response"),
+    ],
+)
 def test_chatml_errors(rec, reason):
     with pytest.raises(RecordError) as e:
         render(rec, DataConfig(template="chatml"))

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import pack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import pack
 from densebatch.errors import ConfigError
 from densebatch.model.attention import (
     SEGMENTED_MIN_LEN,

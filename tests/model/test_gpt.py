@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 import torch
+from conftest import pack, random_docs
 
 import densebatch.model.gpt as gpt_mod
-from conftest import pack, random_docs
 from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model import GPT, GPTConfig, build_model, load_model

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import pack, random_docs
+
 from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model import build_model, load_model
@@ -27,8 +27,13 @@ def tiny_config(kind: str):
     if kind == "gpt2":
         return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **common)
     llama_like = dict(
-        num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, **common,
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **common,
     )
     cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[kind]
     if kind == "qwen3":

@@ -39,17 +39,20 @@ class TinyLM(nn.Module):
 
     def token_losses(self, batch: Batch) -> torch.Tensor:
         logits = self(batch.input_ids, batch.positions)
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), batch.labels.flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="none").view(batch.labels.shape)  # (rows, T)
+        losses = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch.labels.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+        ).view(batch.labels.shape)  # (rows, T)
         if self.calls in self.poison_calls:
             losses = losses * float("nan")
         self.calls += 1
         return losses
 
     def layer_groups(self) -> dict:
-        return {"embeddings": [self.embed.weight],
-                "blocks": [self.block.weight, self.block.bias, self.norm.weight, self.norm.bias],
-                "head": [self.head.weight]}
+        return {
+            "embeddings": [self.embed.weight],
+            "blocks": [self.block.weight, self.block.bias, self.norm.weight, self.norm.bias],
+            "head": [self.head.weight],
+        }
 
 
 def make_docs(n: int, seed: int = 0, min_len: int = 2, max_len: int = 24, vocab: int = VOCAB) -> list[torch.Tensor]:
@@ -105,5 +108,11 @@ class ListLoader:
 
 @pytest.fixture
 def tiny() -> types.SimpleNamespace:
-    return types.SimpleNamespace(TinyLM=TinyLM, make_docs=make_docs, collate=collate,
-                                 batch_with_loss_tokens=batch_with_loss_tokens, ListLoader=ListLoader, VOCAB=VOCAB)
+    return types.SimpleNamespace(
+        TinyLM=TinyLM,
+        make_docs=make_docs,
+        collate=collate,
+        batch_with_loss_tokens=batch_with_loss_tokens,
+        ListLoader=ListLoader,
+        VOCAB=VOCAB,
+    )

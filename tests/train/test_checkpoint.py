@@ -113,7 +113,12 @@ def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
     assert path.name == "step-000003"
     assert verify(path) == (True, "ok")
     assert sorted(p.name for p in path.iterdir()) == [
-        "extra.safetensors", "manifest.json", "model.safetensors", "optimizer.safetensors", "state.json"]
+        "extra.safetensors",
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+    ]
     # Tied weights are stored once; the optimizer tensors are keyed by their path.
     assert "head.weight" not in load_file(str(path / "model.safetensors"))
     assert {"state.0.exp_avg", "state.0.exp_avg_sq", "state.0.step"} <= set(load_file(str(path / "optimizer.safetensors")))
@@ -201,13 +206,13 @@ def test_incomplete_directories_are_never_returned(tmp_path):
 
 def run_child(code: str, root: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), OMP_NUM_THREADS="1")
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(root)], env=env,
-                            stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), str(root)], env=env, stdout=subprocess.PIPE, text=True)
 
 
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path):
     # The child dies by SIGKILL right after the optimizer tensors hit the disk, before the manifest.
-    child = run_child("""
+    child = run_child(
+        """
         import os, signal, sys, torch
         import densebatch.train.checkpoint as ck
         root = sys.argv[1]
@@ -220,7 +225,9 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
                 os.kill(os.getpid(), signal.SIGKILL)
         ck.save_file = dying
         ck.save_checkpoint(root, 2, {"w": torch.full((1 << 20,), 2.0)}, {"m": torch.ones(4)})
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     child.wait(timeout=120)
     assert child.returncode == -signal.SIGKILL
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp-step-000002")]  # it died mid-write
@@ -230,14 +237,17 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
 
 
 def test_sigkill_at_a_random_moment_of_repeated_saves(tmp_path):
-    child = run_child("""
+    child = run_child(
+        """
         import sys, torch
         import densebatch.train.checkpoint as ck
         root = sys.argv[1]
         for step in range(1, 10_000):
             ck.save_checkpoint(root, step, {"w": torch.full((1 << 21,), float(step))}, keep_last=2)
             print(step, flush=True)
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     for _ in range(3):  # a few completed saves, then kill it at some point of the next one
         child.stdout.readline()
     # 0-100 ms lands mid-write (a .tmp dir), mid-prune (an .old dir) or between: every case must hold.
@@ -324,8 +334,11 @@ def test_a_pickle_payload_is_never_executed(tmp_path):
         d = root / f"step-{step:06d}"
         d.mkdir()
         (d / "model.safetensors").write_bytes(blob)
-        parts = {"model": {"file": "model.safetensors", "aliases": {}, "tree": {"w": {"__tensor__": "w"}}},
-                 "optimizer": {"file": None, "aliases": {}, "tree": None}, "extra": {"file": None, "aliases": {}, "tree": None}}
+        parts = {
+            "model": {"file": "model.safetensors", "aliases": {}, "tree": {"w": {"__tensor__": "w"}}},
+            "optimizer": {"file": None, "aliases": {}, "tree": None},
+            "extra": {"file": None, "aliases": {}, "tree": None},
+        }
         (d / "state.json").write_text(json.dumps({"format_version": 1, "step": step, "parts": parts}))
         write_manifest(d, step)
         assert verify(d)[1].startswith("model.safetensors: not a safetensors file")

@@ -122,19 +122,22 @@ def test_custom_step_check_receives_loss_and_norm(tiny, tmp_path):
 
     t = _trainer(tiny, tmp_path, [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(3)], _cfg(max_steps=3), step_check=check)
     t.run()
-    assert len(calls) == 3 and all(math.isfinite(l) and g > 0 for l, g in calls)
+    assert len(calls) == 3 and all(math.isfinite(loss) and g > 0 for loss, g in calls)
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     assert recs[1]["skipped"] == "rollback" and "skipped" not in recs[0]
 
 
 # ------------------------------------------------------------------------------ stopping
-@pytest.mark.parametrize("kw, steps, reason", [
-    (dict(max_steps=4), 4, "max_steps"),
-    (dict(max_epochs=0.5), 3, "max_epochs"),
-    (dict(max_epochs=2.0), 12, "max_epochs"),
-    (dict(), 6, "max_epochs"),  # nothing set: one epoch
-    (dict(max_steps=100, max_epochs=1.5), 9, "max_epochs"),
-])
+@pytest.mark.parametrize(
+    "kw, steps, reason",
+    [
+        (dict(max_steps=4), 4, "max_steps"),
+        (dict(max_epochs=0.5), 3, "max_epochs"),
+        (dict(max_epochs=2.0), 12, "max_epochs"),
+        (dict(), 6, "max_epochs"),  # nothing set: one epoch
+        (dict(max_steps=100, max_epochs=1.5), 9, "max_epochs"),
+    ],
+)
 def test_stops_at_steps_or_epochs(tiny, tmp_path, kw, steps, reason):
     loader = tiny.ListLoader([tiny.collate(tiny.make_docs(2, seed=s)) for s in range(6)])
     result = _trainer(tiny, tmp_path, loader, _cfg(**kw)).run()
@@ -167,15 +170,33 @@ def test_should_stop_finishes_the_step_and_skips_final_eval(tiny, tmp_path):
 # ---------------------------------------------------------------------- outputs and eval
 def test_metrics_records_and_eval(tiny, tmp_path):
     batches = [tiny.collate(tiny.make_docs(3, seed=s)) for s in range(4)]
-    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=4), EvalConfig(every_steps=2),
-                 eval_batches=lambda: iter(batches[:2]), evaluate_fn=lambda model: {"accuracy": 0.75})
+    t = _trainer(
+        tiny,
+        tmp_path,
+        tiny.ListLoader(batches),
+        _cfg(max_steps=4),
+        EvalConfig(every_steps=2),
+        eval_batches=lambda: iter(batches[:2]),
+        evaluate_fn=lambda model: {"accuracy": 0.75},
+    )
     result = t.run()
     recs = read_metrics(tmp_path / "metrics.jsonl")
     train = [r for r in recs if r["kind"] == "train"]
     evals = [r for r in recs if r["kind"] == "eval"]
     assert [r["step"] for r in train] == [1, 2, 3, 4]
-    keys = {"step", "loss", "lr", "grad_norm", "loss_tokens", "real_tokens", "slot_tokens", "fill_rate",
-            "tokens_per_s", "elapsed_s", "epoch"}
+    keys = {
+        "step",
+        "loss",
+        "lr",
+        "grad_norm",
+        "loss_tokens",
+        "real_tokens",
+        "slot_tokens",
+        "fill_rate",
+        "tokens_per_s",
+        "elapsed_s",
+        "epoch",
+    }
     assert all(keys <= r.keys() for r in train)
     assert train[0]["real_tokens"] == batches[0].num_real_tokens and train[0]["slot_tokens"] == batches[0].num_slots
     assert train[0]["fill_rate"] == pytest.approx(batches[0].fill_rate)
@@ -192,8 +213,14 @@ def test_metrics_records_and_eval(tiny, tmp_path):
 def test_early_stopping_with_patience(tiny, tmp_path):
     scripted = iter([3.0, 2.0, 2.5, 2.1, 1.0])
     batches = [tiny.collate(tiny.make_docs(2, seed=s)) for s in range(3)]
-    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=10), EvalConfig(every_steps=1, patience=2),
-                 evaluate_fn=lambda model: {"loss": next(scripted)})
+    t = _trainer(
+        tiny,
+        tmp_path,
+        tiny.ListLoader(batches),
+        _cfg(max_steps=10),
+        EvalConfig(every_steps=1, patience=2),
+        evaluate_fn=lambda model: {"loss": next(scripted)},
+    )
     result = t.run()
     assert (result.stop_reason, result.summary["steps"]) == ("early_stopping", 4)
     assert t.state.best_eval_loss == 2.0

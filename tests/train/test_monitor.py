@@ -56,15 +56,41 @@ def test_console_without_terminal_logs_about_every_tenth():
 
 
 def test_summary_is_one_screen_with_the_facts():
-    s = {"stop_reason": "max_steps", "steps": 100, "skipped_steps": 1, "real_tokens": 1_234_567, "loss_tokens": 600_000,
-         "fill_rate": 0.991, "epoch": 1.5, "first_loss": 5.5, "final_loss": 1.25,
-         "final_eval": {"kind": "eval", "step": 100, "loss": 1.3, "ppl": 3.67, "tokens": 5000, "accuracy": 0.85},
-         "best_eval_loss": 1.3, "elapsed_s": 75.0, "session_seconds": 70.0, "session_real_tokens": 1_000_000,
-         "output_dir": "runs/x"}
+    s = {
+        "stop_reason": "max_steps",
+        "steps": 100,
+        "skipped_steps": 1,
+        "real_tokens": 1_234_567,
+        "loss_tokens": 600_000,
+        "fill_rate": 0.991,
+        "epoch": 1.5,
+        "first_loss": 5.5,
+        "final_loss": 1.25,
+        "final_eval": {"kind": "eval", "step": 100, "loss": 1.3, "ppl": 3.67, "tokens": 5000, "accuracy": 0.85},
+        "best_eval_loss": 1.3,
+        "elapsed_s": 75.0,
+        "session_seconds": 70.0,
+        "session_real_tokens": 1_000_000,
+        "output_dir": "runs/x",
+    }
     text = format_summary(s)
     assert len(text.splitlines()) <= 20
-    for needle in ("max_steps", "100", "skipped 1", "1.23M", "0.991", "5.5000", "1.2500", "1.3000", "3.6700",
-                   "accuracy", "0.8500", "1:15", "runs/x", "metrics.jsonl"):
+    for needle in (
+        "max_steps",
+        "100",
+        "skipped 1",
+        "1.23M",
+        "0.991",
+        "5.5000",
+        "1.2500",
+        "1.3000",
+        "3.6700",
+        "accuracy",
+        "0.8500",
+        "1:15",
+        "runs/x",
+        "metrics.jsonl",
+    ):
         assert needle in text, needle
 
 

@@ -26,7 +26,11 @@ def test_no_decay_on_vectors_and_embeddings_and_lr_mults(tiny):
     assert by_name["embeddings.no_decay"]["params"] == [model.embed.weight]
     assert "embeddings.decay" not in by_name
     assert by_name["blocks.decay"]["params"] == [model.block.weight]
-    assert {id(p) for p in by_name["blocks.no_decay"]["params"]} == {id(model.block.bias), id(model.norm.weight), id(model.norm.bias)}
+    assert {id(p) for p in by_name["blocks.no_decay"]["params"]} == {
+        id(model.block.bias),
+        id(model.norm.weight),
+        id(model.norm.bias),
+    }
     assert by_name["head.decay"]["params"] == [model.head.weight]
     assert by_name["blocks.decay"]["weight_decay"] == 0.1 and by_name["head.decay"]["weight_decay"] == 0.1
     assert by_name["blocks.no_decay"]["weight_decay"] == 0.0 and by_name["embeddings.no_decay"]["weight_decay"] == 0.0

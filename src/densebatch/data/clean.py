@@ -83,10 +83,16 @@ class Cleaner:
 
     def __init__(self, cfg: CleanConfig) -> None:
         self.cfg = cfg
-        self.steps = [(name, fn) for name, fn in (("strip_html", strip_html), ("nfkc", _nfkc),
-                                                  ("control_chars", remove_control_chars),
-                                                  ("collapse_whitespace", collapse_whitespace))
-                      if getattr(cfg, name)]
+        self.steps = [
+            (name, fn)
+            for name, fn in (
+                ("strip_html", strip_html),
+                ("nfkc", _nfkc),
+                ("control_chars", remove_control_chars),
+                ("collapse_whitespace", collapse_whitespace),
+            )
+            if getattr(cfg, name)
+        ]
         self.changed: dict[str, int] = {name: 0 for name, _ in self.steps}
         self.dropped: dict[str, int] = {}
         self._touched: set[str] = set()  # steps that changed something in the current record

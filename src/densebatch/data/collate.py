@@ -52,7 +52,9 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     doc_len = store.offsets[doc + 1] - store.offsets[doc]
     if (stop > doc_len).any():
         bad = int(np.flatnonzero(stop > doc_len)[0])
-        raise ValueError(f"piece (doc {int(doc[bad])}, {int(start[bad])}, {int(stop[bad])}) ends past the document ({int(doc_len[bad])} tokens)")
+        raise ValueError(
+            f"piece (doc {int(doc[bad])}, {int(start[bad])}, {int(stop[bad])}) ends past the document ({int(doc_len[bad])} tokens)"
+        )
     row_len = np.bincount(row, weights=lens, minlength=nrows).astype(np.int64)
     T = int(row_len.max(initial=0))
     T = -(-T // pad_to_multiple_of) * pad_to_multiple_of
@@ -90,8 +92,13 @@ class CausalCollator:
     def __call__(self, store, rows, step: tuple[int, int] = (0, 0)) -> Batch:
         g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, self.use_loss_mask)
         labels = torch.from_numpy(g.labels)
-        return Batch(torch.from_numpy(g.input_ids), labels, torch.from_numpy(g.positions),
-                     num_loss_tokens=int((g.labels != IGNORE_INDEX).sum()), num_real_tokens=g.num_real)
+        return Batch(
+            torch.from_numpy(g.input_ids),
+            labels,
+            torch.from_numpy(g.positions),
+            num_loss_tokens=int((g.labels != IGNORE_INDEX).sum()),
+            num_real_tokens=g.num_real,
+        )
 
 
 class MaskedLMCollator:
@@ -103,8 +110,16 @@ class MaskedLMCollator:
     position, special tokens by id. Deterministic: the draw depends only on (seed, epoch, batch index).
     """
 
-    def __init__(self, pad_id: int, mask_id: int | None, vocab_size: int, special_ids=(), mlm_probability: float = 0.15,
-                 seed: int = 0, pad_to_multiple_of: int = 1):
+    def __init__(
+        self,
+        pad_id: int,
+        mask_id: int | None,
+        vocab_size: int,
+        special_ids=(),
+        mlm_probability: float = 0.15,
+        seed: int = 0,
+        pad_to_multiple_of: int = 1,
+    ):
         if mask_id is None:
             raise ValueError("mlm needs a mask token: the tokenizer has none (meta['mask_id'] is None); use batching.mode=causal")
         if not 0.0 < mlm_probability < 1.0:
@@ -144,6 +159,7 @@ def collator_from_config(cfg, meta: dict, seed: int = 0):
         raise ValueError("the document store's meta has neither pad_id nor eos_id: re-run prepare to rebuild the cache")
     if cfg.mode == "mlm":
         special = set(meta.get("special_ids") or ()) | ({meta["eos_id"]} if meta.get("eos_id") is not None else set())
-        return MaskedLMCollator(pad_id, meta.get("mask_id"), meta["vocab_size"], special, cfg.mlm_probability, seed,
-                                cfg.pad_to_multiple_of)
+        return MaskedLMCollator(
+            pad_id, meta.get("mask_id"), meta["vocab_size"], special, cfg.mlm_probability, seed, cfg.pad_to_multiple_of
+        )
     return CausalCollator(pad_id, cfg.pad_to_multiple_of)

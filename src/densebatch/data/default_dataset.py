@@ -100,8 +100,9 @@ def generate_records(num_records: int = 6000, seed: int = 1234) -> list[dict]:
     records: list[dict] = []
     while len(records) < num_records:
         if not names:
-            raise ConfigError(f"data.default.num_records: the default tasks hold fewer than {num_records} unique prompts; "
-                              f"ask for fewer records")
+            raise ConfigError(
+                f"data.default.num_records: the default tasks hold fewer than {num_records} unique prompts; ask for fewer records"
+            )
         name = rng.choices(names, weights)[0]
         instruction, inp, output = TASKS[name][0](rng)
         if (instruction, inp) in seen:

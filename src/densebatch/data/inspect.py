@@ -8,7 +8,7 @@ and loss-token count, so a user sees exactly what the model is trained on.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -42,7 +42,7 @@ def render_document(tokens: np.ndarray, mask: np.ndarray, tokenizer: Tokenizer, 
 
 def render_documents(store: DocumentStore, tokenizer: Tokenizer, indices: Iterable[int], color: bool = False) -> str:
     """Decoded documents ``indices`` of ``store``, loss-carrying tokens marked (see the module doc)."""
-    legend = ("loss-carrying tokens in green" if color else f"loss-carrying tokens between {LOSS_OPEN} and {LOSS_CLOSE}")
+    legend = "loss-carrying tokens in green" if color else f"loss-carrying tokens between {LOSS_OPEN} and {LOSS_CLOSE}"
     out = [f"{len(store)} documents, {store.num_tokens} tokens; {legend}"]
     for i in indices:
         if not 0 <= i < len(store):

@@ -11,21 +11,30 @@ from __future__ import annotations
 
 import queue
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from densebatch.batch import Batch
-from densebatch.errors import DataError
 from densebatch.data.plan import Plan, PlanSettings, plan_epoch
+from densebatch.errors import DataError
 
 _DONE = object()
 
 
 class BatchLoader:
-    def __init__(self, store, settings: PlanSettings, collator, seed: int, rank: int = 0, world_size: int = 1,
-                 prefetch: int = 2, pin_memory: bool | None = None):
+    def __init__(
+        self,
+        store,
+        settings: PlanSettings,
+        collator,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 2,
+        pin_memory: bool | None = None,
+    ):
         if prefetch < 0:
             raise ValueError(f"prefetch: expected 0 or more batches; got {prefetch}")
         self.store, self.settings, self.collator = store, settings, collator
@@ -71,8 +80,10 @@ class BatchLoader:
         try:
             batch = self.collator(self.store, rows, step=(epoch, index))
         except Exception as e:
-            raise DataError(f"batch {index} of epoch {epoch} (documents {plan.batch_docs(index)}) could not be "
-                            f"collated: {type(e).__name__}: {e}") from e
+            raise DataError(
+                f"batch {index} of epoch {epoch} (documents {plan.batch_docs(index)}) could not be "
+                f"collated: {type(e).__name__}: {e}"
+            ) from e
         return batch.pin_memory() if self.pin_memory else batch
 
     def __iter__(self) -> Iterator[Batch]:

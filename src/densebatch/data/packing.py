@@ -126,8 +126,9 @@ def layout_rows(groups: Groups, order: np.ndarray, seq_len: int, rows_per_batch:
         src[dest.reshape(-1)] = order[k0 : k0 + n]
         src_len[dest.reshape(-1)] = L
         k0 += n
-    batch_ptr = np.concatenate([np.arange(0, at, k), np.arange(at, at + nsmall, k), np.arange(at + nsmall, nrows, k),
-                                [nrows]]).astype(np.int64)  # full batches, the small rows' batches, full batches
+    batch_ptr = np.concatenate(
+        [np.arange(0, at, k), np.arange(at, at + nsmall, k), np.arange(at + nsmall, nrows, k), [nrows]]
+    ).astype(np.int64)  # full batches, the small rows' batches, full batches
     return src, src_len, row_ptr, batch_ptr
 
 

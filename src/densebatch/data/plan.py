@@ -50,18 +50,20 @@ class PlanSettings:
                 raise ValueError(f"{name}: expected a positive integer; got {getattr(self, name)!r}")
         if self.max_tokens_per_batch < self.pad_to_multiple_of:
             raise ValueError(
-                f"max_tokens_per_batch ({self.max_tokens_per_batch}) must be at least pad_to_multiple_of ({self.pad_to_multiple_of})")
+                f"max_tokens_per_batch ({self.max_tokens_per_batch}) must be at least pad_to_multiple_of ({self.pad_to_multiple_of})"
+            )
         if self.strategy == "packed" and self.rows_per_packed_batch < 1:
             raise ValueError(
                 f"max_tokens_per_batch ({self.max_tokens_per_batch}) must hold one packed row of "
-                f"{_round_up(self.seq_len, self.pad_to_multiple_of)} slots (seq_len rounded up to pad_to_multiple_of)")
+                f"{_round_up(self.seq_len, self.pad_to_multiple_of)} slots (seq_len rounded up to pad_to_multiple_of)"
+            )
 
     @property
     def rows_per_packed_batch(self) -> int:
         return self.max_tokens_per_batch // _round_up(self.seq_len, self.pad_to_multiple_of)
 
     @classmethod
-    def from_config(cls, cfg, **overrides) -> "PlanSettings":
+    def from_config(cls, cfg, **overrides) -> PlanSettings:
         """From a ``BatchingConfig`` (any object with the same field names)."""
         kw = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if hasattr(cfg, f)}
         kw.update(overrides)
@@ -129,7 +131,9 @@ class Plan:
             "mean_real_tokens": float(real.mean()) if len(real) else 0.0,
             "max_real_tokens": int(real.max(initial=0)),
             "max_slots": int(slots.max(initial=0)),
-            "split": len(self.split), "truncated": len(self.truncated), "dropped": len(self.dropped),
+            "split": len(self.split),
+            "truncated": len(self.truncated),
+            "dropped": len(self.dropped),
         }
 
 
@@ -139,10 +143,14 @@ def plan_epoch(lengths, settings: PlanSettings, seed: int, epoch: int, rank: int
     if lengths.ndim != 1:
         raise ValueError("lengths: expected a one-dimensional array of token counts")
     if len(lengths) and lengths.min() < 1:
-        raise ValueError(f"lengths: every document needs at least one token; document {int(np.argmin(lengths))} has {int(lengths.min())}")
+        raise ValueError(
+            f"lengths: every document needs at least one token; document {int(np.argmin(lengths))} has {int(lengths.min())}"
+        )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank: expected 0 <= rank < world_size ({world_size}); got {rank}")
-    rng = np.random.default_rng(np.random.SeedSequence([int(seed) % 2**63, int(epoch) % 2**63, STRATEGIES.index(settings.strategy)]))
+    rng = np.random.default_rng(
+        np.random.SeedSequence([int(seed) % 2**63, int(epoch) % 2**63, STRATEGIES.index(settings.strategy)])
+    )
     plan = _PLANNERS[settings.strategy](lengths, settings, rng)
     return plan if world_size == 1 else _shard(plan, rank, world_size)
 
@@ -199,8 +207,14 @@ def _plan_token_budget(lengths, s: PlanSettings, rng) -> Plan:
     bperm = rng.permutation(len(cuts) - 1)
     at = ranges(cuts[bperm], cuts[bperm + 1])  # plan position -> sorted position
     batch_ptr = np.concatenate([[0], np.cumsum(np.diff(cuts)[bperm])]).astype(np.int64)
-    return Plan(*pc.take(order[at], sorted_len[at]), np.arange(len(at) + 1, dtype=np.int64),
-                batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
+    return Plan(
+        *pc.take(order[at], sorted_len[at]),
+        np.arange(len(at) + 1, dtype=np.int64),
+        batch_ptr,
+        s.pad_to_multiple_of,
+        pc.split,
+        pc.truncated,
+    )
 
 
 def _plan_packed(lengths, s: PlanSettings, rng) -> Plan:
@@ -220,8 +234,12 @@ def _plan_packed(lengths, s: PlanSettings, rng) -> Plan:
     return Plan(*pc.take(src, src_len), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
 
 
-_PLANNERS = {"random": _plan_random, "length_grouped": _plan_length_grouped,
-             "token_budget": _plan_token_budget, "packed": _plan_packed}
+_PLANNERS = {
+    "random": _plan_random,
+    "length_grouped": _plan_length_grouped,
+    "token_budget": _plan_token_budget,
+    "packed": _plan_packed,
+}
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -307,8 +325,15 @@ def _one_doc_per_row(order, lengths, s: PlanSettings) -> Plan:
     if s.drop_last and n % k:
         order, dropped = order[: n - n % k], np.sort(order[n - n % k :])
     n = len(order)
-    return Plan(order.astype(np.int64), np.zeros(n, np.int64), lengths[order], np.arange(n + 1, dtype=np.int64),
-                np.append(np.arange(0, n, k), n).astype(np.int64), s.pad_to_multiple_of, dropped=dropped)
+    return Plan(
+        order.astype(np.int64),
+        np.zeros(n, np.int64),
+        lengths[order],
+        np.arange(n + 1, dtype=np.int64),
+        np.append(np.arange(0, n, k), n).astype(np.int64),
+        s.pad_to_multiple_of,
+        dropped=dropped,
+    )
 
 
 def _reorder_batches(p: Plan, bperm: np.ndarray, extra_rows: list[np.ndarray] | None = None) -> Plan:
@@ -318,8 +343,17 @@ def _reorder_batches(p: Plan, bperm: np.ndarray, extra_rows: list[np.ndarray] | 
     nrows = np.concatenate([np.diff(p.batch_ptr)[bperm]] + [[len(x)] for x in (extra_rows or [])]).astype(np.int64)
     pieces = ranges(p.row_ptr[rows], p.row_ptr[rows + 1])
     row_ptr = np.concatenate([[0], np.cumsum(p.row_ptr[rows + 1] - p.row_ptr[rows])]).astype(np.int64)
-    return Plan(p.doc[pieces], p.start[pieces], p.stop[pieces], row_ptr, np.concatenate([[0], np.cumsum(nrows)]).astype(np.int64),
-                p.pad_to_multiple_of, p.split, p.truncated, p.dropped)
+    return Plan(
+        p.doc[pieces],
+        p.start[pieces],
+        p.stop[pieces],
+        row_ptr,
+        np.concatenate([[0], np.cumsum(nrows)]).astype(np.int64),
+        p.pad_to_multiple_of,
+        p.split,
+        p.truncated,
+        p.dropped,
+    )
 
 
 def _shard(p: Plan, rank: int, world: int) -> Plan:

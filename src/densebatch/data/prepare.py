@@ -89,7 +89,10 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
         settings.pop("default")
         settings["format"] = detect_format(cfg.path, cfg.format)
     material = {
-        "version": CACHE_VERSION, "settings": settings, "tokenizer": tok.fingerprint(), "pad_id": tok.pad_id,
+        "version": CACHE_VERSION,
+        "settings": settings,
+        "tokenizer": tok.fingerprint(),
+        "pad_id": tok.pad_id,
         "input": default_dataset.VERSION if cfg.path is None else _file_digest(Path(cfg.path)),
         "eval_input": None if cfg.eval_path is None else _file_digest(Path(cfg.eval_path)),
     }
@@ -119,7 +122,9 @@ class _Builder:
         if path is None:
             d = self.cfg.default
             self.s.records_read += d.num_records
-            return [(f"default dataset: record {i}", r) for i, r in enumerate(default_dataset.generate_records(d.num_records, d.seed))]
+            return [
+                (f"default dataset: record {i}", r) for i, r in enumerate(default_dataset.generate_records(d.num_records, d.seed))
+            ]
         if fmt == "text" and self.cfg.text_split == "chunks":
             return self._whole_text(Path(path))
         out = []
@@ -171,7 +176,7 @@ class _Builder:
         docs = []
         eos = np.array([self.tok.eos_id], np.int32)
         for lo in range(0, len(rendered), _ENCODE_CHUNK):
-            part = rendered[lo:lo + _ENCODE_CHUNK]
+            part = rendered[lo : lo + _ENCODE_CHUNK]
             ids = iter(self.tok.encode_batch([t for _, segs in part for t, _ in segs]))
             for rec, segs in part:
                 pieces = [np.asarray(next(ids), np.int32) for _ in segs]
@@ -187,10 +192,14 @@ class _Builder:
         f = self.cfg.fields
         ids, labels = rec[f.input_ids], rec.get(f.labels)
         if not isinstance(ids, list) or not ids:
-            raise RecordError("wrong_type" if not isinstance(ids, list) else "empty_field",
-                              f"field '{f.input_ids}' should be a non-empty list of token ids")
+            raise RecordError(
+                "wrong_type" if not isinstance(ids, list) else "empty_field",
+                f"field '{f.input_ids}' should be a non-empty list of token ids",
+            )
         if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.tok.vocab_size for i in ids):
-            raise RecordError("bad_token_ids", f"field '{f.input_ids}' holds a value that is not an id in [0, {self.tok.vocab_size})")
+            raise RecordError(
+                "bad_token_ids", f"field '{f.input_ids}' holds a value that is not an id in [0, {self.tok.vocab_size})"
+            )
         tokens = np.asarray(ids, np.int32)
         if labels is None:
             mask = np.ones(len(ids), np.uint8)
@@ -199,7 +208,10 @@ class _Builder:
                 raise RecordError("bad_labels", f"field '{f.labels}' should be a list as long as '{f.input_ids}' ({len(ids)})")
             lab = np.asarray([x if isinstance(x, int) else -(10**9) for x in labels], np.int64)
             if np.any((lab != -100) & (lab != tokens)):
-                raise RecordError("bad_labels", f"field '{f.labels}': each label must be -100 or equal to its input id (unshifted, as Hugging Face)")
+                raise RecordError(
+                    "bad_labels",
+                    f"field '{f.labels}': each label must be -100 or equal to its input id (unshifted, as Hugging Face)",
+                )
             mask = (lab != -100).astype(np.uint8)
         if tokens[-1] != self.tok.eos_id:
             tokens = np.append(tokens, np.int32(self.tok.eos_id))
@@ -212,10 +224,10 @@ class _Builder:
         n = self.cfg.chunk_tokens
         for d in docs:
             for a in range(0, len(d.tokens), n):
-                t = d.tokens[a:a + n]
+                t = d.tokens[a : a + n]
                 if len(t) < 2:
                     continue  # a lone trailing token has no target
-                out.append(_Doc(hashlib.blake2b(t.tobytes(), digest_size=8).digest(), t, d.mask[a:a + n].copy(), None))
+                out.append(_Doc(hashlib.blake2b(t.tobytes(), digest_size=8).digest(), t, d.mask[a : a + n].copy(), None))
         return out
 
     def finish(self, docs: list[_Doc]) -> list[_Doc]:
@@ -250,9 +262,17 @@ def split_eval(docs: list[_Doc], fraction: float) -> tuple[list[_Doc], list[_Doc
 
 # --------------------------------------------------------------------------------- entry point
 def _meta(tok: Tokenizer, cfg: DataConfig, split: str) -> dict:
-    return {"split": split, "eos_id": tok.eos_id, "pad_id": tok.pad_id, "mask_id": tok.mask_id,
-            "vocab_size": tok.vocab_size, "special_ids": tok.special_ids, "tokenizer": tok.describe(),
-            "template": cfg.template, "loss_on": cfg.loss_on}
+    return {
+        "split": split,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "mask_id": tok.mask_id,
+        "vocab_size": tok.vocab_size,
+        "special_ids": tok.special_ids,
+        "tokenizer": tok.describe(),
+        "template": cfg.template,
+        "loss_on": cfg.loss_on,
+    }
 
 
 def _arrays(docs: list[_Doc]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -293,8 +313,14 @@ def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
     has_eval = DocumentStore.is_complete(final / "eval")
     eval_records = [json.loads(line) for line in (final / "eval_records.jsonl").read_text(encoding="utf-8").splitlines() if line]
     summary.cache_hit, summary.seconds, summary.cache_path = True, time.perf_counter() - t0, str(final)
-    return Prepared(DocumentStore.open(final / "train"), DocumentStore.open(final / "eval") if has_eval else None,
-                    tok, summary, eval_records, final)
+    return Prepared(
+        DocumentStore.open(final / "train"),
+        DocumentStore.open(final / "eval") if has_eval else None,
+        tok,
+        summary,
+        eval_records,
+        final,
+    )
 
 
 def prepare(cfg: DataConfig) -> Prepared:
@@ -312,8 +338,13 @@ def prepare(cfg: DataConfig) -> Prepared:
     if cached is not None:
         return cached
 
-    s = PrepareSummary(source=cfg.path or "embedded default dataset", format=fmt, template=cfg.template,
-                       tokenizer=tok.name, eval_source=_eval_source(cfg))
+    s = PrepareSummary(
+        source=cfg.path or "embedded default dataset",
+        format=fmt,
+        template=cfg.template,
+        tokenizer=tok.name,
+        eval_source=_eval_source(cfg),
+    )
     b = _Builder(cfg, tok, s)
     items = b.read(cfg.path, fmt)
     if isinstance(tok, PendingBPE):
@@ -354,4 +385,3 @@ def prepare(cfg: DataConfig) -> Prepared:
     assert prepared is not None, "a freshly written cache must be complete"
     prepared.summary.cache_hit = False
     return prepared
-

@@ -16,15 +16,24 @@ import csv
 import json
 import re
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from densebatch.errors import DataError
 
 FORMATS = ("json", "jsonl", "csv", "parquet", "text", "hf_disk")
-_SUFFIXES = {".json": "json", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv", ".parquet": "parquet",
-             ".txt": "text", ".text": "text", ".md": "text"}
+_SUFFIXES = {
+    ".json": "json",
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".csv": "csv",
+    ".parquet": "parquet",
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+}
 SURROGATE = re.compile("[\udc80-\udcff]")
 
 
@@ -73,8 +82,9 @@ def iter_records(path: str | Path, fmt: str = "auto") -> Iterator[tuple[str, dic
     p = Path(path)
     _check_file(p)
     fmt = detect_format(p, fmt)
-    reader = {"json": _json_array, "jsonl": _jsonl, "csv": _csv, "parquet": _parquet, "text": _text_lines,
-              "hf_disk": _hf_disk}[fmt]
+    reader = {"json": _json_array, "jsonl": _jsonl, "csv": _csv, "parquet": _parquet, "text": _text_lines, "hf_disk": _hf_disk}[
+        fmt
+    ]
     count = 0
     for item in reader(p):
         count += 1
@@ -107,7 +117,9 @@ def _jsonl(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError:
-                yield BadRecord(where, "undecodable_bytes", f"undecodable bytes ({_undecodable_where(raw)}); the file must be UTF-8")
+                yield BadRecord(
+                    where, "undecodable_bytes", f"undecodable bytes ({_undecodable_where(raw)}); the file must be UTF-8"
+                )
                 continue
             try:
                 obj = json.loads(text)
@@ -131,7 +143,9 @@ def _json_array(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
             "an error; fix it, or write one record per line as JSONL so bad lines can be skipped)"
         ) from None
     if isinstance(data, dict):
-        raise DataError(f"{p}: expected a JSON array of records at the top level, got an object (one record per line? use .jsonl)")
+        raise DataError(
+            f"{p}: expected a JSON array of records at the top level, got an object (one record per line? use .jsonl)"
+        )
     if not isinstance(data, list):
         raise DataError(f"{p}: expected a JSON array of records at the top level, got {type(data).__name__}")
     for i, obj in enumerate(data):
@@ -243,7 +257,9 @@ def _hf_disk(d: Path) -> Iterator[tuple[str, dict] | BadRecord]:
     if dict_file.is_file():
         splits = json.loads(dict_file.read_text(encoding="utf-8")).get("splits", [])
         if "train" not in splits:
-            raise DataError(f"{d}: a DatasetDict without a 'train' split; point data.path at one of: {', '.join(map(str, splits))}")
+            raise DataError(
+                f"{d}: a DatasetDict without a 'train' split; point data.path at one of: {', '.join(map(str, splits))}"
+            )
         d = d / "train"
     files = _arrow_files(d)
     if not files:

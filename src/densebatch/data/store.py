@@ -20,8 +20,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -68,8 +68,11 @@ def marker_ok(directory: Path) -> bool:
 
 def write_store_files(directory: Path, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict) -> None:
     """Write a store's files into an existing (temporary) directory, marker last."""
-    arrays = {"tokens": tokens.astype(np.int32, copy=False), "offsets": offsets.astype(np.int64, copy=False),
-              "loss_mask": loss_mask.astype(np.uint8, copy=False)}
+    arrays = {
+        "tokens": tokens.astype(np.int32, copy=False),
+        "offsets": offsets.astype(np.int64, copy=False),
+        "loss_mask": loss_mask.astype(np.uint8, copy=False),
+    }
     assert arrays["offsets"][0] == 0 and arrays["offsets"][-1] == len(tokens) == len(loss_mask)
     for name, arr in arrays.items():
         _write_file(directory / f"{name}.npy", lambda f, a=arr: np.save(f, a, allow_pickle=False))
@@ -113,7 +116,7 @@ class DocumentStore:
 
     # ------------------------------------------------------------------ reading
     @classmethod
-    def open(cls, directory: str | Path) -> "DocumentStore":
+    def open(cls, directory: str | Path) -> DocumentStore:
         d = Path(directory)
         if not marker_ok(d):
             raise DataError(f"{d}: not a complete document store (missing or mismatched {MARKER} marker); prepare it again")
@@ -150,7 +153,7 @@ class DocumentStore:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_documents(cls, documents: Iterable[tuple[Sequence[int], Sequence[int]]], meta: dict | None = None) -> "DocumentStore":
+    def from_documents(cls, documents: Iterable[tuple[Sequence[int], Sequence[int]]], meta: dict | None = None) -> DocumentStore:
         """An in-memory store from ``(tokens, loss_mask)`` pairs (tests, small tools)."""
         toks, masks, lengths = [], [], [0]
         for t, m in documents:
@@ -164,7 +167,7 @@ class DocumentStore:
         mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
         return cls(tokens, np.cumsum(lengths, dtype=np.int64), mask, dict(meta or {}))
 
-    def save(self, directory: str | Path) -> "DocumentStore":
+    def save(self, directory: str | Path) -> DocumentStore:
         """Write atomically to ``directory`` (replacing an incomplete one) and return the opened copy."""
         final = Path(directory)
         tmp = temp_dir_for(final)

@@ -56,9 +56,11 @@ class PrepareSummary:
         return sum(self.skipped.values())
 
     def accounting(self) -> str:
-        return (f"{self.records_read} read, {self.records_skipped} skipped as malformed, "
-                f"{sum(self.cleaning_dropped.values())} dropped by cleaning, {self.dropped_overlong} dropped as overlong, "
-                f"{self.dropped_no_target + self.dropped_no_loss} without loss tokens")
+        return (
+            f"{self.records_read} read, {self.records_skipped} skipped as malformed, "
+            f"{sum(self.cleaning_dropped.values())} dropped by cleaning, {self.dropped_overlong} dropped as overlong, "
+            f"{self.dropped_no_target + self.dropped_no_loss} without loss tokens"
+        )
 
     def fill_counts(self, train_docs: list, eval_docs: list) -> None:
         self.train_documents, self.eval_documents = len(train_docs), len(eval_docs)
@@ -74,7 +76,7 @@ class PrepareSummary:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PrepareSummary":
+    def from_dict(cls, d: dict) -> PrepareSummary:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -85,15 +87,27 @@ class PrepareSummary:
         L = self.lengths or percentiles(np.zeros(0))
         rows = [
             ("source", f"{self.source} ({self.format}, template {self.template}, tokenizer {self.tokenizer})"),
-            ("records", f"{self.records_read} read, {self.records_kept} kept "
-                        f"({self.train_documents} train, {self.eval_documents} eval), {self.records_skipped} skipped"),
+            (
+                "records",
+                f"{self.records_read} read, {self.records_kept} kept "
+                f"({self.train_documents} train, {self.eval_documents} eval), {self.records_skipped} skipped",
+            ),
             ("skipped", counts(self.skipped)),
             ("cleaning", f"changed: {counts(self.cleaning_changed)}; dropped: {counts(self.cleaning_dropped)}"),
-            ("overlong", f"{self.truncated} truncated, {self.dropped_overlong} dropped, "
-                         f"{self.dropped_no_target} dropped (no target left); {self.dropped_no_loss} without loss tokens"),
-            ("tokens", f"train {self.train_tokens} ({self.train_loss_tokens} carry loss), "
-                       f"eval {self.eval_tokens} ({self.eval_loss_tokens} carry loss)"),
-            ("length", f"p50 {L['p50']:g}  p90 {L['p90']:g}  p99 {L['p99']:g}  max {L['max']} tokens (train, end-of-text included)"),
+            (
+                "overlong",
+                f"{self.truncated} truncated, {self.dropped_overlong} dropped, "
+                f"{self.dropped_no_target} dropped (no target left); {self.dropped_no_loss} without loss tokens",
+            ),
+            (
+                "tokens",
+                f"train {self.train_tokens} ({self.train_loss_tokens} carry loss), "
+                f"eval {self.eval_tokens} ({self.eval_loss_tokens} carry loss)",
+            ),
+            (
+                "length",
+                f"p50 {L['p50']:g}  p90 {L['p90']:g}  p99 {L['p99']:g}  max {L['max']} tokens (train, end-of-text included)",
+            ),
             ("eval split", self.eval_source),
             ("time", f"{self.seconds:.2f} s ({'cache hit' if self.cache_hit else 'built'}: {self.cache_path})"),
         ]

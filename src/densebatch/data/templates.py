@@ -31,7 +31,7 @@ template's own text.
 from __future__ import annotations
 
 import string
-from typing import Callable
+from collections.abc import Callable
 
 from densebatch.config import DataConfig
 from densebatch.errors import ConfigError
@@ -39,9 +39,7 @@ from densebatch.errors import ConfigError
 Segment = tuple[str, bool]
 Transform = Callable[[str], str]
 
-ALPACA_PREAMBLE = (
-    "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-)
+ALPACA_PREAMBLE = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 
 
@@ -192,4 +190,3 @@ def prompt_text(record: dict, cfg: DataConfig) -> str:
 def render_text(record: dict, cfg: DataConfig) -> str:
     """The whole rendered text of a record (prompt and response), for display and tests."""
     return "".join(t for t, _ in render(record, cfg))
-

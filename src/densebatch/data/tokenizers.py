@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from densebatch.errors import ConfigError
 
@@ -61,8 +61,14 @@ class Tokenizer:
         raise NotImplementedError
 
     def describe(self) -> dict:
-        return {"name": self.name, "eos_id": self.eos_id, "pad_id": self.pad_id, "mask_id": self.mask_id,
-                "vocab_size": self.vocab_size, "fingerprint": self.fingerprint()}
+        return {
+            "name": self.name,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "mask_id": self.mask_id,
+            "vocab_size": self.vocab_size,
+            "fingerprint": self.fingerprint(),
+        }
 
     def save(self, directory: str | Path) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -148,7 +154,13 @@ class HFTokenizer(Tokenizer):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         self._tok.save(str(d / "tokenizer.json"))
-        meta = {"kind": "hf", "name": self.name, "eos_token": self.eos_token, "mask_token": self.mask_token, "pad_id": self.pad_id}
+        meta = {
+            "kind": "hf",
+            "name": self.name,
+            "eos_token": self.eos_token,
+            "mask_token": self.mask_token,
+            "pad_id": self.pad_id,
+        }
         (d / SAVED_META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
 
 
@@ -177,8 +189,9 @@ def _first_known(tok, names: Sequence[str]) -> str | None:
     return next((n for n in names if tok.token_to_id(n) is not None), None)
 
 
-def _load_tokenizer_json(path: Path, name: str, pad_id: int | None, eos_token: str | None = None,
-                         mask_token: str | None = None) -> HFTokenizer:
+def _load_tokenizer_json(
+    path: Path, name: str, pad_id: int | None, eos_token: str | None = None, mask_token: str | None = None
+) -> HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
     try:
@@ -223,7 +236,9 @@ class PendingBPE(Tokenizer):
         except ValueError:
             raise ConfigError(f"data.tokenizer: expected bpe:N with an integer N (e.g. bpe:2048); got {spec!r}") from None
         if not 300 <= self.vocab_size <= 1_000_000:
-            raise ConfigError(f"data.tokenizer: bpe:N needs N between 300 and 1000000 (256 bytes + merges); got {self.vocab_size}")
+            raise ConfigError(
+                f"data.tokenizer: bpe:N needs N between 300 and 1000000 (256 bytes + merges); got {self.vocab_size}"
+            )
         self.name, self.requested_pad_id = spec, pad_id
         self.eos_id = self.pad_id = 0  # unknown until trained
         self.mask_id = None
@@ -238,13 +253,19 @@ class PendingBPE(Tokenizer):
 def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | None = None) -> HFTokenizer:
     """A byte-level BPE with ``vocab_size`` ids learned from ``texts`` (deterministic for the same
     texts in the same order): every byte stays encodable, frequent strings become single ids."""
-    from tokenizers import Tokenizer as _Tok, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
 
     tok = _Tok(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(BPE_SPECIALS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(BPE_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id)
 
@@ -265,15 +286,14 @@ def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None) -> T
             pad = meta.get("pad_id") if pad_id is None else pad_id
             if meta.get("kind") == "byte":
                 return ByteTokenizer(pad)
-            return _load_tokenizer_json(p / "tokenizer.json", meta.get("name", str(spec)), pad,
-                                        meta.get("eos_token"), meta.get("mask_token"))
+            return _load_tokenizer_json(
+                p / "tokenizer.json", meta.get("name", str(spec)), pad, meta.get("eos_token"), meta.get("mask_token")
+            )
         if (p / "tokenizer.json").is_file():
             return _load_tokenizer_json(p / "tokenizer.json", str(spec), pad_id)
         if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
             return _load_bpe_files(p, pad_id)
-        raise ConfigError(
-            f"data.tokenizer: directory '{spec}' has neither tokenizer.json nor vocab.json + merges.txt"
-        )
+        raise ConfigError(f"data.tokenizer: directory '{spec}' has neither tokenizer.json nor vocab.json + merges.txt")
     raise ConfigError(
         f"data.tokenizer: '{spec}' not found; expected 'default', a tokenizer.json file, a local Hugging Face "
         "model directory, or a directory with vocab.json + merges.txt"

@@ -113,9 +113,7 @@ def available_backends(device: torch.device | str, training: bool = True) -> lis
     return ["segmented", "masked"] + (["flex"] if _flex_available() and not training else [])
 
 
-def resolve_backend(
-    name: str, device: torch.device | str, training: bool = True, seq_len: int | None = None
-) -> str:
+def resolve_backend(name: str, device: torch.device | str, training: bool = True, seq_len: int | None = None) -> str:
     """Turn a configured backend (``auto`` included) into one that runs here, or raise ConfigError.
 
     ``seq_len`` (the row length T of the batch at hand) lets ``auto`` prefer masked on short rows."""
@@ -144,7 +142,7 @@ class AttentionPlan:
 
     backend: str  # masked | causal | segmented | flex | varlen
     mask: Tensor | None = None  # masked: (rows, 1, Tq, Tk) bool
-    segments: "SegmentPlan | None" = None  # segmented (and varlen's fp32 fallback)
+    segments: SegmentPlan | None = None  # segmented (and varlen's fp32 fallback)
     block_mask: object | None = None  # flex: BlockMask
     cu_seqlens: Tensor | None = None  # varlen: (segments + 1,) int32 over the flattened rows
     max_len: int = 0  # varlen: longest segment
@@ -293,9 +291,7 @@ def plan_attention(
             return (doc[b, q] == doc[b, k]) & (q >= k)
 
         rows, T = positions.shape
-        block_mask = create_block_mask(
-            same_doc_causal, rows, None, T, T, device=positions.device, _compile=positions.is_cuda
-        )
+        block_mask = create_block_mask(same_doc_causal, rows, None, T, T, device=positions.device, _compile=positions.is_cuda)
         return AttentionPlan("flex", block_mask=block_mask)
     if backend == "varlen":
         flat = positions.reshape(-1)  # (rows * T,)
@@ -331,7 +327,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
         rows, H, T, D = q.shape
         flat = lambda x: x.transpose(1, 2).reshape(rows * T, H, D)  # noqa: E731  (rows*T, H, D)
         out = _varlen_fn()(
-            flat(q), flat(k), flat(v), plan.cu_seqlens, plan.cu_seqlens, plan.max_len, plan.max_len,
+            flat(q),
+            flat(k),
+            flat(v),
+            plan.cu_seqlens,
+            plan.cu_seqlens,
+            plan.max_len,
+            plan.max_len,
             window_size=(-1, 0),  # (-1, 0) = causal in varlen_attn
         )
         return out.view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)

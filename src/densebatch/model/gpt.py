@@ -211,7 +211,7 @@ class GPT(nn.Module):
         (path / "config.json").write_text(json.dumps({"densebatch_kind": KIND, **asdict(self.cfg)}, indent=2))
 
     @classmethod
-    def load(cls, path: str | Path) -> "GPT":
+    def load(cls, path: str | Path) -> GPT:
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -225,4 +225,3 @@ class GPT(nn.Module):
         except Exception as e:  # SafetensorError, OSError, missing / mis-shaped keys
             raise ConfigError(f"{path / 'model.safetensors'}: cannot be loaded as this model's weights: {e}") from None
         return model
-

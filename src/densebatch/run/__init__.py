@@ -50,6 +50,11 @@ def dispatch(args, overrides: list[str]) -> int:
         from densebatch.run.training import train
 
         return train(cfg, resume=args.resume)
-    handlers = {"prepare": commands.prepare, "inspect": commands.inspect, "analyze": commands.analyze,
-                "eval": commands.evaluate, "config": commands.show_config}
+    handlers = {
+        "prepare": commands.prepare,
+        "inspect": commands.inspect,
+        "analyze": commands.analyze,
+        "eval": commands.evaluate,
+        "config": commands.show_config,
+    }
     return handlers[cmd](cfg, args)

@@ -18,7 +18,8 @@ from densebatch.data.prepare import prepare as prepare_data
 from densebatch.data.templates import prompt_text
 from densebatch.data.tokenizers import load_tokenizer
 from densebatch.errors import UserError
-from densebatch.model import build_model, generate as generate_ids, load_model
+from densebatch.model import build_model, load_model
+from densebatch.model import generate as generate_ids
 from densebatch.train.checkpoint import latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
 from densebatch.train.loop import resolve_device
@@ -54,8 +55,11 @@ def analyze(cfg: RunConfig, args) -> int:
     else:
         lengths = np.asarray(prepare_data(cfg.data).train.lengths)
     settings = PlanSettings.from_config(cfg.batching)
-    print(analyze_main(lengths, settings, json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy,
-                       plot=args.plot, seed=cfg.seed))
+    print(
+        analyze_main(
+            lengths, settings, json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy, plot=args.plot, seed=cfg.seed
+        )
+    )
     return 0
 
 
@@ -106,8 +110,10 @@ def find_model_dir(path: str | Path) -> tuple[str, Path]:
     ckpt = latest_valid(p / CHECKPOINT_DIR) if (p / CHECKPOINT_DIR).is_dir() else None
     if ckpt is not None:
         return "checkpoint", ckpt
-    raise UserError(f"--checkpoint {path}: neither a saved model (config.json) nor a checkpoint (manifest.json), "
-                    f"nor an output_dir holding {FINAL_DIR}/ or {CHECKPOINT_DIR}/")
+    raise UserError(
+        f"--checkpoint {path}: neither a saved model (config.json) nor a checkpoint (manifest.json), "
+        f"nor an output_dir holding {FINAL_DIR}/ or {CHECKPOINT_DIR}/"
+    )
 
 
 def load_trained(path: str | Path, cfg: RunConfig | None = None):
@@ -140,14 +146,17 @@ def evaluate(cfg: RunConfig, args) -> int:
     device = resolve_device(cfg.train.device)
     collator = collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed)
     loader = BatchLoader(prepared.eval, PlanSettings.from_config(cfg.batching), collator, seed=cfg.seed, prefetch=0)
-    result = evaluate_batches(model.to(device), loader.iter_epoch(0), device=device, precision=cfg.train.precision,
-                              max_batches=cfg.eval.max_batches)
+    result = evaluate_batches(
+        model.to(device), loader.iter_epoch(0), device=device, precision=cfg.train.precision, max_batches=cfg.eval.max_batches
+    )
     out = result.as_dict() | {"strategy": cfg.batching.strategy, "checkpoint": str(args.checkpoint)}
     if args.json:
         print(json.dumps(out))
     else:
-        print(f"eval loss {result.loss:.6f}  ppl {result.ppl:.4f}  over {result.tokens} loss tokens "
-              f"({result.batches} batches, strategy {cfg.batching.strategy})")
+        print(
+            f"eval loss {result.loss:.6f}  ppl {result.ppl:.4f}  over {result.tokens} loss tokens "
+            f"({result.batches} batches, strategy {cfg.batching.strategy})"
+        )
     return 0
 
 
@@ -175,7 +184,8 @@ def generate(args) -> int:
     prompt = args.prompt if args.raw else templated_prompt(args.prompt, run_cfg)
     model.eval()
     with torch.no_grad():
-        new = generate_ids(model, tok.encode(prompt), args.max_new_tokens, temperature=args.temperature,
-                           eos_id=tok.eos_id, top_k=args.top_k)
+        new = generate_ids(
+            model, tok.encode(prompt), args.max_new_tokens, temperature=args.temperature, eos_id=tok.eos_id, top_k=args.top_k
+        )
     print(tok.decode([i for i in new if i != tok.eos_id]))
     return 0

@@ -52,8 +52,9 @@ def _check_lengths(cfg: RunConfig) -> None:
     longest = -(-longest // b.pad_to_multiple_of) * b.pad_to_multiple_of
     if longest > ctx:
         key = "batching.seq_len" if b.strategy == "packed" else "data.max_seq_len"
-        raise ConfigError(f"{key}: rows of up to {longest} tokens exceed model.block_size ({ctx}); "
-                          f"lower {key} or raise model.block_size")
+        raise ConfigError(
+            f"{key}: rows of up to {longest} tokens exceed model.block_size ({ctx}); lower {key} or raise model.block_size"
+        )
 
 
 class AccuracyCheck:
@@ -70,8 +71,9 @@ class AccuracyCheck:
             return {}
         answers: list[str] = []
         for i in range(0, len(self.prompts), 64):
-            new = generate_batch(model, self.prompts[i:i + 64], self.max_new, eos_id=self.tokenizer.eos_id,
-                                 pad_id=self.tokenizer.pad_id)
+            new = generate_batch(
+                model, self.prompts[i : i + 64], self.max_new, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id
+            )
             answers += [self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_id]) for ids in new]
         hits = [check_answer(r, a) for r, a in zip(self.records, answers)]
         self.samples = list(zip(self.records, answers))
@@ -150,8 +152,12 @@ class Session:
             event |= {"to_step": t.state.step, "lr_scale": lr_scale}
         if t.metrics is not None:
             t.metrics.write(event)
-        print(f"\nrollback at step {bad_step}: " + (f"back to step {event['to_step']}, learning rate x{event['lr_scale']:g}"
-              if target is not None else event["note"]), file=sys.stderr, flush=True)
+        print(
+            f"\nrollback at step {bad_step}: "
+            + (f"back to step {event['to_step']}, learning rate x{event['lr_scale']:g}" if target is not None else event["note"]),
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _install_signal_handlers(trainer: Trainer) -> dict:
@@ -164,7 +170,9 @@ def _install_signal_handlers(trainer: Trainer) -> dict:
         if trainer.should_stop:  # a second signal: stop now
             raise KeyboardInterrupt
         trainer.should_stop = True
-        print(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint", file=sys.stderr, flush=True)
+        print(
+            f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint", file=sys.stderr, flush=True
+        )
 
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
 
@@ -185,14 +193,16 @@ def train(cfg: RunConfig, resume: bool = False) -> int:
     loader = BatchLoader(prepared.train, settings, collator, seed=cfg.seed, prefetch=cfg.batching.prefetch)
     eval_batches = None
     if prepared.eval is not None:
-        eval_loader = BatchLoader(prepared.eval, settings, collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed),
-                                  seed=cfg.seed, prefetch=0)
+        eval_loader = BatchLoader(
+            prepared.eval, settings, collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed), seed=cfg.seed, prefetch=0
+        )
         eval_batches = lambda: eval_loader.iter_epoch(0)  # noqa: E731 - a fresh deterministic pass each time
     t = cfg.train
     guard = AnomalyGuard(t.spike_zscore, t.spike_window, t.max_bad_steps)
     clipper = AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else None
-    trainer = Trainer(model, loader, t, cfg.eval, output_dir=out, eval_batches=eval_batches,
-                      step_check=guard.check, clipper=clipper)
+    trainer = Trainer(
+        model, loader, t, cfg.eval, output_dir=out, eval_batches=eval_batches, step_check=guard.check, clipper=clipper
+    )
     accuracy = None
     if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples:
         accuracy = AccuracyCheck(prepared.eval_records, cfg, tok, trainer.device)

@@ -10,7 +10,19 @@ from densebatch.train.monitor import METRICS_FILE, MetricsWriter, read_metrics, 
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_at, param_groups
 
 __all__ = [
-    "EvalResult", "evaluate", "Trainer", "TrainResult", "TrainState", "resolve_device", "skip_non_finite",
-    "METRICS_FILE", "MetricsWriter", "read_metrics", "truncate_metrics",
-    "build_optimizer", "estimate_total_steps", "lr_at", "param_groups",
+    "EvalResult",
+    "evaluate",
+    "Trainer",
+    "TrainResult",
+    "TrainState",
+    "resolve_device",
+    "skip_non_finite",
+    "METRICS_FILE",
+    "MetricsWriter",
+    "read_metrics",
+    "truncate_metrics",
+    "build_optimizer",
+    "estimate_total_steps",
+    "lr_at",
+    "param_groups",
 ]

@@ -24,8 +24,9 @@ import re
 import shutil
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -90,7 +91,9 @@ def _encode(obj: Any, path: list[str], tensors: dict[str, Any]) -> Any:
             return {k: _encode(v, path + [k], tensors) for k, v in obj.items()}
         # int keys (optimizer "state"), tuple keys, or a key that looks like a tag: keep exact types
         return {"__items__": [[_encode(k, path, {}), _encode(v, path + [str(k)], tensors)] for k, v in obj.items()]}
-    raise CheckpointError(f"cannot store {'.'.join(path) or 'value'} of type {type(obj).__name__}: only tensors, numpy arrays and JSON data")
+    raise CheckpointError(
+        f"cannot store {'.'.join(path) or 'value'} of type {type(obj).__name__}: only tensors, numpy arrays and JSON data"
+    )
 
 
 def _decode(node: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> Any:
@@ -99,7 +102,7 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str]
     if not isinstance(node, dict):
         return node
     if len(node) == 1:
-        (tag, value), = node.items()
+        ((tag, value),) = node.items()
         if tag in ("__tensor__", "__ndarray__"):
             key = aliases.get(value, value)
             if key not in tensors:
@@ -116,7 +119,9 @@ def _dedupe(tensors: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str,
     """Store each tensor once: identical views (tied weights) become aliases of the first key;
     distinct views of one storage are cloned, since safetensors refuses shared memory."""
     unique, aliases, first_of_view, views_of = {}, {}, {}, {}
-    as_tensor = {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach() for k, v in tensors.items()}
+    as_tensor = {
+        k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach() for k, v in tensors.items()
+    }
     storage = {k: (t.device, t.untyped_storage().data_ptr()) for k, t in as_tensor.items() if t.numel()}  # empty: no memory
     for key, where in storage.items():
         t = as_tensor[key]
@@ -171,8 +176,11 @@ def cleanup_temp_dirs(root: str | Path) -> list[Path]:
     """Remove ``.tmp-step-*`` / ``.old-step-*`` left by a crashed save (this process's or a dead one's).
     A temp dir of a live other process is left alone: it may be writing right now."""
     root = Path(root)
-    leftovers = [p for p in (root.iterdir() if root.is_dir() else ()) if (m := _TEMP_RE.fullmatch(p.name))
-                 and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1))))]
+    leftovers = [
+        p
+        for p in (root.iterdir() if root.is_dir() else ())
+        if (m := _TEMP_RE.fullmatch(p.name)) and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1))))
+    ]
     for p in leftovers:
         shutil.rmtree(p, ignore_errors=True)
     return leftovers
@@ -181,7 +189,11 @@ def cleanup_temp_dirs(root: str | Path) -> list[Path]:
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of every ``step-N`` directory under ``root``, newest first; not verified."""
     root = Path(root)
-    found = [(int(m.group(1)), p) for p in (root.iterdir() if root.is_dir() else ()) if (m := _STEP_RE.fullmatch(p.name)) and p.is_dir()]
+    found = [
+        (int(m.group(1)), p)
+        for p in (root.iterdir() if root.is_dir() else ())
+        if (m := _STEP_RE.fullmatch(p.name)) and p.is_dir()
+    ]
     return sorted(found, key=lambda sp: sp[0], reverse=True)
 
 
@@ -213,15 +225,27 @@ def _staging(final: Path) -> Iterator[Path]:
 def _prune(root: Path, keep_last: int, step: int) -> None:
     for s, p in list_checkpoints(root):
         if s > step:  # this run resumed from an earlier step: never let auto-resume jump onto the abandoned one
-            warnings.warn(f"checkpoint {p}: newer than the step just saved ({step}), from an abandoned run — removed", CheckpointWarning, stacklevel=3)
+            warnings.warn(
+                f"checkpoint {p}: newer than the step just saved ({step}), from an abandoned run — removed",
+                CheckpointWarning,
+                stacklevel=3,
+            )
             _remove_checkpoint(p)
     for _, p in list_checkpoints(root)[keep_last:]:
         _remove_checkpoint(p)
 
 
 # ------------------------------------------------------------------------------ public API
-def save_checkpoint(root: str | Path, step: int, model_state: dict[str, torch.Tensor], optimizer_state: Any = None,
-                    extra_state: Any = None, *, keep_last: int = 3, mirror_dir: str | Path | None = None) -> Path:
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: Any = None,
+    extra_state: Any = None,
+    *,
+    keep_last: int = 3,
+    mirror_dir: str | Path | None = None,
+) -> Path:
     """Write ``root/step-NNNNNN`` atomically and return its path; then keep the newest ``keep_last``
     and, when ``mirror_dir`` is set, place a verified copy there (a failed mirror only warns)."""
     if keep_last < 1 or step < 0:
@@ -327,8 +351,9 @@ def verify(path: str | Path) -> tuple[bool, str]:
     return True, "ok"
 
 
-def latest_valid(root: str | Path, mirror_dir: str | Path | None = None,
-                 on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
+def latest_valid(
+    root: str | Path, mirror_dir: str | Path | None = None, on_skip: Callable[[Path, str], None] | None = None
+) -> Path | None:
     """Newest checkpoint that verifies, in ``root`` or ``mirror_dir`` (``root`` first at equal steps).
     Each skipped one is reported through ``on_skip(path, reason)`` (default: a CheckpointWarning
     "checkpoint …/step-000120: model.safetensors SHA-256 mismatch — skipped"). Removes leftovers of
@@ -385,8 +410,9 @@ class CheckpointManager:
         self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
 
     def save(self, step: int, model_state: dict, optimizer_state: Any = None, extra_state: Any = None) -> Path:
-        return save_checkpoint(self.root, step, model_state, optimizer_state, extra_state,
-                               keep_last=self.keep_last, mirror_dir=self.mirror_dir)
+        return save_checkpoint(
+            self.root, step, model_state, optimizer_state, extra_state, keep_last=self.keep_last, mirror_dir=self.mirror_dir
+        )
 
     def latest_valid(self, on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
         return latest_valid(self.root, self.mirror_dir, on_skip)

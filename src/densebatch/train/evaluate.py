@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -104,4 +104,6 @@ def evaluate(
         totals = all_reduce_sum(totals)
     loss_sum, tokens, real = totals.tolist()
     loss = loss_sum / tokens if tokens > 0 else math.nan
-    return EvalResult(loss=loss, ppl=perplexity(loss) if tokens > 0 else math.nan, tokens=int(tokens), real_tokens=int(real), batches=n)
+    return EvalResult(
+        loss=loss, ppl=perplexity(loss) if tokens > 0 else math.nan, tokens=int(tokens), real_tokens=int(real), batches=n
+    )

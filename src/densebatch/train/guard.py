@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -92,7 +93,12 @@ class AnomalyGuard:
 
     def state_dict(self) -> dict[str, Any]:
         """``{"window": [floats, oldest first], "bad_streak", "skipped_steps", "rollbacks"}``."""
-        return {"window": list(self.window), "bad_streak": self.bad_streak, "skipped_steps": self.skipped_steps, "rollbacks": self.rollbacks}
+        return {
+            "window": list(self.window),
+            "bad_streak": self.bad_streak,
+            "skipped_steps": self.skipped_steps,
+            "rollbacks": self.rollbacks,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.window = deque((float(v) for v in state["window"]), maxlen=self.spike_window)
@@ -197,7 +203,9 @@ def clip_gradients(
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
     else:
-        total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).float().cpu() for g in grads]), 2.0)
+        total = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).float().cpu() for g in grads]), 2.0
+        )
     norm = float(total)
     limit = clipper.step(norm) if clipper is not None else (float(max_norm) if max_norm > 0 else math.inf)
     if math.isfinite(norm) and math.isfinite(limit) and norm > limit:

@@ -13,9 +13,10 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -85,14 +86,26 @@ class Trainer:
     None); with DDP, whose gradient is a mean over ranks, pass ``world_size`` so the step stays a sum / N.
     """
 
-    def __init__(self, model: nn.Module, batches: Iterable[Batch], cfg: TrainConfig, eval_cfg: EvalConfig | None = None,
-                 *, output_dir: str | Path, device: str | torch.device | None = None,
-                 eval_batches: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None,
-                 evaluate_fn: Callable[[nn.Module], dict] | None = None, total_steps: int | None = None,
-                 on_step: Callable[["Trainer", int], None] | None = None,
-                 step_check: Callable[[float, float], str] = skip_non_finite, clipper: Any = None,
-                 all_reduce_sum: Callable[[Tensor], Tensor] | None = None, world_size: int = 1, rank: int = 0,
-                 console: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        batches: Iterable[Batch],
+        cfg: TrainConfig,
+        eval_cfg: EvalConfig | None = None,
+        *,
+        output_dir: str | Path,
+        device: str | torch.device | None = None,
+        eval_batches: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None,
+        evaluate_fn: Callable[[nn.Module], dict] | None = None,
+        total_steps: int | None = None,
+        on_step: Callable[[Trainer, int], None] | None = None,
+        step_check: Callable[[float, float], str] = skip_non_finite,
+        clipper: Any = None,
+        all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+        world_size: int = 1,
+        rank: int = 0,
+        console: bool = True,
+    ):
         self.cfg, self.eval_cfg = cfg, eval_cfg or EvalConfig()
         self.device = resolve_device(device if device is not None else cfg.device)
         check_precision(self.device, cfg.precision)
@@ -223,8 +236,13 @@ class Trainer:
             sums[1] += batch.num_real_tokens
             sums[2] += batch.num_slots
         loss_sum, real, slots = self._reduce(sums).tolist()
-        return {"loss": loss_sum / total if total > 0 else math.nan, "loss_tokens": int(total),
-                "real_tokens": int(real), "slot_tokens": int(slots), "batches": len(batches)}
+        return {
+            "loss": loss_sum / total if total > 0 else math.nan,
+            "loss_tokens": int(total),
+            "real_tokens": int(real),
+            "slot_tokens": int(slots),
+            "batches": len(batches),
+        }
 
     def train_step(self, batches: list[Batch]) -> dict:
         """One optimizer step over ``batches``: schedule, forward/backward, clip, check, update, log, eval."""
@@ -261,11 +279,21 @@ class Trainer:
         if action == "ok" and math.isfinite(stats["loss"]):
             st.first_loss = stats["loss"] if st.first_loss is None else st.first_loss
             st.last_loss = stats["loss"]
-        rec = {"kind": "train", "step": st.step, "loss": stats["loss"], "lr": lr, "grad_norm": grad_norm,
-               "loss_tokens": stats["loss_tokens"], "real_tokens": stats["real_tokens"],
-               "slot_tokens": stats["slot_tokens"], "fill_rate": stats["real_tokens"] / max(1, stats["slot_tokens"]),
-               "tokens_per_s": stats["real_tokens"] / seconds if seconds > 0 else 0.0,
-               "elapsed_s": st.elapsed_s, "epoch": self.epoch(), "batches": stats["batches"]}
+        rec = {
+            "kind": "train",
+            "step": st.step,
+            "loss": stats["loss"],
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "loss_tokens": stats["loss_tokens"],
+            "real_tokens": stats["real_tokens"],
+            "slot_tokens": stats["slot_tokens"],
+            "fill_rate": stats["real_tokens"] / max(1, stats["slot_tokens"]),
+            "tokens_per_s": stats["real_tokens"] / seconds if seconds > 0 else 0.0,
+            "elapsed_s": st.elapsed_s,
+            "epoch": self.epoch(),
+            "batches": stats["batches"],
+        }
         if action != "ok":
             rec["skipped"] = str(getattr(action, "value", action))
         self.last_record = rec
@@ -288,8 +316,14 @@ class Trainer:
         rec: dict = {"kind": "eval", "step": st.step}
         if self.eval_batches is not None:
             source = self.eval_batches() if callable(self.eval_batches) else self.eval_batches
-            result = evaluate(self.model, source, device=self.device, precision=self.cfg.precision,
-                              max_batches=self.eval_cfg.max_batches, all_reduce_sum=self.all_reduce_sum)
+            result = evaluate(
+                self.model,
+                source,
+                device=self.device,
+                precision=self.cfg.precision,
+                max_batches=self.eval_cfg.max_batches,
+                all_reduce_sum=self.all_reduce_sum,
+            )
             rec.update(result.as_dict())
         if self.evaluate_fn is not None:
             was_training = self.model.training
@@ -370,7 +404,13 @@ class Trainer:
         ``final_eval``, this session's tokens and seconds, ``output_dir``."""
         st = self.state
         return dataclasses.asdict(st) | {
-            "stop_reason": stop_reason, "steps": st.step, "fill_rate": st.real_tokens / max(1, st.slot_tokens),
-            "epoch": self.epoch(), "final_loss": st.last_loss, "final_eval": st.last_eval,
-            "session_seconds": self._session_seconds, "session_real_tokens": self._session_tokens,
-            "output_dir": str(self.output_dir)}
+            "stop_reason": stop_reason,
+            "steps": st.step,
+            "fill_rate": st.real_tokens / max(1, st.slot_tokens),
+            "epoch": self.epoch(),
+            "final_loss": st.last_loss,
+            "final_eval": st.last_eval,
+            "session_seconds": self._session_seconds,
+            "session_real_tokens": self._session_tokens,
+            "output_dir": str(self.output_dir),
+        }

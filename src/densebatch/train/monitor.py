@@ -13,8 +13,9 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from tqdm import tqdm
 
@@ -112,15 +113,33 @@ class Console:
     fill rate, and (from tqdm) time left; tokens/s on the bar is the average since the bar started.
     """
 
-    def __init__(self, total_steps: int | None, initial_step: int, enabled: bool = True, progress: bool = True,
-                 stream: TextIO | None = None, print_fn: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        total_steps: int | None,
+        initial_step: int,
+        enabled: bool = True,
+        progress: bool = True,
+        stream: TextIO | None = None,
+        print_fn: Callable[[str], None] | None = None,
+    ):
         self.enabled = enabled
         self.total = total_steps
         self._print = print_fn or (lambda s: print(s, flush=True))
         stream = stream or sys.stderr
         use_bar = enabled and progress and hasattr(stream, "isatty") and stream.isatty()
-        self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", unit="step", file=stream,
-                        dynamic_ncols=True, disable=not use_bar) if use_bar else None
+        self.bar = (
+            tqdm(
+                total=total_steps,
+                initial=initial_step,
+                desc="train",
+                unit="step",
+                file=stream,
+                dynamic_ncols=True,
+                disable=not use_bar,
+            )
+            if use_bar
+            else None
+        )
         self._log_every = max(1, (total_steps or 100) // 10)
         self._initial = initial_step
         self._tokens = 0
@@ -142,7 +161,9 @@ class Console:
         loss = rec.get("loss")
         loss_s = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "skip"
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss={loss_s} lr={rec['lr']:.2e} tok/s={_fmt_tokens(tps)} fill={rec['fill_rate']:.3f}", refresh=False)
+            self.bar.set_postfix_str(
+                f"loss={loss_s} lr={rec['lr']:.2e} tok/s={_fmt_tokens(tps)} fill={rec['fill_rate']:.3f}", refresh=False
+            )
             self.bar.update(1)
             return
         step = rec["step"]
@@ -152,8 +173,10 @@ class Console:
                 per_step = self._seconds / max(1, step - self._initial)
                 left = f" | left {_fmt_time(per_step * (self.total - step))}"
             of = f"/{self.total}" if self.total else ""
-            self._print(f"step {step}{of} | loss {loss_s} | lr {rec['lr']:.2e} | {_fmt_tokens(tps)} tok/s"
-                        f" | fill {rec['fill_rate']:.3f}{left}")
+            self._print(
+                f"step {step}{of} | loss {loss_s} | lr {rec['lr']:.2e} | {_fmt_tokens(tps)} tok/s"
+                f" | fill {rec['fill_rate']:.3f}{left}"
+            )
 
     def eval(self, rec: dict) -> None:
         """One line per evaluation: loss, perplexity and any extra numeric metric (e.g. accuracy)."""
@@ -181,14 +204,18 @@ def format_summary(s: dict) -> str:
     lines = [f"── densebatch run finished: {s['stop_reason']} ──"]
     total = f" (skipped {s['skipped_steps']})" if s.get("skipped_steps") else ""
     lines.append(f"steps            {s['steps']}{total}")
-    lines.append(f"tokens seen      {_fmt_tokens(s['real_tokens'])} real, {_fmt_tokens(s['loss_tokens'])} with loss, "
-                 f"epoch {s['epoch']:.2f}")
+    lines.append(
+        f"tokens seen      {_fmt_tokens(s['real_tokens'])} real, {_fmt_tokens(s['loss_tokens'])} with loss, "
+        f"epoch {s['epoch']:.2f}"
+    )
     lines.append(f"fill rate        {s['fill_rate']:.3f} (real tokens / slots computed)")
     fmt = lambda v: f"{v:.4f}" if isinstance(v, (int, float)) and v is not None and math.isfinite(v) else "n/a"  # noqa: E731
     lines.append(f"train loss       {fmt(s.get('first_loss'))} (first) → {fmt(s.get('final_loss'))} (final)")
     ev = s.get("final_eval")
     if ev:
-        lines.append(f"eval loss        {fmt(ev.get('loss'))}  ppl {fmt(ev.get('ppl'))}  ({_fmt_tokens(ev.get('tokens', 0))} tokens)")
+        lines.append(
+            f"eval loss        {fmt(ev.get('loss'))}  ppl {fmt(ev.get('ppl'))}  ({_fmt_tokens(ev.get('tokens', 0))} tokens)"
+        )
         for k, v in ev.items():
             if k not in _EVAL_BASE and isinstance(v, (int, float)) and not isinstance(v, bool):
                 lines.append(f"eval {k:<11} {v if isinstance(v, int) else fmt(v)}")  # counts stay integers

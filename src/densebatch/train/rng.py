@@ -49,7 +49,13 @@ def capture_rng_state(include_cuda: bool | None = None) -> dict[str, Any]:
     return {
         "format": RNG_FORMAT,
         "python": {"version": version, "state": list(mt), "gauss_next": gauss_next},
-        "numpy": {"bit_generator": name, "key": key.tolist(), "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "numpy": {
+            "bit_generator": name,
+            "key": key.tolist(),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": _b64(torch.get_rng_state()),
         "cuda": cuda,
     }
@@ -63,7 +69,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             raise CheckpointError(f"RNG state format {state['format']!r} is not supported (expected {RNG_FORMAT})")
         py, npy = state["python"], state["numpy"]
         py_state = (int(py["version"]), tuple(int(x) for x in py["state"]), py["gauss_next"])
-        np_state = (npy["bit_generator"], np.asarray(npy["key"], dtype=np.uint32), int(npy["pos"]), int(npy["has_gauss"]), float(npy["cached_gaussian"]))
+        np_state = (
+            npy["bit_generator"],
+            np.asarray(npy["key"], dtype=np.uint32),
+            int(npy["pos"]),
+            int(npy["has_gauss"]),
+            float(npy["cached_gaussian"]),
+        )
         torch_state = _unb64(state["torch"])
         cuda_states = [_unb64(s) for s in state["cuda"]] if state.get("cuda") else []
     except CheckpointError:
