@@ -6,14 +6,24 @@ A ``Batch`` is what the data layer hands to everything downstream. Labels are al
 Positions carry document boundaries: ``positions[r, t] == 0`` marks the start of a document
 (or of the padding run at the end of a row, which is treated as one more segment so that real
 tokens never attend to padding and padding never attends to real tokens). A packed row with
-documents of 3 and 2 tokens and 2 slots of padding looks like::
+documents ``a0 a1 E`` and ``b0 E`` (E = end-of-text, appended by prepare) and 2 slots of padding::
 
-    input_ids  a0 a1 a2 b0 b1 P  P
-    positions  0  1  2  0  1  0  1
-    labels     a1 a2 -100 b1 E -100 -100      (E = b's end-of-text, the last token of b)
+    input_ids  a0  a1  E     b0  E     P     P
+    positions  0   1   2     0   1     0     1
+    labels     a1  E   -100  E   -100  -100  -100
 
-(with the end-of-text appended by prepare, the last *input* token of each document is its
-end-of-text, whose target would be the next document; that target is -100.)
+The target of a document's last input token would be the next document: it is -100. (When a
+document is split across rows, a piece that continues keeps the next token as its last target.)
+
+What the planner knows travels with the batch, so that models need no host synchronisation to
+rediscover it: ``single_doc_rows`` (every row is one document piece then padding: plain causal
+attention is exact), ``max_position`` (largest position, i.e. the longest piece minus one) and
+``documents`` (store indices of the documents in the batch, for logs and error messages). They
+are ``None`` / empty when unknown (a batch built by hand); models then fall back to computing.
+
+A batch never has zero rows. A rank with no share of a step gets ``Batch.null(pad_id)``: one row
+of one padding token and no loss, so it still runs forward and backward and joins every collective
+of the step (DDP's gradient all-reduce, FSDP's all-gathers) with a zero contribution.
 """
 
 from __future__ import annotations
@@ -33,6 +43,27 @@ class Batch:
     positions: Tensor  # (rows, T) int64; 0 at every document start
     num_loss_tokens: int  # labels != IGNORE_INDEX
     num_real_tokens: int  # non-padding tokens (fill rate, throughput)
+    single_doc_rows: bool | None = None  # every row: one piece, then padding (None = unknown)
+    max_position: int | None = None  # largest value in positions (None = unknown)
+    documents: tuple[int, ...] = ()  # store indices of the documents in this batch (sorted, unique)
+
+    @classmethod
+    def null(cls, pad_id: int) -> Batch:
+        """One row of one padding token, no loss: an idle rank's zero contribution to a step."""
+        one = torch.full((1, 1), int(pad_id), dtype=torch.int64)  # (1, 1)
+        return cls(
+            one,
+            torch.full((1, 1), IGNORE_INDEX, dtype=torch.int64),
+            torch.zeros((1, 1), dtype=torch.int64),
+            num_loss_tokens=0,
+            num_real_tokens=0,
+            single_doc_rows=True,
+            max_position=0,
+        )
+
+    @property
+    def is_null(self) -> bool:
+        return self.num_real_tokens == 0
 
     @property
     def num_rows(self) -> int:

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,7 @@ from densebatch.config import DataConfig
 from densebatch.data import default_dataset
 from densebatch.data.clean import Cleaner
 from densebatch.data.sources import SURROGATE, BadRecord, detect_format, has_undecodable, iter_records
-from densebatch.data.store import DocumentStore, marker_ok, publish, temp_dir_for, write_marker, write_store_files
+from densebatch.data.store import DocumentStore, marker_ok, staged_store, write_marker, write_store_files
 from densebatch.data.summary import PrepareSummary
 from densebatch.data.templates import EmptiedByCleaning, RecordError, render
 from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_tokenizer, train_bpe
@@ -364,8 +363,7 @@ def prepare(cfg: DataConfig) -> Prepared:
         raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
     s.fill_counts(train_docs, eval_docs)
 
-    tmp = temp_dir_for(final)
-    try:
+    with staged_store(final) as tmp:
         if cfg.tokenizer.startswith("bpe:"):
             tok.save(tmp / LEARNED_TOKENIZER)
         (tmp / "train").mkdir()
@@ -377,10 +375,6 @@ def prepare(cfg: DataConfig) -> Prepared:
         (tmp / "eval_records.jsonl").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
         (tmp / "summary.json").write_text(json.dumps(s.as_dict(), indent=1), encoding="utf-8")
         write_marker(tmp, {"sizes": {n: (tmp / n).stat().st_size for n in ("summary.json", "eval_records.jsonl")}})
-        publish(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     prepared = _load_cached(final, tok, t0)
     assert prepared is not None, "a freshly written cache must be complete"
     prepared.summary.cache_hit = False

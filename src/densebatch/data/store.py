@@ -9,52 +9,31 @@ Layout of a store directory::
     COMPLETE       written last: file sizes; a directory without it (or with other sizes) is not a store
 
 The first token of a document is never a target (nothing precedes it), so its mask is always 0.
-Writes go to a temporary sibling directory, every file is fsynced, then the directory is renamed
-into place (atomic on POSIX): a crash mid-write leaves only a ``.tmp-*`` directory, never a
-directory that ``open`` would trust.
+Writes go to a temporary sibling directory (``densebatch.atomic.staged_dir``): every file is
+fsynced, then the directory is renamed into place (atomic on POSIX), so a crash mid-write leaves
+only a ``.tmp-*`` directory, never a directory that ``open`` would trust.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import shutil
-import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from densebatch.atomic import staged_dir
 from densebatch.errors import DataError
 
 MARKER = "COMPLETE"
 _ARRAYS = ("tokens", "offsets", "loss_mask")
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename or file creation inside ``path`` durable (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: Path, write) -> None:
-    with open(path, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_marker(directory: Path, payload: dict) -> None:
-    _write_file(directory / MARKER, lambda f: f.write(json.dumps(payload, sort_keys=True).encode()))
-    fsync_dir(directory)
+    """The completion marker, written last into a staged directory (fsynced when it is published)."""
+    (directory / MARKER).write_text(json.dumps(payload, sort_keys=True), encoding="utf-8")
 
 
 def marker_ok(directory: Path) -> bool:
@@ -75,32 +54,23 @@ def write_store_files(directory: Path, tokens: np.ndarray, offsets: np.ndarray, 
     }
     assert arrays["offsets"][0] == 0 and arrays["offsets"][-1] == len(tokens) == len(loss_mask)
     for name, arr in arrays.items():
-        _write_file(directory / f"{name}.npy", lambda f, a=arr: np.save(f, a, allow_pickle=False))
+        np.save(directory / f"{name}.npy", arr, allow_pickle=False)
     meta = dict(meta, num_documents=len(offsets) - 1, num_tokens=int(len(tokens)), num_loss_tokens=int(loss_mask.sum()))
-    _write_file(directory / "meta.json", lambda f: f.write(json.dumps(meta, indent=1, sort_keys=True).encode()))
+    (directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
     names = [f"{n}.npy" for n in _ARRAYS] + ["meta.json"]
     write_marker(directory, {"sizes": {n: (directory / n).stat().st_size for n in names}})
 
 
-def publish(tmp: Path, final: Path) -> None:
-    """Rename a finished temporary directory to ``final``; if another writer won the race, keep theirs."""
-    fsync_dir(tmp)
+@contextlib.contextmanager
+def staged_store(final: Path) -> Iterator[Path]:
+    """A temporary directory to fill, published as ``final`` (``densebatch.atomic.staged_dir``).
+
+    A ``final`` that exists without a valid marker (left by a crash of an older version) is removed
+    first; one that is complete (another writer won the race) is kept and the staged copy dropped."""
     if final.exists() and not marker_ok(final):
-        shutil.rmtree(final, ignore_errors=True)  # a stale, untrusted directory from an older crash
-    try:
-        os.rename(tmp, final)
-    except OSError:
-        if not marker_ok(final):
-            raise
-        shutil.rmtree(tmp, ignore_errors=True)
-    fsync_dir(final.parent)
-
-
-def temp_dir_for(final: Path) -> Path:
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".tmp-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    return tmp
+        shutil.rmtree(final, ignore_errors=True)
+    with staged_dir(final, replace=False) as tmp:
+        yield tmp
 
 
 class DocumentStore:
@@ -170,11 +140,8 @@ class DocumentStore:
     def save(self, directory: str | Path) -> DocumentStore:
         """Write atomically to ``directory`` (replacing an incomplete one) and return the opened copy."""
         final = Path(directory)
-        tmp = temp_dir_for(final)
-        try:
+        if final.exists():
+            shutil.rmtree(final)  # save() replaces: unlike a cache entry, the caller asked for this content
+        with staged_store(final) as tmp:
             write_store_files(tmp, np.asarray(self.tokens), np.asarray(self.offsets), np.asarray(self.loss_mask), self.meta)
-            publish(tmp, final)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
         return DocumentStore.open(final)

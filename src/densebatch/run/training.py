@@ -21,12 +21,11 @@ import numpy as np
 import torch
 
 from densebatch.config import RunConfig, save_config, to_dict
+from densebatch.data.accuracy import AccuracyCheck
 from densebatch.data.collate import collator_from_config
-from densebatch.data.default_dataset import check_answer
 from densebatch.data.loader import BatchLoader
 from densebatch.data.plan import PlanSettings
 from densebatch.data.prepare import prepare
-from densebatch.data.templates import prompt_text
 from densebatch.errors import ConfigError
 from densebatch.model import build_model, generate_batch, save_model
 from densebatch.run.commands import CHECKPOINT_DIR, FINAL_DIR
@@ -55,41 +54,6 @@ def _check_lengths(cfg: RunConfig) -> None:
         raise ConfigError(
             f"{key}: rows of up to {longest} tokens exceed model.block_size ({ctx}); lower {key} or raise model.block_size"
         )
-
-
-class AccuracyCheck:
-    """Exact-match accuracy of greedy answers to held-out prompts of the embedded default dataset."""
-
-    def __init__(self, records: list[dict], cfg: RunConfig, tokenizer, device: torch.device):
-        self.records = records[: cfg.eval.accuracy_samples]
-        self.prompts = [tokenizer.encode(prompt_text(r, cfg.data)) for r in self.records]
-        self.tokenizer, self.device, self.max_new = tokenizer, device, cfg.eval.max_new_tokens
-        self.samples: list[tuple[dict, str]] = []
-
-    def __call__(self, model) -> dict:
-        if not self.records:
-            return {}
-        answers: list[str] = []
-        for i in range(0, len(self.prompts), 64):
-            new = generate_batch(
-                model, self.prompts[i : i + 64], self.max_new, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id
-            )
-            answers += [self.tokenizer.decode([t for t in ids if t != self.tokenizer.eos_id]) for ids in new]
-        hits = [check_answer(r, a) for r, a in zip(self.records, answers)]
-        self.samples = list(zip(self.records, answers))
-        return {"accuracy": sum(hits) / len(hits), "accuracy_samples": len(hits)}
-
-    def show(self, n: int = 4) -> str:
-        by_task: dict[str, list[bool]] = {}
-        for record, answer in self.samples:
-            by_task.setdefault(record.get("task", "all"), []).append(check_answer(record, answer))
-        lines = ["  by task: " + ", ".join(f"{k} {sum(v) / len(v):.2f} ({len(v)})" for k, v in sorted(by_task.items()))]
-        for record, answer in self.samples[:n]:
-            ok = "ok " if check_answer(record, answer) else "BAD"
-            shown = record["input"] if len(record["input"]) <= 50 else "…" + record["input"][-47:]
-            said = answer.strip() if len(answer.strip()) <= 40 else answer.strip()[:37] + "…"
-            lines.append(f"  [{ok}] {record['instruction']} {shown!r} → {said!r} (expected {record['output']!r})")
-        return "\n".join(lines)
 
 
 # TrainState fields that count what was consumed rather than what the weights have seen: kept by a rollback.
@@ -205,8 +169,12 @@ def train(cfg: RunConfig, resume: bool = False) -> int:
     )
     accuracy = None
     if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples:
-        accuracy = AccuracyCheck(prepared.eval_records, cfg, tok, trainer.device)
-        trainer.evaluate_fn = accuracy
+        accuracy = AccuracyCheck(prepared.eval_records, cfg.data, tok, cfg.eval.accuracy_samples)
+
+        def answer(model, prompts):
+            return generate_batch(model, prompts, cfg.eval.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+        trainer.evaluate_fn = lambda model: accuracy(lambda prompts: answer(model, prompts))
     ckpt = CheckpointManager(out / CHECKPOINT_DIR, cfg.checkpoint.keep_last, cfg.checkpoint.mirror_dir)
     session = Session(cfg, trainer, ckpt)
     trainer.on_step = session.on_step

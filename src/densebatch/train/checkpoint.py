@@ -6,8 +6,8 @@ A checkpoint is a directory ``step-000120/``: ``model.safetensors`` (tied tensor
 the three states, tensors replaced by ``{"__tensor__": key}``, tuples and non-string keys tagged so
 they come back as they went in) and, written last, ``manifest.json`` (size and SHA-256 of each file).
 
-Guarantees: a directory named ``step-N`` is complete (written as ``.tmp-step-N-<pid>``, every file and
-the directory fsynced, manifest last, then renamed); ``verify`` detects any flipped byte or truncation
+Guarantees: a directory named ``step-N`` is complete (staged as ``.tmp-step-N-<pid>-<random>`` by
+``densebatch.atomic.staged_dir``, manifest last, every file and the directory fsynced, then renamed); ``verify`` detects any flipped byte or truncation
 and names the file; loading reads only JSON and safetensors: it never unpickles, never runs code.
 Measured on a 2-core VM, 9.5M parameters + AdamW state (113 MB): save 0.4-0.8 s (with fsync),
 verify 0.11-0.17 s (SHA-256), load about the same (it verifies; tensors are mmapped copy-on-write).
@@ -16,7 +16,6 @@ Only one process (rank 0) may save into a directory.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -24,7 +23,7 @@ import re
 import shutil
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -33,6 +32,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from densebatch.atomic import remove_dir, staged_dir
 from densebatch.errors import UserError
 
 FORMAT_VERSION = 1
@@ -40,7 +40,7 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 PARTS = ("model", "optimizer", "extra")
 _STEP_RE = re.compile(r"step-(\d+)")
-_TEMP_RE = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)")
+_TEMP_RE = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)(?:-[0-9a-f]+)?")
 _TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
 
 
@@ -139,29 +139,16 @@ def _dedupe(tensors: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str,
 
 
 # --------------------------------------------------------------------------- files on disk
-def _sha256(path: Path, fsync: bool = False) -> str:
+def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
-        if fsync:
-            os.fsync(f.fileno())
     return h.hexdigest()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: Any) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
+    path.write_text(json.dumps(obj, indent=1), encoding="utf-8")  # inside a staged directory: fsynced on publish
 
 
 def _pid_alive(pid: int) -> bool:
@@ -197,31 +184,6 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda sp: sp[0], reverse=True)
 
 
-def _remove_checkpoint(path: Path) -> None:
-    """Rename first (atomic), then delete: a crash mid-delete leaves a temp dir, not a broken step-N."""
-    aside = path.with_name(f".old-{path.name}-{os.getpid()}")
-    shutil.rmtree(aside, ignore_errors=True)
-    os.rename(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _staging(final: Path) -> Iterator[Path]:
-    """A temp dir beside ``final`` that is fsynced and renamed to it on success, removed on failure."""
-    tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _fsync_dir(tmp)
-        if final.exists():  # the same step saved again: rename(2) cannot replace a non-empty directory
-            _remove_checkpoint(final)
-        os.rename(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 def _prune(root: Path, keep_last: int, step: int) -> None:
     for s, p in list_checkpoints(root):
         if s > step:  # this run resumed from an earlier step: never let auto-resume jump onto the abandoned one
@@ -230,9 +192,9 @@ def _prune(root: Path, keep_last: int, step: int) -> None:
                 CheckpointWarning,
                 stacklevel=3,
             )
-            _remove_checkpoint(p)
+            remove_dir(p)
     for _, p in list_checkpoints(root)[keep_last:]:
-        _remove_checkpoint(p)
+        remove_dir(p)
 
 
 # ------------------------------------------------------------------------------ public API
@@ -254,7 +216,7 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     cleanup_temp_dirs(root)
     final = root / step_dir_name(step)
-    with _staging(final) as tmp:
+    with staged_dir(final) as tmp:
         parts = {}
         for part, obj in zip(PARTS, (model_state, optimizer_state, extra_state)):
             tree = _encode(obj, [], tensors := {})
@@ -265,7 +227,7 @@ def save_checkpoint(
         # Module versions that load_state_dict hands to _load_from_state_dict (e.g. BatchNorm's).
         parts["model"]["metadata"] = _encode(getattr(model_state, "_metadata", None), ["_metadata"], {})
         _write_json(tmp / STATE, {"format_version": FORMAT_VERSION, "step": step, "parts": parts})
-        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p, fsync=True)} for p in sorted(tmp.iterdir())}
+        files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "step": step, "files": files})
     _prune(root, keep_last, step)
     if mirror_dir is not None and Path(mirror_dir).resolve() != root.resolve():
@@ -282,11 +244,10 @@ def mirror_checkpoint(src: str | Path, mirror_dir: str | Path, keep_last: int = 
     src, mirror = Path(src), Path(mirror_dir)
     mirror.mkdir(parents=True, exist_ok=True)
     cleanup_temp_dirs(mirror)
-    with _staging(mirror / src.name) as tmp:
+    with staged_dir(mirror / src.name) as tmp:
         names = sorted(json.loads((src / MANIFEST).read_text(encoding="utf-8"))["files"]) + [MANIFEST]
         for name in names:  # manifest last, as in save
             shutil.copyfile(src / name, tmp / name)
-            _sha256(tmp / name, fsync=True)
         ok, reason = verify(tmp)  # before it gets its name: a bad copy is never a checkpoint
         if not ok or (tmp / MANIFEST).read_bytes() != (src / MANIFEST).read_bytes():
             raise CheckpointError(f"the copy does not verify against the source manifest: {reason}")

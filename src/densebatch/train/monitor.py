@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
 from tqdm import tqdm
+
+from densebatch.atomic import write_file
 
 METRICS_FILE = "metrics.jsonl"
 _EVAL_BASE = ("kind", "step", "loss", "ppl", "tokens", "real_tokens", "batches", "elapsed_s")
@@ -85,12 +86,7 @@ def truncate_metrics(path: str | Path, after_step: int) -> int:
             continue
         if isinstance(rec, dict) and rec.get("step", 0) <= after_step:
             kept.append(line)
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("".join(line + "\n" for line in kept))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, p)
+    write_file(p, "".join(line + "\n" for line in kept))
     return len(lines) - len(kept)
 
 

@@ -1,0 +1,126 @@
+"""Atomic writes: a file or a whole directory appears complete under its final name, or not at all.
+
+The one way densebatch writes anything a later run trusts (document stores, checkpoints, the
+metrics file when a resume truncates it, ``final/``):
+
+- ``write_file(path, data)``: bytes or text to ``.tmp-<name>-<pid>-<random>`` beside ``path``,
+  flushed and fsynced, renamed over ``path``, the directory fsynced. A reader sees the old file or
+  the new one, never half of one.
+- ``staged_dir(final)``: a temporary sibling directory to fill; on success every file in it and the
+  directory are fsynced and it is renamed to ``final`` (an existing ``final`` is first renamed aside
+  and removed: ``rename(2)`` cannot replace a non-empty directory); on failure it is removed.
+
+Files are created with mode 0644 less the umask (``tempfile`` alone would leave 0600), so what a run
+writes is readable like every other file it writes. A leaf module: imports nothing of densebatch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a file creation inside ``path`` durable (a no-op where unsupported)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def fsync_file(path: str | Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def temp_name(final: str | Path, kind: str = "tmp") -> Path:
+    """``.tmp-<name>-<pid>-<random>`` beside ``final``: unique per process and call."""
+    final = Path(final)
+    return final.with_name(f".{kind}-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def write_file(path: str | Path, data: bytes | str, mode: int = 0o644) -> None:
+    """Replace ``path`` atomically with ``data`` (text is written as UTF-8)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(path)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode & ~_umask())
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def remove_dir(path: str | Path) -> None:
+    """Rename aside first (atomic), then delete: a crash mid-delete leaves a hidden ``.old-*``
+    directory, never a half-deleted one under the real name."""
+    path = Path(path)
+    aside = temp_name(path, "old")
+    os.rename(path, aside)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def fix_modes(directory: str | Path, mode: int = 0o644) -> None:
+    """Give every file under ``directory`` ``mode`` less the umask (libraries that write through
+    ``tempfile`` leave 0600), and its directories 0755 less the umask."""
+    mask = _umask()
+    for root, dirs, files in os.walk(directory):
+        for d in dirs:
+            os.chmod(os.path.join(root, d), 0o755 & ~mask)
+        for f in files:
+            os.chmod(os.path.join(root, f), mode & ~mask)
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``final``; publish it as ``final`` on success.
+
+    With ``replace=False`` an existing ``final`` (another writer won the race) is kept and the staged
+    copy discarded. Every file is fsynced before the rename, the parent directory after it.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = temp_name(final)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fix_modes(tmp)
+        os.chmod(tmp, 0o755 & ~_umask())
+        for root, _, files in os.walk(tmp):
+            for f in files:
+                fsync_file(os.path.join(root, f))
+            fsync_dir(root)
+        if final.exists():
+            if not replace:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+            remove_dir(final)
+        os.rename(tmp, final)
+        fsync_dir(final.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
