@@ -1,0 +1,287 @@
+"""Pictures of a run: PNGs of loss, learning rate, gradient norm, throughput, memory and step time from metrics.jsonl.
+
+``plot_run(run_dir) -> list[Path]`` reads ``run_dir/metrics.jsonl`` and writes ``run_dir/plots/*.png``:
+
+- ``loss.png``: train loss per step (thin), its smoothed curve, eval loss (points); skipped steps
+  (``x`` along the top) and rollbacks (dashed vertical lines) marked; log scale when the loss spans
+  more than a decade.
+- ``lr.png``: learning rate (linear: warm-up and decay read best on a linear axis).
+- ``grad_norm.png``: gradient norm before clipping (log scale) and the clip limit (``clip_limit``).
+- ``throughput.png``: real tokens/s (raw and smoothed) over the fill rate.
+- ``memory.png``: whichever memory figures the records carry (GB).
+- ``step_time.png``: seconds per step split into data wait, forward+backward and optimizer.
+
+A file is written only when its data exist (a run with eval only gets ``loss.png`` alone).
+Smoothing is a bias-corrected exponential moving average (as TensorBoard's): weight
+``w = 1 - 1/span`` with ``span = clamp(points / 25, 1, 50)`` points, divided by ``1 - w^k`` so the
+first points are not pulled towards zero; missing values (NaN, null) are carried over, not averaged.
+Replayed steps after a rollback supersede the records they replace (metrics.jsonl keeps both), so
+curves never double back. matplotlib is imported lazily, through its object API (no pyplot, no
+global backend change): the Agg renderer writes the files.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from densebatch.errors import ConfigError
+from densebatch.train.monitor import METRICS_FILE, read_metrics
+
+PLOTS_DIR = "plots"
+MEMORY_KEYS = ("mem_rss_gb", "mem_peak_rss_gb", "cuda_max_allocated_gb", "cuda_max_reserved_gb")
+TIME_KEYS = ("data_wait_s", "fwd_bwd_s", "optimizer_s")
+APPLIED = ("ok", "applied", None)  # outcomes of a step whose update was applied
+
+
+def _value(v) -> float:
+    """A plottable float: NaN for a missing, null, boolean or non-numeric value."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return math.nan
+    return float(v)
+
+
+@dataclass
+class Series:
+    steps: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+
+    def add(self, step: int, value) -> None:
+        self.steps.append(step)
+        self.values.append(_value(value))
+
+    def finite(self) -> list[float]:
+        return [v for v in self.values if math.isfinite(v)]
+
+    def __bool__(self) -> bool:
+        return bool(self.finite())
+
+
+@dataclass
+class RunData:
+    """What the plots draw, extracted from metrics records (kept apart from drawing, to be tested)."""
+
+    name: str
+    train: dict[str, Series] = field(default_factory=dict)  # key -> series over train records
+    eval_loss: Series = field(default_factory=Series)
+    skipped: list[tuple[int, str, float]] = field(default_factory=list)  # (step, why, loss or NaN)
+    rollbacks: list[int] = field(default_factory=list)  # steps at which a rollback happened
+
+    def series(self, key: str) -> Series:
+        return self.train.get(key, Series())
+
+
+def _outcome(rec: dict) -> str | None:
+    """Why a train record's update was not applied (None when it was)."""
+    for key in ("skipped", "outcome"):
+        value = rec.get(key)
+        if value not in APPLIED:
+            return str(value)
+    return None
+
+
+def extract(records: list[dict], name: str = "run") -> RunData:
+    """Train series per numeric key, eval loss, skipped steps and rollbacks, in step order."""
+    kept: list[dict] = []
+    last_train = -math.inf
+    for rec in records:
+        step = rec.get("step")
+        if not isinstance(step, int):
+            continue
+        if rec.get("kind") == "train":
+            if step <= last_train:  # a rollback replays from an earlier step: the new records supersede
+                kept = [r for r in kept if r.get("kind") not in ("train", "eval") or r["step"] < step]
+            last_train = step
+        kept.append(rec)
+    data = RunData(name=name)
+    for rec in kept:
+        kind, step = rec.get("kind"), rec["step"]
+        if kind == "train":
+            for key, value in rec.items():
+                if key not in ("kind", "step") and isinstance(value, (int, float, type(None))) and not isinstance(value, bool):
+                    data.train.setdefault(key, Series()).add(step, value)
+            why = _outcome(rec)
+            if why is not None:
+                data.skipped.append((step, why, _value(rec.get("loss"))))
+                if why == "rollback" and step not in data.rollbacks:
+                    data.rollbacks.append(step)
+        elif kind == "eval" and "loss" in rec:
+            data.eval_loss.add(step, rec["loss"])
+        elif kind == "rollback" and step not in data.rollbacks:
+            data.rollbacks.append(step)
+    return data
+
+
+def smooth(values: list[float], span: float | None = None) -> list[float]:
+    """Bias-corrected EMA (see the module docstring); NaN inputs carry the previous smoothed value."""
+    n = sum(math.isfinite(v) for v in values)
+    span = span if span is not None else min(50.0, max(1.0, n / 25))
+    w = 1.0 - 1.0 / span
+    out, avg, weight = [], 0.0, 0.0
+    for v in values:
+        if math.isfinite(v):
+            avg = w * avg + (1 - w) * v
+            weight = w * weight + (1 - w)
+        out.append(avg / weight if weight > 0 else math.nan)
+    return out
+
+
+def _wide_range(values: list[float], decades: float = 1.0) -> bool:
+    """Positive values spanning more than ``decades`` powers of ten: a log axis shows them better."""
+    pos = [v for v in values if v > 0]
+    return len(pos) == len([v for v in values if math.isfinite(v)]) and bool(pos) and max(pos) / min(pos) > 10**decades
+
+
+# ----------------------------------------------------------------------------------- drawing
+STEP_LABEL = "step (optimizer updates)"
+
+
+def _figure(rows: int = 1):
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3.6 * rows), dpi=100, layout="constrained")
+    return fig, [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, format="png")
+    return path
+
+
+def _loss(data: RunData, path: Path) -> Path:
+    fig, (ax,) = _figure()
+    train = data.series("loss")
+    if train:
+        ax.plot(train.steps, train.values, color="tab:blue", alpha=0.3, linewidth=0.8, label="train (per step)")
+        ax.plot(train.steps, smooth(train.values), color="tab:blue", linewidth=1.8, label="train (smoothed)")
+    if data.eval_loss:
+        ax.plot(data.eval_loss.steps, data.eval_loss.values, "o", color="tab:orange", markersize=6, label="eval")
+    if _wide_range(train.finite() + data.eval_loss.finite()):
+        ax.set_yscale("log")
+    top = ax.get_xaxis_transform()  # x in steps, y in axes fraction: markers sit along the top edge
+    if data.skipped:
+        ax.plot(
+            [s for s, _, _ in data.skipped], [0.97] * len(data.skipped), "x", color="tab:red", transform=top, label="skipped step"
+        )
+    for i, step in enumerate(data.rollbacks):
+        ax.axvline(step, color="tab:red", linestyle="--", linewidth=1, label="rollback" if i == 0 else None)
+    ax.set(title=f"{data.name}: loss", xlabel=STEP_LABEL, ylabel="cross-entropy (nats per loss token)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def _lr(data: RunData, path: Path) -> Path:
+    fig, (ax,) = _figure()
+    lr = data.series("lr")
+    ax.plot(lr.steps, lr.values, color="tab:green")
+    ax.set(title=f"{data.name}: learning rate", xlabel=STEP_LABEL, ylabel="learning rate")
+    ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
+def _grad_norm(data: RunData, path: Path) -> Path:
+    fig, (ax,) = _figure()
+    norm, limit = data.series("grad_norm"), data.series("clip_limit")
+    ax.plot(norm.steps, norm.values, color="tab:purple", linewidth=0.8, label="gradient norm (before clipping)")
+    if limit:
+        ax.plot(limit.steps, limit.values, color="black", linestyle="--", linewidth=1.2, label="clip limit")
+        over = [(s, v) for s, v, c in zip(norm.steps, norm.values, limit.values) if math.isfinite(c) and v > c]
+        if over:
+            ax.plot(*zip(*over), ".", color="tab:red", markersize=3, label=f"clipped ({len(over)} steps)")
+    if _wide_range(norm.finite() + limit.finite(), decades=0.5):
+        ax.set_yscale("log")
+    ax.set(title=f"{data.name}: gradient norm", xlabel=STEP_LABEL, ylabel="global L2 norm")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def _throughput(data: RunData, path: Path) -> Path:
+    fig, (top, bottom) = _figure(rows=2)
+    tps, fill = data.series("tokens_per_s"), data.series("fill_rate")
+    if tps:
+        top.plot(tps.steps, tps.values, color="tab:cyan", alpha=0.35, linewidth=0.8, label="per step")
+        top.plot(tps.steps, smooth(tps.values), color="tab:blue", linewidth=1.6, label="smoothed")
+        top.legend(loc="lower right")
+    top.set(title=f"{data.name}: throughput", ylabel="real tokens / s")
+    top.set_ylim(bottom=0)
+    bottom.plot(fill.steps, fill.values, color="tab:olive", linewidth=0.8)
+    bottom.set(xlabel=STEP_LABEL, ylabel="fill rate (real / slot tokens)", ylim=(0, 1.02))
+    for ax in (top, bottom):
+        ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
+def _memory(data: RunData, path: Path) -> Path:
+    fig, (ax,) = _figure()
+    for key in MEMORY_KEYS:
+        if s := data.series(key):
+            ax.plot(s.steps, s.values, label=key.removesuffix("_gb"))
+    ax.set(title=f"{data.name}: memory", xlabel=STEP_LABEL, ylabel="GB")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right")
+    return _save(fig, path)
+
+
+def _step_time(data: RunData, path: Path) -> Path:
+    fig, (ax,) = _figure()
+    parts = [(k, data.series(k)) for k in TIME_KEYS if data.series(k)]
+    steps = sorted({s for _, series in parts for s in series.steps})  # a key missing from a record counts 0 there
+    ys = []
+    for _, series in parts:
+        by_step = dict(zip(series.steps, series.values))
+        ys.append([v if math.isfinite(v) else 0.0 for v in smooth([by_step.get(s, math.nan) for s in steps])])
+    ax.stackplot(steps, ys, labels=[k.removesuffix("_s").replace("_", " ") for k, _ in parts], alpha=0.8)
+    if total := data.series("step_s"):
+        ax.plot(total.steps, smooth(total.values), color="black", linewidth=1, label="whole step")
+    ax.set(title=f"{data.name}: time per step (smoothed)", xlabel=STEP_LABEL, ylabel="seconds")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right")
+    return _save(fig, path)
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("plots need matplotlib: pip install 'densebatch[plot]'") from None
+
+
+def plot_run(run_dir: str | Path) -> list[Path]:
+    """Write the PNGs for ``run_dir/metrics.jsonl`` into ``run_dir/plots/``; returns their paths
+    (empty when the file holds no plottable record)."""
+    _require_matplotlib()
+    run_dir = Path(run_dir)
+    data = extract(read_metrics(run_dir / METRICS_FILE), name=run_dir.resolve().name)
+    out = run_dir / PLOTS_DIR
+    drawn = []
+    todo = [
+        ("loss", bool(data.series("loss") or data.eval_loss), _loss),
+        ("lr", bool(data.series("lr")), _lr),
+        ("grad_norm", bool(data.series("grad_norm")), _grad_norm),
+        ("throughput", bool(data.series("tokens_per_s") or data.series("fill_rate")), _throughput),
+        ("memory", any(data.series(k) for k in MEMORY_KEYS), _memory),
+        ("step_time", any(data.series(k) for k in TIME_KEYS), _step_time),
+    ]
+    for name, has_data, draw in todo:
+        if has_data:
+            out.mkdir(parents=True, exist_ok=True)
+            drawn.append(draw(data, out / f"{name}.png"))
+    return drawn
+
+
+def main(run_dir: str | Path) -> int:
+    """``densebatch plot RUN_DIR``: write the plots, print where they went. 2 when there is nothing to plot."""
+    run_dir = Path(run_dir)
+    if not (run_dir / METRICS_FILE).exists():
+        raise ConfigError(f"{run_dir}: no {METRICS_FILE} here; give the output_dir of a training run")
+    paths = plot_run(run_dir)
+    if not paths:
+        print(f"{run_dir / METRICS_FILE}: no train or eval records to plot")
+        return 2
+    print(f"plots: {run_dir / PLOTS_DIR}/ ({', '.join(p.name for p in paths)})")
+    return 0
