@@ -1,5 +1,6 @@
-"""Collators: labels are inputs shifted by one except -100 at exactly padding, prompt and boundaries;
-positions restart per piece; counts exact; the book's collate on its own data; masked-LM semantics."""
+"""Collators: labels are inputs shifted by one except -100 at exactly padding, prompt and document ends;
+a split document keeps the target at every cut; positions restart per piece; counts and the planner's
+facts (single_doc_rows, max_position, documents) exact; the book's collate on its own data; masked-LM."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class MemStore:
 
 
 def reference(store, rows, pad_id, mult, use_mask=True):
-    """Per-token Python reference of the causal collate contract."""
+    """Per-token Python reference of the causal collate contract: the target of a piece's token is the
+    next token of its *document* (also across a cut), -100 only after the document's last token."""
     lens = [sum(b - a for _, a, b in row) for row in rows]
     T = -(-max(lens, default=0) // mult) * mult
     ids = np.full((len(rows), T), pad_id)
@@ -64,11 +66,11 @@ def reference(store, rows, pad_id, mult, use_mask=True):
     for r, row in enumerate(rows):
         t = 0
         for d, a, b in row:
-            off = store.offsets[d]
+            off, n = store.offsets[d], store.offsets[d + 1] - store.offsets[d]
             for k in range(b - a):
                 ids[r, t] = store.tokens[off + a + k]
                 pos[r, t] = k
-                if k < b - a - 1 and (not use_mask or store.loss_mask[off + a + k + 1]):
+                if a + k + 1 < n and (not use_mask or store.loss_mask[off + a + k + 1]):
                     lab[r, t] = store.tokens[off + a + k + 1]
                 t += 1
         pos[r, t:] = np.arange(T - t)
@@ -117,7 +119,8 @@ def test_split_piece_restarts_positions_and_prompt_mask_is_by_position():
     store = MemStore([[5, 6, 7, EOS], [EOS, 4, EOS]], [[0, 0, 1, 1], [0, 1, 1]])
     b = CausalCollator(pad_id=EOS)(store, [[(0, 0, 2), (0, 2, 4)], [(1, 0, 3)]])
     assert b.positions.tolist() == [[0, 1, 0, 1], [0, 1, 2, 0]]
-    assert b.labels.tolist() == [[-100, -100, EOS, -100], [4, EOS, -100, -100]]
+    # the first piece keeps 7 (the next piece's first token) as its last target: the cut loses nothing
+    assert b.labels.tolist() == [[-100, 7, EOS, -100], [4, EOS, -100, -100]]
 
 
 def test_bad_piece_is_a_clear_error():
@@ -221,3 +224,108 @@ def test_empty_share_collates_to_an_empty_batch():
     """A rank with nothing left in the last step gets zero rows (see plan._shard)."""
     b = CausalCollator(pad_id=0)(MemStore([[1, 2, 3]]), [])
     assert b.input_ids.shape == (0, 0) and b.num_loss_tokens == b.num_real_tokens == 0
+
+
+# ------------------------------------------------------------------------ split documents
+split_docs_st = st.lists(
+    st.lists(st.tuples(st.integers(0, 20), st.integers(0, 1)), min_size=1, max_size=90), min_size=1, max_size=14
+)
+
+
+def _cuts(plan):
+    """(batch index, row, column of the piece's last token, doc, stop) of every piece that stops inside its document."""
+    out = []
+    for i in range(plan.num_batches):
+        for r, row in enumerate(plan.batch(i)):
+            col = 0
+            for d, a, b in row:
+                col += b - a
+                out.append((i, r, col - 1, d, b))
+    return out
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(
+    split_docs_st,
+    st.sampled_from(["packed", "token_budget"]),
+    st.sampled_from([2, 3, 7, 16, 64]),
+    st.booleans(),
+    st.integers(0, 3),
+)
+def test_split_plan_keeps_every_target_of_the_unsplit_documents(docs, strategy, seq_len, use_mask, seed):
+    """Issue 8, item 1: a 10-token document cut 4/4/2 carries 9 targets whichever way it is cut. Loss
+    tokens of all batches of a split plan == loss tokens of the same documents collated whole, and the
+    label at every cut is the next token of the document (or -100 where the loss mask says so)."""
+    store = MemStore([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
+    s = PlanSettings(
+        strategy=strategy, seq_len=seq_len, max_tokens_per_batch=max(seq_len, 16), long_docs="split", rows_per_batch=3
+    )
+    plan = plan_epoch(store.lengths, s, seed=seed, epoch=0)
+    coll = CausalCollator(pad_id=0, use_loss_mask=use_mask)
+    batches = [coll(store, plan.batch(i)) for i in range(plan.num_batches)]
+    whole = coll(store, [[(d, 0, int(n))] for d, n in enumerate(store.lengths)])
+    assert sum(b.num_loss_tokens for b in batches) == whole.num_loss_tokens
+    assert sum(int((b.labels != IGNORE_INDEX).sum()) for b in batches) == whole.num_loss_tokens
+    for i, r, col, d, stop in _cuts(plan):
+        n, off = int(store.lengths[d]), int(store.offsets[d])
+        label = int(batches[i].labels[r, col])
+        if stop == n:
+            assert label == IGNORE_INDEX, "the document's last token predicts nothing"
+        elif use_mask and not store.loss_mask[off + stop]:
+            assert label == IGNORE_INDEX
+        else:
+            assert label == int(store.tokens[off + stop]), "a cut keeps the next token as its target"
+
+
+def test_ten_token_document_cut_four_four_two_keeps_nine_targets():
+    """The issue's example, by hand: pieces (0,4), (4,8), (8,10) of one 10-token document."""
+    store = MemStore([list(range(1, 10)) + [EOS]])
+    b = CausalCollator(pad_id=0)(store, [[(0, 0, 4)], [(0, 4, 8)], [(0, 8, 10)]])
+    assert b.labels.tolist() == [[2, 3, 4, 5], [6, 7, 8, 9], [EOS, -100, -100, -100]]
+    assert b.num_loss_tokens == 9 == CausalCollator(pad_id=0)(store, [[(0, 0, 10)]]).num_loss_tokens
+
+
+# ------------------------------------------------------------------------ the planner's facts
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(split_docs_st, st.data(), st.sampled_from([1, 8]), st.booleans())
+def test_batch_carries_single_doc_rows_max_position_and_documents(docs, data, mult, mlm):
+    store = MemStore([[t for t, _ in d] for d in docs], eos_id=20, pad_id=0, vocab_size=30, mask_id=21, special_ids=(0, 20, 21))
+    n = len(docs)
+    rows = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        row = []
+        for d in data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)):
+            L = int(store.lengths[d])
+            a = data.draw(st.integers(0, L - 1))
+            row.append((d, a, data.draw(st.integers(a + 1, L))))
+        rows.append(row)
+    if mlm:
+        b = MaskedLMCollator(0, 21, 30, (0, 20), mlm_probability=0.3, pad_to_multiple_of=mult)(store, rows)
+    else:
+        b = CausalCollator(pad_id=0, pad_to_multiple_of=mult)(store, rows)
+    assert b.single_doc_rows == all(len(r) == 1 for r in rows)
+    assert b.max_position == int(b.positions.max())
+    assert b.documents == tuple(sorted({d for r in rows for d, _, _ in r}))
+    assert all(type(d) is int for d in b.documents)
+
+
+def test_planner_facts_by_hand():
+    store = MemStore([[1, 2, 9], [3, 9], [4, 5, 6, 7, 9]])
+    coll = CausalCollator(pad_id=0)
+    one = coll(store, [[(2, 0, 5)], [(0, 0, 3)]])
+    assert (one.single_doc_rows, one.max_position, one.documents) == (True, 4, (0, 2))
+    packed = coll(store, [[(0, 0, 3), (1, 0, 2)], [(2, 1, 3)]])
+    assert (packed.single_doc_rows, packed.max_position, packed.documents) == (False, 2, (0, 1, 2))
+    # a short row's padding run is longer than any piece: max_position is still the largest position
+    padded = coll(store, [[(2, 0, 5)], [(1, 0, 1)]])
+    assert padded.positions[1].tolist() == [0, 0, 1, 2, 3] and padded.max_position == 4
+    assert coll(store, [[(1, 0, 1)], [(1, 0, 1)]]).documents == (1,)
+
+
+def test_mlm_probability_zero_is_refused_at_load():
+    from densebatch.config import load_config
+    from densebatch.errors import ConfigError
+
+    for p in ("0", "1", "-0.1"):
+        with pytest.raises(ConfigError, match="batching.mlm_probability"):
+            load_config(None, [f"--batching.mlm_probability={p}"])

@@ -11,11 +11,20 @@ segment starting at 0 (see ``densebatch.batch``)::
     labels     a1 E  -100 E  -100  -100 -100
     positions  0  1  2    0  1     0  1
 
-``labels[t] = tokens[t + 1]`` of the same piece where ``loss_mask[t + 1] == 1``, else -100: at
-padding, at prompt tokens the document masks, and at the last position of every piece (it must not
-predict the next document). Masking is by *position*: a pad or end-of-text id inside a text is still
-a target. All of it is a handful of numpy gathers/scatters over the batch's tokens (~60 µs for
-8 x 500 tokens), no per-token Python.
+``labels[t] = tokens[t + 1]`` of the same *document* where ``loss_mask[t + 1] == 1``, else -100: at
+padding, at prompt tokens the document masks, and at the last position of a piece that ends its
+document (it must not predict the next document). A piece that stops inside its document keeps the
+token after the cut as its last target, so splitting a document never loses a target::
+
+    document   c = c0 c1 c2 c3 c4 E, split into (c, 0, 3) and (c, 3, 6)
+    input_ids  c0 c1 c2 | c3 c4 E
+    labels     c1 c2 c3 | c4 E  -100
+    positions  0  1  2  | 0  1  2
+
+Masking is by *position*: a pad or end-of-text id inside a text is still a target. All of it is a
+handful of numpy gathers/scatters over the batch's tokens, no per-token Python. The planner's facts
+travel with the batch (``single_doc_rows``, ``max_position``, ``documents``), computed here from the
+pieces so that models need no host synchronisation to rediscover them.
 """
 
 from __future__ import annotations
@@ -35,6 +44,21 @@ class _Gathered:
     labels: np.ndarray  # (rows, T) int64, causal targets
     real: np.ndarray  # (rows, T) bool, False at padding
     num_real: int
+    single_doc_rows: bool  # every row: exactly one piece, then padding
+    max_position: int  # largest value in positions (pieces and padding runs)
+    documents: tuple[int, ...]  # sorted unique store indices
+
+    def batch(self, input_ids: np.ndarray | torch.Tensor, labels: torch.Tensor, num_loss_tokens: int) -> Batch:
+        return Batch(
+            torch.as_tensor(input_ids),
+            labels,
+            torch.from_numpy(self.positions),
+            num_loss_tokens=num_loss_tokens,
+            num_real_tokens=self.num_real,
+            single_doc_rows=self.single_doc_rows,
+            max_position=self.max_position,
+            documents=self.documents,
+        )
 
 
 def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bool) -> _Gathered:
@@ -64,9 +88,11 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     k = np.arange(n) - np.repeat(ends - lens, lens)  # index inside the piece (= position)
     src = np.repeat(store.offsets[doc] + start, lens) + k  # (n,) flat token index
     dst = np.repeat(row * T + col0, lens) + k  # (n,) flat index into (rows, T)
-    last = k == np.repeat(lens - 1, lens)
-    tgt = np.where(last, src, src + 1)  # never read past the piece's last token
-    keep = ~last
+    # Only the document's own last token has no target: a piece cut before its document's end
+    # keeps the token after the cut (the next piece's first) as its last target.
+    doc_end = k == np.repeat(doc_len - start - 1, lens)
+    tgt = np.where(doc_end, src, src + 1)  # never read past the document's last token
+    keep = ~doc_end
     if use_loss_mask:
         keep &= np.asarray(store.loss_mask[tgt]) != 0
     input_ids = np.full(nrows * T, pad_id, np.int64)
@@ -78,7 +104,18 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     positions = positions.reshape(-1)
     positions[dst] = k
     shape = (nrows, T)
-    return _Gathered(input_ids.reshape(shape), positions.reshape(shape), labels.reshape(shape), real, n)
+    # The largest position, from lengths alone: the longest piece or the longest padding run.
+    longest_run = max(int(lens.max(initial=0)), int((T - row_len).max(initial=0)))
+    return _Gathered(
+        input_ids.reshape(shape),
+        positions.reshape(shape),
+        labels.reshape(shape),
+        real,
+        n,
+        single_doc_rows=all(len(r) == 1 for r in rows),
+        max_position=max(0, longest_run - 1),
+        documents=tuple(int(d) for d in np.unique(doc)),
+    )
 
 
 class CausalCollator:
@@ -91,14 +128,7 @@ class CausalCollator:
 
     def __call__(self, store, rows, step: tuple[int, int] = (0, 0)) -> Batch:
         g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, self.use_loss_mask)
-        labels = torch.from_numpy(g.labels)
-        return Batch(
-            torch.from_numpy(g.input_ids),
-            labels,
-            torch.from_numpy(g.positions),
-            num_loss_tokens=int((g.labels != IGNORE_INDEX).sum()),
-            num_real_tokens=g.num_real,
-        )
+        return g.batch(torch.from_numpy(g.input_ids), torch.from_numpy(g.labels), int((g.labels != IGNORE_INDEX).sum()))
 
 
 class MaskedLMCollator:
@@ -136,7 +166,6 @@ class MaskedLMCollator:
     def __call__(self, store, rows, step: tuple[int, int] = (0, 0)) -> Batch:
         g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, use_loss_mask=False)
         ids = torch.from_numpy(g.input_ids)
-        pos = torch.from_numpy(g.positions)
         gen = self.generator(step)
         real = torch.from_numpy(g.real)
         prob = torch.full(ids.shape, self.mlm_probability)
@@ -148,7 +177,7 @@ class MaskedLMCollator:
         out = ids.clone()
         out[replaced] = self.mask_id
         out[randomised] = torch.randint(self.vocab_size, ids.shape, generator=gen)[randomised]
-        return Batch(out, labels, pos, num_loss_tokens=int(selected.sum()), num_real_tokens=g.num_real)
+        return g.batch(out, labels, int(selected.sum()))
 
 
 def collator_from_config(cfg, meta: dict, seed: int = 0):

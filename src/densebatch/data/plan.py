@@ -8,7 +8,8 @@ CSR-shaped: pieces ``(doc, start, stop)`` → rows (``row_ptr``) → batches (``
     batch_ptr  0 2 3                                           batch 0 = rows 0-1, batch 1 = row 2
 
 A piece of a split document (``start > 0``) is its own segment: positions restart at 0 there and
-its first token has no context from the previous piece. Every planner places every document
+its first token has no context from the previous piece (which keeps that token as its last target,
+so a cut loses no target: see ``collate``). Every planner places every document
 exactly once per epoch; what the policy changed is reported in ``split``, ``truncated``, ``dropped``.
 Costs measured here (2 shared cores): 10M lengths (lognormal, median 300) plan in ~1.0 s (packed)
 and ~1.2 s (token_budget); see docs/benchmarks.md.
