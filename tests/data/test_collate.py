@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from densebatch.batch import IGNORE_INDEX
 from densebatch.data.collate import CausalCollator, MaskedLMCollator, collator_from_config
 from densebatch.data.plan import PlanSettings, plan_epoch
+from densebatch.errors import ConfigError, DataError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from shared_lengths import alpaca_text, gpt2_tokenizer, shared_data_dir  # noqa: E402
@@ -216,8 +217,17 @@ def test_mlm_hf_semantics_and_determinism():
 
 
 def test_mlm_without_mask_token_is_a_clear_error():
-    with pytest.raises(ValueError, match="mask token"):
+    with pytest.raises(ConfigError, match="mask token.*batching.mode: causal"):
         MaskedLMCollator(pad_id=0, mask_id=None, vocab_size=10)
+
+
+@pytest.mark.parametrize("mode", ["causal", "mlm"])
+def test_stale_store_meta_is_a_one_line_data_error(mode):
+    cfg = type("C", (), {"mode": mode, "mlm_probability": 0.15, "pad_to_multiple_of": 1})()
+    meta = {"mask_id": 3, "vocab_size": 10} if mode == "causal" else {"eos_id": 2, "mask_id": 3}
+    with pytest.raises(DataError, match="data.cache_dir") as e:
+        collator_from_config(cfg, meta)
+    assert "\n" not in str(e.value)
 
 
 def test_empty_share_collates_to_an_empty_batch():

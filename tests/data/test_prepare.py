@@ -235,3 +235,45 @@ def test_missing_and_empty_inputs(data_cfg, tmp_path):
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     with pytest.raises(DataError, match="no usable"):
         prepare(data_cfg(path=str(tmp_path / "bad.jsonl"), on_bad_record="skip"))
+
+
+def test_pretokenized_ids_outside_the_tokenizer_name_data_tokenizer(data_cfg, tmp_path, write_jsonl):
+    """GPT-2 ids read with the byte-level default (259 ids): say which tokenizer, and what to set."""
+    path = write_jsonl(tmp_path / "a.jsonl", [{"input_ids": [464, 3290, 50256]}, {"input_ids": [5, 6]}])
+    with pytest.raises(DataError, match=r"a\.jsonl:1: .*id 464, outside the 259 ids of data\.tokenizer 'default'") as e:
+        prepare(data_cfg(path=str(path)))
+    assert "set data.tokenizer" in str(e.value) and "on_bad_record" not in str(e.value)
+    skipped = prepare(data_cfg(path=str(path), on_bad_record="skip"))  # skipping stays possible, and counted
+    assert skipped.summary.skipped == {"bad_token_ids": 1} and len(skipped.train) == 1
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_learned_bpe_with_pretokenized_records_says_what_to_set(data_cfg, tmp_path, write_jsonl, mixed):
+    """bpe:N learns a tokenizer from text; ids already made by another tokenizer cannot use it."""
+    recs = [{"input_ids": [5, 6, 7]}, {"input_ids": [8, 9]}] + ([{"text": "plain words " * 20}] if mixed else [])
+    path = write_jsonl(tmp_path / "a.jsonl", recs)
+    expected = "2 of 3 records are" if mixed else "every record is"
+    with pytest.raises(DataError, match=rf"data\.tokenizer bpe:400 .*{expected} pre-tokenised.*a\.jsonl:1.*set data\.tokenizer"):
+        prepare(data_cfg(path=str(path), tokenizer="bpe:400", template="raw"))
+
+
+@pytest.mark.parametrize("damage", ["meta_keys", "summary", "array"])
+def test_damaged_cache_entry_is_a_one_line_error_naming_the_directory(data_cfg, tmp_path, records, write_jsonl, damage):
+    """A complete entry (its marker's sizes still match) that does not read back: say which directory to delete."""
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    entry = prepare(data_cfg(path=str(path))).cache_dir
+    if damage == "meta_keys":  # same size: the marker still trusts it; eos/pad/vocab are gone
+        meta = entry / "train" / "meta.json"
+        text = meta.read_text()
+        meta.write_text(text.replace('"eos_id"', '"eos_ix"').replace('"vocab_size"', '"vocab_sizz"'))
+    elif damage == "summary":
+        f = entry / "summary.json"
+        f.write_text("x" * len(f.read_text()))
+    else:
+        f = entry / "train" / "tokens.npy"
+        f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.raises(DataError, match="delete that directory") as e:
+        prepare(data_cfg(path=str(path)))
+    assert str(entry) in str(e.value) and "\n" not in str(e.value)
+    shutil.rmtree(entry)  # what the message says to do
+    assert len(prepare(data_cfg(path=str(path))).train) == len(records)

@@ -128,3 +128,34 @@ def test_directory_that_is_not_a_dataset(tmp_path):
     (tmp_path / "d" / "x.txt").write_text("hi")
     with pytest.raises(DataError, match="save_to_disk"):
         list(iter_records(tmp_path / "d"))
+
+
+def test_jsonl_error_reports_the_real_column(tmp_path):
+    """A cut-off line used to read "column 1" (json counted from the line break at its end)."""
+    p = tmp_path / "a.jsonl"
+    cut = '{"instruction": "abc", "output": "b"'  # 36 characters: the error is at column 37
+    p.write_text('{"a": 1}\n' + cut + "\n" + '{"a": 2, "b": x}\r\n' + '{"a": 3}\n', encoding="utf-8")
+    bad = [i for i in iter_records(p) if isinstance(i, BadRecord)]
+    assert [b.where for b in bad] == [f"{p}:2", f"{p}:3"]
+    assert "column 37" in bad[0].message and "line ends before" in bad[0].message
+    assert "column 15" in bad[1].message and "line ends" not in bad[1].message  # \r\n lines too
+    p.write_text('{"é": "ü", "x": ]}\n', encoding="utf-8")  # columns count characters, not bytes
+    assert "column 17" in next(iter(iter_records(p))).message
+
+
+def test_jsonl_read_as_json_says_to_set_data_format(tmp_path, records, write_jsonl):
+    p = write_jsonl(tmp_path / "mine.json", records)  # JSONL content under a .json name / format: json
+    for fmt in ("auto", "json"):
+        with pytest.raises(DataError, match=r"looks like JSONL.*data\.format: jsonl") as e:
+            list(iter_records(p, fmt))
+        assert "Extra data" not in str(e.value) and "\n" not in str(e.value)
+    (tmp_path / "one.json").write_text(json.dumps(records[0]) + "\n")
+    with pytest.raises(DataError, match="data.format: jsonl"):
+        list(iter_records(tmp_path / "one.json"))
+
+
+def test_json_array_read_as_jsonl_says_to_set_data_format(tmp_path, records):
+    p = tmp_path / "a.jsonl"
+    p.write_text(json.dumps(records, indent=1))
+    first = next(iter(iter_records(p)))
+    assert isinstance(first, BadRecord) and "data.format: json" in first.message

@@ -137,3 +137,20 @@ def test_prepare_learns_and_caches_bpe(tmp_path):
     tokens, _ = again.train.document(0)
     assert tokens[-1] == again.tokenizer.eos_id
     assert "### Response:" in again.tokenizer.decode(tokens.tolist())
+
+
+def test_auto_resolves_to_the_model_directory_tokenizer(tmp_path):
+    from densebatch.data.tokenizers import has_tokenizer_files, resolve_tokenizer_spec
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    assert not has_tokenizer_files(model)
+    assert resolve_tokenizer_spec("auto", str(model)) == "default"  # a model dir without a tokenizer
+    assert resolve_tokenizer_spec("auto", None) == "default"  # the reference GPT
+    _tiny_tokenizer_json(model / "tokenizer.json")
+    assert has_tokenizer_files(model) and resolve_tokenizer_spec("auto", str(model)) == str(model)
+    assert load_tokenizer(resolve_tokenizer_spec("auto", str(model))).encode("hello world") == [2, 3]
+    for explicit in ("default", "bpe:512", str(tmp_path / "elsewhere")):
+        assert resolve_tokenizer_spec(explicit, str(model)) == explicit  # only auto is resolved
+    assert load_tokenizer("auto").name == "default"  # unresolved (no model known): the byte-level default

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,10 @@ class MaskedLMCollator:
         pad_to_multiple_of: int = 1,
     ):
         if mask_id is None:
-            raise ValueError("mlm needs a mask token: the tokenizer has none (meta['mask_id'] is None); use batching.mode=causal")
+            raise ConfigError(
+                "batching.mode mlm needs a mask token and the tokenizer has none: set batching.mode: causal, or a "
+                "data.tokenizer with a mask token"
+            )
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability: expected a number in (0, 1); got {mlm_probability}")
         self.pad_id, self.mask_id, self.vocab_size = int(pad_id), int(mask_id), int(vocab_size)
@@ -181,11 +185,19 @@ class MaskedLMCollator:
 
 
 def collator_from_config(cfg, meta: dict, seed: int = 0):
-    """The collator a ``BatchingConfig`` asks for (``mode`` causal or mlm), from a store's ``meta``."""
+    """The collator a ``BatchingConfig`` asks for (``mode`` causal or mlm), from a store's ``meta``.
+
+    ``prepare`` checks the meta of the stores it hands out; a store made some other way that lacks
+    what collation needs is a one-line ``DataError`` that says how to rebuild it."""
     pad_id = meta.get("pad_id")
     pad_id = meta.get("eos_id") if pad_id is None else pad_id
-    if pad_id is None:
-        raise ValueError("the document store's meta has neither pad_id nor eos_id: re-run prepare to rebuild the cache")
+    need = ("vocab_size",) if cfg.mode == "mlm" else ()
+    if pad_id is None or any(meta.get(k) is None for k in need):
+        what = "neither pad_id nor eos_id" if pad_id is None else "no vocab_size"
+        raise DataError(
+            f"the prepared documents' meta.json has {what} (a stale or damaged cache): delete the entry under "
+            "data.cache_dir and run again to rebuild it"
+        )
     if cfg.mode == "mlm":
         special = set(meta.get("special_ids") or ()) | ({meta["eos_id"]} if meta.get("eos_id") is not None else set())
         return MaskedLMCollator(

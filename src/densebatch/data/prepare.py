@@ -13,7 +13,7 @@ seed, and stable when records are appended. Duplicates are dropped before the sp
 ``clean.dedupe`` is on, so no prompt can land on both sides; with ``eval_path``, train records that
 repeat an eval record are dropped too.
 
-Cache: ``cache_dir/<key>/`` where key hashes the input bytes (SHA-256 over chunks, every file of a
+Cache (``data/cache.py``): ``cache_dir/<key>/`` where key hashes the input bytes (SHA-256 over chunks, every file of a
 directory) and every setting that changes tokens (format, fields, template, loss, cleaning,
 tokenizer content, pad id, max_seq_len, overlong, eval split, on_bad_record, the default dataset's
 settings). Built in a temporary directory, fsynced, renamed into place, marker last: a crash never
@@ -36,16 +36,15 @@ import numpy as np
 
 from densebatch.config import DataConfig
 from densebatch.data import default_dataset
+from densebatch.data.cache import LEARNED_TOKENIZER, cache_key, load_entry
 from densebatch.data.clean import Cleaner
 from densebatch.data.sources import SURROGATE, BadRecord, detect_format, has_undecodable, iter_records
-from densebatch.data.store import DocumentStore, marker_ok, staged_store, write_marker, write_store_files
+from densebatch.data.store import DocumentStore, staged_store, write_marker, write_store_files
 from densebatch.data.summary import PrepareSummary
 from densebatch.data.templates import EmptiedByCleaning, RecordError, render
 from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_tokenizer, train_bpe
 from densebatch.errors import DataError
 
-CACHE_VERSION = 1
-LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
 _ENCODE_CHUNK = 4096  # texts per encode_batch call: large enough for the library's threads
 
 
@@ -67,37 +66,6 @@ class _Doc:
     record: dict | None
 
 
-# --------------------------------------------------------------------------------- hashing
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    files = sorted(q for q in path.rglob("*") if q.is_file()) if path.is_dir() else [path]
-    for f in files:
-        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
-        with open(f, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-    return h.hexdigest()
-
-
-def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
-    """Hash of the input bytes and every setting that changes the prepared tokens."""
-    settings = dataclasses.asdict(cfg)
-    for k in ("path", "eval_path", "cache_dir"):
-        settings.pop(k)
-    if cfg.path is not None:
-        settings.pop("default")
-        settings["format"] = detect_format(cfg.path, cfg.format)
-    material = {
-        "version": CACHE_VERSION,
-        "settings": settings,
-        "tokenizer": tok.fingerprint(),
-        "pad_id": tok.pad_id,
-        "input": default_dataset.VERSION if cfg.path is None else _file_digest(Path(cfg.path)),
-        "eval_input": None if cfg.eval_path is None else _file_digest(Path(cfg.eval_path)),
-    }
-    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
-
-
 def _record_key(record: dict) -> bytes:
     text = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
@@ -113,6 +81,8 @@ class _Builder:
 
     def bad(self, b: BadRecord) -> None:
         if self.cfg.on_bad_record == "error":
+            if b.reason == "bad_token_ids":  # the fix is the tokenizer, not skipping every record
+                raise DataError(str(b))
             raise DataError(f"{b} (set data.on_bad_record: skip to count and skip such records)")
         self.s.skipped[b.reason] = self.s.skipped.get(b.reason, 0) + 1
         self.s.skip_examples.setdefault(b.reason, str(b))
@@ -195,9 +165,15 @@ class _Builder:
                 "wrong_type" if not isinstance(ids, list) else "empty_field",
                 f"field '{f.input_ids}' should be a non-empty list of token ids",
             )
-        if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.tok.vocab_size for i in ids):
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise RecordError("bad_token_ids", f"field '{f.input_ids}' holds a value that is not an integer token id")
+        if not 0 <= min(ids) <= max(ids) < self.tok.vocab_size:
+            bad = next(i for i in ids if not 0 <= i < self.tok.vocab_size)
             raise RecordError(
-                "bad_token_ids", f"field '{f.input_ids}' holds a value that is not an id in [0, {self.tok.vocab_size})"
+                "bad_token_ids",
+                f"field '{f.input_ids}' holds id {bad}, outside the {self.tok.vocab_size} ids of data.tokenizer "
+                f"{self.tok.name!r}: set data.tokenizer to the tokenizer these ids came from (a tokenizer.json or "
+                "model directory)",
             )
         tokens = np.asarray(ids, np.int32)
         if labels is None:
@@ -303,23 +279,26 @@ def _learn_bpe(items: list[tuple[str, dict]], cfg: DataConfig, pending: PendingB
     return train_bpe(texts, pending.vocab_size, pending.requested_pad_id, pending.name)
 
 
+def _refuse_ids_for_a_new_bpe(items: list[tuple[str, dict]], cfg: DataConfig, pending: PendingBPE) -> None:
+    """Pre-tokenised records hold ids of a tokenizer that already exists: learning a new one from
+    text (``bpe:N``) cannot give their ids a meaning, and there may be no text at all to learn from."""
+    found = [where for where, rec in items if cfg.fields.input_ids in rec]
+    if found:
+        every = "every record is" if len(found) == len(items) else f"{len(found)} of {len(items)} records are"
+        raise DataError(
+            f"data.tokenizer {pending.name} learns a new tokenizer from text, but {every} pre-tokenised (field "
+            f"'{cfg.fields.input_ids}', first at {found[0]}): set data.tokenizer to the tokenizer that made the ids "
+            "(a tokenizer.json or model directory; or auto with model.kind hf)"
+        )
+
+
 def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
-    if not marker_ok(final) or not DocumentStore.is_complete(final / "train"):
+    entry = load_entry(final, tok)
+    if entry is None:
         return None
-    if isinstance(tok, PendingBPE):  # a learned tokenizer lives with the documents it made
-        tok = load_tokenizer(final / LEARNED_TOKENIZER, tok.requested_pad_id)
-    summary = PrepareSummary.from_dict(json.loads((final / "summary.json").read_text(encoding="utf-8")))
-    has_eval = DocumentStore.is_complete(final / "eval")
-    eval_records = [json.loads(line) for line in (final / "eval_records.jsonl").read_text(encoding="utf-8").splitlines() if line]
+    train, evals, tok, summary, eval_records = entry
     summary.cache_hit, summary.seconds, summary.cache_path = True, time.perf_counter() - t0, str(final)
-    return Prepared(
-        DocumentStore.open(final / "train"),
-        DocumentStore.open(final / "eval") if has_eval else None,
-        tok,
-        summary,
-        eval_records,
-        final,
-    )
+    return Prepared(train, evals, tok, summary, eval_records, final)
 
 
 def prepare(cfg: DataConfig) -> Prepared:
@@ -347,6 +326,7 @@ def prepare(cfg: DataConfig) -> Prepared:
     b = _Builder(cfg, tok, s)
     items = b.read(cfg.path, fmt)
     if isinstance(tok, PendingBPE):
+        _refuse_ids_for_a_new_bpe(items, cfg, tok)
         tok = b.tok = _learn_bpe(items, cfg, tok)
         s.tokenizer = tok.name
     eval_docs: list[_Doc] = []

@@ -121,10 +121,13 @@ def _jsonl(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
                     where, "undecodable_bytes", f"undecodable bytes ({_undecodable_where(raw)}); the file must be UTF-8"
                 )
                 continue
+            # Without its line break: json counts a column after the last "\n" it saw, so an error
+            # at the end of a cut-off line would read "line 2, column 1" instead of its real column.
+            text = text.rstrip("\r\n")
             try:
                 obj = json.loads(text)
             except json.JSONDecodeError as e:
-                yield BadRecord(where, "invalid_json", f"invalid JSON at column {e.colno}: {e.msg}")
+                yield BadRecord(where, "invalid_json", _jsonl_error(text, e, lineno))
                 continue
             if not isinstance(obj, dict):
                 yield BadRecord(where, "wrong_type", f"expected a JSON object per line, got {type(obj).__name__}")
@@ -132,11 +135,35 @@ def _jsonl(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
             yield where, obj
 
 
+def _jsonl_error(line: str, e: json.JSONDecodeError, lineno: int) -> str:
+    """What is wrong with one JSONL line, at its real column (1-based, in characters)."""
+    msg = f"invalid JSON at column {e.colno}: {e.msg}"
+    if e.pos >= len(line.rstrip()):
+        msg += " (the line ends before its JSON object does: cut off, or a record spread over several lines?)"
+    if lineno == 1 and line.lstrip().startswith("["):
+        msg += "; the file looks like one JSON array: set data.format: json"
+    return msg
+
+
+def _looks_like_jsonl(text: str) -> bool:
+    """True when the first two non-blank lines each hold one JSON object (JSONL read as one JSON value)."""
+    lines = [line for line in text.splitlines() if line.strip()][:2]
+    try:
+        return len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
+    except json.JSONDecodeError:
+        return False
+
+
 def _json_array(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
     text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
+        if _looks_like_jsonl(text):
+            raise DataError(
+                f"{p}: read as one JSON array (data.format: json), but the content looks like JSONL, one JSON "
+                "object per line: set data.format: jsonl (or auto with a .jsonl file name)"
+            ) from None
         # One syntax error makes the whole array unreadable: no record can be skipped safely.
         raise DataError(
             f"{p}:{e.lineno}: invalid JSON at column {e.colno}: {e.msg} (a JSON array cannot be read around "
@@ -144,7 +171,7 @@ def _json_array(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
         ) from None
     if isinstance(data, dict):
         raise DataError(
-            f"{p}: expected a JSON array of records at the top level, got an object (one record per line? use .jsonl)"
+            f"{p}: expected a JSON array of records at the top level, got an object (one record per line? set data.format: jsonl)"
         )
     if not isinstance(data, list):
         raise DataError(f"{p}: expected a JSON array of records at the top level, got {type(data).__name__}")

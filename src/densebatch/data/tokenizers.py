@@ -2,6 +2,10 @@
 
 ``load_tokenizer(spec)`` understands:
 
+- ``"auto"``: the model's own tokenizer when the run trains a Hugging Face model whose directory
+  holds one, else ``"default"``. The run resolves it once, up front (``resolve_tokenizer_spec``),
+  so every command and the saved configuration name the tokenizer actually used; an unresolved
+  ``"auto"`` (no model directory known) loads as ``"default"``.
 - ``"default"``: a self-contained byte-level tokenizer (ids 0..255 are the UTF-8 bytes, then
   ``<|endoftext|>`` 256, ``<|mask|>`` 257, ``<|pad|>`` 258). Needs no files, never changes.
 - a ``tokenizer.json`` file, or a local Hugging Face model directory holding one: read with the
@@ -270,9 +274,32 @@ def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | Non
     return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id)
 
 
+def has_tokenizer_files(directory: str | Path) -> bool:
+    """True when ``directory`` holds a tokenizer ``load_tokenizer`` can read (tokenizer.json, GPT-2
+    vocab.json + merges.txt, or one saved by ``Tokenizer.save``)."""
+    d = Path(directory).expanduser()
+    return d.is_dir() and (
+        (d / SAVED_META).is_file()
+        or (d / "tokenizer.json").is_file()
+        or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file())
+    )
+
+
+def resolve_tokenizer_spec(data_tokenizer: str, model_dir: str | Path | None) -> str:
+    """The tokenizer spec a run uses: ``data_tokenizer`` itself, except ``"auto"``, which becomes
+    ``model_dir`` when that holds a tokenizer (a Hugging Face model trained with its own tokenizer,
+    as pre-tokenised data made for it needs) and ``"default"`` otherwise. ``model_dir``: the
+    model directory of a ``model.kind: hf`` run, None for any other model."""
+    if str(data_tokenizer) != "auto":
+        return str(data_tokenizer)
+    if model_dir is not None and has_tokenizer_files(model_dir):
+        return str(model_dir)
+    return "default"
+
+
 def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None) -> Tokenizer:
     """Load the tokenizer named by ``spec`` (see the module docstring); ``pad_id`` None = eos."""
-    if str(spec) == "default":
+    if str(spec) in ("default", "auto"):
         return ByteTokenizer(pad_id)
     if str(spec).startswith("bpe:"):
         return PendingBPE(str(spec), pad_id)

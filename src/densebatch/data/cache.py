@@ -1,0 +1,94 @@
+"""The prepared-documents cache: an entry's key (input bytes + every setting that changes tokens) and
+reading an entry back, checked, so that a damaged or stale entry is a one-line error, not a traceback.
+
+An entry ``cache_dir/<key>/`` holds ``train/`` and ``eval/`` document stores, ``summary.json``,
+``eval_records.jsonl``, a learned ``bpe:N`` tokenizer in ``tokenizer/`` and the completion marker
+(written by ``prepare``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+
+from densebatch.config import DataConfig
+from densebatch.data import default_dataset
+from densebatch.data.sources import detect_format
+from densebatch.data.store import DocumentStore, marker_ok
+from densebatch.data.summary import PrepareSummary
+from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_tokenizer
+from densebatch.errors import DataError, UserError
+
+CACHE_VERSION = 1
+LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    files = sorted(q for q in path.rglob("*") if q.is_file()) if path.is_dir() else [path]
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
+    """Hash of the input bytes and every setting that changes the prepared tokens."""
+    settings = dataclasses.asdict(cfg)
+    for k in ("path", "eval_path", "cache_dir"):
+        settings.pop(k)
+    if cfg.path is not None:
+        settings.pop("default")
+        settings["format"] = detect_format(cfg.path, cfg.format)
+    material = {
+        "version": CACHE_VERSION,
+        "settings": settings,
+        "tokenizer": tok.fingerprint(),
+        "pad_id": tok.pad_id,
+        "input": default_dataset.VERSION if cfg.path is None else _file_digest(Path(cfg.path)),
+        "eval_input": None if cfg.eval_path is None else _file_digest(Path(cfg.eval_path)),
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def check_meta(store: DocumentStore, tok: Tokenizer) -> None:
+    """What collate and the model read from a store's meta is there and agrees with the tokenizer."""
+    m = store.meta
+    for key in ("eos_id", "vocab_size"):
+        if not isinstance(m.get(key), int):
+            raise ValueError(f"meta.json of {store.path.name} has no integer {key}")
+    if m.get("num_documents") != len(store) or m.get("vocab_size") != tok.vocab_size:
+        raise ValueError(f"meta.json of {store.path.name} does not match its documents or the tokenizer")
+
+
+def load_entry(
+    final: Path, tok: Tokenizer
+) -> tuple[DocumentStore, DocumentStore | None, Tokenizer, PrepareSummary, list[dict]] | None:
+    """(train, eval, tokenizer, summary, eval records) of the complete entry ``final``; None when
+    there is none. An entry that is complete but does not read back raises a one-line ``DataError``."""
+    if not marker_ok(final) or not DocumentStore.is_complete(final / "train"):
+        return None
+    try:
+        if isinstance(tok, PendingBPE):  # a learned tokenizer lives with the documents it made
+            tok = load_tokenizer(final / LEARNED_TOKENIZER, tok.requested_pad_id)
+        summary = PrepareSummary.from_dict(json.loads((final / "summary.json").read_text(encoding="utf-8")))
+        has_eval = DocumentStore.is_complete(final / "eval")
+        lines = (final / "eval_records.jsonl").read_text(encoding="utf-8").splitlines()
+        eval_records = [json.loads(line) for line in lines if line]
+        train = DocumentStore.open(final / "train")
+        evals = DocumentStore.open(final / "eval") if has_eval else None
+        for store in (train, evals) if evals is not None else (train,):
+            check_meta(store, tok)
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, UserError) as e:
+        # A complete entry that does not read back was damaged or written by another version:
+        # rebuilding under the same key is the user's call (it is their cache), so say how.
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(
+            f"{final}: the cached documents cannot be used ({why}); delete that directory and run again "
+            "(it is rebuilt from the data)"
+        ) from None
+    return train, evals, tok, summary, eval_records
