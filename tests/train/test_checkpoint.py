@@ -361,3 +361,23 @@ def test_cleanup_keeps_other_live_writers(tmp_path):
     theirs = tmp_path / f".old-step-000002-{os.getppid()}"
     theirs.mkdir()
     assert cleanup_temp_dirs(tmp_path) == [mine]
+
+
+@pytest.mark.parametrize("offset", [(1 << 20) + 1, 3 << 20, -1])
+def test_a_byte_flipped_far_into_a_large_file_is_detected(tmp_path, offset):
+    """Every other checkpoint test writes files under 1 MiB: a verifier that hashed only a file's
+    first megabyte would pass them all. Here the model file is > 4 MiB and the byte is past 1 MiB."""
+    state = {"big": torch.arange(1_300_000, dtype=torch.float32), "small": torch.ones(3)}  # (5.2 MB)
+    first = save_checkpoint(tmp_path, 1, state)
+    second = save_checkpoint(tmp_path, 2, state)
+    f = second / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    assert len(data) > 4 << 20
+    data[offset] ^= 0x10
+    f.write_bytes(bytes(data))
+    assert verify(second) == (False, "model.safetensors SHA-256 mismatch")
+    with pytest.raises(CheckpointError, match=r"step-000002.*model\.safetensors"):
+        load_checkpoint(second)
+    skipped = []
+    assert latest_valid(tmp_path, on_skip=lambda p, why: skipped.append((p.name, why))) == first
+    assert skipped == [("step-000002", "model.safetensors SHA-256 mismatch")]
