@@ -81,7 +81,7 @@ def reference(store, rows, pad_id, mult, use_mask=True):
 doc_st = st.lists(st.tuples(st.integers(0, 20), st.integers(0, 1)), min_size=1, max_size=30)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.lists(doc_st, min_size=1, max_size=12), st.data(), st.sampled_from([1, 4, 8]), st.booleans())
 def test_causal_matches_reference(docs, data, mult, use_mask):
     """Tokens drawn from a tiny vocabulary so pad/eos ids (0..20 includes 0 = pad, 20 = eos) occur inside texts."""

@@ -13,7 +13,7 @@ from densebatch.errors import ConfigError
 
 
 @given(st.text())
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 def test_byte_tokenizer_round_trips_any_text(text):
     tok = ByteTokenizer()
     ids = tok.encode(text)
@@ -57,7 +57,7 @@ def test_gpt2_bpe_files(gpt2):
 
 
 @given(st.text(max_size=200))
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, derandomize=True)
 def test_gpt2_round_trips_text(gpt2, text):
     assert gpt2.decode(gpt2.encode(text)) == text
 
