@@ -79,8 +79,13 @@ def test_linear_and_constant():
 
 
 def test_schedule_is_pure_and_unknown_horizon_is_constant():
-    cfg = TrainConfig(lr=1.0, warmup_steps=0, schedule="cosine")
-    assert lr_at(7, cfg, 20) == lr_at(7, cfg, 20)
+    cfg = TrainConfig(lr=1.0, warmup_steps=0, schedule="cosine", min_lr_ratio=0.1)
+    # The cosine written out independently: min + (peak - min) * (1 + cos(pi * step / horizon)) / 2.
+    expected = [0.1 + 0.9 * (1 + math.cos(math.pi * s / 20)) / 2 for s in range(21)]
+    forward = [lr_at(s, cfg, 20) for s in range(21)]
+    backward = [lr_at(s, cfg, 20) for s in reversed(range(21))][::-1]  # pure: call order changes nothing
+    assert forward == pytest.approx(expected, abs=1e-12) and backward == forward
+    assert lr_at(7, cfg, 20) == pytest.approx(0.1 + 0.45 * (1 + math.cos(0.35 * math.pi)))  # 0.5452...
     assert lr_at(50, cfg, None) == 1.0
     assert lr_at(0, cfg, 20) == 1.0  # first update at the peak when there is no warm-up
 
