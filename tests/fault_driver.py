@@ -174,14 +174,17 @@ def run_in_process(args: list[str]) -> int:
 
 
 def metrics(output_dir: Path) -> list[dict]:
-    """Complete records of ``metrics.jsonl`` (a torn last line is ignored)."""
+    """Complete records of ``metrics.jsonl``. Only the last line may be torn (a kill in the middle
+    of a write) and is then ignored; a bad line anywhere else is a bug and fails the test."""
     path = Path(output_dir) / "metrics.jsonl"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
     out = []
-    for line in path.read_text(encoding="utf-8").splitlines() if path.exists() else []:
+    for i, line in enumerate(lines):
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            pass
+            if i < len(lines) - 1:
+                raise AssertionError(f"{path}:{i + 1}: not a JSON record, and not the last line: {line[:80]!r}") from None
     return out
 
 
