@@ -9,7 +9,7 @@ the JSON in the environment variable ``DENSEBATCH_FAULTS`` patched in first (no 
 - ``loss_fault: {"call": c, "kind": "nan" | "scale", "factor": f}``: the c-th training call of
   ``GPT.token_losses`` (1-based; one call per step with one batch per step) returns NaN losses, or
   losses multiplied by ``f`` (a spike).
-- ``skip_batch_on_restore: true``: ``BatchLoader.load_state_dict`` lands one batch too far (a wrong
+- ``skip_batch_on_restore: true``: ``StepLoader.load_state_dict`` lands one row too far (a wrong
   batch order after resume; negative control).
 - ``no_rng_restore: true``: resume without restoring the RNG states (negative control).
 
@@ -89,18 +89,18 @@ def install_faults(faults: dict) -> None:
 
         GPT.token_losses = token_losses
     if faults.get("skip_batch_on_restore"):
-        from densebatch.data.loader import BatchLoader
+        from densebatch.data.loader import StepLoader
 
-        orig_load = BatchLoader.load_state_dict
+        orig_load = StepLoader.load_state_dict
 
         def load_state_dict(self, state):
-            orig_load(self, dict(state, batch_index=int(state["batch_index"]) + 1))
+            orig_load(self, dict(state, row=int(state["row"]) + 1))
 
-        BatchLoader.load_state_dict = load_state_dict
+        StepLoader.load_state_dict = load_state_dict
     if faults.get("no_rng_restore"):
-        import densebatch.run.training as training
+        import densebatch.train.session as session
 
-        training.restore_rng_state = lambda state: None
+        session.restore_rng_state = lambda state: None
 
 
 def main(argv: list[str]) -> int:

@@ -162,15 +162,16 @@ def test_nan_loss_skips_the_step_and_weights_stay_finite(tmp_path, cache_dir, mo
     assert fd.run_in_process(["train", str(cfg)]) == 0
     records = [r for r in fd.metrics(tmp_path / "out") if r["kind"] == "train"]
     assert [r["step"] for r in records] == list(range(1, 11))
-    assert records[4]["skipped"] == "skip" and records[4]["loss"] is None  # NaN written as null
-    assert [r for r in records if "skipped" in r] == [records[4]]
-    assert all(math.isfinite(r["loss"]) for r in records if "skipped" not in r)
+    assert records[4]["outcome"] == "skipped" and records[4]["loss"] is None  # NaN written as null
+    assert [r for r in records if r["outcome"] != "applied"] == [records[4]]
+    assert records[4]["documents"] and "documents" not in records[3]  # what to inspect, for the skipped step
+    assert all(math.isfinite(r["loss"]) for r in records if r["outcome"] == "applied")
     weights = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())
     # the optimizer never applied step 5: AdamW counted 9 updates in 10 steps
     ck = load_checkpoint(tmp_path / "out" / "checkpoints" / "step-000010")
     assert {float(s["step"]) for s in ck.optimizer_state["state"].values()} == {9.0}
-    assert ck.extra_state["trainer"]["skipped_steps"] == 1
+    assert ck.extra_state["parts"]["counters"]["skipped_steps"] == 1
 
 
 def test_loss_spike_rolls_back_logs_and_lowers_the_lr(tmp_path, cache_dir, monkeypatch, capsys):
@@ -204,19 +205,21 @@ def test_loss_spike_rolls_back_logs_and_lowers_the_lr(tmp_path, cache_dir, monke
     assert events[0]["step"] == spike and events[0]["to_step"] == 24 and events[0]["lr_scale"] == 0.5
     assert events[0]["loss"] > 10  # the spiked loss, for the post-mortem
     train = [r for r in records if r["kind"] == "train"]
-    i = train.index(next(r for r in train if r.get("skipped")))
+    i = train.index(next(r for r in train if r["outcome"] != "applied"))
     bad, after = train[i], train[i + 1 :]
-    assert bad["step"] == spike and bad["skipped"] == "rollback"
+    assert bad["step"] == spike and bad["outcome"] == "rollback"
+    # the rollback skips the steps after the checkpoint (the spike's only, here) and names their documents
+    assert events[0]["skipped_steps"] == [spike] and events[0]["skipped_documents"] == bad["documents"] != []
     assert records.index(events[0]) == records.index(bad) + 1  # logged right after the step that caused it
     # training continued from step 24's weights, at half the learning rate, to the end
     assert [r["step"] for r in after] == list(range(24 + 1, steps + 1))
     assert after[0]["lr"] == 0.5 * bad["lr"]  # same schedule position (step 24 → 25), halved
-    assert not any("skipped" in r for r in after)
+    assert all(r["outcome"] == "applied" for r in after)
     # the batch that caused the spike is not fed again: the data position moved on past it
     assert after[0]["epoch"] > bad["epoch"]
     ck = load_checkpoint(tmp_path / "out" / "checkpoints" / f"step-{steps:06d}")
-    assert ck.extra_state["trainer"]["lr_scale"] == 0.5  # a later resume keeps the lowered lr
-    assert ck.extra_state["trainer"]["guard"]["rollbacks"] == 1
+    assert ck.extra_state["parts"]["counters"]["lr_scale"] == 0.5  # a later resume keeps the lowered lr
+    assert ck.extra_state["parts"]["guard"]["rollbacks"] == 1
     weights = load_file(str(tmp_path / "out" / "final" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in weights.values())
 

@@ -21,8 +21,8 @@ import signal
 import fault_driver as fd
 import pytest
 
-import densebatch.run.training as training
-from densebatch.data.loader import BatchLoader
+import densebatch.train.session as session
+from densebatch.data.loader import StepLoader
 from densebatch.train.checkpoint import list_checkpoints, verify
 
 STEPS = 16
@@ -137,12 +137,10 @@ def test_killed_once_resumes_bit_for_bit(tmp_path, cache_dir, strategy, monkeypa
     _assert_clean(out)
 
     if strategy == "random":  # dropout masks: without the RNG restore the resumed steps differ
-        monkeypatch.setattr(training, "restore_rng_state", lambda state: None)
-    elif strategy == "length_grouped":  # one batch off after the restore
-        load = BatchLoader.load_state_dict
-        monkeypatch.setattr(
-            BatchLoader, "load_state_dict", lambda self, st: load(self, dict(st, batch_index=st["batch_index"] + 1))
-        )
+        monkeypatch.setattr(session, "restore_rng_state", lambda state: None)
+    elif strategy == "length_grouped":  # one row off after the restore
+        load = StepLoader.load_state_dict
+        monkeypatch.setattr(StepLoader, "load_state_dict", lambda self, st: load(self, dict(st, row=st["row"] + 1)))
     else:
         return
     shutil.rmtree(out)

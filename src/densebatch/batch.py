@@ -99,6 +99,17 @@ class Batch:
         )
 
 
+@dataclass(frozen=True)
+class Step:
+    """One optimizer step as one rank sees it: its batches (every rank holds the same number of them;
+    an idle rank's are null batches) and where the step leaves the data."""
+
+    batches: tuple[Batch, ...]
+    epoch: float  # position after this step, in epochs: epoch index + share of the epoch consumed
+    documents: tuple[int, ...] = ()  # store indices of the step's documents, over all ranks
+    num_batches: int = 0  # micro-batches of the whole step over all ranks (null padding excluded)
+
+
 def document_ids(positions: Tensor) -> Tensor:
     """Segment index of every token, per row: increments at each ``positions == 0``. (rows, T)
 

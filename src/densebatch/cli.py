@@ -3,7 +3,7 @@
     densebatch prepare  [CONFIG] [--section.key=value ...]
     densebatch inspect  [CONFIG] [--num N] [--split train|eval]
     densebatch analyze  [CONFIG | --lengths FILE] [--json] [--dump-plan FILE --strategy S] [--plot FILE]
-    densebatch train    [CONFIG] [--resume]
+    densebatch train    [CONFIG] [--resume | --overwrite]
     densebatch eval     CONFIG --checkpoint DIR [--json]
     densebatch generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--raw]
     densebatch config   [CONFIG] [--keys]
@@ -77,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--plot", metavar="FILE", help="write a PNG histogram of lengths with each strategy's fill rate")
 
     sp = with_config("train", "Train (with no CONFIG: the embedded default task and a small GPT).")
-    sp.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    sp.add_argument("--resume", action="store_true", help="continue the saved run from its newest verified checkpoint")
+    sp.add_argument("--overwrite", action="store_true", help="delete the run already in output_dir and start over")
 
     sp = with_config("eval", "Token-weighted loss and perplexity of a checkpoint on the evaluation split.", required=True)
     sp.add_argument("--checkpoint", required=True, metavar="DIR", help="a final model dir, a checkpoint dir, or an output_dir")

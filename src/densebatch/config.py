@@ -1,7 +1,7 @@
 """Run configuration: one YAML file mapped onto nested, documented dataclasses, plus CLI overrides.
 
-Every field carries its documentation in ``metadata["help"]`` (shown by ``densebatch config``) and,
-where the value is one of a fixed set, ``metadata["choices"]``. ``load_config`` reads a YAML file,
+Every field carries its documentation in ``metadata["help"]`` (shown by ``densebatch config``); a
+field whose value is one of a fixed set is typed ``Literal[...]``, the one place its choices live. ``load_config`` reads a YAML file,
 applies ``--section.key=value`` overrides and validates everything; any mistake raises
 ``ConfigError`` naming the key and what was expected. No ``exec``, no class names in strings.
 """
@@ -14,17 +14,15 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from densebatch.errors import ConfigError
 
 
-def _f(default: Any, help: str, choices: tuple | None = None, minimum: float | None = None, **kw: Any) -> Any:
+def _f(default: Any, help: str, minimum: float | None = None, **kw: Any) -> Any:
     meta = {"help": help}
-    if choices is not None:
-        meta["choices"] = choices
     if minimum is not None:
         meta["minimum"] = minimum
     if callable(default) and not isinstance(default, (int, float, str, bool)):
@@ -44,7 +42,9 @@ class FieldsConfig:
     role: str = _f("role", "Key of a chat message's role (user / assistant / system).")
     content: str = _f("content", "Key of a chat message's text.")
     text: str = _f("text", "Field with plain text (raw template).")
-    input_ids: str = _f("input_ids", "Field with pre-tokenised ids (format: pretokenized or a record that has it).")
+    input_ids: str = _f(
+        "input_ids", "Field with pre-tokenised ids (any format): a record that has it is used as is, its ids from data.tokenizer."
+    )
     labels: str = _f("labels", "Optional field with per-token labels of pre-tokenised records (-100 = no loss).")
 
 
@@ -72,42 +72,38 @@ class DefaultDataConfig:
 @dataclass
 class DataConfig:
     path: str | None = _f(None, "Input file or directory; none = the embedded default dataset.")
-    format: str = _f(
+    format: Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"] = _f(
         "auto",
         "Input format; auto = from the file name (a directory = Hugging Face save_to_disk).",
-        choices=("auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"),
     )
     eval_path: str | None = _f(None, "Separate evaluation file; none = hold out eval_fraction of records.")
     eval_fraction: float = _f(0.05, "Share of records held out for evaluation when eval_path is unset.", minimum=0.0)
     fields: FieldsConfig = _f(FieldsConfig, "Field mapping.")
-    template: str = _f(
+    template: Literal["alpaca", "chatml", "raw", "custom"] = _f(
         "alpaca",
         "Prompt template: alpaca, chatml (chat messages), raw (plain text) or custom (prompt_format).",
-        choices=("alpaca", "chatml", "raw", "custom"),
     )
     prompt_format: str | None = _f(None, "custom template: prompt with {named} record fields; the response is fields.output.")
-    loss_on: str = _f(
-        "response", "Tokens carrying loss: all, or only the response / assistant turns.", choices=("all", "response")
-    )
-    text_split: str = _f(
+    loss_on: Literal["all", "response"] = _f("response", "Tokens carrying loss: all, or only the response / assistant turns.")
+    text_split: Literal["blank_lines", "chunks"] = _f(
         "blank_lines",
         "format text: split the file into documents on blank lines or fixed-size chunks.",
-        choices=("blank_lines", "chunks"),
     )
     chunk_tokens: int = _f(1024, "format text with text_split=chunks: tokens per chunk.", minimum=1)
     clean: CleanConfig = _f(CleanConfig, "Text cleaning.")
     tokenizer: str = _f(
-        "default",
-        "default (self-contained byte-level), a tokenizer.json file, a local Hugging Face model "
-        "directory, or a directory with GPT-2 vocab.json + merges.txt.",
+        "auto",
+        "auto (model.kind hf: the model directory's tokenizer when it has one; else default), default "
+        "(self-contained byte-level), bpe:N (learned from the training text), a tokenizer.json file, a local "
+        "Hugging Face model directory, or a directory with GPT-2 vocab.json + merges.txt.",
     )
     pad_id: int | None = _f(None, "Padding id; none = the end-of-text id.")
     max_seq_len: int = _f(1024, "Longest document in tokens (end-of-text included).", minimum=2)
-    overlong: str = _f(
-        "truncate", "Documents over max_seq_len: truncate (keeping a final target) or drop.", choices=("truncate", "drop")
+    overlong: Literal["truncate", "drop"] = _f(
+        "truncate", "Documents over max_seq_len: truncate (keeping a final target) or drop."
     )
-    on_bad_record: str = _f(
-        "error", "A malformed record stops the run (error) or is counted and skipped (skip).", choices=("error", "skip")
+    on_bad_record: Literal["error", "skip"] = _f(
+        "error", "A malformed record stops the run (error) or is counted and skipped (skip)."
     )
     cache_dir: str = _f(".densebatch-cache", "Where tokenised documents are cached (keyed by content hash).")
     default: DefaultDataConfig = _f(DefaultDataConfig, "The embedded default dataset.")
@@ -116,28 +112,27 @@ class DataConfig:
 # ----------------------------------------------------------------------------------- batching
 @dataclass
 class BatchingConfig:
-    strategy: str = _f(
+    strategy: Literal["random", "length_grouped", "token_budget", "packed"] = _f(
         "packed",
         "random: fixed rows per batch; length_grouped: HF-style mega-batches sorted by length; "
         "token_budget: rows x longest <= max_tokens_per_batch; packed: documents packed into rows of seq_len.",
-        choices=("random", "length_grouped", "token_budget", "packed"),
     )
-    mode: str = _f("causal", "causal language modelling, or mlm (masked-LM labels).", choices=("causal", "mlm"))
+    mode: Literal["causal", "mlm"] = _f("causal", "causal language modelling, or mlm (masked-LM labels).")
     rows_per_batch: int = _f(8, "Rows per batch for random and length_grouped.", minimum=1)
     max_tokens_per_batch: int = _f(8192, "Token slots (rows x T) per batch for token_budget and packed.", minimum=1)
     seq_len: int = _f(1024, "Row length of packed rows.", minimum=2)
-    long_docs: str = _f("split", "packed: documents longer than seq_len are split or truncated.", choices=("split", "truncate"))
+    long_docs: Literal["split", "truncate"] = _f("split", "packed: documents longer than seq_len are split or truncated.")
     pad_to_multiple_of: int = _f(1, "Pad the row length up to a multiple of this (8, 64, ...).", minimum=1)
     mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch (as Hugging Face).", minimum=1)
     drop_last: bool = _f(False, "random / length_grouped: drop the last incomplete batch.")
-    mlm_probability: float = _f(0.15, "mlm: share of non-special tokens selected.", minimum=0.0)
+    mlm_probability: float = _f(0.15, "mlm: share of non-special tokens selected, in (0, 1): 0 and 1 are refused.", minimum=0.0)
     prefetch: int = _f(2, "Batches collated ahead in a background thread (0 = none).", minimum=0)
 
 
 # -------------------------------------------------------------------------------------- model
 @dataclass
 class ModelConfig:
-    kind: str = _f("gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM.", choices=("gpt", "hf"))
+    kind: Literal["gpt", "hf"] = _f("gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM.")
     path: str | None = _f(None, "hf: a local directory with config.json (weights optional: random init when absent).")
     n_layer: int = _f(4, "gpt: transformer blocks.", minimum=1)
     n_head: int = _f(4, "gpt: attention heads.", minimum=1)
@@ -145,11 +140,10 @@ class ModelConfig:
     block_size: int = _f(1024, "gpt: context length (largest position + 1).", minimum=2)
     dropout: float = _f(0.0, "gpt: dropout probability.", minimum=0.0)
     vocab_size: int | None = _f(None, "gpt: vocabulary size; none = the tokenizer's.")
-    attention: str = _f(
+    attention: Literal["auto", "flex", "varlen", "segmented", "masked"] = _f(
         "auto",
         "Document-isolating attention: auto (fastest that isolates here), flex, varlen, segmented (length-bucketed "
         "causal SDPA per document, any device), masked (SDPA with a block mask).",
-        choices=("auto", "flex", "varlen", "segmented", "masked"),
     )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
 
@@ -162,7 +156,7 @@ class TrainConfig:
     max_tokens: int | None = _f(None, "Stop after this many real tokens.", minimum=1)
     lr: float = _f(3e-4, "Peak learning rate.", minimum=0.0)
     min_lr_ratio: float = _f(0.1, "Final learning rate as a share of lr (cosine / linear).", minimum=0.0)
-    schedule: str = _f("cosine", "Learning-rate schedule after warm-up.", choices=("cosine", "linear", "constant"))
+    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate schedule after warm-up.")
     warmup_steps: int = _f(0, "Linear warm-up steps.", minimum=0)
     weight_decay: float = _f(0.1, "AdamW weight decay (not on norms, biases or embeddings unless decay_all).", minimum=0.0)
     decay_all: bool = _f(False, "Apply weight decay to every parameter.")
@@ -175,18 +169,26 @@ class TrainConfig:
     grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
     loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
     grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
-    grad_clip_mode: str = _f(
-        "fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics).", choices=("fixed", "adaptive")
+    grad_clip_mode: Literal["fixed", "adaptive"] = _f(
+        "fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics)."
     )
-    precision: str = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling).", choices=("fp32", "bf16", "fp16"))
+    precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling).")
     compile: bool = _f(False, "torch.compile the model.")
-    device: str = _f("auto", "auto (cuda when present), cpu or cuda.", choices=("auto", "cpu", "cuda"))
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present), cpu or cuda.")
     log_every: int = _f(1, "Write metrics every this many steps.", minimum=1)
     progress: bool = _f(True, "Show a progress bar.")
     spike_zscore: float = _f(6.0, "Loss spike: robust z-score over the window above this rolls back (0 = off).", minimum=0.0)
     spike_window: int = _f(50, "Steps in the moving window of the spike detector.", minimum=5)
     max_bad_steps: int = _f(3, "Consecutive non-finite steps that trigger a rollback.", minimum=1)
     rollback_lr_factor: float = _f(0.5, "Multiply the learning rate by this after a rollback.", minimum=0.0)
+    distributed: Literal["auto", "ddp", "fsdp"] = _f(
+        "auto",
+        "Under torchrun: ddp (replicated model, gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, "
+        "gradients and optimizer state sharded over ranks); auto = ddp when launched by torchrun.",
+    )
+    report_to: list[Literal["tensorboard", "csv"]] = _f(
+        list, "Metric sinks besides metrics.jsonl: tensorboard (event files under output_dir/tensorboard), csv."
+    )
 
 
 @dataclass
@@ -203,9 +205,7 @@ class CheckpointConfig:
     every_steps: int = _f(0, "Save every this many steps (0 = only at the end and on SIGTERM/SIGINT).", minimum=0)
     keep_last: int = _f(3, "Keep the newest this many checkpoints.", minimum=1)
     mirror_dir: str | None = _f(None, "Second location that receives a verified copy of every checkpoint.")
-    resume: str = _f(
-        "never", "auto: continue from the newest verified checkpoint; never: start fresh.", choices=("never", "auto")
-    )
+    resume: Literal["never", "auto"] = _f("never", "auto: continue from the newest verified checkpoint; never: start fresh.")
 
 
 @dataclass
@@ -221,8 +221,23 @@ class RunConfig:
 
 
 # ------------------------------------------------------------------------------- loading logic
+def choices_of(tp: Any) -> tuple | None:
+    """The allowed values of a ``Literal[...]`` field (or ``Literal[...] | None``); None otherwise."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for a in typing.get_args(tp):
+            if typing.get_origin(a) is Literal:
+                return typing.get_args(a)
+    return None
+
+
 def _type_name(tp: Any) -> str:
     args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if typing.get_origin(tp) is list:
+        return f"a list (each {_type_name(args[0])})"
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
@@ -233,6 +248,16 @@ def _type_name(tp: Any) -> str:
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
     origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}: expected one of {', '.join(map(str, typing.get_args(tp)))}; got {value!r}")
+    if origin is list:
+        if isinstance(value, str):  # from the command line: --train.report_to=tensorboard,csv (or [a, b])
+            value = [v.strip() for v in value.strip().strip("[]").split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value)]
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
         if value is None and type(None) in args:
@@ -290,9 +315,6 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             kwargs[name] = _build(tp, data[name], key)
             continue
         value = _coerce(key, data[name], tp)
-        choices = f.metadata.get("choices")
-        if choices is not None and value not in choices:
-            raise ConfigError(f"{key}: expected one of {', '.join(map(str, choices))}; got {value!r}")
         minimum = f.metadata.get("minimum")
         if minimum is not None and value is not None and value < minimum:
             raise ConfigError(f"{key}: expected a value >= {minimum}; got {value!r}")
@@ -397,7 +419,7 @@ def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, st
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         help_ = f.metadata.get("help", "")
-        if "choices" in f.metadata:
-            help_ += f" [{' | '.join(map(str, f.metadata['choices']))}]"
+        if (choices := choices_of(tp)) is not None:
+            help_ += f" [{' | '.join(map(str, choices))}]"
         rows.append((key, json.dumps(default), help_))
     return rows

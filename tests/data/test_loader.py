@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from densebatch.data.collate import CausalCollator
-from densebatch.data.loader import BatchLoader
+from densebatch.data.loader import StepLoader
 from densebatch.data.plan import PlanSettings
+from densebatch.data.steps import StepSettings
 from densebatch.errors import DataError
 
 
@@ -25,41 +26,46 @@ class MemStore:
         self.meta = {"eos_id": 0, "pad_id": 0, "vocab_size": 100, "mask_id": None, "special_ids": [0]}
 
 
-def _loader(prefetch, strategy="packed", seed=3, store=None):
+def _loader(prefetch, strategy="packed", seed=3, store=None, **steps):
     s = PlanSettings(strategy=strategy, seq_len=64, max_tokens_per_batch=128, rows_per_batch=4)
-    return BatchLoader(store or MemStore(), s, CausalCollator(pad_id=0), seed=seed, prefetch=prefetch)
+    return StepLoader(store or MemStore(), s, CausalCollator(pad_id=0), seed=seed, steps=StepSettings(**steps), prefetch=prefetch)
 
 
 def _same(a, b):
     return all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("input_ids", "labels", "positions"))
 
 
+def _same_step(a, b):
+    return len(a.batches) == len(b.batches) and all(_same(x, y) for x, y in zip(a.batches, b.batches))
+
+
 @pytest.mark.parametrize("prefetch", [0, 2])
 @pytest.mark.parametrize("strategy", ["packed", "token_budget", "random"])
-def test_resume_gives_exactly_the_next_batch(prefetch, strategy):
-    ref = _loader(prefetch, strategy)
-    n = ref.batches_per_epoch
+def test_resume_gives_exactly_the_next_step(prefetch, strategy):
+    ref = _loader(prefetch, strategy, grad_accum_batches=2)
+    n = ref.steps_per_epoch()
     stream = list(itertools.islice(iter(ref), 2 * n + 3))
+    assert stream[n - 1].epoch == 1.0 and 1.0 < stream[n].epoch < 2.0  # steps end at the epoch's end
     for cut in (1, n - 1, n, n + 2):  # includes the epoch boundary
-        a = _loader(prefetch, strategy)
+        a = _loader(prefetch, strategy, grad_accum_batches=2)
         it = iter(a)
         for _ in range(cut):
             next(it)
         state = a.state_dict()
         it.close()
-        b = _loader(prefetch, strategy)
+        b = _loader(prefetch, strategy, grad_accum_batches=2)
         b.load_state_dict(state)
         got = list(itertools.islice(iter(b), 3))
-        assert all(_same(x, y) for x, y in zip(got, stream[cut : cut + 3])), f"cut {cut}"
-    assert ref.state_dict()["epoch"] == 2
+        assert all(_same_step(x, y) for x, y in zip(got, stream[cut : cut + 3])), f"cut {cut}"
+    assert ref.state_dict()["epoch"] == 2 and ref.state_dict()["steps"] == 2 * n + 3
 
 
 def test_epochs_differ_and_iter_epoch_is_deterministic_and_stateless():
     a = _loader(2)
     e0 = list(a.iter_epoch(0))
-    assert a.state_dict() == {"seed": 3, "epoch": 0, "batch_index": 0}
+    assert a.state_dict() == {"seed": 3, "epoch": 0, "row": 0, "steps": 0}
     assert all(_same(x, y) for x, y in zip(e0, a.iter_epoch(0)))
-    assert len(e0) == a.batches_per_epoch == len(a)
+    assert len(e0) == a.batches_per_epoch
     e1 = list(a.iter_epoch(1))
     assert not all(_same(x, y) for x, y in zip(e0, e1))
     assert sum(b.num_real_tokens for b in e0) == int(a.store.lengths.sum())
@@ -69,10 +75,11 @@ def test_load_state_dict_restarts_a_running_iterator():
     a = _loader(2)
     it = iter(a)
     first = next(it)
-    a.load_state_dict({"seed": 3, "epoch": 0, "batch_index": 0})
-    assert _same(next(iter(a)), first)
+    a.load_state_dict({"seed": 3, "epoch": 0, "row": 0, "steps": 0})
+    assert next(it, None) is None  # the stale iterator stops
+    assert _same_step(next(iter(a)), first)
     with pytest.raises(ValueError, match="seed"):
-        a.load_state_dict({"seed": 4, "epoch": 0, "batch_index": 0})
+        a.load_state_dict({"seed": 4, "epoch": 0, "row": 0, "steps": 0})
 
 
 @pytest.mark.parametrize("prefetch", [0, 2])
@@ -84,9 +91,25 @@ def test_a_batch_that_fails_names_its_documents(prefetch):
         list(a.iter_epoch(0))
 
 
-def test_ranks_take_the_same_number_of_batches():
-    s = PlanSettings(strategy="token_budget", max_tokens_per_batch=128)
+@pytest.mark.parametrize("strategy", ["token_budget", "random"])
+def test_ranks_take_the_same_steps_and_together_see_every_token_once(strategy):
     store = MemStore()
-    ls = [BatchLoader(store, s, CausalCollator(pad_id=0), seed=1, rank=r, world_size=3, prefetch=0) for r in range(3)]
-    assert len({ld.batches_per_epoch for ld in ls}) == 1
-    assert sum(b.num_real_tokens for ld in ls for b in ld.iter_epoch(0)) == int(store.lengths.sum())
+    loaders = [_loader(0, strategy, store=store, world_size=3, rank=r, grad_accum_batches=2) for r in range(3)]
+    loaders[0].max_epochs = loaders[1].max_epochs = loaders[2].max_epochs = 1.0
+    steps = [list(ld) for ld in loaders]
+    assert len({len(s) for s in steps}) == 1
+    for parts in zip(*steps):
+        assert len({len(p.batches) for p in parts}) == 1  # idle shares are null batches
+        assert len({p.documents for p in parts}) == 1 and len({p.epoch for p in parts}) == 1
+    assert sum(b.num_real_tokens for s in steps for step in s for b in step.batches) == int(store.lengths.sum())
+    one = _loader(0, strategy, store=store, grad_accum_batches=6)
+    one.max_epochs = 1.0
+    assert [s.documents for s in one] == [p.documents for p in steps[0]]  # 3 ranks x 2 = 1 rank x 6
+
+
+def test_max_epochs_ends_the_iteration_inside_an_epoch():
+    a = _loader(0, "random")
+    a.max_epochs = 1.5
+    steps = list(a)
+    n = a.batches_per_epoch
+    assert len(steps) == n + -(-n // 2) and 1.5 <= steps[-1].epoch < 1.5 + 1 / n  # ceil: never short of the limit

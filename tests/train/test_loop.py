@@ -10,7 +10,9 @@ import torch
 
 from densebatch.config import EvalConfig, TrainConfig
 from densebatch.errors import ConfigError
-from densebatch.train.loop import Trainer
+from densebatch.train.distributed import Distributed
+from densebatch.train.guard import Verdict
+from densebatch.train.loop import StepOutcome, Trainer
 from densebatch.train.monitor import read_metrics
 
 
@@ -60,7 +62,7 @@ def test_loss_tokens_per_step_groups_batches(tiny, tmp_path):
     sizes = [5, 3, 10, 2, 2, 7]
     batches = [tiny.batch_with_loss_tokens(n, seed=i) for i, n in enumerate(sizes)]
     t = _trainer(tiny, tmp_path, batches, _cfg(loss_tokens_per_step=8, max_steps=3))
-    assert [[b.num_loss_tokens for b in t.next_step_batches()] for _ in range(3)] == [[5, 3], [10], [2, 2, 7]]
+    assert [[b.num_loss_tokens for b in t.next_step().batches] for _ in range(3)] == [[5, 3], [10], [2, 2, 7]]
 
     t = _trainer(tiny, tmp_path, batches, _cfg(loss_tokens_per_step=8, max_steps=3))
     t.run()
@@ -95,36 +97,70 @@ def test_non_finite_loss_skips_the_step(tiny, tmp_path):
     before = {}
     seen = []
 
-    def on_step(trainer, step):
-        seen.append(step)
+    def after_step(result):
+        step = t.state.step
+        seen.append((step, result.outcome))
         if step == 1:
-            before.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+            before.update({k: v.clone() for k, v in t.model.state_dict().items()})
         if step == 2:
-            after = trainer.model.state_dict()
+            after = t.model.state_dict()
             assert all(torch.equal(before[k], after[k]) for k in before)
 
-    t.on_step = on_step
+    t.after_step = after_step
     result = t.run()
-    assert seen == [1, 2, 3]
+    assert seen == [(1, StepOutcome.APPLIED), (2, StepOutcome.SKIPPED), (3, StepOutcome.APPLIED)]
     assert t.state.skipped_steps == 1 and result.summary["skipped_steps"] == 1
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
-    assert recs[1]["loss"] is None and recs[1]["skipped"] == "skip"
+    assert recs[1]["loss"] is None and recs[1]["outcome"] == "skipped"
+    assert recs[1]["documents"] == [] and "documents" not in recs[0]  # hand-made batches name no documents
     assert all(torch.isfinite(p).all() for p in t.model.parameters())
     json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[1])  # strict JSON (no NaN)
 
 
-def test_custom_step_check_receives_loss_and_norm(tiny, tmp_path):
-    calls = []
+class ScriptedGuard:
+    """A guard that records what it is asked and answers from a script."""
 
-    def check(loss, grad_norm):
-        calls.append((loss, grad_norm))
-        return "rollback" if len(calls) == 2 else "ok"
+    def __init__(self, verdicts):
+        self.verdicts, self.calls = list(verdicts), []
 
-    t = _trainer(tiny, tmp_path, [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(3)], _cfg(max_steps=3), step_check=check)
+    def check(self, loss, grad_norm):
+        self.calls.append((loss, grad_norm))
+        return self.verdicts[len(self.calls) - 1]
+
+    def state_dict(self):
+        return {"calls": len(self.calls)}
+
+    def load_state_dict(self, d):
+        pass
+
+
+def test_the_guard_receives_loss_and_norm_and_its_verdict_is_the_outcome(tiny, tmp_path):
+    guard = ScriptedGuard([Verdict.OK, Verdict.ROLLBACK, Verdict.OK])
+    t = _trainer(tiny, tmp_path, [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(3)], _cfg(max_steps=3), guard=guard)
     t.run()
-    assert len(calls) == 3 and all(math.isfinite(loss) and g > 0 for loss, g in calls)
+    assert len(guard.calls) == 3 and all(math.isfinite(loss) and g > 0 for loss, g in guard.calls)
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
-    assert recs[1]["skipped"] == "rollback" and "skipped" not in recs[0]
+    assert [r["outcome"] for r in recs] == ["applied", "rollback", "applied"]
+    assert t.state.skipped_steps == 1
+
+
+def test_a_step_without_loss_tokens_is_empty_not_an_anomaly(tiny, tmp_path):
+    """0/0 is no reason to skip, roll back or lower the learning rate: the step is empty."""
+    docs = tiny.make_docs(3, seed=4)
+    empty = tiny.collate(docs)
+    empty = type(empty)(empty.input_ids, torch.full_like(empty.labels, -100), empty.positions, 0, empty.num_real_tokens)
+    batches = [tiny.collate(tiny.make_docs(3, seed=5)), empty, empty, empty, tiny.collate(docs)]
+    guard = ScriptedGuard([Verdict.OK] * 5)
+    t = _trainer(tiny, tmp_path, batches, _cfg(max_steps=5), guard=guard)
+    weights = {}
+    t.after_step = lambda r: weights.setdefault(t.state.step, [p.detach().clone() for p in t.model.parameters()])
+    t.run()
+    recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["outcome"] for r in recs] == ["applied", "empty", "empty", "empty", "applied"]
+    assert len(guard.calls) == 2  # never asked about an empty step
+    assert all(torch.equal(a, b) for a, b in zip(weights[1], weights[4]))  # no update
+    assert (t.state.skipped_steps, t.state.empty_steps, t.state.lr_scale) == (0, 3, 1.0)
+    assert recs[1]["loss_tokens"] == 0 and recs[1]["loss"] is None
 
 
 # ------------------------------------------------------------------------------ stopping
@@ -157,11 +193,13 @@ def test_stops_at_max_tokens(tiny, tmp_path):
 def test_should_stop_finishes_the_step_and_skips_final_eval(tiny, tmp_path):
     batches = [tiny.collate(tiny.make_docs(2, seed=s)) for s in range(6)]
 
-    def on_step(trainer, step):
-        if step == 2:
-            trainer.should_stop = True  # what a SIGTERM handler does
+    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=5), eval_data=batches[:2])
 
-    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=5), on_step=on_step, eval_batches=batches[:2])
+    def after_step(result):
+        if t.state.step == 2:
+            t.should_stop = True  # what a SIGTERM handler does
+
+    t.after_step = after_step
     result = t.run()
     assert (result.stop_reason, result.summary["steps"]) == ("interrupted", 2)
     assert not [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "eval"]
@@ -176,7 +214,7 @@ def test_metrics_records_and_eval(tiny, tmp_path):
         tiny.ListLoader(batches),
         _cfg(max_steps=4),
         EvalConfig(every_steps=2),
-        eval_batches=lambda: iter(batches[:2]),
+        eval_data=lambda: iter(batches[:2]),
         evaluate_fn=lambda model: {"accuracy": 0.75},
     )
     result = t.run()
@@ -228,7 +266,7 @@ def test_early_stopping_with_patience(tiny, tmp_path):
 
 def test_bf16_autocast_runs_on_cpu_and_fp16_is_refused(tiny, tmp_path):
     batches = [tiny.collate(tiny.make_docs(3, seed=s)) for s in range(2)]
-    result = _trainer(tiny, tmp_path, batches, _cfg(precision="bf16", max_steps=2), eval_batches=batches).run()
+    result = _trainer(tiny, tmp_path, batches, _cfg(precision="bf16", max_steps=2), eval_data=batches).run()
     assert math.isfinite(result.summary["final_loss"]) and math.isfinite(result.summary["final_eval"]["loss"])
     with pytest.raises(ConfigError, match="fp16"):
         _trainer(tiny, tmp_path, batches, _cfg(precision="fp16"))
@@ -251,16 +289,19 @@ def test_state_round_trip_resumes_exactly(tiny, tmp_path):
     _trainer(tiny, tmp_path / "full", tiny.ListLoader(batches), cfg).run()
 
     saved = {}
+    first = _trainer(tiny, tmp_path / "resumed", tiny.ListLoader(batches), cfg)
 
-    def checkpoint_and_stop(trainer, step):
-        if step == 3:
-            saved.update(trainer.state_dict())
-            trainer.should_stop = True
+    def checkpoint_and_stop(result):
+        if first.state.step == 3:
+            saved.update(first.state_dict())
+            first.should_stop = True
 
-    first = _trainer(tiny, tmp_path / "resumed", tiny.ListLoader(batches), cfg, on_step=checkpoint_and_stop)
+    first.after_step = checkpoint_and_stop
     first.run()
     state = json.loads(json.dumps(saved["trainer"]))  # the trainer part is JSON-able
-    assert state["step"] == 3 and state["loader"] == {"position": 3} and state["total_steps"] == 6
+    assert set(state) == {"counters", "scaler", "data", "guard", "clipper"}
+    assert state["counters"]["step"] == 3 and state["counters"]["total_steps"] == 6
+    assert state["data"] == {"seen": 3, "inner": {"position": 3}}
 
     second = _trainer(tiny, tmp_path / "resumed", tiny.ListLoader(batches), cfg)
     second.load_state_dict({"model": saved["model"], "optimizer": saved["optimizer"], "trainer": state})
@@ -290,12 +331,56 @@ def test_stateful_hooks_are_saved_and_restored(tiny, tmp_path):
 
     batches = [tiny.collate(tiny.make_docs(2, seed=s)) for s in range(3)]
     guard, clipper = Guard(), Clipper()
-    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=2), step_check=guard.check, clipper=clipper)
+    t = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=2), guard=guard, clipper=clipper)
     t.run()
     state = t.trainer_state()
-    assert state["guard"] == {"seen": 2} and state["clipper"] == {"seen": 2} and state["loader"] == {"position": 2}
-    assert all(r["grad_norm"] > 0 for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train")
+    assert state["guard"] == {"seen": 2} and state["clipper"] == {"seen": 2} and state["data"]["inner"] == {"position": 2}
+    recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
+    assert all(r["grad_norm"] > 0 and r["clip_limit"] == 0.5 for r in recs)
     g2, c2 = Guard(), Clipper()
-    t2 = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=2), step_check=g2.check, clipper=c2)
+    t2 = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=2), guard=g2, clipper=c2)
     t2.load_trainer_state(state)
-    assert (g2.seen, c2.seen, t2.batches.position, t2.state.step) == (2, 2, 2, 2)
+    assert (g2.seen, c2.seen, t2.data.batches.position, t2.state.step) == (2, 2, 2, 2)
+    with pytest.raises(KeyError, match="clipper"):
+        t2.load_trainer_state({k: v for k, v in state.items() if k != "clipper"})
+
+
+# ------------------------------------------------------------------ several ranks, faked
+class _FakeRanks(Distributed):
+    """Rank ``rank`` of a two-rank world whose other rank contributed ``other`` to every all-reduce
+    (recorded from that rank's own pass): the loop's normaliser, not torch.distributed, is under test."""
+
+    def __init__(self, other: list):
+        super().__init__(rank=0, world_size=2)
+        self.other, self.seen = list(other), []
+
+    def all_reduce(self, t, op="sum"):
+        self.seen.append(t.detach().clone())
+        return t + self.other.pop(0).to(t.device) if self.other else t
+
+    def agree(self, flag):
+        return flag
+
+
+def test_two_ranks_normalise_by_the_tokens_of_both(tiny, tmp_path):
+    """Rank gradients averaged (as DDP does) equal the one-process gradient of all the step's batches,
+    and both ranks log the one-process loss: sum of per-token losses of both / loss tokens of both."""
+    docs = tiny.make_docs(10, seed=2, min_len=2, max_len=30)
+    a, b = [tiny.collate(docs[:2]), tiny.collate(docs[2:3])], [tiny.collate(docs[3:])]  # very unequal shares
+    recorders = []
+    for mine in (a, b):  # each rank's own contributions to the all-reduces
+        rec = _FakeRanks([])
+        _trainer(tiny, tmp_path / f"r{len(recorders)}", mine, dist=rec).forward_backward(mine)
+        recorders.append(rec.seen)
+    grads, stats = [], []
+    for mine, other in ((a, recorders[1]), (b, recorders[0])):
+        t = _trainer(tiny, tmp_path / "x", mine, dist=_FakeRanks(other))
+        stats.append(t.forward_backward(mine))
+        grads.append(_flat_grad(t.model))
+    one = _trainer(tiny, tmp_path / "one", a + b)
+    s1 = one.forward_backward(a + b)
+    g1 = _flat_grad(one.model)
+    mean = (grads[0] + grads[1]) / 2  # DDP's average over ranks
+    assert ((mean - g1).abs().max() / g1.abs().max()).item() <= 1e-6
+    assert stats[0]["loss"] == pytest.approx(s1["loss"], rel=1e-12) and stats[1]["loss"] == pytest.approx(s1["loss"], rel=1e-12)
+    assert stats[0]["loss_tokens"] == stats[1]["loss_tokens"] == s1["loss_tokens"]

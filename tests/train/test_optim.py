@@ -91,9 +91,11 @@ def test_schedule_is_pure_and_unknown_horizon_is_constant():
 
 
 def test_estimate_total_steps():
-    assert estimate_total_steps(TrainConfig(max_steps=7), 100, 1, 10) == 7
-    assert estimate_total_steps(TrainConfig(max_epochs=2.0), 10, 3, 10) == 7  # ceil(20 / 3)
-    assert estimate_total_steps(TrainConfig(), 10, 2, 10) == 5  # no limit: one epoch
-    assert estimate_total_steps(TrainConfig(max_tokens=95, max_steps=50), None, 1, 10) == 10
-    assert estimate_total_steps(TrainConfig(max_epochs=1.0), None, 1, 10) is None
+    # (cfg, steps per epoch from the step planner, real tokens of the first step)
+    assert estimate_total_steps(TrainConfig(max_steps=7), 100, 10) == 7
+    assert estimate_total_steps(TrainConfig(max_epochs=2.5), 4, 10) == 10  # 2.5 epochs of 4 steps
+    assert estimate_total_steps(TrainConfig(max_epochs=0.3), 10, 10) == 3
+    assert estimate_total_steps(TrainConfig(), 5, 10) == 5  # no limit: one epoch
+    assert estimate_total_steps(TrainConfig(max_tokens=95, max_steps=50), None, 10) == 10  # ceil(95 / 10)
+    assert estimate_total_steps(TrainConfig(max_epochs=1.0), None, 10) is None
     assert math.isclose(lr_at(3, TrainConfig(lr=1.0), None), 1.0)

@@ -1,122 +1,200 @@
-"""Loading: stream planned, collated batches from a document store, epoch after epoch, resumably.
+"""Loading: stream this rank's share of every optimizer step, epoch after epoch, resumably.
 
-``BatchLoader`` plans each epoch with ``plan_epoch`` (a pure function of lengths, settings, seed,
-epoch, rank), collates batch by batch in a background thread (``prefetch`` batches ahead) and
-pins memory when a GPU is present. Its state is ``(seed, epoch, batch_index)`` of the *next* batch
-to hand out, counted when a batch is yielded, not when it is prefetched; so after
-``load_state_dict`` the next batch is exactly the one that would have come next.
+``StepLoader`` plans each epoch once for all ranks (``plan_epoch``, a pure function of lengths,
+settings, seed and epoch), cuts it into steps and shares each step out (``data/steps.py``), collates
+this rank's batches in a background thread (``prefetch`` steps ahead) and pins memory when a GPU is
+present. Every rank computes the same boundaries from the same plan, so all ranks take the same
+steps; a rank with nothing to do in a step gets null batches (``Batch.null``) and still joins every
+collective of the step.
+
+State: ``{"seed", "epoch", "row", "steps"}``: the epoch and the plan row where the next step begins,
+and how many steps were handed out. It does not depend on the number of ranks: a checkpoint written
+by N processes resumes on M with the same documents per step as long as
+``world_size × grad_accum_batches`` stays the same. After ``load_state_dict`` the next step is
+exactly the one that would have come next. ``fraction`` (a batch-size ramp or back-off) is a
+function of the step count; changing it invalidates prefetched steps.
 """
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from densebatch.batch import Batch
+from densebatch.batch import Batch, Step
 from densebatch.data.plan import Plan, PlanSettings, plan_epoch
+from densebatch.data.steps import StepSettings, cumulative_row_loss_tokens, rows_of, share, step_documents, step_stop
 from densebatch.errors import DataError
 
 _DONE = object()
 
 
-class BatchLoader:
+class StepLoader:
     def __init__(
         self,
         store,
         settings: PlanSettings,
         collator,
         seed: int,
-        rank: int = 0,
-        world_size: int = 1,
+        steps: StepSettings | None = None,
         prefetch: int = 2,
         pin_memory: bool | None = None,
+        max_epochs: float | None = None,
     ):
         if prefetch < 0:
-            raise ValueError(f"prefetch: expected 0 or more batches; got {prefetch}")
+            raise ValueError(f"prefetch: expected 0 or more steps; got {prefetch}")
         self.store, self.settings, self.collator = store, settings, collator
-        self.seed, self.rank, self.world_size, self.prefetch = int(seed), rank, world_size, prefetch
+        self.step_settings = steps or StepSettings()
+        self.seed, self.prefetch = int(seed), prefetch
+        self.rank, self.world_size = self.step_settings.rank, self.step_settings.world_size
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.lengths = np.asarray(store.lengths, dtype=np.int64)
-        self.epoch, self.batch_index = 0, 0
+        self.pad_id = int(getattr(collator, "pad_id", 0))
+        self.max_epochs = max_epochs
+        self.fraction: Callable[[int], float] = lambda step: 1.0  # noqa: E731 - the ramp's hook
+        self.epoch, self.row, self.steps_done = 0, 0, 0
         self._plans: dict[int, Plan] = {}
+        self._cum: dict[int, np.ndarray] = {}
+        self._cum_mask: np.ndarray | None = None
         self._lock = threading.Lock()  # the prefetch thread plans too
+        self._generation = 0
 
     # ------------------------------------------------------------------------- plans and state
     def plan(self, epoch: int) -> Plan:
-        """This rank's plan of ``epoch`` (cached for the current and next epoch only)."""
+        """The global plan of ``epoch`` (all ranks), cached for the current and next epoch only."""
         with self._lock:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
-                self._plans[epoch] = plan_epoch(self.lengths, self.settings, self.seed, epoch, self.rank, self.world_size)
+                self._cum = {e: c for e, c in self._cum.items() if e in self._plans}
+                self._plans[epoch] = plan_epoch(self.lengths, self.settings, self.seed, epoch)
             return self._plans[epoch]
+
+    def _cum_tokens(self, epoch: int) -> np.ndarray | None:
+        """Loss tokens per row, as prefix sums (only for ``loss_tokens_per_step``)."""
+        if self.step_settings.loss_tokens_per_step is None:
+            return None
+        plan = self.plan(epoch)
+        with self._lock:
+            if epoch not in self._cum:
+                if self._cum_mask is None:
+                    mask = np.asarray(self.store.loss_mask, dtype=np.int64)
+                    if getattr(self.collator, "mlm_probability", None) is not None:  # drawn at collate time
+                        mask = np.full(len(mask), self.collator.mlm_probability)
+                    self._cum_mask = np.concatenate([[0], np.cumsum(mask)])
+                self._cum[epoch] = cumulative_row_loss_tokens(plan, np.asarray(self.store.offsets), self._cum_mask)
+            return self._cum[epoch]
+
+    def _epoch_stop_row(self, epoch: int) -> int | None:
+        """Where a fractional ``max_epochs`` cuts ``epoch`` (None: it runs to its end)."""
+        if self.max_epochs is None or epoch < math.floor(self.max_epochs):
+            return None
+        plan = self.plan(epoch)
+        share_ = self.max_epochs - epoch  # in [0, 1)
+        return int(plan.batch_ptr[math.ceil(share_ * plan.num_batches - 1e-9)])
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "row": self.row, "steps": self.steps_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state``; an iterator already running is stale and stops at its next step."""
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"loader state has seed {state['seed']}, this loader {self.seed}: plans would differ")
+        self.epoch, self.row, self.steps_done = int(state["epoch"]), int(state["row"]), int(state["steps"])
+        self.invalidate()
+
+    def invalidate(self) -> None:
+        """Drop prefetched steps (after a restore, or when ``fraction`` changes)."""
+        self._generation += 1
 
     @property
     def batches_per_epoch(self) -> int:
-        """Batches per epoch on this rank (every epoch has the same count: plans differ only in order)."""
+        """Planned batches per epoch over all ranks (the same in every epoch: plans differ in order)."""
         return self.plan(self.epoch).num_batches
 
-    def __len__(self) -> int:
-        return self.batches_per_epoch
-
-    def state_dict(self) -> dict:
-        return {"seed": self.seed, "epoch": self.epoch, "batch_index": self.batch_index}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state``; an iterator already running is stale and stops at its next batch."""
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"loader state has seed {state['seed']}, this loader {self.seed}: plans would differ")
-        self.epoch, self.batch_index = int(state["epoch"]), int(state["batch_index"])
-        self._generation = getattr(self, "_generation", 0) + 1
+    def steps_per_epoch(self, fraction: float = 1.0) -> int:
+        """Steps of one epoch at a constant ``fraction`` (the schedule's horizon is counted in these)."""
+        plan, cum, row, n = self.plan(self.epoch), self._cum_tokens(self.epoch), 0, 0
+        while row < plan.num_rows:
+            row, n = step_stop(plan, row, self.step_settings, fraction, cum), n + 1
+        return n
 
     # ---------------------------------------------------------------------------- iteration
-    def build(self, epoch: int, index: int) -> Batch:
-        """Collate batch ``index`` of ``epoch``; a failure names the batch and its documents."""
+    def _positions(self) -> Iterator[tuple[int, int, int, int]]:
+        """(epoch, start row, stop row, step count) of every step from the current state on."""
+        epoch, row, count = self.epoch, self.row, self.steps_done
+        while True:
+            plan, stop_at = self.plan(epoch), self._epoch_stop_row(epoch)
+            end = plan.num_rows if stop_at is None else stop_at
+            if row >= end:
+                if stop_at is not None or (self.max_epochs is not None and epoch + 1 >= self.max_epochs):
+                    return  # max_epochs reached
+                epoch, row = epoch + 1, 0
+                continue
+            stop = step_stop(plan, row, self.step_settings, self.fraction(count), self._cum_tokens(epoch), stop_at)
+            yield epoch, row, stop, count
+            row, count = stop, count + 1
+
+    def build(self, epoch: int, start: int, stop: int) -> Step:
+        """Collate this rank's share of the step ``[start, stop)`` of ``epoch``."""
         plan = self.plan(epoch)
-        rows = plan.batch(index)
+        mine = share(plan, start, stop, self.rank, self.world_size)
+        everyone = [share(plan, start, stop, r, self.world_size) for r in range(self.world_size)]
+        width = max(len(x) for x in everyone)
+        batches = [self._collate(plan, epoch, rows) for rows in mine]
+        batches += [Batch.null(self.pad_id)] * (width - len(batches))
+        return Step(
+            tuple(batches),
+            epoch=epoch + stop / plan.num_rows,
+            documents=tuple(step_documents(plan, start, stop).tolist()),
+            num_batches=sum(len(x) for x in everyone),
+        )
+
+    def _collate(self, plan: Plan, epoch: int, rows: np.ndarray) -> Batch:
+        pieces = rows_of(plan, rows)
         try:
-            batch = self.collator(self.store, rows, step=(epoch, index))
+            batch = self.collator(self.store, pieces, step=(epoch, int(rows[0])))
         except Exception as e:
+            docs = sorted({d for row in pieces for d, _, _ in row})
             raise DataError(
-                f"batch {index} of epoch {epoch} (documents {plan.batch_docs(index)}) could not be "
+                f"rows {int(rows[0])}-{int(rows[-1])} of epoch {epoch} (documents {docs}) could not be "
                 f"collated: {type(e).__name__}: {e}"
             ) from e
         return batch.pin_memory() if self.pin_memory else batch
 
-    def __iter__(self) -> Iterator[Batch]:
-        """Batches from the current state onward, forever; the state advances as each is yielded."""
-        generation = getattr(self, "_generation", 0)
+    def __iter__(self) -> Iterator[Step]:
+        """Steps from the current state onward (until ``max_epochs``); the state advances as each is yielded."""
+        generation = self._generation
+        for (epoch, _start, stop, count), step in self._prefetched(self._positions(), self.build):
+            if self._generation != generation:
+                return  # load_state_dict / invalidate was called: this iterator is stale
+            self.epoch, self.row, self.steps_done = epoch, stop, count + 1
+            yield step
 
-        def keys():
-            epoch, index = self.epoch, self.batch_index
-            while True:
-                if index >= self.plan(epoch).num_batches:
-                    epoch, index = epoch + 1, 0
-                    continue
-                yield epoch, index
-                index += 1
+    def iter_epoch(self, epoch: int = 0) -> Iterator[Batch]:
+        """One deterministic pass over this rank's share of ``epoch`` (evaluation), null-padded so
+        every rank yields as many batches; leaves the loader's state alone."""
+        plan = self.plan(epoch)
+        ptr = plan.batch_ptr
+        n = -(-plan.num_batches // self.world_size)  # batches per rank
+        keys = [(epoch, b) for b in range(self.rank, n * self.world_size, self.world_size)]
 
-        for (epoch, index), batch in self._prefetched(keys()):
-            if getattr(self, "_generation", 0) != generation:
-                return  # load_state_dict was called: this iterator is stale
-            self.epoch, self.batch_index = epoch, index + 1
-            if self.batch_index >= self.plan(epoch).num_batches:
-                self.epoch, self.batch_index = epoch + 1, 0
+        def build(epoch: int, b: int) -> Batch:
+            if b >= plan.num_batches:
+                return Batch.null(self.pad_id)
+            return self._collate(plan, epoch, np.arange(ptr[b], ptr[b + 1], dtype=np.int64))
+
+        for _, batch in self._prefetched(iter(keys), build):
             yield batch
 
-    def iter_epoch(self, epoch: int) -> Iterator[Batch]:
-        """One deterministic pass over ``epoch`` (evaluation); leaves the loader's state alone."""
-        n = self.plan(epoch).num_batches
-        for _, batch in self._prefetched((epoch, i) for i in range(n)):
-            yield batch
-
-    def _prefetched(self, keys) -> Iterator[tuple[tuple[int, int], Batch]]:
+    def _prefetched(self, keys, build) -> Iterator[tuple]:
         if self.prefetch == 0:
             for key in keys:
-                yield key, self.build(*key)
+                yield key, build(*key[:3])
             return
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
@@ -124,7 +202,7 @@ class BatchLoader:
         def work():
             try:
                 for key in keys:
-                    item = (key, self.build(*key))
+                    item = (key, build(*key[:3]))
                     while not stop.is_set():
                         try:
                             q.put(item, timeout=0.1)
@@ -155,3 +233,35 @@ class BatchLoader:
                 except queue.Empty:
                     pass
                 thread.join(timeout=0.05)
+
+
+def with_settings(loader: StepLoader, **changes) -> StepLoader:
+    """A loader over the same store and collator with other ``StepSettings`` (e.g. after a resize)."""
+    return StepLoader(
+        loader.store,
+        loader.settings,
+        loader.collator,
+        loader.seed,
+        replace(loader.step_settings, **changes),
+        loader.prefetch,
+        loader.pin_memory,
+        loader.max_epochs,
+    )
+
+
+BatchLoader = StepLoader  # the name before steps were planned globally (benchmarks still use it)
+
+
+def full_context_settings(settings: PlanSettings, longest: int) -> PlanSettings:
+    """Plan settings for evaluation: rows long enough that no document is ever split or truncated.
+
+    Evaluation must score every token with its whole document as context, whatever the training
+    rows are; otherwise the eval loss depends on the batching strategy (a packed row of 96 tokens
+    cuts a 300-token answer from its question). So a packed row is at least the longest document,
+    and a token budget holds at least one longest document; every strategy then gives each token
+    exactly the context it has alone, and the same loss (up to float summation order).
+    """
+    m = settings.pad_to_multiple_of
+    row = -(-max(settings.seq_len, int(longest)) // m) * m
+    budget = max(settings.max_tokens_per_batch, row if settings.strategy == "packed" else -(-int(longest) // m) * m)
+    return replace(settings, seq_len=row if settings.strategy == "packed" else settings.seq_len, max_tokens_per_batch=budget)

@@ -28,17 +28,17 @@ def dispatch(args, overrides: list[str]) -> int:
             from densebatch.errors import UserError
 
             raise UserError("generate takes no --section.key overrides: it uses the checkpoint's configuration")
-        return commands.generate(args)
-    cfg = resolve_config(args.config, overrides)
+        return commands.generate_command(args)
     if cmd == "train":
         from densebatch.run.training import train
 
-        return train(cfg, resume=args.resume)
+        return train(args.config, overrides, resume=args.resume, overwrite=args.overwrite)
+    cfg = resolve_config(args.config, overrides)
     handlers = {
-        "prepare": commands.prepare,
-        "inspect": commands.inspect,
-        "analyze": commands.analyze,
-        "eval": commands.evaluate,
-        "config": commands.show_config,
+        "prepare": commands.prepare_command,
+        "inspect": commands.inspect_command,
+        "analyze": commands.analyze_command,
+        "eval": commands.eval_command,
+        "config": commands.config_command,
     }
     return handlers[cmd](cfg, args)

@@ -12,7 +12,7 @@ import yaml
 
 from densebatch.config import RunConfig, config_from_dict, describe, load_config, to_dict
 from densebatch.data.collate import collator_from_config
-from densebatch.data.loader import BatchLoader
+from densebatch.data.loader import StepLoader, full_context_settings
 from densebatch.data.plan import PlanSettings
 from densebatch.data.prepare import prepare as prepare_data
 from densebatch.data.templates import prompt_text
@@ -20,22 +20,20 @@ from densebatch.data.tokenizers import load_tokenizer
 from densebatch.errors import UserError
 from densebatch.model import build_model, load_model
 from densebatch.model import generate as generate_ids
-from densebatch.train.checkpoint import latest_valid, load_checkpoint
+from densebatch.run.training import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
+from densebatch.train.checkpoint import checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
 from densebatch.train.loop import resolve_device
 
-FINAL_DIR = "final"  # output_dir/final: model + tokenizer + config.yaml
-CHECKPOINT_DIR = "checkpoints"
 
-
-def prepare(cfg: RunConfig, args) -> int:
+def prepare_command(cfg: RunConfig, args) -> int:
     prepared = prepare_data(cfg.data)
     print(prepared.summary)
     print(f"documents: {prepared.cache_dir}")
     return 0
 
 
-def inspect(cfg: RunConfig, args) -> int:
+def inspect_command(cfg: RunConfig, args) -> int:
     from densebatch.data.inspect import render_documents
 
     prepared = prepare_data(cfg.data)
@@ -47,7 +45,7 @@ def inspect(cfg: RunConfig, args) -> int:
     return 0
 
 
-def analyze(cfg: RunConfig, args) -> int:
+def analyze_command(cfg: RunConfig, args) -> int:
     from densebatch.analyze import analyze_main, read_lengths
 
     if args.lengths:
@@ -82,7 +80,7 @@ def config_markdown() -> str:
     return CONFIG_DOC_HEADER + rows
 
 
-def show_config(cfg: RunConfig, args) -> int:
+def config_command(cfg: RunConfig, args) -> int:
     if args.keys and args.markdown:
         print(config_markdown(), end="")
     elif args.keys:
@@ -95,21 +93,36 @@ def show_config(cfg: RunConfig, args) -> int:
 
 
 # ----------------------------------------------------------------------------- trained models
-def find_model_dir(path: str | Path) -> tuple[str, Path]:
-    """What ``--checkpoint DIR`` names: ("final", dir) for a saved model, ("checkpoint", dir) for a
-    training checkpoint; an output_dir resolves to its final model, else its newest valid checkpoint."""
+def _final_step(final: Path) -> int | None:
+    try:
+        return int(json.loads((final / FINAL_STATE).read_text(encoding="utf-8"))["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def find_model_dir(path: str | Path) -> tuple[str, Path, str]:
+    """What ``--checkpoint DIR`` names: ("final" | "checkpoint", dir, a note saying which weights).
+
+    A saved model (config.json) or a checkpoint (manifest.json) is itself; an output_dir resolves to
+    the newer of its final model and its newest valid checkpoint (a resumed run interrupted after its
+    first finish leaves a final/ older than its checkpoints: those are scored, and the note says so)."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"--checkpoint {path}: no such directory")
     if (p / "manifest.json").is_file():
-        return "checkpoint", p
+        return "checkpoint", p, f"checkpoint {p}"
     if (p / "config.json").is_file():
-        return "final", p
-    if (p / FINAL_DIR / "config.json").is_file():
-        return "final", p / FINAL_DIR
+        return "final", p, f"saved model {p}"
+    final = p / FINAL_DIR if (p / FINAL_DIR / "config.json").is_file() else None
     ckpt = latest_valid(p / CHECKPOINT_DIR) if (p / CHECKPOINT_DIR).is_dir() else None
+    if final is not None and ckpt is not None:
+        final_step, ckpt_step = _final_step(final), checkpoint_step(ckpt)
+        if final_step is None or ckpt_step > final_step:
+            return "checkpoint", ckpt, f"checkpoint {ckpt} (step {ckpt_step}; newer than {final}, step {final_step})"
+    if final is not None:
+        return "final", final, f"final model {final} (step {_final_step(final)})"
     if ckpt is not None:
-        return "checkpoint", ckpt
+        return "checkpoint", ckpt, f"checkpoint {ckpt} (step {checkpoint_step(ckpt)}; no final model yet)"
     raise UserError(
         f"--checkpoint {path}: neither a saved model (config.json) nor a checkpoint (manifest.json), "
         f"nor an output_dir holding {FINAL_DIR}/ or {CHECKPOINT_DIR}/"
@@ -117,13 +130,13 @@ def find_model_dir(path: str | Path) -> tuple[str, Path]:
 
 
 def load_trained(path: str | Path, cfg: RunConfig | None = None):
-    """(model, tokenizer, run config) from a final model dir, a checkpoint or an output_dir."""
-    kind, d = find_model_dir(path)
+    """(model, tokenizer, run config, which weights) from a final model dir, a checkpoint or an output_dir."""
+    kind, d, which = find_model_dir(path)
     if kind == "final":
         model = load_model(d)
         tokenizer = load_tokenizer(d)
         run_cfg = cfg or (load_config(d / "config.yaml") if (d / "config.yaml").is_file() else None)
-        return model, tokenizer, run_cfg
+        return model, tokenizer, run_cfg, which
     ckpt = load_checkpoint(d)
     saved = (ckpt.extra_state or {}).get("config")
     run_cfg = cfg or (config_from_dict(saved) if saved else None)
@@ -135,27 +148,29 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
         tokenizer = load_tokenizer(run_cfg.data.tokenizer, run_cfg.data.pad_id)
     model = build_model(run_cfg.model, tokenizer.vocab_size)
     model.load_state_dict(ckpt.model_state)
-    return model, tokenizer, run_cfg
+    return model, tokenizer, run_cfg, which
 
 
-def evaluate(cfg: RunConfig, args) -> int:
+def eval_command(cfg: RunConfig, args) -> int:
     prepared = prepare_data(cfg.data)
     if prepared.eval is None:
         raise UserError("there is no evaluation split: set data.eval_path or data.eval_fraction > 0")
-    model, _tok, _ = load_trained(args.checkpoint, cfg)
+    model, _tok, _, which = load_trained(args.checkpoint, cfg)
     device = resolve_device(cfg.train.device)
     collator = collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed)
-    loader = BatchLoader(prepared.eval, PlanSettings.from_config(cfg.batching), collator, seed=cfg.seed, prefetch=0)
+    # Full-context rows: no document is cut, so every strategy and seq_len gives the same loss.
+    settings = full_context_settings(PlanSettings.from_config(cfg.batching), int(np.max(prepared.eval.lengths)))
+    loader = StepLoader(prepared.eval, settings, collator, seed=cfg.seed, prefetch=0)
     result = evaluate_batches(
         model.to(device), loader.iter_epoch(0), device=device, precision=cfg.train.precision, max_batches=cfg.eval.max_batches
     )
-    out = result.as_dict() | {"strategy": cfg.batching.strategy, "checkpoint": str(args.checkpoint)}
+    out = result.as_dict() | {"strategy": cfg.batching.strategy, "checkpoint": str(args.checkpoint), "weights": which}
     if args.json:
         print(json.dumps(out))
     else:
         print(
             f"eval loss {result.loss:.6f}  ppl {result.ppl:.4f}  over {result.tokens} loss tokens "
-            f"({result.batches} batches, strategy {cfg.batching.strategy})"
+            f"({result.batches} batches, strategy {cfg.batching.strategy}); weights: {which}"
         )
     return 0
 
@@ -175,8 +190,8 @@ def templated_prompt(text: str, cfg: RunConfig | None) -> str:
     return prompt_text(record, cfg.data)
 
 
-def generate(args) -> int:
-    model, tok, run_cfg = load_trained(args.checkpoint)
+def generate_command(args) -> int:
+    model, tok, run_cfg, _ = load_trained(args.checkpoint)
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens: expected a positive integer")
     if args.temperature < 0:

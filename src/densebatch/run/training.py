@@ -1,39 +1,49 @@
-"""The train command: prepare data, build model and loaders, train with checkpoints, resume and rollback.
+"""The train command: build data, model, loaders, trainer and session from the configuration, and run.
 
-Order of a run: resolved config written to ``output_dir/config.yaml``; documents prepared (or taken
-from the cache); seeds set, then the model built (so initial weights depend only on ``seed``);
-``--resume`` / ``checkpoint.resume: auto`` restores the newest checkpoint that verifies (model,
-optimizer, counters, loader position, guard and clipper statistics, every RNG) and drops metrics
-written after it; SIGTERM / SIGINT finish the current step, save a checkpoint and exit 0. At the end
-a checkpoint and ``output_dir/final`` (model, tokenizer, config) are written.
+Order of a run: the configuration is resolved (a resume takes the checkpoint's, see ``run/resume.py``;
+a fresh run refuses an ``output_dir`` that already holds a run unless ``--overwrite``); documents are
+prepared (rank 0 first, the others then read the cache); seeds are set, then the model is built (so
+initial weights depend only on ``seed``) and its context checked against the longest row; the model
+is wrapped for DDP / FSDP under torchrun; the session restores the newest verified checkpoint when
+resuming and runs. At the end rank 0 writes ``output_dir/final`` (model, tokenizer, config) atomically.
+Training policy (checkpoints, rollbacks, signals) lives in ``train/session.py``; this module only builds.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
-import signal
+import shutil
 import sys
-import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from densebatch.atomic import staged_dir, write_file
 from densebatch.config import RunConfig, save_config, to_dict
 from densebatch.data.accuracy import AccuracyCheck
 from densebatch.data.collate import collator_from_config
-from densebatch.data.loader import BatchLoader
+from densebatch.data.loader import StepLoader, full_context_settings
 from densebatch.data.plan import PlanSettings
-from densebatch.data.prepare import prepare
-from densebatch.errors import ConfigError
+from densebatch.data.prepare import Prepared, prepare
+from densebatch.data.steps import StepSettings
+from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model, generate_batch, save_model
-from densebatch.run.commands import CHECKPOINT_DIR, FINAL_DIR
-from densebatch.train.checkpoint import CheckpointManager
-from densebatch.train.guard import AdaptiveClipper, AnomalyGuard
-from densebatch.train.loop import Trainer
+from densebatch.run.resume import plan_resume
+from densebatch.train.checkpoint import CheckpointManager, latest_valid, load_checkpoint
+from densebatch.train.distributed import Distributed, wrap_model
+from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
+from densebatch.train.loop import Trainer, resolve_device
 from densebatch.train.monitor import METRICS_FILE, truncate_metrics
-from densebatch.train.rng import capture_rng_state, restore_rng_state
+from densebatch.train.session import Session
+
+FINAL_DIR = "final"  # output_dir/final: model + tokenizer + config.yaml + densebatch_state.json
+CHECKPOINT_DIR = "checkpoints"
+FINAL_STATE = "densebatch_state.json"  # {"step": N}: which step the final weights are
+RUN_OUTPUTS = (METRICS_FILE, CHECKPOINT_DIR, FINAL_DIR, "plots", "tensorboard", "csv", "config.yaml")
 
 
 def seed_everything(seed: int) -> None:
@@ -42,133 +52,152 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _check_lengths(cfg: RunConfig) -> None:
-    """Rows longer than the model's context would fail deep inside the model: say so up front."""
-    if cfg.model.kind != "gpt":
-        return
-    b, ctx = cfg.batching, cfg.model.block_size
-    longest = b.seq_len if b.strategy == "packed" else cfg.data.max_seq_len
-    longest = -(-longest // b.pad_to_multiple_of) * b.pad_to_multiple_of
-    if longest > ctx:
-        key = "batching.seq_len" if b.strategy == "packed" else "data.max_seq_len"
+def longest_row(cfg: RunConfig, prepared: Prepared) -> tuple[int, str]:
+    """The longest row any batch of the run can hold (train and full-context eval), and the key that sets it."""
+    b, m = cfg.batching, cfg.batching.pad_to_multiple_of
+    longest_doc = int(np.max(prepared.train.lengths))
+    if b.strategy == "packed":
+        train, key = b.seq_len, "batching.seq_len"
+    elif b.strategy == "token_budget" and b.long_docs == "split":
+        train, key = min(longest_doc, b.max_tokens_per_batch), "data.max_seq_len"
+    else:
+        train, key = longest_doc, "data.max_seq_len"
+    longest = max(train, int(np.max(prepared.eval.lengths)) if prepared.eval is not None else 0)
+    return -(-longest // m) * m, key
+
+
+def check_context(model, cfg: RunConfig, prepared: Prepared) -> None:
+    """Rows longer than the model's context would fail deep inside the model: refuse them up front."""
+    ctx = getattr(model, "max_positions", None)
+    row, key = longest_row(cfg, prepared)
+    if ctx is not None and row > ctx:
+        what = "model.block_size" if cfg.model.kind == "gpt" else f"the model's context ({cfg.model.path})"
         raise ConfigError(
-            f"{key}: rows of up to {longest} tokens exceed model.block_size ({ctx}); lower {key} or raise model.block_size"
+            f"{key}: rows of up to {row} tokens exceed {what} of {ctx} positions; lower {key}"
+            + (" or raise model.block_size" if cfg.model.kind == "gpt" else "")
         )
 
 
-# TrainState fields that count what was consumed rather than what the weights have seen: kept by a rollback.
-_CONSUMED = ("batches_seen", "real_tokens", "loss_tokens", "slot_tokens", "skipped_steps", "elapsed_s")
+def holds_a_run(out: Path) -> list[str]:
+    """The outputs of an earlier run found in ``out`` (metrics, checkpoints, final model); empty when
+    it is safe to start there."""
+    found = []
+    for name in RUN_OUTPUTS[:3]:
+        p = out / name
+        if p.is_file() or (p.is_dir() and any(p.iterdir())):
+            found.append(name)
+    return found
 
 
-class Session:
-    """One training run: the trainer plus its checkpoints, signals and anomaly rollbacks."""
-
-    def __init__(self, cfg: RunConfig, trainer: Trainer, ckpt: CheckpointManager):
-        self.cfg, self.trainer, self.ckpt = cfg, trainer, ckpt
-        self.last_saved_step = -1
-
-    def save(self) -> Path:
-        t = self.trainer
-        extra = {"trainer": t.trainer_state(), "rng": capture_rng_state(), "config": to_dict(self.cfg)}
-        path = self.ckpt.save(t.state.step, t.model.state_dict(), t.optimizer.state_dict(), extra)
-        self.last_saved_step = t.state.step
-        return path
-
-    def restore(self, path: Path, keep_loader_position: bool = False) -> None:
-        t = self.trainer
-        ck = self.ckpt.load(path, device=t.device)
-        loader_state = t.batches.state_dict() if keep_loader_position else None
-        guard = getattr(t.step_check, "__self__", None)
-        guard_state = guard.state_dict() if (keep_loader_position and guard is not None) else None
-        # Counters of the data consumed (and wall time, skipped steps) follow the loader position, which a
-        # rollback keeps: restored with the weights, batches_seen would lag the loader by the skipped
-        # batches (wrong epoch in the logs, max_epochs overshot) and the skipped steps would be forgotten.
-        consumed = {k: getattr(t.state, k) for k in _CONSUMED} if keep_loader_position else {}
-        t.load_state_dict({"model": ck.model_state, "optimizer": ck.optimizer_state, "trainer": ck.extra_state["trainer"]})
-        if keep_loader_position:  # a rollback skips the batches that caused it and keeps the guard's history
-            t.batches.load_state_dict(loader_state)
-            if guard is not None:
-                guard.load_state_dict(guard_state)
-            for k, v in consumed.items():
-                setattr(t.state, k, v)
-        else:
-            restore_rng_state(ck.extra_state["rng"])
-
-    def on_step(self, trainer: Trainer, step: int) -> None:
-        rec = trainer.last_record or {}
-        if rec.get("skipped") == "rollback":
-            self.rollback(step)
-            return
-        every = self.cfg.checkpoint.every_steps
-        if every and step % every == 0 and rec.get("skipped") is None:
-            self.save()
-
-    def rollback(self, bad_step: int) -> None:
-        t = self.trainer
-        target = self.ckpt.latest_valid()
-        event = {"kind": "rollback", "step": bad_step, "loss": (t.last_record or {}).get("loss")}
-        if target is None:
-            event["note"] = "no checkpoint to roll back to: the step was skipped only"
-        else:
-            lr_scale = t.state.lr_scale * self.cfg.train.rollback_lr_factor
-            self.restore(target, keep_loader_position=True)
-            t.state.lr_scale = lr_scale
-            event |= {"to_step": t.state.step, "lr_scale": lr_scale}
-        if t.metrics is not None:
-            t.metrics.write(event)
-        print(
-            f"\nrollback at step {bad_step}: "
-            + (f"back to step {event['to_step']}, learning rate x{event['lr_scale']:g}" if target is not None else event["note"]),
-            file=sys.stderr,
-            flush=True,
+def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed):
+    """(configuration to run, checkpoint to resume from or None), after the resume / overwrite rules."""
+    out = Path(requested.output_dir)
+    ck = requested.checkpoint
+    path = None
+    if resume or ck.resume == "auto":
+        path = latest_valid(
+            out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=lambda p, why: _warn(dist, f"checkpoint {p}: {why} — skipped")
         )
-
-
-def _install_signal_handlers(trainer: Trainer) -> dict:
-    """Route SIGTERM / SIGINT to ``trainer.should_stop``; returns the handlers they replace (to put back).
-    Outside the main thread (``train`` called from a worker thread) signals cannot be caught: none."""
-    if threading.current_thread() is not threading.main_thread():
-        return {}
-
-    def handler(signum, frame):
-        if trainer.should_stop:  # a second signal: stop now
-            raise KeyboardInterrupt
-        trainer.should_stop = True
-        print(
-            f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint", file=sys.stderr, flush=True
+        if path is None and resume:
+            _warn(dist, f"no valid checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
+    if path is None:
+        found = holds_a_run(out)
+        if found and not overwrite and not resume:
+            raise UserError(
+                f"{out} already holds a run ({', '.join(found)}); continue it with --resume, "
+                f"or start over with --overwrite (deletes it), or set --output_dir"
+            )
+        if found and dist.is_main:
+            for name in RUN_OUTPUTS:
+                target = out / name
+                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        dist.barrier()
+        return requested, None
+    extra = load_checkpoint(path, parts=("extra",)).extra_state
+    plan = plan_resume(extra["config"], requested, overrides)
+    cfg = plan.config
+    saved_world = int(extra.get("world_size", 1))
+    if saved_world != dist.world_size:  # elastic: keep the global batch by changing the accumulation
+        total = saved_world * cfg.train.grad_accum_batches
+        if cfg.train.loss_tokens_per_step is None and total % dist.world_size:
+            raise UserError(
+                f"--resume: the run took {total} batches per step over {saved_world} processes; "
+                f"{dist.world_size} processes cannot split that evenly: use a world size that divides {total}"
+            )
+        k = max(1, total // dist.world_size)
+        plan.changed.append(
+            f"train.grad_accum_batches: {cfg.train.grad_accum_batches} → {k} ({saved_world} → {dist.world_size} processes, same batches per step)"
         )
+        cfg = replace(cfg, train=replace(cfg.train, grad_accum_batches=k))
+    if dist.is_main:
+        print(f"resuming the run saved in {path} with its configuration", flush=True)
+        for line in plan.changed:
+            print(f"  changed: {line}", flush=True)
+        for line in plan.ignored:
+            print(f"  ignored: {line}", flush=True)
+    return cfg, path
 
-    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+def _warn(dist: Distributed, text: str) -> None:
+    if dist.is_main:
+        print(f"warning: {text}", file=sys.stderr, flush=True)
 
 
-def train(cfg: RunConfig, resume: bool = False) -> int:
+def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
+    """(train StepLoader, eval batches factory or None)."""
+    settings = PlanSettings.from_config(cfg.batching)
+    t = cfg.train
+    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)
+    collator = collator_from_config(cfg.batching, prepared.train.meta, cfg.seed)
+    loader = StepLoader(prepared.train, settings, collator, cfg.seed, steps, prefetch=cfg.batching.prefetch)
+    if prepared.eval is None:
+        return loader, None
+    eval_settings = full_context_settings(settings, int(np.max(prepared.eval.lengths)))
+    eval_collator = collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed)
+    eval_loader = StepLoader(
+        prepared.eval, eval_settings, eval_collator, cfg.seed, StepSettings(1, None, dist.world_size, dist.rank), 0
+    )
+    return loader, lambda: eval_loader.iter_epoch(0)
+
+
+def train(path: str | None, overrides: list[str], resume: bool = False, overwrite: bool = False) -> int:
+    from densebatch.run import resolve_config
+
+    requested = resolve_config(path, overrides)
+    dist = Distributed.from_environment(requested.train.device)
+    try:
+        return _train(requested, overrides, resume, overwrite, dist)
+    finally:
+        dist.close()
+
+
+def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
+    cfg, resume_from = resolve_run(requested, overrides, resume, overwrite, dist)
     out = Path(cfg.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, out / "config.yaml")
-    _check_lengths(cfg)
-    prepared = prepare(cfg.data)
-    print(prepared.summary, flush=True)
+    if dist.is_main:  # rank 0 prepares (or finds the cache); the others then read what it wrote
+        prepared = prepare(cfg.data)
+        print(prepared.summary, flush=True)
+    dist.barrier()
+    if not dist.is_main:
+        prepared = prepare(cfg.data)
     tok = prepared.tokenizer
 
     seed_everything(cfg.seed)
     model = build_model(cfg.model, tok.vocab_size)
-    settings = PlanSettings.from_config(cfg.batching)
-    collator = collator_from_config(cfg.batching, prepared.train.meta, cfg.seed)
-    loader = BatchLoader(prepared.train, settings, collator, seed=cfg.seed, prefetch=cfg.batching.prefetch)
-    eval_batches = None
-    if prepared.eval is not None:
-        eval_loader = BatchLoader(
-            prepared.eval, settings, collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed), seed=cfg.seed, prefetch=0
-        )
-        eval_batches = lambda: eval_loader.iter_epoch(0)  # noqa: E731 - a fresh deterministic pass each time
+    check_context(model, cfg, prepared)
+    device = dist.device if dist.enabled else resolve_device(cfg.train.device)
+    model.to(device)
+    forward = wrap_model(model, cfg.train.distributed, dist)
+    loader, eval_data = build_loaders(cfg, prepared, dist)
     t = cfg.train
-    guard = AnomalyGuard(t.spike_zscore, t.spike_window, t.max_bad_steps)
-    clipper = AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else None
     trainer = Trainer(
-        model, loader, t, cfg.eval, output_dir=out, eval_batches=eval_batches, step_check=guard.check, clipper=clipper
-    )
+        model, loader, t, cfg.eval, output_dir=out, device=device, eval_data=eval_data,
+        guard=AnomalyGuard(t.spike_zscore, t.spike_window, t.max_bad_steps),
+        clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
+        dist=dist, forward=forward, sinks=build_sinks(cfg, out) if dist.is_main else (),
+    )  # fmt: skip
     accuracy = None
-    if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples:
+    if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main:
         accuracy = AccuracyCheck(prepared.eval_records, cfg.data, tok, cfg.eval.accuracy_samples)
 
         def answer(model, prompts):
@@ -176,36 +205,36 @@ def train(cfg: RunConfig, resume: bool = False) -> int:
 
         trainer.evaluate_fn = lambda model: accuracy(lambda prompts: answer(model, prompts))
     ckpt = CheckpointManager(out / CHECKPOINT_DIR, cfg.checkpoint.keep_last, cfg.checkpoint.mirror_dir)
-    session = Session(cfg, trainer, ckpt)
-    trainer.on_step = session.on_step
-
-    if resume or cfg.checkpoint.resume == "auto":
-        path = ckpt.latest_valid(on_skip=lambda p, why: print(f"warning: checkpoint {p}: {why} — skipped", file=sys.stderr))
-        if path is None:
-            print("no valid checkpoint to resume from: starting fresh", file=sys.stderr)
-        else:
-            session.restore(path)
+    session = Session(trainer, ckpt, cfg.checkpoint.every_steps, t.rollback_lr_factor, config=to_dict(cfg))
+    if resume_from is not None:
+        session.restore(resume_from)
+        if dist.is_main:
             truncate_metrics(out / METRICS_FILE, trainer.state.step)
-            print(f"resumed from {path} (step {trainer.state.step})", flush=True)
-
-    previous = _install_signal_handlers(trainer)
-    try:
-        result = trainer.run()
-    finally:
-        for sig, old in previous.items():  # the caller's handlers (Python's KeyboardInterrupt for SIGINT), not SIG_DFL
-            signal.signal(sig, old if old is not None else signal.SIG_DFL)
-    if session.last_saved_step != trainer.state.step:
-        path = session.save()
-        print(f"checkpoint: {path}", flush=True)
+            print(f"resumed from {resume_from} (step {trainer.state.step})", flush=True)
+    if dist.is_main:
+        save_config(cfg, out / "config.yaml")
+    result = session.run()
     if result.stop_reason == "interrupted":
-        print("stopped by signal; continue with --resume", flush=True)
+        if dist.is_main:
+            print("stopped by signal; continue with --resume", flush=True)
         return 0
-    final = out / FINAL_DIR
-    save_model(trainer.model, final)
-    tok.save(final)
-    save_config(cfg, final / "config.yaml")
-    if accuracy is not None and accuracy.samples:
-        acc = (trainer.state.last_eval or {}).get("accuracy", math.nan)
-        print(f"exact-match accuracy on {len(accuracy.samples)} held-out prompts: {acc:.3f}\n{accuracy.show()}")
-    print(f"model, tokenizer and config: {final}", flush=True)
+    if dist.is_main:
+        final = out / FINAL_DIR
+        with staged_dir(final) as tmp:
+            save_model(trainer.model, tmp)
+            tok.save(tmp)
+            save_config(cfg, tmp / "config.yaml")
+            write_file(tmp / FINAL_STATE, json.dumps({"step": trainer.state.step}))
+        if accuracy is not None and accuracy.samples:
+            acc = (trainer.state.last_eval or {}).get("accuracy", math.nan)
+            print(f"exact-match accuracy on {len(accuracy.samples)} held-out prompts: {acc:.3f}\n{accuracy.show()}")
+        print(f"model, tokenizer and config: {final}", flush=True)
     return 0
+
+
+def build_sinks(cfg: RunConfig, out: Path) -> list:
+    if not cfg.train.report_to:
+        return []
+    from densebatch.train.sinks import build_sinks as build
+
+    return build(list(cfg.train.report_to), out)

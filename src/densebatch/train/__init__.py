@@ -1,11 +1,13 @@
 """Training: the loop, AdamW and schedules, token-weighted evaluation, metrics and console output.
 
-Consumes any iterator of ``densebatch.batch.Batch`` and any model with ``token_losses(batch)`` and
-``layer_groups()``; imports nothing from ``densebatch.data`` or ``densebatch.model``.
+Consumes steps of ``densebatch.batch.Batch`` (or any iterable of batches) and any model with
+``token_losses(batch)`` and ``layer_groups()``; imports nothing from ``densebatch.data`` or
+``densebatch.model``. The session (``train/session.py``) holds the policy around the loop:
+checkpoints, resume, rollbacks and signals; ``train/distributed.py`` the ranks and collectives.
 """
 
 from densebatch.train.evaluate import EvalResult, evaluate
-from densebatch.train.loop import Trainer, TrainResult, TrainState, resolve_device, skip_non_finite
+from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult, TrainState, resolve_device
 from densebatch.train.monitor import METRICS_FILE, MetricsWriter, read_metrics, truncate_metrics
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_at, param_groups
 
@@ -16,7 +18,8 @@ __all__ = [
     "TrainResult",
     "TrainState",
     "resolve_device",
-    "skip_non_finite",
+    "StepOutcome",
+    "StepResult",
     "METRICS_FILE",
     "MetricsWriter",
     "read_metrics",

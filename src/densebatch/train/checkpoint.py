@@ -337,16 +337,21 @@ def latest_valid(
     return None
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", parts: tuple[str, ...] = PARTS) -> Checkpoint:
     """Verify, then read a checkpoint: ``Checkpoint(model_state, optimizer_state, extra_state)`` with
-    exact dtypes and structure (tied tensors come back as one shared tensor). Raises CheckpointError."""
+    exact dtypes and structure (tied tensors come back as one shared tensor). Only ``parts`` are read
+    (the others are None): ``parts=("extra",)`` reads a run's configuration and counters without
+    its tensors. Raises CheckpointError."""
     path = Path(path)
     ok, reason = verify(path)
     if not ok:
         raise CheckpointError(f"{path}: not a valid checkpoint: {reason}")
     state = json.loads((path / STATE).read_text(encoding="utf-8"))
-    out = []
+    out: list = []
     for part in PARTS:
+        if part not in parts:
+            out.append(None)
+            continue
         entry = state["parts"][part]
         try:
             tensors = load_file(str(path / entry["file"]), device=str(device)) if entry["file"] else {}
@@ -378,7 +383,7 @@ class CheckpointManager:
     def latest_valid(self, on_skip: Callable[[Path, str], None] | None = None) -> Path | None:
         return latest_valid(self.root, self.mirror_dir, on_skip)
 
-    def load(self, path: str | Path, device: str | torch.device = "cpu") -> Checkpoint:
-        return load_checkpoint(path, device)
+    def load(self, path: str | Path, device: str | torch.device = "cpu", parts: tuple[str, ...] = PARTS) -> Checkpoint:
+        return load_checkpoint(path, device, parts)
 
     verify = staticmethod(verify)

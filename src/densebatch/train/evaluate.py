@@ -74,12 +74,16 @@ def evaluate(
     precision: str = "fp32",
     max_batches: int | None = None,
     all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
+    forward: Callable[[Batch], Tensor] | None = None,
 ) -> EvalResult:
     """Evaluate ``model.token_losses`` over ``batches`` (at most ``max_batches``) in eval mode.
 
     ``all_reduce_sum`` (identity by default) sums the (loss, tokens) totals over ranks, each rank
-    evaluating its own shard. The model's train/eval mode is restored afterwards.
+    evaluating its own shard (every rank must pass the same number of batches: FSDP gathers weights
+    in each forward). ``forward`` replaces ``model.token_losses`` (the trainer passes its DDP / FSDP
+    wrapper). The model's train/eval mode is restored afterwards.
     """
+    forward = forward or model.token_losses
     if device is None:
         device = next(model.parameters()).device
     device = torch.device(device)
@@ -93,7 +97,7 @@ def evaluate(
                 break
             batch = to_device(batch, device)
             with autocast(device, precision):
-                losses = model.token_losses(batch)  # (rows, T) float32, 0 where label == -100
+                losses = forward(batch)  # (rows, T) float32, 0 where label == -100
             totals[0] += losses.double().sum()
             totals[1] += batch.num_loss_tokens
             totals[2] += batch.num_real_tokens

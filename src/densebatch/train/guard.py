@@ -45,12 +45,12 @@ class AnomalyGuard:
     calls a 3-4 sigma step a spike; a larger spike_window lowers that rate.
     """
 
-    def __init__(self, spike_zscore: float = 6.0, spike_window: int = 50, max_bad_steps: int = 3, min_history: int = 20):
-        if spike_window < 2 or max_bad_steps < 1 or spike_zscore < 0:
-            raise ValueError("AnomalyGuard: need spike_window >= 2, max_bad_steps >= 1, spike_zscore >= 0")
+    def __init__(self, spike_zscore: float = 6.0, spike_window: int = 50, max_bad_steps: int | None = 3, min_history: int = 20):
+        if spike_window < 2 or (max_bad_steps is not None and max_bad_steps < 1) or spike_zscore < 0:
+            raise ValueError("AnomalyGuard: need spike_window >= 2, max_bad_steps >= 1 (or None), spike_zscore >= 0")
         self.spike_zscore = float(spike_zscore)  # 0 = spike detection off
         self.spike_window = int(spike_window)
-        self.max_bad_steps = int(max_bad_steps)
+        self.max_bad_steps = None if max_bad_steps is None else int(max_bad_steps)  # None: never roll back
         # A median/MAD of a handful of values is too noisy to call anything a spike: with 10 values
         # 4x more false rollbacks on gaussian noise than with 20 (measured, see the class docstring).
         self.min_history = min(int(min_history), self.spike_window)
@@ -77,7 +77,7 @@ class AnomalyGuard:
             self.skipped_steps += 1
             self.bad_streak += 1
             self.last_zscore = None
-            if self.bad_streak >= self.max_bad_steps:
+            if self.max_bad_steps is not None and self.bad_streak >= self.max_bad_steps:
                 self.bad_streak = 0
                 self.rollbacks += 1
                 return Verdict.ROLLBACK
@@ -111,6 +111,32 @@ def _median(sorted_values: list[float]) -> float:
     n = len(sorted_values)
     mid = n // 2
     return sorted_values[mid] if n % 2 else 0.5 * (sorted_values[mid - 1] + sorted_values[mid])
+
+
+class FixedClipper:
+    """The fixed threshold ``grad_clip`` (0 = no clipping); counts the steps it clipped. Same
+    interface as ``AdaptiveClipper``: ``step(norm) -> limit``, ``state_dict`` / ``load_state_dict``."""
+
+    def __init__(self, max_norm: float = 1.0):
+        if max_norm < 0:
+            raise ValueError(f"FixedClipper: max_norm must be >= 0; got {max_norm}")
+        self.max_norm = float(max_norm)
+        self.clipped_steps = 0
+
+    def threshold(self) -> float:
+        return self.max_norm if self.max_norm > 0 else math.inf
+
+    def step(self, grad_norm: float) -> float:
+        limit = self.threshold()
+        if math.isfinite(grad_norm) and grad_norm > limit:
+            self.clipped_steps += 1
+        return limit
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clipped_steps": self.clipped_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clipped_steps = int(state["clipped_steps"])
 
 
 class AdaptiveClipper:
@@ -188,7 +214,7 @@ class AdaptiveClipper:
 def clip_gradients(
     parameters: Iterable[torch.Tensor],
     max_norm: float = 0.0,
-    clipper: AdaptiveClipper | None = None,
+    clipper: AdaptiveClipper | FixedClipper | None = None,
 ) -> tuple[float, float]:
     """Clip gradients in place; returns ``(total_norm before clipping, threshold used)``.
 
@@ -206,6 +232,8 @@ def clip_gradients(
         total = torch.linalg.vector_norm(
             torch.stack([torch.linalg.vector_norm(g.detach(), 2.0).float().cpu() for g in grads]), 2.0
         )
+    if hasattr(total, "full_tensor"):  # FSDP2: DTensor shards of the norm; every rank needs the whole
+        total = total.full_tensor()
     norm = float(total)
     limit = clipper.step(norm) if clipper is not None else (float(max_norm) if max_norm > 0 else math.inf)
     if math.isfinite(norm) and math.isfinite(limit) and norm > limit:

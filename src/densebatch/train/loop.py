@@ -1,10 +1,13 @@
-"""The training loop: turn an iterator of ``Batch`` into optimizer steps whose loss is exact in tokens.
+"""The training loop: turn steps of batches into optimizer updates whose loss is exact in tokens.
 
-A step gathers its batches first (``grad_accum_batches`` of them, or until ``loss_tokens_per_step``
-loss tokens), counts the loss tokens of the whole step (over ranks, through ``all_reduce_sum``), then
-back-propagates ``sum(per-token CE of the batch) / (loss tokens of the step)`` for each batch: the
-gradient of one big batch, however the tokens were split; never a mean of micro-batch means.
-The loop draws no random numbers, so a resumed run consumes the global RNGs exactly as a fresh one.
+Each step's batches come planned (``Step``, from the data layer's ``StepLoader``; a plain iterable
+of ``Batch`` is grouped here by ``grad_accum_batches`` / ``loss_tokens_per_step``). The loop counts
+the loss tokens of the whole step over all ranks first, then back-propagates
+``sum(per-token CE of each batch) / (loss tokens of the step)``: the gradient of one big batch,
+however the tokens were split into batches and ranks; never a mean of micro-batch means. A step
+ends in one ``StepOutcome``: applied, empty (no loss tokens: nothing to learn, no update, not an
+anomaly), skipped (non-finite loss or gradient), overflow (fp16 loss scale) or rollback (the guard
+asks for the last checkpoint; ``train/session.py`` acts on it). The loop draws no random numbers.
 """
 
 from __future__ import annotations
@@ -13,34 +16,49 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from densebatch.batch import Batch
+from densebatch.batch import Batch, Step
 from densebatch.config import EvalConfig, TrainConfig
+from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.evaluate import autocast, check_precision, evaluate, to_device
-from densebatch.train.guard import clip_gradients
-from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary
+from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
+from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_at
+
+
+class StepOutcome(str, Enum):
+    APPLIED = "applied"
+    EMPTY = "empty"  # the step held no loss tokens: no update, not an anomaly
+    SKIPPED = "skipped"  # non-finite loss or gradient norm: weights unchanged
+    OVERFLOW = "overflow"  # fp16 loss scale too high: the scaler skipped the update and lowers the scale
+    ROLLBACK = "rollback"  # a spike or repeated non-finite steps: weights unchanged, the session rolls back
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass
 class TrainState:
     """Counters a resumed run needs besides model and optimizer tensors (JSON-able via ``asdict``)."""
 
-    step: int = 0  # optimizer steps taken (skipped ones included)
-    batches_seen: int = 0
+    step: int = 0  # optimizer steps taken (every outcome counts)
+    batches_seen: int = 0  # planned batches over all ranks
     real_tokens: int = 0  # all ranks
     loss_tokens: int = 0
     slot_tokens: int = 0
-    skipped_steps: int = 0
+    skipped_steps: int = 0  # skipped, overflow and rollback outcomes
+    empty_steps: int = 0
+    epoch: float = 0.0  # position in the data after the last step, in epochs
     total_steps: int | None = None  # schedule horizon, fixed at the first step
-    lr_scale: float = 1.0  # multiplies the schedule (an anomaly guard lowers it after a rollback)
+    lr_scale: float = 1.0  # multiplies the schedule (lowered after a rollback)
     best_eval_loss: float | None = None
     evals_without_improvement: int = 0
     last_eval_step: int = -1
@@ -50,6 +68,22 @@ class TrainState:
     last_eval: dict | None = None
     elapsed_s: float = 0.0  # wall time over all sessions
 
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, d: dict) -> None:
+        names = {f.name for f in dataclasses.fields(self)}
+        for k, v in d.items():
+            if k in names:
+                setattr(self, k, v)
+
+
+@dataclass
+class StepResult:
+    outcome: StepOutcome
+    record: dict  # the metrics record of the step
+    step: Step
+
 
 @dataclass
 class TrainResult:
@@ -58,104 +92,139 @@ class TrainResult:
     text: str  # the one-screen summary, as printed
 
 
-def skip_non_finite(loss: float, grad_norm: float) -> str:
-    """Default pre-step check: a NaN/inf loss or gradient norm skips the update."""
-    return "ok" if math.isfinite(loss) and math.isfinite(grad_norm) else "skip"
-
-
 def resolve_device(name: str | torch.device) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 
-class Trainer:
-    """Train ``model`` on ``batches`` under ``cfg``; ``run()`` until a limit, early stopping or ``should_stop``.
+class BatchSteps:
+    """Steps from a plain iterable of ``Batch`` (one process): ``grad_accum_batches`` batches, or batches
+    until ``loss_tokens_per_step`` loss tokens. A re-iterable (a list) cycles epoch after epoch."""
 
-    Integration points: ``on_step(trainer, step)`` after every optimizer step (periodic checkpoints;
-    ``last_record`` holds the step's metrics); ``step_check(loss, grad_norm) -> "ok" | "skip" | other``
-    before the update (``AnomalyGuard.check`` fits; anything but "ok" leaves the weights unchanged and
-    lands in the record's ``skipped``, e.g. "rollback" for ``on_step`` to act on); ``clipper`` with
-    ``step(norm) -> limit`` (``AdaptiveClipper``; default: fixed ``grad_clip``); ``should_stop`` (set
-    from a signal handler: the current step finishes, then the run stops without a final eval);
-    ``state_dict()`` / ``load_state_dict()``; ``state.lr_scale``; ``metrics.write(record)`` during a run.
-    ``eval_batches``: an iterable of Batch, or a zero-argument callable returning a fresh one (use the
-    callable for a loader, e.g. ``lambda: loader.iter_epoch(0)``; a loader's own iterator never ends).
-    ``evaluate_fn(model) -> dict`` adds entries (e.g. ``accuracy``) to every eval record; when it returns
-    ``loss``, that loss drives early stopping. ``all_reduce_sum`` sums a tensor over ranks (identity when
-    None); with DDP, whose gradient is a mean over ranks, pass ``world_size`` so the step stays a sum / N.
+    def __init__(self, batches: Iterable[Batch], cfg: TrainConfig):
+        self.batches, self.cfg = batches, cfg
+        self.per_epoch = getattr(batches, "batches_per_epoch", None) or (len(batches) if hasattr(batches, "__len__") else None)
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        inner = self.batches.state_dict() if hasattr(self.batches, "state_dict") else {}
+        return {"seen": self.seen, "inner": inner}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = int(state["seen"])
+        if hasattr(self.batches, "load_state_dict"):
+            self.batches.load_state_dict(state["inner"])
+
+    def steps_per_epoch(self) -> int | None:
+        if not self.per_epoch or self.cfg.loss_tokens_per_step is not None:
+            return None
+        return math.ceil(self.per_epoch / self.cfg.grad_accum_batches)
+
+    def __iter__(self) -> Iterator[Step]:
+        it = iter(self.batches)
+        limit = None if self.max_epochs is None or not self.per_epoch else math.ceil(self.max_epochs * self.per_epoch - 1e-9)
+        while limit is None or self.seen < limit:
+            out, tokens = [], 0
+            for batch in it:
+                out.append(batch)
+                tokens += batch.num_loss_tokens
+                epoch_end = self.per_epoch and (self.seen + len(out)) % self.per_epoch == 0
+                target = self.cfg.loss_tokens_per_step
+                full = tokens >= target if target is not None else len(out) >= self.cfg.grad_accum_batches
+                if full or epoch_end or (limit is not None and self.seen + len(out) >= limit):
+                    break
+            if not out:
+                if not hasattr(self.batches, "__len__"):
+                    return
+                it = iter(self.batches)  # a list: its next epoch
+                continue
+            self.seen += len(out)
+            yield Step(tuple(out), epoch=self.seen / self.per_epoch if self.per_epoch else 0.0, num_batches=len(out))
+
+    max_epochs: float | None = None
+
+
+class Trainer:
+    """Train ``model`` on ``data`` under ``cfg``: ``run()`` until a limit, early stopping or ``should_stop``.
+
+    Components, each with ``state_dict`` / ``load_state_dict`` and listed by name in ``parts()``:
+    ``data`` (a ``StepLoader``, or any iterable of ``Batch``), ``guard`` (``AnomalyGuard``: verdict per
+    step), ``clipper`` (``FixedClipper`` / ``AdaptiveClipper``), the fp16 ``scaler`` and the counters
+    (``state``). ``dist`` (``Distributed``) supplies rank, world size and collectives. ``forward``
+    is the module training passes go through (``TokenLosses(model)``, or its DDP / FSDP wrapper).
+    ``evaluate_fn(model) -> dict`` adds entries (e.g. accuracy) to each eval record; ``after_step(result)``
+    runs after every step (the session: checkpoints, rollbacks); ``sinks`` receive every record.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        batches: Iterable[Batch],
+        data: Iterable,
         cfg: TrainConfig,
         eval_cfg: EvalConfig | None = None,
         *,
         output_dir: str | Path,
         device: str | torch.device | None = None,
-        eval_batches: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None,
+        eval_data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None,
         evaluate_fn: Callable[[nn.Module], dict] | None = None,
-        total_steps: int | None = None,
-        on_step: Callable[[Trainer, int], None] | None = None,
-        step_check: Callable[[float, float], str] = skip_non_finite,
+        guard: AnomalyGuard | None = None,
         clipper: Any = None,
-        all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
-        world_size: int = 1,
-        rank: int = 0,
+        dist: Distributed | None = None,
+        forward: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        total_steps: int | None = None,
         console: bool = True,
+        sinks: Iterable[Any] = (),
     ):
         self.cfg, self.eval_cfg = cfg, eval_cfg or EvalConfig()
+        self.dist = dist or Distributed()
         self.device = resolve_device(device if device is not None else cfg.device)
         check_precision(self.device, cfg.precision)
         self.model = model.to(self.device)
         if cfg.compile:
             self.model.compile()  # in place: forward is compiled, state_dict keys stay unprefixed
-        self.optimizer = build_optimizer(self.model, cfg)
+        self.forward = forward if forward is not None else TokenLosses(self.model)
+        self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model, cfg)
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
-        self.batches, self.eval_batches, self.evaluate_fn = batches, eval_batches, evaluate_fn
-        self.on_step, self.step_check, self.clipper = on_step, step_check, clipper
-        self.all_reduce_sum, self.world_size, self.is_main = all_reduce_sum, world_size, rank == 0
+        self.data = data if hasattr(data, "steps_per_epoch") else BatchSteps(data, cfg)
+        self.guard = guard if guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
+        self.clipper = clipper if clipper is not None else FixedClipper(cfg.grad_clip)
+        self.eval_data, self.evaluate_fn = eval_data, evaluate_fn
+        self.after_step: Callable[[StepResult], None] | None = None
         self.output_dir = Path(output_dir)
         self.state = TrainState(total_steps=total_steps)
         self.should_stop = False  # set from a signal handler: finish the current step, then stop
-        self.metrics: MetricsWriter | None = None  # open during run(); callers may write their own records
+        self.metrics: MetricsWriter | None = None  # open during run(); the session writes its events here
+        self.sinks = list(sinks)
         self.console = Console(None, 0, enabled=False)
-        self._show_console = console and self.is_main
-        self.last_record: dict | None = None  # the latest step's metrics record (for on_step)
-        self._it = None  # created lazily so that load_state_dict() can reposition the loader first
-        self._tick = self._mark = time.perf_counter()
+        self._show_console = console and self.dist.is_main
+        self._it: Iterator[Step] | None = None  # created lazily so that load_state_dict can reposition data
+        self._mark = time.perf_counter()
         self._session_tokens, self._session_seconds = 0, 0.0
 
     # ------------------------------------------------------------------------------------ state
-    def _stateful(self) -> tuple:
-        # Duck-typed parts with their own state_dict(): the loader, the clipper, a guard whose bound
-        # ``check`` is the step_check.
-        return (("loader", self.batches), ("clipper", self.clipper), ("guard", getattr(self.step_check, "__self__", None)))
+    def parts(self) -> dict[str, Any]:
+        """The JSON-able stateful parts a checkpoint stores beside model and optimizer, by name."""
+        return {"counters": self.state, "scaler": self.scaler, "data": self.data, "guard": self.guard, "clipper": self.clipper}
 
     def trainer_state(self) -> dict:
-        """The JSON-able part of the resumable state: counters, scaler, loader / clipper / guard state."""
-        out = dataclasses.asdict(self.state)
-        out["scaler"] = self.scaler.state_dict()
-        for key, obj in self._stateful():
-            if hasattr(obj, "state_dict"):
-                out[key] = obj.state_dict()
-        return out
+        return {name: part.state_dict() for name, part in self.parts().items()}
 
-    def load_trainer_state(self, d: dict) -> None:
-        names = {f.name for f in dataclasses.fields(TrainState)}
-        self.state = TrainState(**{k: v for k, v in d.items() if k in names})
-        if d.get("scaler"):
-            self.scaler.load_state_dict(d["scaler"])
-        for key, obj in self._stateful():
-            if key in d and hasattr(obj, "load_state_dict"):
-                obj.load_state_dict(d[key])
-        self._it = None  # the next batch comes from the restored loader position
+    def load_trainer_state(self, d: dict, only: Iterable[str] | None = None) -> None:
+        for name, part in self.parts().items():
+            if only is not None and name not in only:
+                continue
+            if name not in d:
+                raise KeyError(f"the saved trainer state has no part '{name}' (saved: {sorted(d)})")
+            if name == "scaler" and not d[name]:
+                continue  # a disabled scaler saves {}
+            part.load_state_dict(d[name])
+        self.reset_data_iterator()
 
     def state_dict(self) -> dict:
-        """``{"model": tensors, "optimizer": optimizer.state_dict(), "trainer": JSON-able dict}``."""
+        """``{"model": tensors, "optimizer": optimizer.state_dict(), "trainer": {part name: JSON-able}}``."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "trainer": self.trainer_state()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -163,79 +232,42 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.load_trainer_state(state["trainer"])
 
-    # ------------------------------------------------------------------------------------- data
-    def _batches_per_epoch(self) -> int | None:
-        n = getattr(self.batches, "batches_per_epoch", None)
-        if n is None and hasattr(self.batches, "__len__"):
-            n = len(self.batches)
-        return n or None
-
-    def epoch(self) -> float:
-        bpe = self._batches_per_epoch()
-        return self.state.batches_seen / bpe if bpe else float(getattr(self.batches, "epoch", 0))
-
-    def _next_batch(self) -> Batch | None:
-        if self._it is None:
-            self._it = iter(self.batches)
-        try:
-            return next(self._it)
-        except StopIteration:
-            # A re-iterable (a list) starts its next epoch; an exhausted generator yields nothing.
-            self._it = iter(self.batches)
-            return next(self._it, None)
-
-    def next_step_batches(self) -> list[Batch]:
-        """The batches of one optimizer step (fewer at the end of the data; empty when none are left)."""
-        out, tokens = [], 0
-        target = self.cfg.loss_tokens_per_step
-        last = self._epoch_limit_batches()
-        while (batch := self._next_batch()) is not None:
-            out.append(batch)
-            tokens += batch.num_loss_tokens
-            if last is not None and self.state.batches_seen + len(out) >= last:
-                break  # an epoch limit ends the step early rather than overshoot into the next epoch
-            # Token-driven: a rank's share of the step's loss tokens (ranks see similar data).
-            full = tokens * self.world_size >= target if target is not None else len(out) >= self.cfg.grad_accum_batches
-            if full:
-                break
-        return out
+    def reset_data_iterator(self) -> None:
+        """The next step comes from the data's current state (after a restore or a fraction change)."""
+        if self._it is not None and hasattr(self._it, "close"):
+            self._it.close()  # stops its prefetch thread; prefetched steps are dropped
+        self._it = None
 
     # ------------------------------------------------------------------------------------- step
     def _clock(self) -> float:
-        """Add the wall time since the last call to ``state.elapsed_s``; return now."""
         now = time.perf_counter()
         self.state.elapsed_s += now - self._mark
         self._mark = now
         return now
 
-    def _reduce(self, t: Tensor) -> Tensor:
-        return self.all_reduce_sum(t) if self.all_reduce_sum is not None else t
-
-    def forward_backward(self, batches: list[Batch]) -> dict:
+    def forward_backward(self, batches: Iterable[Batch]) -> dict:
         """Leave in ``.grad`` the gradient of (summed CE of the step) / (loss tokens of the step).
 
-        Returns the step's loss and token counts (all ranks). Gradients are scaled by the fp16 loss
-        scale when it is on (``scaler.unscale_`` undoes it).
-        """
+        Returns the step's loss and token counts over all ranks. Gradients carry the fp16 loss scale
+        when it is on (``scaler.unscale_`` removes it)."""
+        batches = list(batches)
         self.optimizer.zero_grad(set_to_none=True)
-        local = torch.tensor([sum(b.num_loss_tokens for b in batches)], dtype=torch.float64, device=self.device)
-        total = float(self._reduce(local).item())  # known before any backward: the normaliser of every batch
-        # DDP averages gradients over ranks; dividing by total / world_size turns that mean into sum / total.
-        denom = total / self.world_size if total > 0 else math.inf
+        counts = torch.tensor([float(sum(b.num_loss_tokens for b in batches))], dtype=torch.float64)
+        total = float(self.dist.all_reduce_sum(counts.to(self.device)).item())  # the normaliser of every batch
+        # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
+        denom = total / self.dist.world_size if total > 0 else 1.0
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # CE sum, real tokens, slots
-        no_sync = getattr(self.model, "no_sync", None)  # DDP: all-reduce gradients on the last batch only
         for i, batch in enumerate(batches):
             batch = to_device(batch, self.device)
-            sync = no_sync() if no_sync is not None and i < len(batches) - 1 else contextlib.nullcontext()
-            with sync:
-                with autocast(self.device, self.cfg.precision):
-                    losses = self.model.token_losses(batch)  # (rows, T) float32, 0 where label == -100
-                summed = losses.float().sum()
-                self.scaler.scale(summed / denom).backward()
+            with self._sync(i == len(batches) - 1), autocast(self.device, self.cfg.precision):
+                losses = self.forward(batch)  # (rows, T) float32, 0 where label == -100
+            summed = losses.float().sum()
+            self.scaler.scale(summed / denom).backward()
             sums[0] += summed.detach().double()
-            sums[1] += batch.num_real_tokens
-            sums[2] += batch.num_slots
-        loss_sum, real, slots = self._reduce(sums).tolist()
+            if not batch.is_null:
+                sums[1] += batch.num_real_tokens
+                sums[2] += batch.num_slots
+        loss_sum, real, slots = self.dist.all_reduce_sum(sums).tolist()
         return {
             "loss": loss_sum / total if total > 0 else math.nan,
             "loss_tokens": int(total),
@@ -244,85 +276,131 @@ class Trainer:
             "batches": len(batches),
         }
 
-    def train_step(self, batches: list[Batch]) -> dict:
-        """One optimizer step over ``batches``: schedule, forward/backward, clip, check, update, log, eval."""
-        st, cfg = self.state, self.cfg
+    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """Gradients are reduced over ranks on the step's last backward only (DDP ``no_sync``)."""
+        no_sync = getattr(self.forward, "no_sync", None)
+        return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
+
+    def _set_lr(self) -> float:
+        st = self.state
         if st.total_steps is None and st.step == 0:
-            real = sum(b.num_real_tokens for b in batches) * self.world_size
-            st.total_steps = estimate_total_steps(cfg, self._batches_per_epoch(), len(batches), real)
-            self.console.set_total(st.total_steps)
-        lr = lr_at(st.step, cfg, st.total_steps) * st.lr_scale
+            st.total_steps = self._horizon()
+            self.console.set_total(self.cfg.max_steps or st.total_steps)
+        lr = lr_at(st.step, self.cfg, st.total_steps) * st.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_mult"]
-        stats = self.forward_backward(batches)
-        self.scaler.unscale_(self.optimizer)  # clip and check the true gradient, not the fp16-scaled one
-        grad_norm, _ = clip_gradients(self._params, cfg.grad_clip, clipper=self.clipper)  # norm before clipping
-        if self.scaler.is_enabled() and math.isfinite(stats["loss"]) and not math.isfinite(grad_norm):
-            action = "overflow"  # fp16 loss scale too high: the scaler skips and lowers it; not an anomaly
-        else:
-            action = self.step_check(stats["loss"], grad_norm)
-        if action == "ok":
-            self.scaler.step(self.optimizer)  # with fp16, itself skips an update whose gradient overflowed
-        else:
-            st.skipped_steps += 1
-            self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.update()
+        return lr
 
+    def _horizon(self) -> int | None:
+        per_epoch = self.data.steps_per_epoch()
+        return estimate_total_steps(self.cfg, per_epoch, self._first_step_tokens)
+
+    _first_step_tokens = 0
+
+    def train_step(self, step: Step) -> StepResult:
+        """One optimizer step: schedule, forward/backward, clip, verdict, update, log, evaluate."""
+        st = self.state
+        t0 = time.perf_counter()
+        if st.step == 0 and st.total_steps is None:
+            local = torch.tensor([float(sum(b.num_real_tokens for b in step.batches))], dtype=torch.float64)
+            self._first_step_tokens = int(self.dist.all_reduce_sum(local.to(self.device)).item())
+        lr = self._set_lr()
+        stats = self.forward_backward(step.batches)
+        t1 = time.perf_counter()
+        grad_norm, limit = math.nan, math.nan
+        if stats["loss_tokens"] == 0:
+            outcome = StepOutcome.EMPTY  # nothing to learn from: no update, no verdict
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.scaler.unscale_(self.optimizer)  # clip and judge the true gradient, not the fp16-scaled one
+            grad_norm, limit = clip_gradients(self._params, clipper=self.clipper)  # norm before clipping
+            if self.scaler.is_enabled() and math.isfinite(stats["loss"]) and not math.isfinite(grad_norm):
+                outcome = StepOutcome.OVERFLOW
+            else:
+                verdict = self.guard.check(stats["loss"], grad_norm)
+                outcome = {Verdict.OK: StepOutcome.APPLIED, Verdict.SKIP: StepOutcome.SKIPPED}.get(verdict, StepOutcome.ROLLBACK)
+            if outcome in (StepOutcome.APPLIED, StepOutcome.OVERFLOW):
+                self.scaler.step(self.optimizer)  # with fp16 it skips an update whose gradient overflowed
+            else:
+                self.optimizer.zero_grad(set_to_none=True)
+            self.scaler.update()
+        t2 = time.perf_counter()
+        return self._finish_step(step, stats, outcome, lr, grad_norm, limit, (t0, t1, t2))
+
+    def _finish_step(self, step: Step, stats: dict, outcome: StepOutcome, lr, grad_norm, limit, times) -> StepResult:
+        st = self.state
         now = self._clock()
-        seconds, self._tick = now - self._tick, now
+        seconds = now - self._step_began
         st.step += 1
-        st.batches_seen += len(batches)
+        st.batches_seen += step.num_batches or stats["batches"]
+        st.epoch = step.epoch
         for key in ("real_tokens", "loss_tokens", "slot_tokens"):
             setattr(st, key, getattr(st, key) + stats[key])
+        st.skipped_steps += outcome in (StepOutcome.SKIPPED, StepOutcome.OVERFLOW, StepOutcome.ROLLBACK)
+        st.empty_steps += outcome is StepOutcome.EMPTY
         self._session_tokens += stats["real_tokens"]
         self._session_seconds += seconds
-        if action == "ok" and math.isfinite(stats["loss"]):
+        if outcome is StepOutcome.APPLIED:
             st.first_loss = stats["loss"] if st.first_loss is None else st.first_loss
             st.last_loss = stats["loss"]
+        t0, t1, t2 = times
         rec = {
             "kind": "train",
             "step": st.step,
+            "outcome": str(outcome),
             "loss": stats["loss"],
             "lr": lr,
             "grad_norm": grad_norm,
+            "clip_limit": limit,
             "loss_tokens": stats["loss_tokens"],
             "real_tokens": stats["real_tokens"],
             "slot_tokens": stats["slot_tokens"],
             "fill_rate": stats["real_tokens"] / max(1, stats["slot_tokens"]),
             "tokens_per_s": stats["real_tokens"] / seconds if seconds > 0 else 0.0,
+            "batches": step.num_batches or stats["batches"],
+            "epoch": step.epoch,
             "elapsed_s": st.elapsed_s,
-            "epoch": self.epoch(),
-            "batches": stats["batches"],
+            "data_wait_s": self._data_wait,
+            "fwd_bwd_s": t1 - t0,
+            "optimizer_s": t2 - t1,
+            "step_s": seconds,
+            **resource_usage(self.device),
         }
-        if action != "ok":
-            rec["skipped"] = str(getattr(action, "value", action))
-        self.last_record = rec
-        if self.metrics is not None and (st.step % cfg.log_every == 0 or action != "ok"):
-            self.metrics.write(rec)
+        if outcome not in (StepOutcome.APPLIED, StepOutcome.EMPTY):
+            rec["documents"] = list(step.documents)
+        self._write(rec, always=outcome is not StepOutcome.APPLIED)
         self.console.step(rec, seconds)
+        result = StepResult(outcome, rec, step)
         if self.eval_cfg.every_steps and st.step % self.eval_cfg.every_steps == 0:
             self.evaluate_now()
-        if self.on_step is not None:
-            self.on_step(self, st.step)
-        self._tick = time.perf_counter()  # evaluation and checkpoints do not count against tokens/s
-        return rec
+        if self.after_step is not None:
+            self.after_step(result)
+        return result
+
+    def _write(self, rec: dict, always: bool = False) -> None:
+        if rec.get("kind") != "train" or always or rec["step"] % self.cfg.log_every == 0:
+            if self.metrics is not None:
+                self.metrics.write(rec)
+            for sink in self.sinks:
+                sink.write(rec)
 
     # ------------------------------------------------------------------------------------- eval
     def evaluate_now(self) -> dict | None:
         """Evaluate, record (metrics + console), and update early stopping. None when there is no eval."""
-        if self.eval_batches is None and self.evaluate_fn is None:
+        if self.eval_data is None and self.evaluate_fn is None:
             return None
         st = self.state
         rec: dict = {"kind": "eval", "step": st.step}
-        if self.eval_batches is not None:
-            source = self.eval_batches() if callable(self.eval_batches) else self.eval_batches
+        if self.eval_data is not None:
+            source = self.eval_data() if callable(self.eval_data) else self.eval_data
             result = evaluate(
                 self.model,
                 source,
                 device=self.device,
                 precision=self.cfg.precision,
                 max_batches=self.eval_cfg.max_batches,
-                all_reduce_sum=self.all_reduce_sum,
+                all_reduce_sum=self.dist.all_reduce_sum if self.dist.enabled else None,
+                forward=self.forward,
             )
             rec.update(result.as_dict())
         if self.evaluate_fn is not None:
@@ -342,15 +420,15 @@ class Trainer:
                 st.evals_without_improvement += 1
                 if self.eval_cfg.patience and st.evals_without_improvement >= self.eval_cfg.patience:
                     st.early_stopped = True
-        if self.metrics is not None:
-            self.metrics.write(rec)
+        self._write(rec)
         self.console.eval(rec)
         return rec
 
     # -------------------------------------------------------------------------------------- run
     def stop_reason(self) -> str | None:
         st, cfg = self.state, self.cfg
-        if self.should_stop:
+        if self.dist.agree(self.should_stop):  # a signal may reach one rank only: all stop together
+            self.should_stop = True
             return "interrupted"
         if st.early_stopped:
             return "early_stopping"
@@ -358,34 +436,43 @@ class Trainer:
             return "max_steps"
         if cfg.max_tokens is not None and st.real_tokens >= cfg.max_tokens:
             return "max_tokens"
-        last = self._epoch_limit_batches()
-        if last is not None and st.batches_seen >= last:
-            return "max_epochs"
         return None
 
-    def _epoch_limit_batches(self) -> int | None:
-        cfg = self.cfg
-        epochs = cfg.max_epochs
-        if epochs is None and cfg.max_steps is None and cfg.max_tokens is None:
-            epochs = 1.0  # no limit at all: one pass over the data
-        bpe = self._batches_per_epoch()
-        return math.ceil(epochs * bpe - 1e-9) if epochs is not None and bpe else None  # 0.1 * 30 is 3.0000000000000004
+    def _epoch_limit(self) -> float | None:
+        if self.cfg.max_epochs is not None:
+            return self.cfg.max_epochs
+        return 1.0 if self.cfg.max_steps is None and self.cfg.max_tokens is None else None  # no limit: one pass
+
+    def next_step(self) -> Step | None:
+        """The next step of data (None when the data ends: max_epochs, or a finite iterable)."""
+        if self._it is None:
+            self.data.max_epochs = self._epoch_limit()
+            self._it = iter(self.data)
+        t = time.perf_counter()
+        step = next(self._it, None)
+        self._data_wait = time.perf_counter() - t
+        return step
+
+    _data_wait = 0.0
+    _step_began = 0.0
 
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""
-        if self.is_main:
+        if self.dist.is_main:
             # A fresh run starts its metrics afresh; a resumed one appends after the kept records.
             self.metrics = MetricsWriter(self.output_dir / METRICS_FILE, append=self.state.step > 0)
-        self.console = Console(self.state.total_steps, self.state.step, enabled=self._show_console, progress=self.cfg.progress)
+        total = self.cfg.max_steps or self.state.total_steps
+        self.console = Console(total, self.state.step, enabled=self._show_console, progress=self.cfg.progress)
         self.model.train()
-        self._tick = self._mark = time.perf_counter()
+        self._mark = time.perf_counter()
         try:
             while (reason := self.stop_reason()) is None:
-                batches = self.next_step_batches()
-                if not batches:
-                    reason = "data_exhausted"
+                self._step_began = time.perf_counter()
+                step = self.next_step()
+                if step is None:
+                    reason = "max_epochs" if self._epoch_limit() is not None else "data_exhausted"
                     break
-                self.train_step(batches)
+                self.train_step(step)
             if reason != "interrupted" and self.state.last_eval_step != self.state.step:
                 self.evaluate_now()
         finally:
@@ -400,14 +487,13 @@ class Trainer:
         return TrainResult(stop_reason=reason, summary=summary, text=text)
 
     def summary(self, stop_reason: str) -> dict:
-        """The state's counters plus ``stop_reason``, ``steps``, ``fill_rate``, ``epoch``, ``final_loss``,
-        ``final_eval``, this session's tokens and seconds, ``output_dir``."""
+        """The counters plus ``stop_reason``, ``steps``, ``fill_rate``, ``final_loss``, ``final_eval``,
+        this session's tokens and seconds, ``output_dir``."""
         st = self.state
         return dataclasses.asdict(st) | {
             "stop_reason": stop_reason,
             "steps": st.step,
             "fill_rate": st.real_tokens / max(1, st.slot_tokens),
-            "epoch": self.epoch(),
             "final_loss": st.last_loss,
             "final_eval": st.last_eval,
             "session_seconds": self._session_seconds,

@@ -21,11 +21,14 @@ LAYER_GROUPS = ("embeddings", "blocks", "head")
 def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     """Partition the trainable parameters into AdamW groups: (layer group) × (decay, no decay).
 
-    No weight decay on tensors with ``ndim < 2`` (norm gains, biases) nor on the embeddings group,
-    unless ``cfg.decay_all``: decaying them pulls scales and token vectors towards zero, which hurts
-    and buys no regularisation. Empty groups are left out. Every parameter appears exactly once.
+    No weight decay on tensors with ``ndim < 2`` (norm gains, biases), on the embeddings group, nor
+    on the output embedding matrix (an untied ``lm_head``, named by the model's optional
+    ``output_embeddings()``; it stays in the head group for its learning rate), unless
+    ``cfg.decay_all``: decaying them pulls scales and token vectors towards zero (rare tokens most),
+    which hurts and buys no regularisation. Empty groups are left out. Every parameter appears once.
     """
     groups = model.layer_groups()
+    embedding_like = {id(p) for p in getattr(model, "output_embeddings", list)()}
     unknown = set(groups) - set(LAYER_GROUPS)
     if unknown:
         raise ValueError(f"layer_groups(): unexpected group names {sorted(unknown)}; expected {LAYER_GROUPS}")
@@ -40,7 +43,7 @@ def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
             seen.add(id(p))
             if not p.requires_grad:
                 continue
-            decays = cfg.decay_all or (p.ndim >= 2 and name != "embeddings")
+            decays = cfg.decay_all or (p.ndim >= 2 and name != "embeddings" and id(p) not in embedding_like)
             (decay if decays else no_decay).append(p)
         for params, wd, suffix in ((decay, cfg.weight_decay, "decay"), (no_decay, 0.0, "no_decay")):
             if params:
@@ -85,17 +88,13 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int | None) -> float:
     raise ValueError(f"train.schedule: expected cosine, linear or constant; got {cfg.schedule!r}")
 
 
-def estimate_total_steps(
-    cfg: TrainConfig,
-    batches_per_epoch: int | None,
-    batches_per_step: int,
-    real_tokens_per_step: int,
-) -> int | None:
+def estimate_total_steps(cfg: TrainConfig, steps_per_epoch: int | None, real_tokens_per_step: int) -> int | None:
     """Schedule horizon: the first of max_steps, max_epochs (one epoch when no limit is set), max_tokens.
 
-    Epoch and token limits are converted to steps from the size of the first step, so with token-driven
-    accumulation (``loss_tokens_per_step``) the horizon is an estimate; the loop stores it in its state
-    so that a resumed run uses the same value. None when nothing bounds the run.
+    ``steps_per_epoch`` comes from the step planner (the same on every rank); a token limit is
+    converted to steps from the size of the first step (all ranks), so it is an estimate; the loop
+    stores the horizon in its state so that a resumed run uses the same value. None when nothing
+    bounds the run (or the bound cannot be converted to steps).
     """
     candidates = []
     if cfg.max_steps is not None:
@@ -103,8 +102,8 @@ def estimate_total_steps(
     epochs = cfg.max_epochs
     if epochs is None and cfg.max_steps is None and cfg.max_tokens is None:
         epochs = 1.0
-    if epochs is not None and batches_per_epoch:
-        candidates.append(math.ceil(epochs * batches_per_epoch / max(1, batches_per_step)))
+    if epochs is not None and steps_per_epoch:
+        candidates.append(math.ceil(epochs * steps_per_epoch - 1e-9))
     if cfg.max_tokens is not None and real_tokens_per_step > 0:
         candidates.append(math.ceil(cfg.max_tokens / real_tokens_per_step))
     return max(1, min(candidates)) if candidates else None

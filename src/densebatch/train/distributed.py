@@ -1,0 +1,140 @@
+"""Processes working together: rank, world size and the collectives the training loop needs.
+
+One process is the special case N = 1: ``Distributed()`` is a no-op context (sums are the value
+itself, barriers return at once). Under ``torchrun`` (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` in the
+environment) ``Distributed.from_environment`` joins the process group (gloo on CPU, nccl on CUDA) on
+PyTorch's own engine; every decision that ends a step, an epoch or the run is then taken from
+all-reduced values, so all ranks agree without one of them deciding alone.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as tdist
+from torch import Tensor, nn
+
+from densebatch.batch import Batch
+
+
+@dataclass
+class Distributed:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    initialized_here: bool = False  # this object started the process group (and tears it down)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    # ---------------------------------------------------------------------- collectives
+    def all_reduce(self, t: Tensor, op: str = "sum") -> Tensor:
+        """``t`` reduced over ranks (a new tensor on ``t``'s device; the value itself for one process)."""
+        if not self.enabled:
+            return t
+        out = t.detach().clone()
+        tdist.all_reduce(out, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op])
+        return out
+
+    def all_reduce_sum(self, t: Tensor) -> Tensor:
+        return self.all_reduce(t, "sum")
+
+    def barrier(self) -> None:
+        if self.enabled:
+            tdist.barrier()
+
+    def broadcast_object(self, obj, src: int = 0):
+        """``obj`` as rank ``src`` has it (a JSON-able value), on every rank."""
+        if not self.enabled:
+            return obj
+        box = [obj]
+        tdist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def agree(self, flag: bool) -> bool:
+        """True on every rank when any rank says True (e.g. a stop request that reached one rank)."""
+        if not self.enabled:
+            return flag
+        return bool(self.all_reduce(torch.tensor([int(flag)], device=self.device), "max").item())
+
+    def close(self) -> None:
+        if self.initialized_here and tdist.is_initialized():
+            tdist.destroy_process_group()
+            self.initialized_here = False
+
+    # ---------------------------------------------------------------------------- set-up
+    @staticmethod
+    def launched() -> bool:
+        """True when this process was started by torchrun (or another launcher setting the env)."""
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+    @classmethod
+    def from_environment(cls, device: str = "auto") -> Distributed:
+        """Join the torchrun process group (or a one-process context when not launched)."""
+        if not cls.launched():
+            dev = torch.device(
+                "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+            )
+            return cls(device=dev)
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+        dev = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+        if use_cuda:
+            torch.cuda.set_device(dev)
+        here = False
+        if not tdist.is_initialized():
+            tdist.init_process_group(backend="nccl" if use_cuda else "gloo", device_id=dev if use_cuda else None)
+            here = True
+        return cls(rank=rank, world_size=world, local_rank=local, device=dev, initialized_here=here)
+
+
+class TokenLosses(nn.Module):
+    """``forward(batch) -> model.token_losses(batch)`` as a module call, so that wrappers whose work
+    hangs on ``forward`` (DDP's gradient all-reduce, FSDP's all-gathers) see every training pass."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, batch: Batch) -> Tensor:
+        return self.model.token_losses(batch)
+
+
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the children of the largest ``nn.ModuleList`` (by parameter count)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def wrap_model(model: nn.Module, mode: str, dist: Distributed) -> nn.Module:
+    """The module every training pass goes through: ``TokenLosses(model)``, replicated with DDP or
+    sharded with FSDP2 (``fully_shard`` on each block, then on the root) when there are several
+    ranks. ``model`` must already be on ``dist.device``; build the optimizer afterwards (FSDP turns
+    parameters into DTensor shards in place)."""
+    forward = TokenLosses(model)
+    if not dist.enabled:
+        return forward
+    if mode in ("auto", "ddp"):
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        return DDP(forward, device_ids=ids)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in repeated_blocks(model):
+            fully_shard(block)
+        fully_shard(forward)
+        return forward
+    raise ValueError(f"train.distributed: expected auto, ddp or fsdp; got {mode!r}")

@@ -1,0 +1,153 @@
+"""Training policy around the loop: periodic checkpoints, exact resume, rollbacks, signals.
+
+``Session(trainer, checkpoints, ...)`` runs the trainer and decides what happens between its steps:
+
+- **Checkpoints** hold the model, the optimizer and the trainer's named parts (``Trainer.parts()``:
+  counters, data position, guard, clipper, fp16 scaler) plus every RNG and the run's configuration.
+  ``restore`` puts all of them back: the resumed run continues bit for bit.
+- **Rollback** (the guard's verdict on a loss spike or on repeated non-finite steps): the weights,
+  optimizer, scaler and clipper go back to the newest checkpoint and the learning rate is scaled by
+  ``rollback_lr_factor``; the data position is *kept*, so every batch between that checkpoint and the
+  spike is skipped, the spike's included (as PaLM does: replaying the same batches tends to reproduce
+  the spike). Also kept: the guard's history (the spike never entered it), the RNGs, and the counters
+  of what was consumed (``CONSUMED``: tokens, batches, epoch, skipped steps, wall time). Step numbers
+  restart from the checkpoint's, so ``metrics.jsonl`` shows those step numbers twice. The rollback
+  event lists the skipped steps and the document indices they held.
+- **Signals**: SIGTERM / SIGINT finish the current step, then the run saves a checkpoint and stops
+  (a second signal stops at once). Under torchrun every rank stops at the same step.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from densebatch.train.checkpoint import CheckpointManager
+from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
+from densebatch.train.rng import capture_rng_state, restore_rng_state
+
+# Counters of what was consumed (data, wall time, skipped steps): a rollback keeps them, because it
+# keeps the data position too; only the weights and what depends on them go back.
+CONSUMED = ("batches_seen", "real_tokens", "loss_tokens", "slot_tokens", "skipped_steps", "empty_steps", "epoch", "elapsed_s")
+# Trainer parts a rollback restores from the checkpoint (the others keep their current state).
+ROLLBACK_RESTORES = ("counters", "scaler", "clipper")
+
+
+class Session:
+    """One training run: the trainer plus its checkpoints, rollbacks and signal handling."""
+
+    def __init__(
+        self,
+        trainer: Trainer,
+        checkpoints: CheckpointManager,
+        every_steps: int = 0,
+        rollback_lr_factor: float = 0.5,
+        config: dict | None = None,
+        log: Callable[[str], None] | None = None,
+    ):
+        self.trainer, self.checkpoints = trainer, checkpoints
+        self.every_steps, self.rollback_lr_factor, self.config = every_steps, rollback_lr_factor, config
+        self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+        self.last_saved_step = -1
+        self.since_save: list[tuple[int, tuple[int, ...]]] = []  # (step, documents) after the last checkpoint
+        self.rollbacks = 0
+        trainer.after_step = self.after_step
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def save(self) -> Path | None:
+        """Write a checkpoint of the current step (rank 0 writes; every rank waits for it)."""
+        t = self.trainer
+        extra = {"parts": t.trainer_state(), "rng": capture_rng_state(), "config": self.config,
+                 "world_size": t.dist.world_size}  # fmt: skip
+        path = None
+        if t.dist.is_main:
+            path = self.checkpoints.save(t.state.step, t.model.state_dict(), t.optimizer.state_dict(), extra)
+        t.dist.barrier()  # nobody runs ahead of (or resumes from) a checkpoint being written
+        self.last_saved_step = t.state.step
+        self.since_save.clear()
+        return path
+
+    def restore(self, path: Path) -> None:
+        """Resume exactly: model, optimizer, every trainer part and every RNG from ``path``."""
+        t = self.trainer
+        ck = self.checkpoints.load(path, device=t.device)
+        t.model.load_state_dict(ck.model_state)
+        t.optimizer.load_state_dict(ck.optimizer_state)
+        t.load_trainer_state(ck.extra_state["parts"])
+        restore_rng_state(ck.extra_state["rng"])
+        self.last_saved_step = t.state.step
+
+    # -------------------------------------------------------------------------------- per step
+    def after_step(self, result: StepResult) -> None:
+        t = self.trainer
+        self.since_save.append((t.state.step, result.step.documents))
+        if result.outcome is StepOutcome.ROLLBACK:
+            self.rollback(result)
+        elif self.every_steps and t.state.step % self.every_steps == 0:
+            self.save()
+
+    def rollback(self, result: StepResult) -> None:
+        """Back to the newest checkpoint's weights, keeping the data position (see the module docstring)."""
+        t = self.trainer
+        bad_step = t.state.step
+        skipped = list(self.since_save)
+        target = self.checkpoints.latest_valid()
+        event: dict = {"kind": "rollback", "step": bad_step, "loss": result.record.get("loss")}
+        if target is None:
+            event["note"] = "no checkpoint to roll back to: the step was skipped only"
+        else:
+            consumed = {k: getattr(t.state, k) for k in CONSUMED}
+            lr_scale = t.state.lr_scale * self.rollback_lr_factor
+            ck = self.checkpoints.load(target, device=t.device)
+            t.model.load_state_dict(ck.model_state)
+            t.optimizer.load_state_dict(ck.optimizer_state)
+            t.load_trainer_state(ck.extra_state["parts"], only=ROLLBACK_RESTORES)
+            for k, v in consumed.items():
+                setattr(t.state, k, v)
+            t.state.lr_scale = lr_scale
+            self.rollbacks += 1
+            self.since_save.clear()
+            event |= {
+                "to_step": t.state.step,
+                "lr_scale": lr_scale,
+                "skipped_steps": [s for s, _ in skipped],
+                "skipped_documents": sorted({d for _, docs in skipped for d in docs}),
+            }
+        t._write(event)
+        where = f"back to step {event['to_step']}, learning rate x{event['lr_scale']:g}" if target else event["note"]
+        if t.dist.is_main:
+            self.log(f"\nrollback at step {bad_step}: {where}")
+
+    # ------------------------------------------------------------------------------------- run
+    def run(self) -> TrainResult:
+        """Train; on the way out (a limit, early stopping or a signal) save a checkpoint of the last step."""
+        previous = install_signal_handlers(self.trainer, self.log)
+        try:
+            result = self.trainer.run()
+        finally:
+            for sig, old in previous.items():  # the caller's handlers (Python's KeyboardInterrupt for SIGINT)
+                signal.signal(sig, old if old is not None else signal.SIG_DFL)
+        if self.last_saved_step != self.trainer.state.step:
+            path = self.save()
+            if path is not None:
+                print(f"checkpoint: {path}", flush=True)
+        return result
+
+
+def install_signal_handlers(trainer: Trainer, log: Callable[[str], None]) -> dict:
+    """Route SIGTERM / SIGINT to ``trainer.should_stop``; returns the handlers they replace (to put back).
+    Outside the main thread (``train`` called from a worker thread) signals cannot be caught: none."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def handler(signum, frame):
+        if trainer.should_stop:  # a second signal: stop now
+            raise KeyboardInterrupt
+        trainer.should_stop = True
+        if trainer.dist.is_main:
+            log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint")
+
+    return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -1,0 +1,120 @@
+"""Step planning: steps decided globally, shared out to ranks, the same documents for N ranks x k as 1 x N·k."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from densebatch.data.plan import PlanSettings, plan_epoch
+from densebatch.data.steps import StepSettings, cumulative_row_loss_tokens, micro_batches, share, step_stop
+
+
+def _plan(lengths, strategy="token_budget", seed=0, **kw):
+    s = PlanSettings(strategy=strategy, **{"max_tokens_per_batch": 64, "seq_len": 32, "rows_per_batch": 3, **kw})
+    return plan_epoch(np.asarray(lengths), s, seed, 0)
+
+
+def _steps(plan, settings, fraction=1.0, cum=None, stop_row=None):
+    row, out = 0, []
+    end = plan.num_rows if stop_row is None else stop_row
+    while row < end:
+        stop = step_stop(plan, row, settings, fraction, cum, stop_row)
+        out.append((row, stop))
+        row = stop
+    return out
+
+
+lengths_st = st.lists(st.integers(1, 90), min_size=1, max_size=60)
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(
+    lengths=lengths_st,
+    world=st.integers(1, 5),
+    accum=st.integers(1, 3),
+    strategy=st.sampled_from(["random", "token_budget", "packed"]),
+)
+@example(lengths=[5], world=4, accum=1, strategy="random")  # one document, four ranks: three idle
+@example(lengths=[40, 40, 40, 1], world=3, accum=2, strategy="packed")
+def test_every_row_once_and_n_ranks_equal_one_rank_with_n_times_the_accumulation(lengths, world, accum, strategy):
+    plan = _plan(lengths, strategy)
+    many = StepSettings(grad_accum_batches=accum, world_size=world)
+    one = StepSettings(grad_accum_batches=world * accum)
+    steps = _steps(plan, many)
+    assert steps == _steps(plan, one)  # the same rows in every step
+    seen = []
+    for start, stop in steps:
+        shares = [share(plan, start, stop, r, world) for r in range(world)]
+        rows = [int(x) for s in shares for part in s for x in part]
+        assert sorted(rows) == list(range(start, stop))  # the step's rows, each on exactly one rank
+        seen += rows
+        bounds = set(plan.batch_ptr.tolist())
+        for s in shares:
+            for part in s:  # a share never mixes two planned batches: it stays within one budget
+                b = int(np.searchsorted(plan.batch_ptr, part[0], side="right")) - 1
+                assert part[-1] < plan.batch_ptr[b + 1] and len(part) > 0
+        if stop - start >= world and len(micro_batches(plan, start, stop)) < world:
+            assert all(shares), "enough rows for every rank, yet one idles"
+        assert start in bounds and (stop in bounds or stop == plan.num_rows)  # full steps keep whole batches
+    assert sorted(seen) == list(range(plan.num_rows))
+
+
+def test_a_full_step_is_world_times_accum_batches():
+    plan = _plan(np.arange(1, 41) % 17 + 3, "random", rows_per_batch=2)  # 20 batches of 2 rows
+    steps = _steps(plan, StepSettings(grad_accum_batches=3, world_size=2))
+    assert [b - a for a, b in steps] == [12, 12, 12, 4]  # 6 batches a step; the epoch's last is short
+    assert [len(share(plan, 36, 40, r, 2)) for r in range(2)] == [1, 1]
+
+
+def test_token_driven_steps_take_whole_batches_until_the_target_on_every_rank():
+    lengths = [9, 3, 17, 5, 30, 2, 2, 8, 11, 6] * 3
+    plan = _plan(lengths, "random", rows_per_batch=2)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    mask = np.ones(offsets[-1], np.int64)
+    cum = cumulative_row_loss_tokens(plan, offsets, np.concatenate([[0], np.cumsum(mask)]))
+    assert cum[-1] == sum(L - 1 for L in lengths)  # every token but the first of each document
+    s = StepSettings(loss_tokens_per_step=40, world_size=3)
+    steps = _steps(plan, s, cum=cum)
+    for a, b in steps[:-1]:
+        assert cum[b] - cum[a] >= 40  # reached the target
+        last_batch = int(np.searchsorted(plan.batch_ptr, b - 1, side="right")) - 1
+        assert cum[plan.batch_ptr[last_batch]] - cum[a] < 40  # ... only with its last batch
+        assert b in set(plan.batch_ptr.tolist())
+    assert steps == _steps(plan, StepSettings(loss_tokens_per_step=40, world_size=1), cum=cum)
+
+
+def test_row_loss_tokens_count_targets_as_the_collator_labels_them():
+    """A split document keeps the target at every cut: 10 tokens split 4/4/2 carry 9 targets, not 7."""
+    plan = _plan([10], "packed", seq_len=4, max_tokens_per_batch=4)
+    offsets = np.array([0, 10])
+    cum = cumulative_row_loss_tokens(plan, offsets, np.arange(11))  # every loss-mask entry 1
+    assert plan.num_rows == 3 and cum[-1] == 9
+
+
+def test_fractional_steps_take_a_share_of_a_batch_and_resume_inside_it():
+    plan = _plan([32] * 16, "packed", seq_len=32, max_tokens_per_batch=256)  # 2 batches of 8 rows
+    s = StepSettings()
+    assert step_stop(plan, 0, s, 0.25) == 2
+    assert step_stop(plan, 2, s, 0.25) == 4  # continues inside the batch
+    assert step_stop(plan, 2, s, 1.0) == 8  # a full step inside a batch: its rest (0.75 of a batch) ...
+    assert step_stop(plan, 6, s, 1.0) == 16  # ... or its rest and the next batch (1.25), nearest to 1
+    assert step_stop(plan, 7, s, 0.01) == 8  # at least one row
+    steps = _steps(plan, StepSettings(grad_accum_batches=2), fraction=0.5)
+    assert steps == [(0, 8), (8, 16)]
+
+
+def test_stop_row_cuts_the_epoch():
+    plan = _plan(np.full(20, 10), "random", rows_per_batch=2)
+    assert _steps(plan, StepSettings(grad_accum_batches=3), stop_row=8) == [(0, 6), (6, 8)]
+
+
+def test_bad_arguments():
+    plan = _plan([5, 6])
+    with pytest.raises(ValueError, match="past the end"):
+        step_stop(plan, plan.num_rows, StepSettings())
+    with pytest.raises(ValueError, match="fraction"):
+        step_stop(plan, 0, StepSettings(), 0.0)
+    with pytest.raises(ValueError):
+        StepSettings(world_size=2, rank=2)
