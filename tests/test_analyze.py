@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from densebatch.analyze import analyze_main, read_lengths
-from densebatch.data.plan import STRATEGIES, PlanSettings
+from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
 from densebatch.errors import UserError
 
 LENGTHS = np.random.default_rng(0).lognormal(np.log(200), 1.0, 800).astype(np.int64).clip(1, 3000)
@@ -32,26 +33,45 @@ def test_json_keyed_by_strategy():
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
-def test_dump_plan_places_every_document_once(tmp_path, strategy):
+def test_dump_plan_places_every_document_once(tmp_path, strategy, capsys):
+    """Exactly once: a document appears once per piece, and its pieces tile it (the plan behind the
+    dump is checked piece by piece), so a duplicated or lost piece fails; no batch over its budget."""
     f = tmp_path / "plan.json"
-    analyze_main(LENGTHS, S, dump_plan=f, strategy=strategy)
+    out = analyze_main(LENGTHS, S, dump_plan=f, strategy=strategy)
+    assert f"wrote {f}: the {strategy} plan" in out  # says where it wrote
     batches = json.loads(f.read_text())
-    docs = [d for b in batches for row in b for d in row]
-    if strategy == "packed":  # a split document appears once per piece, consecutively cut
-        assert sorted(set(docs)) == list(range(len(LENGTHS)))
-        for b in batches:
-            assert 1 <= len(b) <= 4
-    else:
-        assert sorted(docs) == list(range(len(LENGTHS)))
+    plan = plan_epoch(LENGTHS, dataclasses.replace(S, strategy=strategy), 0, 0)
+    assert batches == plan.doc_lists()
+    docs = np.array([d for b in batches for row in b for d in row])
+    cap = S.seq_len if strategy == "packed" else S.max_tokens_per_batch  # token_budget: a row holds one batch at most
+    pieces_per_doc = -(-LENGTHS // cap) if strategy in ("packed", "token_budget") else np.ones(len(LENGTHS), np.int64)
+    assert np.array_equal(np.bincount(docs, minlength=len(LENGTHS)), pieces_per_doc)
+    if strategy == "packed":
+        assert pieces_per_doc.max() > 1, "the lengths must exercise splitting"
+    order = np.lexsort((plan.start, plan.doc))  # the pieces of each document, in order, tile it
+    d, a, b = plan.doc[order], plan.start[order], plan.stop[order]
+    first = np.r_[True, d[1:] != d[:-1]]
+    last = np.r_[d[1:] != d[:-1], True]
+    assert (a[first] == 0).all() and (a[~first] == b[:-1][~first[1:]]).all() and (b[last] == LENGTHS).all()
+    if strategy == "packed":
+        assert all(1 <= len(b) <= 4 for b in batches)
     if strategy == "token_budget":
         assert all(len(b) * max(LENGTHS[r[0]] for r in b) <= 4096 for b in batches)
+
+
+def test_json_output_stays_json_and_names_written_files_on_stderr(tmp_path, capsys):
+    f = tmp_path / "p.json"
+    out = analyze_main(LENGTHS, S, json_out=True, dump_plan=f, strategy="packed")
+    assert set(json.loads(out)) == set(STRATEGIES)
+    assert f"wrote {f}: the packed plan" in capsys.readouterr().err
 
 
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     f = tmp_path / "h.png"
-    analyze_main(LENGTHS, S, plot=f, strategies=["packed", "random"])
+    out = analyze_main(LENGTHS, S, plot=f, strategies=["packed", "random"])
     assert f.read_bytes()[:4] == b"\x89PNG"
+    assert f"wrote {f}: histogram" in out
 
 
 def test_read_lengths_text_and_npy(tmp_path):

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
 from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.shards import plan_epoch_sharded
 from densebatch.errors import ConfigError, DataError, UserError
 
 
@@ -31,7 +33,7 @@ def read_lengths(path: str | Path) -> np.ndarray:
             raise DataError(f"{path}: not a readable .npy array ({e})") from None
         if x.ndim != 1 or not np.issubdtype(x.dtype, np.integer):
             raise DataError(f"{path}: expected a one-dimensional integer array; got {x.dtype} with shape {x.shape}")
-        x = x.astype(np.int64)
+        x = x.astype(np.int64, copy=False)  # an int64 file is used as loaded: no second copy of every length
         if len(x) and x.min() < 1:
             raise DataError(f"{path}: entry {int(np.argmin(x))} is {int(x.min())}; lengths must be positive")
         return x
@@ -65,7 +67,7 @@ def analyze(lengths: np.ndarray, settings: PlanSettings, strategies=STRATEGIES, 
             raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
         s = dataclasses.replace(settings, strategy=name)
         t0 = time.perf_counter()
-        plan = plan_epoch(lengths, s, seed, 0)
+        plan = plan_epoch_sharded(lengths, s, seed, 0)  # bounded memory: shard by shard past shard_docs
         stats = plan.stats()
         stats["plan_seconds"] = time.perf_counter() - t0
         results[name] = stats
@@ -141,20 +143,27 @@ def analyze_main(
     ``dump_plan``: write the plan of ``strategy`` (default ``settings.strategy``) as JSON: a list of
     batches, each a list of rows, each a list of 0-based document indices (a split document appears
     once per piece). ``plot``: write a PNG histogram of lengths with each strategy's fill rate.
+    Each file written is named in a line after the table ("wrote plan.json: ..."); with ``json_out``
+    those lines go to stderr, so that stdout stays one JSON object.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) == 0:
         raise DataError("no document lengths to analyze")
     strategies = list(strategies or STRATEGIES)
     results = analyze(lengths, settings, strategies, seed)
+    wrote: list[str] = []
     if dump_plan is not None:
         name = strategy or settings.strategy
         if name not in STRATEGIES:
             raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
         plan = plan_epoch(lengths, dataclasses.replace(settings, strategy=name), seed, 0)
         Path(dump_plan).write_text(json.dumps(plan.doc_lists(), separators=(",", ":")), encoding="utf-8")
+        wrote.append(f"wrote {dump_plan}: the {name} plan, {plan.num_batches} batches → rows → document indices")
     if plot is not None:
         write_plot(lengths, results, plot, settings)
+        wrote.append(f"wrote {plot}: histogram of {len(lengths)} document lengths with each strategy's fill rate")
     if json_out:
+        for line in wrote:
+            print(line, file=sys.stderr)
         return json.dumps(results, indent=2)
-    return format_table(results)
+    return "\n".join([format_table(results), *wrote])
