@@ -4,6 +4,7 @@ facts (single_doc_rows, max_position, documents) exact; the book's collate on it
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -131,15 +132,24 @@ def test_bad_piece_is_a_clear_error():
 
 
 # --------------------------------------------------------------------------- book equivalence
+FIXTURE_BATCHES = 10  # batches of each order whose items tests/fixtures keeps (make_fixtures.py)
+
+
 @pytest.fixture(scope="module")
-def book_items():
+def book_items(book_ids):
+    """(training items, {index: GPT-2 ids}, batches to check, token count per item): every item from
+    ../shared/data (which must agree with tests/fixtures), else the fixture's items."""
+    n_train, items, lengths = book_ids
     shared = shared_data_dir()
     if shared is None:
-        pytest.skip("../shared/data is absent")
-
+        return n_train, items, FIXTURE_BATCHES, lengths[:n_train]
     data = json.loads((shared / "instruction-data.json").read_text(encoding="utf-8"))
     train = data[: int(len(data) * 0.85)]
-    return [e.ids for e in gpt2_tokenizer(shared).encode_batch([alpaca_text(r) for r in train])]
+    ids = [e.ids for e in gpt2_tokenizer(shared).encode_batch([alpaca_text(r) for r in train])]
+    stale = "tests/fixtures is stale: run tests/fixtures/make_fixtures.py"
+    assert len(train) == n_train and all(ids[i] == x for i, x in items.items()), stale
+    assert [len(x) for x in ids] == lengths[:n_train].tolist(), stale
+    return n_train, dict(enumerate(ids)), None, lengths[:n_train]
 
 
 def test_book_equivalence_on_its_own_data(book_items):
@@ -147,18 +157,23 @@ def test_book_equivalence_on_its_own_data(book_items):
     no prompt masking and one document per row, our batch is exactly one column wider than the
     book's (T = longest item + 1 vs longest item): on the book's columns inputs and targets are
     equal, and our extra column has no target. Batches: the book's own loader order
-    (torch.manual_seed(123), shuffle, 8 rows, drop_last), and our `random` planner's."""
-    store = MemStore([ids + [EOS] for ids in book_items])
+    (torch.manual_seed(123), shuffle, 8 rows, drop_last), and our `random` planner's (all of them
+    with ../shared/data; the first 10 of each from tests/fixtures)."""
+    n_train, items, limit, lengths = book_items
+    keys = sorted(items)
+    at = {k: j for j, k in enumerate(keys)}  # item index -> document of the store
+    store = MemStore([items[k] + [EOS] for k in keys])
     ours = CausalCollator(pad_id=EOS, use_loss_mask=False)
     torch.manual_seed(123)
-    loader = torch.utils.data.DataLoader(range(len(book_items)), batch_size=8, shuffle=True, drop_last=True, collate_fn=list)
-    book_batches = [b for b in loader]
+    loader = torch.utils.data.DataLoader(range(n_train), batch_size=8, shuffle=True, drop_last=True, collate_fn=list)
+    book_batches = list(itertools.islice(loader, limit))
     widths = []
-    plan = plan_epoch(store.lengths, PlanSettings(strategy="random", rows_per_batch=8), seed=123, epoch=0)
-    our_batches = [[d for row in plan.batch(i) for d, _, _ in row] for i in range(plan.num_batches)]
+    plan = plan_epoch(lengths + 1, PlanSettings(strategy="random", rows_per_batch=8), seed=123, epoch=0)
+    our_batches = [[d for row in plan.batch(i) for d, _, _ in row] for i in range(plan.num_batches)][:limit]
+    assert len(book_batches) >= FIXTURE_BATCHES and len(our_batches) >= FIXTURE_BATCHES
     for k, idx in enumerate(book_batches + our_batches):
-        bi, bt = _book_collate([book_items[i] for i in idx])
-        b = ours(store, [[(i, 0, int(store.lengths[i]))] for i in idx])
+        bi, bt = _book_collate([items[i] for i in idx])
+        b = ours(store, [[(at[i], 0, len(items[i]) + 1)] for i in idx])
         W = bi.shape[1]
         if k < len(book_batches):
             widths.append(W)
@@ -169,10 +184,11 @@ def test_book_equivalence_on_its_own_data(book_items):
 
 
 def test_book_masks_by_value_we_mask_by_position(book_items):
-    item = book_items[0][:10] + [EOS] + book_items[0][10:]  # an end-of-text id inside the text
-    _, bt = _book_collate([item, book_items[1]])
-    store = MemStore([item + [EOS], book_items[1] + [EOS]])
-    b = CausalCollator(pad_id=EOS, use_loss_mask=False)(store, [[(0, 0, len(item) + 1)], [(1, 0, len(book_items[1]) + 1)]])
+    _, items, _, _ = book_items
+    item = items[0][:10] + [EOS] + items[0][10:]  # an end-of-text id inside the text
+    _, bt = _book_collate([item, items[1]])
+    store = MemStore([item + [EOS], items[1] + [EOS]])
+    b = CausalCollator(pad_id=EOS, use_loss_mask=False)(store, [[(0, 0, len(item) + 1)], [(1, 0, len(items[1]) + 1)]])
     n = len(item)
     assert bt[0, 9] == EOS and b.labels[0, 9] == EOS  # the in-text id: both keep it
     assert bt[0, n - 1] == IGNORE_INDEX  # the book loses the real end-of-text target

@@ -27,10 +27,18 @@ def _texts(prepared, store=None):
     return out
 
 
-def test_book_token_counts_with_gpt2(shared_dir, data_cfg):
-    p = prepare(data_cfg(path=str(shared_dir / "instruction-data.json"), tokenizer=str(shared_dir / "gpt2")))
+def test_book_token_counts_with_gpt2(book_records, book_ids, gpt2_dir, data_cfg, tmp_path):
+    """Every record (../shared/data), or the few tests/fixtures keeps, prepared with the GPT-2 BPE:
+    the token count of each is the book's (the fixture's counts come from the full data and BPE)."""
+    _, _, counts = book_ids
+    assert len(counts) == 1100 and np.median(counts) == 55 and counts.max() == 91  # ../shared/data/README.md
+    index = sorted(book_records)
+    path = tmp_path / "book.json"
+    path.write_text(json.dumps([book_records[i] for i in index]), encoding="utf-8")
+    p = prepare(data_cfg(path=str(path), tokenizer=str(gpt2_dir)))
     lengths = np.asarray(p.train.lengths) - 1  # without the appended end-of-text
-    assert len(lengths) == 1100 and np.median(lengths) == 55 and lengths.max() == 91
+    assert lengths.tolist() == counts[index].tolist()
+    assert int(np.argmax(counts)) in index  # the longest record is among them
     tokens, _ = p.train.document(0)
     assert tokens[-1] == 50256 and p.train.pad_id == 50256
 
@@ -54,9 +62,9 @@ def test_loss_mask_is_the_response_by_position(data_cfg, tmp_path, records, writ
         assert m[0] == 0 and m[1:].all()
 
 
-def test_text_holding_the_eos_string_is_masked_by_position(data_cfg, tmp_path, write_jsonl, shared_dir):
+def test_text_holding_the_eos_string_is_masked_by_position(data_cfg, tmp_path, write_jsonl, gpt2_dir):
     rec = {"instruction": "Echo <|endoftext|> please", "input": "", "output": "ok<|endoftext|>ok"}
-    p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", [rec])), tokenizer=str(shared_dir / "gpt2")))
+    p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", [rec])), tokenizer=str(gpt2_dir)))
     t, m = p.train.document(0)
     eos_positions = np.flatnonzero(t == 50256)
     assert len(eos_positions) == 3 and m[eos_positions].tolist() == [0, 1, 1]

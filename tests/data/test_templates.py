@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from densebatch.config import DataConfig, FieldsConfig
@@ -13,8 +11,8 @@ from densebatch.errors import ConfigError
 PREAMBLE = "Below is an instruction that describes a task. Write a response that appropriately completes the request."
 
 
-def test_alpaca_record_0_of_the_book_byte_for_byte(shared_dir):
-    rec = json.loads((shared_dir / "instruction-data.json").read_text(encoding="utf-8"))[0]
+def test_alpaca_record_0_of_the_book_byte_for_byte(book_records):
+    rec = book_records[0]  # ../shared/data/instruction-data.json, or tests/fixtures/book/records.jsonl
     # The book's format_input (ch. 7) + "\n\n### Response:\n" + output, written out.
     expected = (
         f"{PREAMBLE}\n\n### Instruction:\n{rec['instruction']}"
