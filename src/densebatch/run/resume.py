@@ -40,6 +40,7 @@ RESUMABLE = frozenset(
         "checkpoint.mirror_dir",
         "checkpoint.resume",
         "batching.prefetch",
+        "train.distributed",  # ddp and fsdp compute the same updates (≤ 1e-5): a resume may switch
     }
 )
 

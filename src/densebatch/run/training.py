@@ -38,6 +38,7 @@ from densebatch.train.distributed import Distributed, wrap_model
 from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
 from densebatch.train.loop import Trainer, resolve_device
 from densebatch.train.monitor import METRICS_FILE, truncate_metrics
+from densebatch.train.portable import is_sharded, model_state
 from densebatch.train.session import Session
 
 FINAL_DIR = "final"  # output_dir/final: model + tokenizer + config.yaml + densebatch_state.json
@@ -197,7 +198,8 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         dist=dist, forward=forward, sinks=build_sinks(cfg, out) if dist.is_main else (),
     )  # fmt: skip
     accuracy = None
-    if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main:
+    sharded = cfg.train.distributed == "fsdp" and dist.enabled  # generation would need every rank's shards
+    if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main and not sharded:
         accuracy = AccuracyCheck(prepared.eval_records, cfg.data, tok, cfg.eval.accuracy_samples)
 
         def answer(model, prompts):
@@ -218,10 +220,16 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         if dist.is_main:
             print("stopped by signal; continue with --resume", flush=True)
         return 0
+    final_model = trainer.model
+    if is_sharded(trainer.model):  # FSDP: gather the full weights (every rank takes part) into a plain copy
+        state = model_state(trainer.model)
+        if dist.is_main:
+            final_model = build_model(cfg.model, tok.vocab_size)
+            final_model.load_state_dict(state)
     if dist.is_main:
         final = out / FINAL_DIR
         with staged_dir(final) as tmp:
-            save_model(trainer.model, tmp)
+            save_model(final_model, tmp)
             tok.save(tmp)
             save_config(cfg, tmp / "config.yaml")
             write_file(tmp / FINAL_STATE, json.dumps({"step": trainer.state.step}))

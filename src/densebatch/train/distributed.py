@@ -59,6 +59,14 @@ class Distributed:
         tdist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def gather_object(self, obj) -> list:
+        """Every rank's ``obj`` (JSON-able), in rank order, on every rank."""
+        if not self.enabled:
+            return [obj]
+        out: list = [None] * self.world_size
+        tdist.all_gather_object(out, obj)
+        return out
+
     def agree(self, flag: bool) -> bool:
         """True on every rank when any rank says True (e.g. a stop request that reached one rank)."""
         if not self.enabled:

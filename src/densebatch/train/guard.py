@@ -237,9 +237,9 @@ def clip_gradients(
     norm = float(total)
     limit = clipper.step(norm) if clipper is not None else (float(max_norm) if max_norm > 0 else math.inf)
     if math.isfinite(norm) and math.isfinite(limit) and norm > limit:
-        if hasattr(torch.nn.utils, "clip_grads_with_norm_"):  # torch >= 2.6; groups by device, foreach
-            torch.nn.utils.clip_grads_with_norm_(params, limit, total, foreach=None)
-        else:  # same coefficient as torch.nn.utils.clip_grad_norm_
+        if hasattr(torch.nn.utils, "clip_grads_with_norm_") and not hasattr(grads[0], "full_tensor"):
+            torch.nn.utils.clip_grads_with_norm_(params, limit, total, foreach=None)  # torch >= 2.6; foreach
+        else:  # DTensor shards (FSDP2), older torch: the same coefficient as torch.nn.utils.clip_grad_norm_
             coef = limit / (norm + 1e-6)
             for g in grads:
                 g.detach().mul_(coef)

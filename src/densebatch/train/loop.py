@@ -17,8 +17,6 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -27,122 +25,19 @@ from torch import nn
 
 from densebatch.batch import Batch, Step
 from densebatch.config import EvalConfig, TrainConfig
+from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.evaluate import autocast, check_precision, evaluate, to_device
 from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
 from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_at
-
-
-class StepOutcome(str, Enum):
-    APPLIED = "applied"
-    EMPTY = "empty"  # the step held no loss tokens: no update, not an anomaly
-    SKIPPED = "skipped"  # non-finite loss or gradient norm: weights unchanged
-    OVERFLOW = "overflow"  # fp16 loss scale too high: the scaler skipped the update and lowers the scale
-    ROLLBACK = "rollback"  # a spike or repeated non-finite steps: weights unchanged, the session rolls back
-
-    def __str__(self) -> str:
-        return self.value
-
-
-@dataclass
-class TrainState:
-    """Counters a resumed run needs besides model and optimizer tensors (JSON-able via ``asdict``)."""
-
-    step: int = 0  # optimizer steps taken (every outcome counts)
-    batches_seen: int = 0  # planned batches over all ranks
-    real_tokens: int = 0  # all ranks
-    loss_tokens: int = 0
-    slot_tokens: int = 0
-    skipped_steps: int = 0  # skipped, overflow and rollback outcomes
-    empty_steps: int = 0
-    epoch: float = 0.0  # position in the data after the last step, in epochs
-    total_steps: int | None = None  # schedule horizon, fixed at the first step
-    lr_scale: float = 1.0  # multiplies the schedule (lowered after a rollback)
-    best_eval_loss: float | None = None
-    evals_without_improvement: int = 0
-    last_eval_step: int = -1
-    early_stopped: bool = False
-    first_loss: float | None = None
-    last_loss: float | None = None
-    last_eval: dict | None = None
-    elapsed_s: float = 0.0  # wall time over all sessions
-
-    def state_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    def load_state_dict(self, d: dict) -> None:
-        names = {f.name for f in dataclasses.fields(self)}
-        for k, v in d.items():
-            if k in names:
-                setattr(self, k, v)
-
-
-@dataclass
-class StepResult:
-    outcome: StepOutcome
-    record: dict  # the metrics record of the step
-    step: Step
-
-
-@dataclass
-class TrainResult:
-    stop_reason: str  # max_steps | max_tokens | max_epochs | early_stopping | interrupted | data_exhausted
-    summary: dict  # JSON-able facts (keys read by monitor.format_summary)
-    text: str  # the one-screen summary, as printed
+from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-class BatchSteps:
-    """Steps from a plain iterable of ``Batch`` (one process): ``grad_accum_batches`` batches, or batches
-    until ``loss_tokens_per_step`` loss tokens. A re-iterable (a list) cycles epoch after epoch."""
-
-    def __init__(self, batches: Iterable[Batch], cfg: TrainConfig):
-        self.batches, self.cfg = batches, cfg
-        self.per_epoch = getattr(batches, "batches_per_epoch", None) or (len(batches) if hasattr(batches, "__len__") else None)
-        self.seen = 0
-
-    def state_dict(self) -> dict:
-        inner = self.batches.state_dict() if hasattr(self.batches, "state_dict") else {}
-        return {"seen": self.seen, "inner": inner}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.seen = int(state["seen"])
-        if hasattr(self.batches, "load_state_dict"):
-            self.batches.load_state_dict(state["inner"])
-
-    def steps_per_epoch(self) -> int | None:
-        if not self.per_epoch or self.cfg.loss_tokens_per_step is not None:
-            return None
-        return math.ceil(self.per_epoch / self.cfg.grad_accum_batches)
-
-    def __iter__(self) -> Iterator[Step]:
-        it = iter(self.batches)
-        limit = None if self.max_epochs is None or not self.per_epoch else math.ceil(self.max_epochs * self.per_epoch - 1e-9)
-        while limit is None or self.seen < limit:
-            out, tokens = [], 0
-            for batch in it:
-                out.append(batch)
-                tokens += batch.num_loss_tokens
-                epoch_end = self.per_epoch and (self.seen + len(out)) % self.per_epoch == 0
-                target = self.cfg.loss_tokens_per_step
-                full = tokens >= target if target is not None else len(out) >= self.cfg.grad_accum_batches
-                if full or epoch_end or (limit is not None and self.seen + len(out) >= limit):
-                    break
-            if not out:
-                if not hasattr(self.batches, "__len__"):
-                    return
-                it = iter(self.batches)  # a list: its next epoch
-                continue
-            self.seen += len(out)
-            yield Step(tuple(out), epoch=self.seen / self.per_epoch if self.per_epoch else 0.0, num_batches=len(out))
-
-    max_epochs: float | None = None
 
 
 class Trainer:
@@ -281,30 +176,22 @@ class Trainer:
         no_sync = getattr(self.forward, "no_sync", None)
         return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
 
-    def _set_lr(self) -> float:
+    def _set_lr(self, step: Step) -> float:
         st = self.state
-        if st.total_steps is None and st.step == 0:
-            st.total_steps = self._horizon()
+        if st.total_steps is None and st.step == 0:  # the horizon, fixed once from the first step (all ranks)
+            local = torch.tensor([float(sum(b.num_real_tokens for b in step.batches))], dtype=torch.float64)
+            first_tokens = int(self.dist.all_reduce_sum(local.to(self.device)).item())
+            st.total_steps = estimate_total_steps(self.cfg, self.data.steps_per_epoch(), first_tokens)
             self.console.set_total(self.cfg.max_steps or st.total_steps)
         lr = lr_at(st.step, self.cfg, st.total_steps) * st.lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group["lr_mult"]
         return lr
 
-    def _horizon(self) -> int | None:
-        per_epoch = self.data.steps_per_epoch()
-        return estimate_total_steps(self.cfg, per_epoch, self._first_step_tokens)
-
-    _first_step_tokens = 0
-
     def train_step(self, step: Step) -> StepResult:
         """One optimizer step: schedule, forward/backward, clip, verdict, update, log, evaluate."""
-        st = self.state
         t0 = time.perf_counter()
-        if st.step == 0 and st.total_steps is None:
-            local = torch.tensor([float(sum(b.num_real_tokens for b in step.batches))], dtype=torch.float64)
-            self._first_step_tokens = int(self.dist.all_reduce_sum(local.to(self.device)).item())
-        lr = self._set_lr()
+        lr = self._set_lr(step)
         stats = self.forward_backward(step.batches)
         t1 = time.perf_counter()
         grad_norm, limit = math.nan, math.nan
@@ -368,6 +255,9 @@ class Trainer:
         }
         if outcome not in (StepOutcome.APPLIED, StepOutcome.EMPTY):
             rec["documents"] = list(step.documents)
+        if st.step == 1 or self._first_record:  # what this rank holds: 1/N of DDP's under FSDP
+            rec["rank_state_gb"] = rank_state_bytes(self.model, self.optimizer) / 1e9
+            self._first_record = False
         self._write(rec, always=outcome is not StepOutcome.APPLIED)
         self.console.step(rec, seconds)
         result = StepResult(outcome, rec, step)
@@ -455,6 +345,7 @@ class Trainer:
 
     _data_wait = 0.0
     _step_began = 0.0
+    _first_record = True
 
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""

@@ -2,9 +2,10 @@
 
 ``Session(trainer, checkpoints, ...)`` runs the trainer and decides what happens between its steps:
 
-- **Checkpoints** hold the model, the optimizer and the trainer's named parts (``Trainer.parts()``:
-  counters, data position, guard, clipper, fp16 scaler) plus every RNG and the run's configuration.
-  ``restore`` puts all of them back: the resumed run continues bit for bit.
+- **Checkpoints** hold the model, the optimizer (both in the world-size-independent form of
+  ``train/portable.py``) and the trainer's named parts (``Trainer.parts()``: counters, data position,
+  guard, clipper, fp16 scaler), plus every rank's RNG states, the number of ranks and the run's
+  configuration. ``restore`` puts all of them back: the resumed run continues bit for bit.
 - **Rollback** (the guard's verdict on a loss spike or on repeated non-finite steps): the weights,
   optimizer, scaler and clipper go back to the newest checkpoint and the learning rate is scaled by
   ``rollback_lr_factor``; the data position is *kept*, so every batch between that checkpoint and the
@@ -27,6 +28,7 @@ from pathlib import Path
 
 from densebatch.train.checkpoint import CheckpointManager
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
+from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 # Counters of what was consumed (data, wall time, skipped steps): a rollback keeps them, because it
@@ -58,13 +60,16 @@ class Session:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path | None:
-        """Write a checkpoint of the current step (rank 0 writes; every rank waits for it)."""
+        """Write a checkpoint of the current step: every rank takes part in gathering the state (FSDP),
+        rank 0 writes it (model and optimizer in the portable form of ``train/portable.py``, every
+        rank's RNG states), and every rank waits until it is complete."""
         t = self.trainer
-        extra = {"parts": t.trainer_state(), "rng": capture_rng_state(), "config": self.config,
-                 "world_size": t.dist.world_size}  # fmt: skip
+        model, optim = model_state(t.model), optimizer_state(t.model, t.optimizer)  # collectives under FSDP
+        rngs = t.dist.gather_object(capture_rng_state())
+        extra = {"parts": t.trainer_state(), "rng": rngs, "config": self.config, "world_size": t.dist.world_size}
         path = None
         if t.dist.is_main:
-            path = self.checkpoints.save(t.state.step, t.model.state_dict(), t.optimizer.state_dict(), extra)
+            path = self.checkpoints.save(t.state.step, model, optim, extra)
         t.dist.barrier()  # nobody runs ahead of (or resumes from) a checkpoint being written
         self.last_saved_step = t.state.step
         self.since_save.clear()
@@ -73,12 +78,19 @@ class Session:
     def restore(self, path: Path) -> None:
         """Resume exactly: model, optimizer, every trainer part and every RNG from ``path``."""
         t = self.trainer
-        ck = self.checkpoints.load(path, device=t.device)
-        t.model.load_state_dict(ck.model_state)
-        t.optimizer.load_state_dict(ck.optimizer_state)
+        ck = self.checkpoints.load(path, device="cpu")
+        self._load_weights(ck)
         t.load_trainer_state(ck.extra_state["parts"])
-        restore_rng_state(ck.extra_state["rng"])
+        rngs = ck.extra_state["rng"]
+        # Each rank continues its own random streams; on another world size the streams cannot all
+        # continue (dropout masks then differ from the uninterrupted run; data order does not).
+        restore_rng_state(rngs[t.dist.rank % len(rngs)])
         self.last_saved_step = t.state.step
+
+    def _load_weights(self, ck) -> None:
+        t = self.trainer
+        load_model_state(t.model, ck.model_state)
+        load_optimizer_state(t.model, t.optimizer, ck.optimizer_state)
 
     # -------------------------------------------------------------------------------- per step
     def after_step(self, result: StepResult) -> None:
@@ -101,9 +113,8 @@ class Session:
         else:
             consumed = {k: getattr(t.state, k) for k in CONSUMED}
             lr_scale = t.state.lr_scale * self.rollback_lr_factor
-            ck = self.checkpoints.load(target, device=t.device)
-            t.model.load_state_dict(ck.model_state)
-            t.optimizer.load_state_dict(ck.optimizer_state)
+            ck = self.checkpoints.load(target, device="cpu")
+            self._load_weights(ck)
             t.load_trainer_state(ck.extra_state["parts"], only=ROLLBACK_RESTORES)
             for k, v in consumed.items():
                 setattr(t.state, k, v)

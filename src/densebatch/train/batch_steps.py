@@ -1,0 +1,62 @@
+"""Steps from a plain iterable of batches, for one process (tests, library users without a loader).
+
+The data layer's ``StepLoader`` plans steps globally for any number of ranks; this adapter groups
+an ordinary iterable of ``Batch`` the same way for one process: ``grad_accum_batches`` batches, or
+batches until ``loss_tokens_per_step`` loss tokens, never across the end of an epoch (a list is
+re-iterated epoch after epoch; its length is the epoch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+
+from densebatch.batch import Batch, Step
+from densebatch.config import TrainConfig
+
+
+class BatchSteps:
+    """Steps from a plain iterable of ``Batch`` (one process): ``grad_accum_batches`` batches, or batches
+    until ``loss_tokens_per_step`` loss tokens. A re-iterable (a list) cycles epoch after epoch."""
+
+    def __init__(self, batches: Iterable[Batch], cfg: TrainConfig):
+        self.batches, self.cfg = batches, cfg
+        self.per_epoch = getattr(batches, "batches_per_epoch", None) or (len(batches) if hasattr(batches, "__len__") else None)
+        self.seen = 0
+
+    def state_dict(self) -> dict:
+        inner = self.batches.state_dict() if hasattr(self.batches, "state_dict") else {}
+        return {"seen": self.seen, "inner": inner}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seen = int(state["seen"])
+        if hasattr(self.batches, "load_state_dict"):
+            self.batches.load_state_dict(state["inner"])
+
+    def steps_per_epoch(self) -> int | None:
+        if not self.per_epoch or self.cfg.loss_tokens_per_step is not None:
+            return None
+        return math.ceil(self.per_epoch / self.cfg.grad_accum_batches)
+
+    def __iter__(self) -> Iterator[Step]:
+        it = iter(self.batches)
+        limit = None if self.max_epochs is None or not self.per_epoch else math.ceil(self.max_epochs * self.per_epoch - 1e-9)
+        while limit is None or self.seen < limit:
+            out, tokens = [], 0
+            for batch in it:
+                out.append(batch)
+                tokens += batch.num_loss_tokens
+                epoch_end = self.per_epoch and (self.seen + len(out)) % self.per_epoch == 0
+                target = self.cfg.loss_tokens_per_step
+                full = tokens >= target if target is not None else len(out) >= self.cfg.grad_accum_batches
+                if full or epoch_end or (limit is not None and self.seen + len(out) >= limit):
+                    break
+            if not out:
+                if not hasattr(self.batches, "__len__"):
+                    return
+                it = iter(self.batches)  # a list: its next epoch
+                continue
+            self.seen += len(out)
+            yield Step(tuple(out), epoch=self.seen / self.per_epoch if self.per_epoch else 0.0, num_batches=len(out))
+
+    max_epochs: float | None = None

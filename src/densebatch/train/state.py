@@ -1,0 +1,86 @@
+"""The values a training step produces and the counters a run keeps: outcomes, results, state.
+
+``StepOutcome`` is how a step ended (a value, not a log string: the session acts on it);
+``TrainState`` the counters a resume restores; ``StepResult`` / ``TrainResult`` what the loop hands
+back per step and per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import Tensor, nn
+
+from densebatch.batch import Step
+
+
+class StepOutcome(str, Enum):
+    APPLIED = "applied"
+    EMPTY = "empty"  # the step held no loss tokens: no update, not an anomaly
+    SKIPPED = "skipped"  # non-finite loss or gradient norm: weights unchanged
+    OVERFLOW = "overflow"  # fp16 loss scale too high: the scaler skipped the update and lowers the scale
+    ROLLBACK = "rollback"  # a spike or repeated non-finite steps: weights unchanged, the session rolls back
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class TrainState:
+    """Counters a resumed run needs besides model and optimizer tensors (JSON-able via ``asdict``)."""
+
+    step: int = 0  # optimizer steps taken (every outcome counts)
+    batches_seen: int = 0  # planned batches over all ranks
+    real_tokens: int = 0  # all ranks
+    loss_tokens: int = 0
+    slot_tokens: int = 0
+    skipped_steps: int = 0  # skipped, overflow and rollback outcomes
+    empty_steps: int = 0
+    epoch: float = 0.0  # position in the data after the last step, in epochs
+    total_steps: int | None = None  # schedule horizon, fixed at the first step
+    lr_scale: float = 1.0  # multiplies the schedule (lowered after a rollback)
+    best_eval_loss: float | None = None
+    evals_without_improvement: int = 0
+    last_eval_step: int = -1
+    early_stopped: bool = False
+    first_loss: float | None = None
+    last_loss: float | None = None
+    last_eval: dict | None = None
+    elapsed_s: float = 0.0  # wall time over all sessions
+
+    def state_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, d: dict) -> None:
+        names = {f.name for f in dataclasses.fields(self)}
+        for k, v in d.items():
+            if k in names:
+                setattr(self, k, v)
+
+
+@dataclass
+class StepResult:
+    outcome: StepOutcome
+    record: dict  # the metrics record of the step
+    step: Step
+
+
+@dataclass
+class TrainResult:
+    stop_reason: str  # max_steps | max_tokens | max_epochs | early_stopping | interrupted | data_exhausted
+    summary: dict  # JSON-able facts (keys read by monitor.format_summary)
+    text: str  # the one-screen summary, as printed
+
+
+def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state held by this rank (local shards under FSDP)."""
+
+    def local(t: Tensor) -> Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
+    tensors += [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -1,0 +1,198 @@
+"""torchrun on CPU (gloo, 2 processes): the same steps and losses as one process, FSDP = DDP, a killed
+worker ends the job and resumes bit for bit, a 2-process checkpoint continues on 1 process, two nodes
+simulated on localhost.
+
+Every run is the real CLI. Launches cost interpreter start-up (~5-15 s on two loaded cores), so the
+runs are shared by the tests of this module through module-scoped fixtures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from densebatch.cli import main
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+CONFIG = {
+    "seed": 0,
+    # 200 generated records -> ~81 short training documents; packed rows of 256, 2 rows a batch:
+    # ~20 batches an epoch, so 16 steps of 2 batches cross into the next epoch.
+    "data": {"default": {"num_records": 200}, "max_seq_len": 256},
+    "batching": {"strategy": "packed", "max_tokens_per_batch": 512, "seq_len": 256},
+    "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 256},
+    "train": {"max_steps": 16, "lr": 3e-3, "warmup_steps": 2, "progress": False, "device": "cpu"},
+    "eval": {"accuracy_samples": 0},
+    "checkpoint": {"every_steps": 4, "keep_last": 4},
+}
+
+
+def _config(tmp: Path, **sections) -> Path:
+    cfg = json.loads(json.dumps(CONFIG))
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value}
+    cfg["data"]["cache_dir"] = str(tmp / "cache")
+    path = tmp / f"cfg-{len(list(tmp.glob('cfg-*')))}.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def torchrun(args: list[str], nproc: int = 2) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "--no-python", str(BIN / "densebatch"), *args]
+
+
+def launch(args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun(args, nproc), env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
+
+
+def records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def close(a, b, rel=1e-5) -> bool:
+    return [s for s, _ in a] == [s for s, _ in b] and all(abs(x - y) <= rel * abs(y) for (_, x), (_, y) in zip(a, b))
+
+
+def in_process(args: list[str]) -> int:
+    """One-process runs in the test process (same thread count as the workers)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("dist")
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp) -> Path:
+    r = launch(["train", str(_config(tmp)), f"--output_dir={tmp / 'ddp'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    return tmp / "ddp"
+
+
+def test_ddp_equals_one_process_with_doubled_accumulation(tmp, ddp):
+    assert in_process(["train", str(_config(tmp)), f"--output_dir={tmp / 'one'}", "--train.grad_accum_batches=2"]) == 0
+    one, two = losses(tmp / "one"), losses(ddp)
+    assert len(two) == 16 and close(two, one)
+    # rank 0 alone writes metrics, with tokens over all ranks
+    assert [r["real_tokens"] for r in records(ddp) if r["kind"] == "train"] == [
+        r["real_tokens"] for r in records(tmp / "one") if r["kind"] == "train"
+    ]
+    assert (ddp / "final" / "model.safetensors").is_file()
+
+
+def test_fsdp_equals_ddp_and_holds_half_the_state_per_rank(tmp, ddp):
+    r = launch(["train", str(_config(tmp)), f"--output_dir={tmp / 'fsdp'}", "--train.distributed=fsdp"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert close(losses(tmp / "fsdp"), losses(ddp))
+    first = {d: next(x for x in records(d) if x["kind"] == "train") for d in (ddp, tmp / "fsdp")}
+    ratio = first[tmp / "fsdp"]["rank_state_gb"] / first[ddp]["rank_state_gb"]
+    assert 0.4 < ratio < 0.65, ratio  # parameters, gradients and AdamW state: about 1/N per rank
+    # the final model is whole: the same file layout as a one-process run's
+    from safetensors.torch import load_file
+
+    a, b = load_file(str(ddp / "final" / "model.safetensors")), load_file(str(tmp / "fsdp" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
+
+
+def test_token_driven_steps_and_idle_ranks_match_one_process(tmp):
+    """loss_tokens_per_step decided globally: both ranks take the same steps as one process would,
+    including epoch tails where one rank's share is a null batch (max_epochs 2, odd batch counts)."""
+    cfg = _config(tmp, train={"max_steps": None, "max_epochs": 2.0, "loss_tokens_per_step": 60})
+    r = launch(["train", str(cfg), f"--output_dir={tmp / 'tok2'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert in_process(["train", str(cfg), f"--output_dir={tmp / 'tok1'}"]) == 0
+    two, one = losses(tmp / "tok2"), losses(tmp / "tok1")
+    assert len(two) > 10 and close(two, one)
+    batches = [r["batches"] for r in records(tmp / "tok2") if r["kind"] == "train"]
+    assert any(b % 2 for b in batches), "no step with an odd number of batches: no rank was idle"
+
+
+def _rank1_worker(p: subprocess.Popen) -> int:
+    kids = [int(x) for x in Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()]
+    for pid in kids:
+        env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        if b"RANK=1" in env:
+            return pid
+    raise AssertionError(f"no rank-1 worker among {kids}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the rank-1 worker through /proc")
+def test_a_killed_worker_ends_the_job_and_resume_is_bit_exact(tmp):
+    cfg = _config(tmp, model={"dropout": 0.1})  # dropout draws from each rank's own RNG stream
+    r = launch(["train", str(cfg), f"--output_dir={tmp / 'reference'}"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = tmp / "killed"
+    p = subprocess.Popen(
+        torchrun(["train", str(cfg), f"--output_dir={out}"]), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 240
+    while not ((out / "metrics.jsonl").exists() and len(losses(out)) >= 10):
+        assert p.poll() is None and time.monotonic() < deadline, "the run ended before step 10"
+        time.sleep(0.01)
+    os.kill(_rank1_worker(p), signal.SIGKILL)
+    t = time.monotonic()
+    p.communicate(timeout=120)
+    assert time.monotonic() - t < 30, "the job hung after a worker died"
+    assert p.returncode != 0 and len(losses(out)) < 16
+    r = launch(["train", str(cfg), f"--output_dir={out}", "--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert losses(out) == losses(tmp / "reference")  # bit for bit, dropout included: every rank's RNG was saved
+
+
+def test_a_two_process_checkpoint_continues_on_one_process_within_1e5(tmp, ddp):
+    out = tmp / "elastic"
+    shutil.copytree(ddp, out)
+    for step in ("step-000012", "step-000016"):
+        shutil.rmtree(out / "checkpoints" / step)
+    shutil.rmtree(out / "final")
+    assert in_process(["train", str(_config(tmp)), f"--output_dir={out}", "--resume"]) == 0
+    resumed, reference = losses(out), losses(ddp)
+    assert resumed[:8] == reference[:8]  # kept from before the checkpoint of step 8
+    assert close(resumed, reference)  # steps 9-16 on one process with doubled accumulation
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["train"]["grad_accum_batches"] == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_localhost_equal_ddp(tmp, ddp):
+    """Two torchrun commands with --nnodes=2 (c10d rendezvous on localhost), one process each."""
+    port, out = _free_port(), tmp / "nodes"
+    cmd = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+           "--rdzv_id=densebatch-test", "--no-python", str(BIN / "densebatch"), "train", str(_config(tmp)), f"--output_dir={out}"]  # fmt: skip
+    nodes = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [n.communicate(timeout=300) for n in nodes]
+    assert all(n.returncode == 0 for n in nodes), results[0][1][-2000:] + results[1][1][-2000:]
+    assert close(losses(out), losses(ddp))
