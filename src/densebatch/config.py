@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import string
 import types
 import typing
 from dataclasses import dataclass, field
@@ -322,11 +323,29 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     return cls(**kwargs)
 
 
+def prompt_fields(prompt_format: str) -> list[str]:
+    """The record fields a custom prompt format names; ConfigError for positional or malformed ones."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(prompt_format) if name is not None]
+    except ValueError as e:
+        raise ConfigError(f"data.prompt_format: {e} (write literal braces as {{{{ and }}}})") from None
+    if any(not n or not n.isidentifier() for n in names):
+        raise ConfigError(f"data.prompt_format: every placeholder must name a record field, like {{question}}; got {names}")
+    return names
+
+
 def _check(cfg: RunConfig) -> None:
     """Cross-field rules that one field alone cannot express."""
     d, b, m = cfg.data, cfg.batching, cfg.model
-    if d.template == "custom" and not d.prompt_format:
-        raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
+    if d.template == "custom":
+        if not d.prompt_format:
+            raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
+        prompt_fields(d.prompt_format)
+    if m.kind == "hf" and m.attention not in ("auto", "masked"):
+        raise ConfigError(
+            f"model.attention: {m.attention!r} is not available for Hugging Face models; use auto or masked "
+            "(SDPA with a 4-D document mask, the backend tests show isolates packed documents)"
+        )
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: expected a number in [0, 1); got {d.eval_fraction}")
     if not 0.0 < b.mlm_probability < 1.0:

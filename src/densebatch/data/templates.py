@@ -30,10 +30,9 @@ template's own text.
 
 from __future__ import annotations
 
-import string
 from collections.abc import Callable
 
-from densebatch.config import DataConfig
+from densebatch.config import DataConfig, prompt_fields
 from densebatch.errors import ConfigError
 
 Segment = tuple[str, bool]
@@ -138,21 +137,11 @@ def _raw(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
     return [(_required_str(record, cfg.fields.text, transform), True)]
 
 
-def format_fields(prompt_format: str) -> list[str]:
-    """Named fields of a custom prompt format; ConfigError for positional or malformed ones."""
-    try:
-        names = [name for _, name, _, _ in string.Formatter().parse(prompt_format) if name is not None]
-    except ValueError as e:
-        raise ConfigError(f"data.prompt_format: {e} (write literal braces as {{{{ and }}}})") from None
-    if any(not n or not n.isidentifier() for n in names):
-        raise ConfigError(f"data.prompt_format: every placeholder must name a record field, like {{question}}; got {names}")
-    return names
-
-
 def _custom(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
+    # load_config checked that prompt_format is set and well formed (a DataConfig built by hand: ValueError)
     if not cfg.prompt_format:
-        raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
-    values = {n: _required_str(record, n, transform, allow_numbers=True) for n in format_fields(cfg.prompt_format)}
+        raise ValueError("DataConfig.prompt_format is required with template custom")
+    values = {n: _required_str(record, n, transform, allow_numbers=True) for n in prompt_fields(cfg.prompt_format)}
     prompt = cfg.prompt_format.format(**values)
     return [(prompt, False), (_required_str(record, cfg.fields.output, transform, allow_numbers=True), True)]
 
