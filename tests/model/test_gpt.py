@@ -8,7 +8,6 @@ import pytest
 import torch
 from conftest import pack, random_docs
 
-import densebatch.model.gpt as gpt_mod
 from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model import GPT, GPTConfig, build_model, load_model
@@ -87,19 +86,23 @@ def test_segmented_under_bf16_autocast_trains(gen):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-def test_negative_control_plain_causal_leaks(gen, monkeypatch):
+def test_negative_control_plain_causal_leaks(gen):
     docs = [random_docs(gen, row, V) for row in LENGTHS]
     model = tiny()
-    monkeypatch.setattr(gpt_mod, "only_padding_after_first_document", lambda b: True)  # force is_causal
-    assert alone_vs_packed(model, docs) > 1e-3
+    packed = dataclasses.replace(pack(docs, seq_len=24), single_doc_rows=True)  # a wrong claim: is_causal
+    alone = model.token_losses(pack([[docs[0][0]]]))[0]
+    assert (model.token_losses(packed)[0, 7:19] - model.token_losses(pack([[docs[0][1]]]))[0]).abs().max() > 1e-3
+    assert torch.allclose(model.token_losses(packed)[0, :7], alone, atol=1e-6)  # the first document is unaffected
 
 
-def test_single_document_rows_take_the_causal_path_exactly(gen, monkeypatch):
+def test_single_document_rows_take_the_causal_path_exactly(gen):
     docs = [[d] for d in random_docs(gen, [5, 17, 11], V)]
     model = tiny()
-    fast = model.token_losses(pack(docs, seq_len=20))
-    monkeypatch.setattr(gpt_mod, "only_padding_after_first_document", lambda b: False)
-    assert torch.allclose(fast, model.token_losses(pack(docs, seq_len=20)), atol=1e-6)
+    batch = pack(docs, seq_len=20)
+    assert batch.single_doc_rows is None  # unknown: the model works it out
+    fast = model.token_losses(dataclasses.replace(batch, single_doc_rows=True))
+    assert torch.allclose(fast, model.token_losses(dataclasses.replace(batch, single_doc_rows=False)), atol=1e-6)
+    assert torch.allclose(fast, model.token_losses(batch), atol=1e-6)
 
 
 def test_padding_never_changes_real_losses(gen):
@@ -164,10 +167,24 @@ def test_build_model_from_config():
         build_model(dataclasses.replace(cfg, attention="nope"), vocab_size=50)
 
 
-def test_document_longer_than_block_size_is_a_clear_error():
+def test_position_beyond_block_size_is_a_programming_error():
+    # The run layer refuses such rows before training (a ConfigError there); in forward it is a bug.
     model = tiny()
-    with pytest.raises(ConfigError, match="block_size"):
+    with pytest.raises(ValueError, match="block_size"):
         model.token_losses(pack([[list(range(1, 70))]]))
+    batch = pack([[list(range(1, 9))]])
+    with pytest.raises(ValueError, match="block_size"):  # the batch's own max_position is trusted
+        model.token_losses(dataclasses.replace(batch, max_position=64))
+    assert torch.isfinite(model.token_losses(dataclasses.replace(batch, max_position=7))).all()
+
+
+def test_hand_built_config_errors_are_value_errors():
+    with pytest.raises(ValueError, match="multiple of n_head"):
+        GPT(GPTConfig(vocab_size=V, n_head=3, n_embd=32))
+    with pytest.raises(ValueError, match="attention"):
+        GPT(GPTConfig(vocab_size=V, attention="fast"))
+    with pytest.raises(ValueError, match="loss_head"):
+        GPT(GPTConfig(vocab_size=V, loss_head="fast"))
 
 
 def test_gpt2_style_init():

@@ -7,6 +7,8 @@ behaviour, these tests say so before a training run silently leaks across docume
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import pack, random_docs
@@ -119,14 +121,23 @@ def test_unsafe_backends_are_refused(config_dirs, impl):
         HFCausalLM(config_dirs["llama"], attn_implementation=impl)
 
 
-def test_single_document_rows_fast_path_is_exact(config_dirs, gen, monkeypatch):
-    import densebatch.model.hf as hf_mod
-
+def test_single_document_rows_fast_path_is_exact(config_dirs, gen):
     model = adapter(config_dirs["llama"])
     batch = pack([[d] for d in random_docs(gen, [5, 17, 11], V)], seq_len=20)
-    fast = model.token_losses(batch)
-    monkeypatch.setattr(hf_mod, "only_padding_after_first_document", lambda b: False)
-    assert torch.allclose(fast, model.token_losses(batch), atol=1e-5)
+    fast = model.token_losses(dataclasses.replace(batch, single_doc_rows=True))
+    assert torch.allclose(fast, model.token_losses(dataclasses.replace(batch, single_doc_rows=False)), atol=1e-5)
+    assert torch.allclose(fast, model.token_losses(batch), atol=1e-5)  # None: worked out from the batch
+
+
+def test_a_wrong_single_doc_rows_claim_leaks(config_dirs, gen):
+    # Negative control: the flag is trusted, so a packed batch flagged single-document attends across.
+    model = adapter(config_dirs["gpt2"])
+    docs = random_docs(gen, [9, 11], V)
+    packed = pack([docs], seq_len=20)
+    second_alone = model.token_losses(pack([[docs[1]]]))[0]
+    assert torch.allclose(model.token_losses(packed)[0, 9:], second_alone, atol=1e-5)
+    leaky = model.token_losses(dataclasses.replace(packed, single_doc_rows=True))[0, 9:]
+    assert (leaky - second_alone).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "mistral", "qwen2", "qwen3"])

@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
+from densebatch.model.attention import resolve_backend
 from densebatch.model.generate import generate, generate_batch
 from densebatch.model.gpt import GPT, GPTConfig
 from densebatch.model.io import load_model, save_model
@@ -22,6 +23,7 @@ __all__ = ["GPT", "GPTConfig", "HFCausalLM", "build_model", "generate", "generat
 def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
     """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt)."""
     if cfg.kind == "gpt":
+        resolve_backend(cfg.attention, "cpu", training=False)  # a ModelConfig built by hand: name check
         vocab = cfg.vocab_size or vocab_size
         if vocab < vocab_size:
             raise ConfigError(f"model.vocab_size: expected at least the tokenizer's {vocab_size} ids; got {vocab}")

@@ -58,6 +58,13 @@ def document_mask(positions: Tensor) -> Tensor:
     return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (rows, 1, T, T)
 
 
+def rows_hold_one_document(batch: Batch) -> bool:
+    """``batch.single_doc_rows`` as the planner set it; computed (host synchronisations) only when unknown."""
+    if batch.single_doc_rows is not None:
+        return batch.single_doc_rows
+    return only_padding_after_first_document(batch)
+
+
 def only_padding_after_first_document(batch: Batch) -> bool:
     """True when every row is one document then (maybe) padding, so causal attention is exact.
 
@@ -113,12 +120,14 @@ def available_backends(device: torch.device | str, training: bool = True) -> lis
     return ["segmented", "masked"] + (["flex"] if _flex_available() and not training else [])
 
 
-def resolve_backend(name: str, device: torch.device | str, training: bool = True, seq_len: int | None = None) -> str:
-    """Turn a configured backend (``auto`` included) into one that runs here, or raise ConfigError.
+def pick_backend(name: str, device: torch.device | str, training: bool = True, seq_len: int | None = None) -> str:
+    """Turn a backend name (``auto`` included) into one that runs here; ValueError if none does.
 
-    ``seq_len`` (the row length T of the batch at hand) lets ``auto`` prefer masked on short rows."""
+    ``seq_len`` (the row length T of the batch at hand) lets ``auto`` prefer masked on short rows.
+    Called on every forward: a name that cannot run here is a programming error by then, because
+    ``resolve_backend`` checked the configuration up front."""
     if name not in BACKENDS:
-        raise ConfigError(f"model.attention: expected one of {', '.join(BACKENDS)}; got {name!r}")
+        raise ValueError(f"model.attention: expected one of {', '.join(BACKENDS)}; got {name!r}")
     avail = available_backends(device, training)
     if name == "auto":
         if avail[0] == "segmented" and seq_len is not None and seq_len < SEGMENTED_MIN_LEN:
@@ -129,11 +138,20 @@ def resolve_backend(name: str, device: torch.device | str, training: bool = True
             "flex": "flex_attention has no backward pass on CPU in this torch",
             "varlen": "varlen_attn needs CUDA (FlashAttention) and torch >= 2.9",
         }.get(name, "")
-        raise ConfigError(
+        raise ValueError(
             f"model.attention: {name!r} cannot run on {torch.device(device).type} here ({why}); "
             f"use one of {', '.join(['auto'] + avail)}"
         )
     return name
+
+
+def resolve_backend(name: str, device: torch.device | str, training: bool = True, seq_len: int | None = None) -> str:
+    """``pick_backend`` for configuration checks: a name that cannot run here is a ``ConfigError``
+    (one line naming model.attention and what to use), for the run layer to call before training."""
+    try:
+        return pick_backend(name, device, training, seq_len)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 @dataclass

@@ -20,15 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.batch import Batch
 from densebatch.errors import ConfigError
-from densebatch.model.attention import (
-    AttentionPlan,
-    attend,
-    only_padding_after_first_document,
-    plan_attention,
-    resolve_backend,
-)
+from densebatch.model.attention import BACKENDS, AttentionPlan, attend, pick_backend, plan_attention, rows_hold_one_document
+from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
 
 KIND = "densebatch-gpt"  # written to config.json so load_model knows what it is reading
 
@@ -43,6 +38,7 @@ class GPTConfig:
     dropout: float = 0.0
     attention: str = "auto"  # auto | flex | varlen | segmented | masked
     gradient_checkpointing: bool = False
+    loss_head: str = "fused"  # fused (chunked linear + cross-entropy, lean) | plain (full logits of the loss positions)
 
 
 class KVCache:
@@ -109,9 +105,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        # config.py validates user settings; these catch a GPTConfig built by hand.
         if cfg.n_embd % cfg.n_head:
-            raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({cfg.n_head}); got {cfg.n_embd}")
-        resolve_backend(cfg.attention, "cpu", training=False)  # validates the name early
+            raise ValueError(f"GPTConfig.n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
+        if cfg.attention not in BACKENDS:
+            raise ValueError(f"GPTConfig.attention: expected one of {', '.join(BACKENDS)}; got {cfg.attention!r}")
+        if cfg.loss_head not in LOSS_HEADS:
+            raise ValueError(f"GPTConfig.loss_head: expected one of {', '.join(LOSS_HEADS)}; got {cfg.loss_head!r}")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
@@ -135,17 +135,22 @@ class GPT(nn.Module):
 
     # ---------------------------------------------------------------------------------- forward
     def attention_backend(self, device: torch.device, seq_len: int | None = None) -> str:
-        return resolve_backend(self.cfg.attention, device, training=torch.is_grad_enabled(), seq_len=seq_len)
+        return pick_backend(self.cfg.attention, device, training=torch.is_grad_enabled(), seq_len=seq_len)
 
     def hidden_states(
-        self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False, cache: KVCache | None = None
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        single_doc_rows: bool = False,
+        cache: KVCache | None = None,
+        max_position: int | None = None,
     ) -> Tensor:
-        """Final-normed hidden states. (rows, T, n_embd)"""
-        if int(positions.max()) >= self.cfg.block_size:
-            raise ConfigError(
-                f"a document has {int(positions.max()) + 1} tokens but model.block_size is {self.cfg.block_size}; "
-                "raise model.block_size or lower data.max_seq_len / batching.seq_len"
-            )
+        """Final-normed hidden states. (rows, T, n_embd). ``max_position``: ``positions.max()`` when the
+        caller knows it (a Batch does), which spares a host synchronisation."""
+        top = int(positions.max()) if max_position is None else max_position
+        # The run layer checks row lengths against block_size before training: here it is a bug.
+        if top >= self.cfg.block_size:
+            raise ValueError(f"position {top} is beyond the position table (block_size {self.cfg.block_size})")
         past = cache.positions if cache is not None else None
         backend = self.attention_backend(input_ids.device, positions.shape[-1])
         plan = plan_attention(positions, backend, single_doc_rows, past)  # once per forward, shared by all layers
@@ -170,15 +175,14 @@ class GPT(nn.Module):
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
 
         The head runs only on positions that carry a target: padding and prompt tokens cost no
-        vocabulary projection.
+        vocabulary projection. ``loss_head: fused`` (default) never holds more than one chunk of
+        logits (``model/loss_head.py``); ``plain`` projects all loss positions at once.
         """
-        single = only_padding_after_first_document(batch)
-        h = self.hidden_states(batch.input_ids, batch.positions, single)  # (rows, T, C)
-        keep = batch.labels != IGNORE_INDEX  # (rows, T)
-        logits = self.lm_head(h[keep]).float()  # (n, vocab); fp32 even under autocast
-        out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=h.device)  # (rows, T)
-        out[keep] = F.cross_entropy(logits, batch.labels[keep], reduction="none")
-        return out
+        single = rows_hold_one_document(batch)
+        h = self.hidden_states(batch.input_ids, batch.positions, single, max_position=batch.max_position)  # (rows, T, C)
+        if self.cfg.loss_head == "plain":
+            return plain_head_token_losses(h, batch.labels, self.lm_head)
+        return head_token_losses(h, batch.labels, self.lm_head.weight, None, batch.num_loss_tokens)
 
     # -------------------------------------------------------------------------------- structure
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -191,6 +195,11 @@ class GPT(nn.Module):
         if self.lm_head.weight is not self.wte.weight:
             groups["head"].append(self.lm_head.weight)
         return groups
+
+    def output_embeddings(self) -> list[nn.Parameter]:
+        """The output embedding matrix (one row per token, like ``wte``; the same tensor when tied):
+        embeddings-like, so the optimizer leaves it undecayed unless ``decay_all``."""
+        return [self.lm_head.weight]
 
     def init_kv_cache(self) -> KVCache:
         return KVCache(self.cfg.n_layer)

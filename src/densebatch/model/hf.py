@@ -1,8 +1,11 @@
 """Adapter giving any Hugging Face causal LM the densebatch model interface, documents kept apart.
 
-Hugging Face models isolate packed documents only when handed the right mask: with
-``position_ids`` alone they leak across documents under both ``sdpa`` and ``eager``. Measured with
-transformers 5.24 on CPU (tests/model/test_hf.py checks it on every run):
+Hugging Face models isolate packed documents only when handed the right mask. With
+``position_ids`` alone they leak across documents under both ``sdpa`` and ``eager`` when a KV cache
+is in use (``use_cache`` defaults to True, in training too); with ``use_cache=False`` and no mask,
+transformers >= 4.56 derives a document mask itself from the restarts of ``position_ids``. This
+adapter does not rely on that: it passes its own mask. Measured with transformers 5.24 on CPU
+(tests/model/test_hf.py checks it on every run):
 
 ===================  ===========================  =================================================
 attn_implementation  mask passed here             packed vs alone (max |logit diff|)
@@ -13,8 +16,9 @@ flex_attention       -                            GPT-2 refuses it; Llama crashe
 ===================  ===========================  =================================================
 
 So ``ALLOWED`` is {sdpa, eager}; anything else raises ``ConfigError``. When every row is one
-document followed by padding, no mask is passed at all: plain causal attention is exact for the
-real tokens because the padding comes after them.
+document followed by padding (``Batch.single_doc_rows``), neither mask nor positions are passed:
+plain causal attention is exact for the real tokens because the padding comes after them, and
+without ``position_ids`` transformers sees no packing and runs SDPA's causal kernel (no 4-D mask).
 """
 
 from __future__ import annotations
@@ -23,17 +27,18 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
-from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.batch import Batch
 from densebatch.errors import ConfigError
-from densebatch.model.attention import document_mask, only_padding_after_first_document
+from densebatch.model.attention import document_mask, rows_hold_one_document
+from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
 
 # attn_implementation -> how the document mask is expressed (see the table above).
 ALLOWED = {"sdpa": "bool", "eager": "additive"}
 # Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state) (no soft-capping,
-# no logit scale), so token_losses may project only the positions that carry a target.
+# no logit scale), so token_losses may project only the positions that carry a target, through the
+# fused chunked head (model/loss_head.py) when lm_head is a plain nn.Linear.
 _HIDDEN_PATH_TYPES = {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -45,8 +50,17 @@ def has_weights(path: str | Path) -> bool:
 class HFCausalLM(nn.Module):
     """A local ``AutoModelForCausalLM`` (weights, or random init from config.json alone)."""
 
-    def __init__(self, path: str | Path, attn_implementation: str = "sdpa", gradient_checkpointing: bool = False) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        attn_implementation: str = "sdpa",
+        gradient_checkpointing: bool = False,
+        loss_head: str = "fused",
+    ) -> None:
         super().__init__()
+        if loss_head not in LOSS_HEADS:
+            raise ValueError(f"loss_head: expected one of {', '.join(LOSS_HEADS)}; got {loss_head!r}")
+        self.loss_head = loss_head
         if attn_implementation not in ALLOWED:
             raise ConfigError(
                 f"Hugging Face attn_implementation {attn_implementation!r} cannot keep packed documents "
@@ -87,9 +101,7 @@ class HFCausalLM(nn.Module):
         return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
     # ---------------------------------------------------------------------------------- forward
-    def _mask(self, positions: Tensor, single_doc_rows: bool) -> Tensor | None:
-        if single_doc_rows:
-            return None  # causal attention is exact: padding only follows the real tokens
+    def _mask(self, positions: Tensor) -> Tensor:
         mask = document_mask(positions)  # (rows, 1, T, T) bool
         if ALLOWED[self.attn_implementation] == "bool":
             return mask
@@ -97,10 +109,16 @@ class HFCausalLM(nn.Module):
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
     def _inputs(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool) -> dict:
+        if single_doc_rows:
+            # One document per row, starting at column 0: its positions are 0, 1, ... (the model's
+            # default), and padding only follows it. Passing no position_ids matters: transformers
+            # >= 4.56 reads the restart of positions at the padding run as a second packed sequence
+            # and builds a 4-D mask, where no mask lets SDPA run its causal kernel.
+            return dict(input_ids=input_ids, use_cache=False)
         return dict(
             input_ids=input_ids,
             position_ids=positions,
-            attention_mask=self._mask(positions, single_doc_rows),
+            attention_mask=self._mask(positions),
             use_cache=False,
         )
 
@@ -109,17 +127,20 @@ class HFCausalLM(nn.Module):
         return self.hf(**self._inputs(input_ids, positions, single_doc_rows)).logits
 
     def token_losses(self, batch: Batch) -> Tensor:
-        """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)"""
-        inputs = self._inputs(batch.input_ids, batch.positions, only_padding_after_first_document(batch))
-        keep = batch.labels != IGNORE_INDEX  # (rows, T)
-        if self._hidden_path:
-            h = self.hf.base_model(**inputs).last_hidden_state  # (rows, T, C)
-            logits = self.hf.get_output_embeddings()(h[keep]).float()  # (n, vocab)
-        else:
-            logits = self.hf(**inputs).logits[keep].float()  # (n, vocab)
-        out = torch.zeros(batch.labels.shape, dtype=torch.float32, device=logits.device)  # (rows, T)
-        out[keep] = F.cross_entropy(logits, batch.labels[keep], reduction="none")
-        return out
+        """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
+
+        Architectures in ``_HIDDEN_PATH_TYPES`` project only the positions with a target, through
+        the fused chunked head unless ``loss_head="plain"``; others compute the model's own logits.
+        """
+        inputs = self._inputs(batch.input_ids, batch.positions, rows_hold_one_document(batch))
+        if not self._hidden_path:
+            logits = self.hf(**inputs).logits  # (rows, T, vocab)
+            return plain_head_token_losses(logits, batch.labels, nn.Identity())
+        h = self.hf.base_model(**inputs).last_hidden_state  # (rows, T, C)
+        head = self.hf.get_output_embeddings()
+        if self.loss_head == "plain" or type(head) is not nn.Linear:
+            return plain_head_token_losses(h, batch.labels, head)
+        return head_token_losses(h, batch.labels, head.weight, head.bias, batch.num_loss_tokens)
 
     # -------------------------------------------------------------------------------- structure
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -149,6 +170,12 @@ class HFCausalLM(nn.Module):
         if out_emb is not None:
             head += take(out_emb.parameters())
         return {"embeddings": embeddings, "blocks": blocks, "head": head}
+
+    def output_embeddings(self) -> list[nn.Parameter]:
+        """The output embedding matrix (an untied lm_head, or the input embeddings when tied): the
+        optimizer treats it as an embedding (no weight decay unless ``decay_all``)."""
+        head = self.hf.get_output_embeddings()
+        return [] if head is None else [p for p in head.parameters() if p.ndim >= 2]
 
     def resize_vocab(self, vocab_size: int) -> None:
         """Grow the embedding matrices to ``vocab_size`` (a tokenizer larger than the config)."""

@@ -1,0 +1,176 @@
+"""The output head and its per-token cross-entropy, fused and chunked so that full logits never exist.
+
+``head_token_losses(h, labels, weight, bias, num_loss_tokens)`` returns what
+``cross_entropy(h[keep] @ weight.T + bias, labels[keep], reduction="none")`` scattered into a
+``(rows, T)`` zero tensor returns, with the same gradients, but:
+
+- only positions that carry a target are projected (padding and prompt tokens cost nothing);
+- the projection runs ``chunk_tokens`` positions at a time, and each chunk's logits turn into its
+  loss *and* its gradient at once (``softmax - onehot``, projected back through the head): at most
+  ``chunk_tokens x vocab`` float32 values exist at any moment, never ``rows x T x vocab`` (the plain
+  path keeps logits, log-probabilities and their gradients: three such tensors at the peak);
+- no host synchronisation: the gather index has a static size, the batch's ``num_loss_tokens``.
+
+Computing the gradient in the forward pass assumes the loss of every token is weighted alike
+downstream, which is how the trainer uses it (``losses.sum() / loss_tokens``). The backward pass
+checks that: when the incoming per-token gradient is not one value, the weight's gradient is
+recomputed chunk by chunk from the saved hidden states (exact, one extra projection). The head's
+input gradient is exact either way (it is scaled per token).
+
+Cost: the same three matrix products per chunk as the plain path's forward and backward, with fewer
+passes over the logits (no separate log-softmax, loss and backward tensors), so it is also faster on
+CPU; the weight gradient (vocab x width, float32) is held from the forward to the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from densebatch.batch import IGNORE_INDEX
+
+# Logits of at most this many bytes (float32) exist at once: the chunk is CHUNK_BYTES / (4 * vocab)
+# positions (325 at vocabulary 50,257). Large enough for efficient matrix products, small enough to
+# stay near the last-level cache; see docs/benchmarks.md ("Loss head") for the measurement.
+CHUNK_BYTES = 64 * 2**20
+LOSS_HEADS = ("fused", "plain")
+
+
+def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+    return max(16, chunk_bytes // (4 * vocab_size))
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    """The dtype autocast would give the head's matrix product (x's own dtype outside autocast)."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """losses (n,) of rows ``h[idx]`` under the head (weight, bias) against ``targets`` (n,)."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk: int, dtype, need_grad):
+        # h: (N, C) all positions; idx: (n,) positions with a target. ``dtype``: what autocast asked
+        # for outside; autocast is switched off in here so that every cast below is explicit.
+        with torch.autocast(h.device.type, enabled=False):
+            return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad)
+
+    @staticmethod
+    def _forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad: bool) -> Tensor:
+        n = idx.numel()
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        losses = torch.empty(n, dtype=torch.float32, device=h.device)  # (n,)
+        grad_h = torch.empty((n, h.shape[1]), dtype=h.dtype, device=h.device) if need_grad else None  # (n, C)
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if need_grad else None  # (V, C)
+        grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if need_grad and b is not None else None
+        for a in range(0, n, chunk):
+            hc = h.index_select(0, idx[a : a + chunk]).to(dtype)  # (c, C)
+            yc = targets[a : a + chunk]  # (c,)
+            z = F.linear(hc, w, b).float()  # (c, V) the only logits alive
+            target_logit = z.gather(1, yc[:, None]).squeeze(1)  # (c,)
+            zmax = z.amax(dim=1, keepdim=True)  # (c, 1)
+            z.sub_(zmax).exp_()  # (c, V) exp(z - max), in place
+            total = z.sum(dim=1, keepdim=True)  # (c, 1)
+            losses[a : a + chunk] = (zmax + total.log()).squeeze(1) - target_logit
+            if not need_grad:
+                continue
+            z.div_(total)  # softmax
+            z[torch.arange(yc.numel(), device=z.device), yc] -= 1.0  # d loss / d logits
+            d = z.to(dtype)  # (c, V)
+            grad_h[a : a + chunk] = (d @ w).to(h.dtype)
+            if dtype == torch.float32:
+                grad_w.addmm_(d.t(), hc)
+            else:
+                grad_w += (d.t() @ hc).float()
+            if grad_b is not None:
+                grad_b += d.sum(0, dtype=torch.float32)
+        ctx.chunk, ctx.dtype, ctx.has_bias = chunk, dtype, bias is not None
+        ctx.save_for_backward(h, weight, bias, idx, targets, grad_h, grad_w, grad_b)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses: Tensor):
+        h, weight, bias, idx, targets, grad_h_unit, grad_w_unit, grad_b_unit = ctx.saved_tensors
+        g = grad_losses.float()  # (n,)
+        grad_h = None
+        if ctx.needs_input_grad[0]:
+            grad_h = torch.zeros_like(h)  # (N, C): positions without a target get no gradient
+            grad_h.index_copy_(0, idx, (grad_h_unit * g[:, None]).to(h.dtype))
+        # Uniform weights (the trainer's sum / count): the forward's sums scale exactly. Otherwise
+        # recompute the weight gradient with each token's own weight.
+        if g.numel() == 0 or bool((g == g[0]).all()):
+            scale = g[0] if g.numel() else g.new_zeros(())
+            grad_w = grad_w_unit * scale
+            grad_b = grad_b_unit * scale if grad_b_unit is not None else None
+        else:
+            with torch.autocast(h.device.type, enabled=False):
+                grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, g, ctx.chunk, ctx.dtype)
+        return (
+            grad_h,
+            grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None,
+            grad_b.to(bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def _weighted_head_grads(h, weight, bias, idx, targets, g, chunk, dtype) -> tuple[Tensor, Tensor | None]:
+    """sum_i g_i (softmax_i - onehot_i)^T [h_i, 1], recomputing each chunk's logits."""
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=h.device)  # (V, C)
+    grad_b = torch.zeros(weight.shape[0], dtype=torch.float32, device=h.device) if bias is not None else None
+    for a in range(0, idx.numel(), chunk):
+        hc = h.index_select(0, idx[a : a + chunk]).to(dtype)  # (c, C)
+        yc = targets[a : a + chunk]
+        d = torch.softmax(F.linear(hc, w, b).float(), dim=1)  # (c, V)
+        d[torch.arange(yc.numel(), device=d.device), yc] -= 1.0
+        d.mul_(g[a : a + chunk, None])
+        grad_w += (d.to(dtype).t() @ hc).float()
+        if grad_b is not None:
+            grad_b += d.sum(0)
+    return grad_w, grad_b
+
+
+def head_token_losses(
+    h: Tensor,
+    labels: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    num_loss_tokens: int | None = None,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Cross-entropy per position of ``h`` (rows, T, C) through the head, float32, 0 where the
+    label is -100. (rows, T). ``num_loss_tokens`` (the batch's count) spares a host synchronisation."""
+    rows, T, C = h.shape
+    flat_labels = labels.reshape(-1)  # (N,)
+    keep = flat_labels != IGNORE_INDEX  # (N,)
+    if num_loss_tokens is None or h.device.type == "cpu":
+        idx = torch.nonzero(keep).squeeze(1)  # (n,) exact; on CPU a "sync" costs nothing
+    else:
+        idx = torch.nonzero_static(keep, size=int(num_loss_tokens)).squeeze(1)  # (n,) no host sync
+    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    # Gradient work happens in the forward pass, so it must know now whether a backward will follow.
+    need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
+    targets = flat_labels.index_select(0, idx)  # (n,)
+    losses = _FusedLinearCE.apply(h.reshape(rows * T, C), weight, bias, idx, targets, chunk, _compute_dtype(h), need_grad)
+    # (n,)
+    out = torch.zeros(rows * T, dtype=torch.float32, device=h.device).index_copy(0, idx, losses)  # (N,)
+    return out.view(rows, T)
+
+
+def plain_head_token_losses(h: Tensor, labels: Tensor, head: torch.nn.Module) -> Tensor:
+    """The reference path: project the positions with a target, float32 cross-entropy. (rows, T)"""
+    keep = labels != IGNORE_INDEX  # (rows, T)
+    logits = head(h[keep]).float()  # (n, vocab); fp32 even under autocast
+    out = torch.zeros(labels.shape, dtype=torch.float32, device=h.device)  # (rows, T)
+    out[keep] = F.cross_entropy(logits, labels[keep], reduction="none")
+    return out
