@@ -103,6 +103,7 @@ def test_fractional_steps_take_a_share_of_a_batch_and_resume_inside_it():
     assert step_stop(plan, 7, s, 0.01) == 8  # at least one row
     steps = _steps(plan, StepSettings(grad_accum_batches=2), fraction=0.5)
     assert steps == [(0, 8), (8, 16)]
+    assert step_stop(plan, 0, s, 2.0) == 16  # a step grown past the target takes whole batches
 
 
 def test_stop_row_cuts_the_epoch():

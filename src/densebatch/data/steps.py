@@ -15,8 +15,9 @@ or a run ends. A step is a range of the plan's rows ``[start, stop)``::
   consecutive planned batches; N ranks with k batches each therefore consume, per step, exactly
   the documents one rank with N·k consumes. With ``loss_tokens_per_step`` a step takes whole
   batches until the global count of loss tokens reaches the target.
-- ``fraction`` < 1 (a batch-size ramp or back-off) scales the step; below one batch the step takes
-  a share of a batch's rows, so it can start and end inside a planned batch. A full step that
+- ``fraction`` (a batch-size ramp, back-off or growth) scales the step; below one batch the step
+  takes a share of a batch's rows, so it can start and end inside a planned batch; at 1 and above
+  steps take whole batches. A full step that
   starts inside a batch takes the rest of it and the whole batches that bring it nearest to
   ``world_size × grad_accum_batches``, so full steps are back on batch boundaries at once.
 - A step never crosses the end of an epoch (the last step of an epoch may be smaller) nor
@@ -91,8 +92,8 @@ def step_stop(
     end = min(plan.num_rows, stop_row if stop_row is not None else plan.num_rows)
     if start >= end:
         raise ValueError(f"step_stop: start row {start} is at or past the end ({end})")
-    if not 0.0 < fraction <= 1.0 + 1e-12:
-        raise ValueError(f"fraction: expected a number in (0, 1]; got {fraction}")
+    if not fraction > 0.0:
+        raise ValueError(f"fraction: expected a positive number; got {fraction}")
     b = int(np.searchsorted(ptr, start, side="right")) - 1  # the batch holding row `start`
     if settings.loss_tokens_per_step is not None:
         assert cum_tokens is not None, "loss_tokens_per_step needs the loss tokens of every row"
@@ -106,8 +107,8 @@ def step_stop(
         return int(min(end, ptr[int(np.searchsorted(ptr, last, side="right"))]))
     nb = plan.num_batches
     rest = (min(ptr[b + 1], end) - start) / (ptr[b + 1] - ptr[b])  # share of batch b still to take
-    if fraction >= 1.0:  # a full step ends on a batch boundary: the rest of b, then whole batches
-        extra = max(0, math.floor(settings.batches_per_step - rest + 0.5))
+    if fraction >= 1.0:  # a full (or larger) step ends on a batch boundary: the rest of b, then whole batches
+        extra = max(0, math.floor(fraction * settings.batches_per_step - rest + 0.5))
         return int(min(end, ptr[min(nb, b + 1 + extra)]))
     units = fraction * settings.batches_per_step  # planned batches this step should hold
     row = start
