@@ -52,10 +52,10 @@ def test_bad_layer_groups_are_refused(tiny):
         param_groups(model, TrainConfig())
 
 
-def test_build_optimizer_cpu_uses_foreach_and_carries_groups(tiny):
+def test_build_optimizer_cpu_uses_fused_and_carries_groups(tiny):
     opt = build_optimizer(tiny.TinyLM(), TrainConfig(beta1=0.8, beta2=0.9))
     assert isinstance(opt, torch.optim.AdamW)
-    assert all(g["foreach"] and not g["fused"] for g in opt.param_groups)
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)  # HF Trainer's default too
     assert all("lr_mult" in g for g in opt.param_groups)
     assert opt.param_groups[0]["betas"] == (0.8, 0.9)
 
