@@ -63,11 +63,6 @@ def test_pretokenized_data_and_hf_model_with_the_tokenizer_named(tmp_path, monke
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="RUN-SIDE WIRING PENDING (lead): resolve_config must set data.tokenizer = "
-    "resolve_tokenizer_spec(data.tokenizer, model.path if model.kind == 'hf' else None); remove this mark then",
-)
 def test_pretokenized_data_and_hf_model_without_a_config_file(tmp_path, monkeypatch, capsys):
     """The issue's command as written: data.tokenizer defaults to auto = the model directory's tokenizer."""
     rc, out = _run(tmp_path, monkeypatch, capsys, [])

@@ -9,6 +9,7 @@ runs: the dataclass defaults plus ``run/demo.py``'s ``DEMO_OVERRIDES`` (written 
 from __future__ import annotations
 
 from densebatch.config import RunConfig, load_config
+from densebatch.data.tokenizers import resolve_tokenizer_spec
 from densebatch.run.demo import DEMO_OVERRIDES, is_demo
 
 
@@ -16,7 +17,11 @@ def resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
     """The run configuration: ``path`` (or, with neither a file nor data of one's own, the demo's
     settings) plus overrides. Without a file but with ``--data.path``, the dataclass defaults apply."""
     base = list(DEMO_OVERRIDES) if is_demo(path, overrides) else []
-    return load_config(path, base + list(overrides))
+    cfg = load_config(path, base + list(overrides))
+    # data.tokenizer auto: a Hugging Face model's own tokenizer when its directory has one (resolved
+    # here, so the saved config names the tokenizer actually used).
+    cfg.data.tokenizer = resolve_tokenizer_spec(cfg.data.tokenizer, cfg.model.path if cfg.model.kind == "hf" else None)
+    return cfg
 
 
 def dispatch(args, overrides: list[str]) -> int:
