@@ -71,6 +71,7 @@ def analyze(lengths: np.ndarray, settings: PlanSettings, strategies=STRATEGIES, 
         stats = plan.stats()
         stats["plan_seconds"] = time.perf_counter() - t0
         results[name] = stats
+        del plan  # before the next strategy plans: two plans' indexes and cached shards never coexist
     return results
 
 

@@ -1,7 +1,8 @@
 """Packing algorithms on sorted lengths and length histograms (numpy only), used by ``plan``.
 
 ``best_fit_decreasing`` + ``layout_rows`` pack pieces into rows; ``greedy_cuts`` / ``exact_cuts``
-cut a length-sorted sequence into token-budget batches.
+cut a length-sorted sequence into token-budget batches; ``cut_long`` cuts documents longer than a
+row into pieces; ``desc_random_ties`` / ``sorted_desc`` order lengths without comparison sorts.
 """
 
 from __future__ import annotations
@@ -175,3 +176,62 @@ def exact_cuts(r: np.ndarray, k: np.ndarray) -> np.ndarray:
     while cuts[-1]:
         cuts.append(int(arg[cuts[-1]]))
     return np.array(cuts[::-1], np.int64)
+
+
+def desc_random_ties(x: np.ndarray, rng) -> np.ndarray:
+    """Order by length descending, equal lengths in random order.
+
+    Two stable 16-bit radix passes (random key, then length) instead of a full permutation plus
+    sort: 10M lengths in ~0.5 s instead of ~1 s. Ties among equal random keys fall back to index
+    order, which at 65,536 keys is still a well-mixed tie-break."""
+    if len(x) == 0 or x.max() >= 2**16:
+        perm = rng.permutation(len(x))
+        return perm[np.argsort(-x[perm], kind="stable")]
+    perm = np.argsort(rng.integers(0, 2**16, len(x), dtype=np.uint16), kind="stable")
+    key = (2**16 - 1 - x).astype(np.uint16)[perm]
+    return perm[np.argsort(key, kind="stable")]
+
+
+@dataclass
+class Pieces:
+    """Pieces of at most ``cap`` tokens. Piece i < n_docs is document i's first piece (start 0);
+    piece n_docs + j is a further piece of a split document (``xdoc[j]``, from ``xstart[j]``)."""
+
+    n_docs: int
+    plen: np.ndarray
+    xdoc: np.ndarray
+    xstart: np.ndarray
+    split: np.ndarray
+    truncated: np.ndarray
+
+    def take(self, src: np.ndarray, length: np.ndarray):
+        """(doc, start, stop) of pieces ``src`` whose lengths are known: no gather over all pieces."""
+        doc, start = src, np.zeros(len(src), np.int64)
+        if len(self.xdoc):
+            ix = np.flatnonzero(src >= self.n_docs)
+            doc = src.copy()
+            doc[ix] = self.xdoc[src[ix] - self.n_docs]
+            start[ix] = self.xstart[src[ix] - self.n_docs]
+        return doc, start, start + length
+
+
+def cut_long(lengths, cap: int, policy: str) -> Pieces:
+    """Split documents longer than ``cap`` into consecutive pieces that tile them, or truncate them
+    to their first ``cap`` tokens. Further pieces are appended after the first pieces (the planners
+    sort pieces anyway, so they need not sit beside their first piece)."""
+    long_ids = np.flatnonzero(lengths > cap)
+    first = np.minimum(lengths, cap) if len(long_ids) else lengths
+    none = np.zeros(0, np.int64)
+    if policy == "truncate" or not len(long_ids):
+        return Pieces(len(lengths), first, none, none, none, long_ids)
+    extra = -(-lengths[long_ids] // cap) - 1  # pieces after the first
+    xdoc = np.repeat(long_ids, extra)
+    xstart = (ranges(np.zeros(len(extra), np.int64), extra) + 1) * cap
+    xlen = np.minimum(xstart + cap, lengths[xdoc]) - xstart
+    return Pieces(len(lengths), np.concatenate([first, xlen]), xdoc, xstart, long_ids, none)
+
+
+def sorted_desc(x: np.ndarray) -> np.ndarray:
+    """``np.sort(x)[::-1]`` for small non-negative integers, from the histogram (no comparison sort)."""
+    h = np.bincount(x)[::-1]
+    return np.repeat(np.arange(len(h) - 1, -1, -1, dtype=np.int64), h)

@@ -11,8 +11,9 @@ A piece of a split document (``start > 0``) is its own segment: positions restar
 its first token has no context from the previous piece (which keeps that token as its last target,
 so a cut loses no target: see ``collate``). Every planner places every document
 exactly once per epoch; what the policy changed is reported in ``split``, ``truncated``, ``dropped``.
-Costs measured here (2 shared cores): 10M lengths (lognormal, median 300) plan in ~1.0 s (packed)
-and ~1.2 s (token_budget); see docs/benchmarks.md.
+``plan_epoch`` plans the whole corpus at once (memory grows with every piece); for corpora
+larger than ``shard_docs`` documents, ``shards.plan_epoch_sharded`` plans shard by shard in bounded
+memory with these same planners. Costs: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from densebatch.data.packing import best_fit_decreasing, exact_cuts, greedy_cuts, layout_rows, ranges
+from densebatch.data.packing import (
+    best_fit_decreasing,
+    cut_long,
+    desc_random_ties,
+    exact_cuts,
+    greedy_cuts,
+    layout_rows,
+    ranges,
+    sorted_desc,
+)
 
 STRATEGIES = ("random", "length_grouped", "token_budget", "packed")
 _EXACT_TOKEN_BUDGET_MAX = 20_000  # exact DP up to this many pieces (and work below); greedy (gap -> 0 with n) above
@@ -40,13 +50,14 @@ class PlanSettings:
     pad_to_multiple_of: int = 1
     mega_batch_mult: int = 50
     drop_last: bool = False
+    shard_docs: int = 1 << 20  # plan_epoch_sharded: documents per shard, which bounds planning memory
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
             raise ValueError(f"strategy: expected one of {', '.join(STRATEGIES)}; got {self.strategy!r}")
         if self.long_docs not in ("split", "truncate"):
             raise ValueError(f"long_docs: expected split or truncate; got {self.long_docs!r}")
-        for name in ("rows_per_batch", "max_tokens_per_batch", "seq_len", "pad_to_multiple_of", "mega_batch_mult"):
+        for name in ("rows_per_batch", "max_tokens_per_batch", "seq_len", "pad_to_multiple_of", "mega_batch_mult", "shard_docs"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: expected a positive integer; got {getattr(self, name)!r}")
         if self.max_tokens_per_batch < self.pad_to_multiple_of:
@@ -108,11 +119,21 @@ class Plan:
         p0, p1 = int(self.row_ptr[self.batch_ptr[i]]), int(self.row_ptr[self.batch_ptr[i + 1]])
         return np.unique(self.doc[p0:p1]).tolist()
 
+    def iter_batches(self, start: int = 0):
+        """Batches ``start``, ``start + 1``, ... in order (as ``batch``)."""
+        return (self.batch(i) for i in range(start, self.num_batches))
+
+    def batch_rows(self) -> np.ndarray:
+        """Rows per batch."""
+        return np.diff(self.batch_ptr)
+
     def doc_lists(self) -> list[list[list[int]]]:
         """Batches → rows → document indices (a split document appears once per piece)."""
         return [[[d for d, _, _ in row] for row in self.batch(i)] for i in range(self.num_batches)]
 
     def row_lengths(self) -> np.ndarray:
+        if len(self.doc) == self.num_rows:  # one piece per row (all but packed): no segment sum
+            return self.stop - self.start
         return _segment_sum(self.stop - self.start, self.row_ptr)
 
     def batch_stats(self) -> tuple[np.ndarray, np.ndarray]:
@@ -152,8 +173,13 @@ def plan_epoch(lengths, settings: PlanSettings, seed: int, epoch: int, rank: int
     rng = np.random.default_rng(
         np.random.SeedSequence([int(seed) % 2**63, int(epoch) % 2**63, STRATEGIES.index(settings.strategy)])
     )
-    plan = _PLANNERS[settings.strategy](lengths, settings, rng)
+    plan = plan_documents(lengths, settings, rng)
     return plan if world_size == 1 else _shard(plan, rank, world_size)
+
+
+def plan_documents(lengths: np.ndarray, settings: PlanSettings, rng: np.random.Generator) -> Plan:
+    """One plan of ``lengths`` (int64, each >= 1, not checked here) drawing randomness from ``rng``."""
+    return _PLANNERS[settings.strategy](lengths, settings, rng)
 
 
 # ------------------------------------------------------------------------------ the planners
@@ -193,9 +219,9 @@ def _plan_token_budget(lengths, s: PlanSettings, rng) -> Plan:
     equal lengths, and batch order. Documents longer than the budget are split or truncated.
     """
     cap = s.max_tokens_per_batch // s.pad_to_multiple_of * s.pad_to_multiple_of
-    pc = _cut_long(lengths, cap, s.long_docs)
-    order = _desc_random_ties(pc.plen, rng)
-    sorted_len = _sorted_desc(pc.plen)  # == plen[order], without the gather
+    pc = cut_long(lengths, cap, s.long_docs)
+    order = desc_random_ties(pc.plen, rng)
+    sorted_len = sorted_desc(pc.plen)  # == plen[order], without the gather
     n = len(sorted_len)
     widest = s.max_tokens_per_batch // max(1, int(sorted_len[-1])) if n else 0  # DP window of the shortest
     if n <= _EXACT_TOKEN_BUDGET_MAX and n * min(n, widest) <= _EXACT_TOKEN_BUDGET_WORK:
@@ -227,9 +253,9 @@ def _plan_packed(lengths, s: PlanSettings, rng) -> Plan:
     (hence batch order). Documents longer than seq_len are split into seq_len pieces or truncated.
     """
     S = s.seq_len
-    pc = _cut_long(lengths, S, s.long_docs)
+    pc = cut_long(lengths, S, s.long_docs)
     plen = pc.plen
-    order = _desc_random_ties(plen, rng)
+    order = desc_random_ties(plen, rng)
     groups = best_fit_decreasing(np.bincount(plen, minlength=S + 1), S)
     src, src_len, row_ptr, batch_ptr = layout_rows(groups, order, S, s.rows_per_packed_batch, rng)
     return Plan(*pc.take(src, src_len), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
@@ -249,8 +275,11 @@ def _round_up(x, m: int):
 
 
 def _segment_sum(x: np.ndarray, ptr: np.ndarray) -> np.ndarray:
-    c = np.concatenate([[0], np.cumsum(x)])
-    return c[ptr[1:]] - c[ptr[:-1]]
+    out = np.zeros(len(ptr) - 1, np.int64)
+    nonempty = ptr[1:] > ptr[:-1]
+    if nonempty.any():  # reduceat: no cumulative-sum array and no concatenated copy of it
+        out[nonempty] = np.add.reduceat(x, ptr[:-1][nonempty]) if len(x) else 0
+    return out
 
 
 def _segment_max(x: np.ndarray, ptr: np.ndarray) -> np.ndarray:
@@ -261,65 +290,6 @@ def _segment_max(x: np.ndarray, ptr: np.ndarray) -> np.ndarray:
     return out
 
 
-def _desc_random_ties(x: np.ndarray, rng) -> np.ndarray:
-    """Order by length descending, equal lengths in random order.
-
-    Two stable 16-bit radix passes (random key, then length) instead of a full permutation plus
-    sort: 10M lengths in ~0.5 s instead of ~1 s. Ties among equal random keys fall back to index
-    order, which at 65,536 keys is still a well-mixed tie-break."""
-    if len(x) == 0 or x.max() >= 2**16:
-        perm = rng.permutation(len(x))
-        return perm[np.argsort(-x[perm], kind="stable")]
-    perm = np.argsort(rng.integers(0, 2**16, len(x), dtype=np.uint16), kind="stable")
-    key = (2**16 - 1 - x).astype(np.uint16)[perm]
-    return perm[np.argsort(key, kind="stable")]
-
-
-@dataclass
-class _Pieces:
-    """Pieces of at most ``cap`` tokens. Piece i < n_docs is document i's first piece (start 0);
-    piece n_docs + j is a further piece of a split document (``xdoc[j]``, from ``xstart[j]``)."""
-
-    n_docs: int
-    plen: np.ndarray
-    xdoc: np.ndarray
-    xstart: np.ndarray
-    split: np.ndarray
-    truncated: np.ndarray
-
-    def take(self, src: np.ndarray, length: np.ndarray):
-        """(doc, start, stop) of pieces ``src`` whose lengths are known: no gather over all pieces."""
-        doc, start = src, np.zeros(len(src), np.int64)
-        if len(self.xdoc):
-            ix = np.flatnonzero(src >= self.n_docs)
-            doc = src.copy()
-            doc[ix] = self.xdoc[src[ix] - self.n_docs]
-            start[ix] = self.xstart[src[ix] - self.n_docs]
-        return doc, start, start + length
-
-
-def _cut_long(lengths, cap: int, policy: str) -> _Pieces:
-    """Split documents longer than ``cap`` into consecutive pieces that tile them, or truncate them
-    to their first ``cap`` tokens. Further pieces are appended after the first pieces (the planners
-    sort pieces anyway, so they need not sit beside their first piece)."""
-    long_ids = np.flatnonzero(lengths > cap)
-    first = np.minimum(lengths, cap) if len(long_ids) else lengths
-    none = np.zeros(0, np.int64)
-    if policy == "truncate" or not len(long_ids):
-        return _Pieces(len(lengths), first, none, none, none, long_ids)
-    extra = -(-lengths[long_ids] // cap) - 1  # pieces after the first
-    xdoc = np.repeat(long_ids, extra)
-    xstart = (ranges(np.zeros(len(extra), np.int64), extra) + 1) * cap
-    xlen = np.minimum(xstart + cap, lengths[xdoc]) - xstart
-    return _Pieces(len(lengths), np.concatenate([first, xlen]), xdoc, xstart, long_ids, none)
-
-
-def _sorted_desc(x: np.ndarray) -> np.ndarray:
-    """``np.sort(x)[::-1]`` for small non-negative integers, from the histogram (no comparison sort)."""
-    h = np.bincount(x)[::-1]
-    return np.repeat(np.arange(len(h) - 1, -1, -1, dtype=np.int64), h)
-
-
 def _one_doc_per_row(order, lengths, s: PlanSettings) -> Plan:
     n, k = len(order), s.rows_per_batch
     dropped = np.zeros(0, np.int64)
@@ -327,7 +297,7 @@ def _one_doc_per_row(order, lengths, s: PlanSettings) -> Plan:
         order, dropped = order[: n - n % k], np.sort(order[n - n % k :])
     n = len(order)
     return Plan(
-        order.astype(np.int64),
+        order.astype(np.int64, copy=False),
         np.zeros(n, np.int64),
         lengths[order],
         np.arange(n + 1, dtype=np.int64),
