@@ -151,6 +151,19 @@ class ModelConfig:
 
 # -------------------------------------------------------------------------------------- train
 @dataclass
+class GroupScheduleConfig:
+    """One layer group's own learning-rate schedule; every field left at its default follows train.*."""
+
+    schedule: Literal["same", "cosine", "linear", "constant"] = _f(
+        "same", "This group's schedule after its warm-up; same = train.schedule."
+    )
+    warmup_steps: int | None = _f(None, "This group's linear warm-up steps; none = train.warmup_steps.", minimum=0)
+    min_lr_ratio: float | None = _f(
+        None, "This group's final learning rate as a share of its peak; none = train.min_lr_ratio.", minimum=0.0
+    )
+
+
+@dataclass
 class TrainConfig:
     max_steps: int | None = _f(None, "Stop after this many optimizer steps.", minimum=1)
     max_epochs: float | None = _f(None, "Stop after this many epochs (fractions allowed).", minimum=0.0)
@@ -167,6 +180,40 @@ class TrainConfig:
     lr_mult_embeddings: float = _f(1.0, "Learning-rate multiplier of the embedding layers.", minimum=0.0)
     lr_mult_blocks: float = _f(1.0, "Learning-rate multiplier of the transformer blocks.", minimum=0.0)
     lr_mult_head: float = _f(1.0, "Learning-rate multiplier of the final norm and output head.", minimum=0.0)
+    layer_lr_decay: float = _f(
+        1.0,
+        "Layer-wise decay, in (0, 1]: the block at depth d from the top learns at lr x lr_mult_blocks x this^d (1 = off).",
+        minimum=0.0,
+    )
+    embeddings: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the embeddings group.")
+    blocks: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the transformer blocks.")
+    head: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the final norm and output head.")
+    ramp_steps: int = _f(
+        0,
+        "Batch-size ramp: tokens per step grow linearly from ramp_start x the target to the target over this many "
+        "steps (0 = off); with ramp_unit tokens, over as many tokens as this many full steps hold.",
+        minimum=0,
+    )
+    ramp_start: float = _f(0.25, "Batch-size ramp: the first step's size as a fraction of the target, in (0, 1].", minimum=0.0)
+    ramp_unit: Literal["steps", "tokens"] = _f("steps", "Batch-size ramp: linear in steps, or in the tokens consumed.")
+    batch_backoff_patience: int = _f(
+        0,
+        "Batch-size back-off: evaluations without a new best eval loss before tokens per step are multiplied by "
+        "batch_backoff_factor (0 = off; needs eval.every_steps).",
+        minimum=0,
+    )
+    batch_backoff_factor: float = _f(0.5, "Batch-size back-off: the factor per plateau (above 1: grow instead).", minimum=0.0)
+    batch_backoff_floor: float = _f(
+        0.125, "Batch-size back-off: the smallest step it reaches, as a fraction of the target, in (0, 1].", minimum=0.0
+    )
+    batch_backoff_cap: float = _f(
+        4.0, "Batch-size growth (factor above 1): the largest step, as a fraction of the target.", minimum=1.0
+    )
+    batch_backoff_max: int = _f(3, "Batch-size back-off: the most changes in a run.", minimum=1)
+    lr_batch_scaling: Literal["none", "sqrt", "linear"] = _f(
+        "none",
+        "Learning rate under a batch-size ramp or back-off: none (unchanged), sqrt (x fraction^0.5) or linear (x fraction).",
+    )
     grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
     loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
     grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
@@ -360,6 +407,25 @@ def _check(cfg: RunConfig) -> None:
         )
     if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
         raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
+    _check_schedules(cfg)
+
+
+def _check_schedules(cfg: RunConfig) -> None:
+    """Batch-size schedule and layer-wise rates: ranges that depend on whether the feature is on."""
+    t = cfg.train
+    if not 0.0 < t.layer_lr_decay <= 1.0:
+        raise ConfigError(f"train.layer_lr_decay: expected a number in (0, 1]; got {t.layer_lr_decay}")
+    if t.ramp_steps and not 0.0 < t.ramp_start <= 1.0:
+        raise ConfigError(f"train.ramp_start: expected a fraction of the target step in (0, 1]; got {t.ramp_start}")
+    if t.batch_backoff_patience:
+        if t.batch_backoff_factor <= 0.0 or t.batch_backoff_factor == 1.0:
+            raise ConfigError(
+                f"train.batch_backoff_factor: expected a positive number other than 1; got {t.batch_backoff_factor}"
+            )
+        if not 0.0 < t.batch_backoff_floor <= 1.0:
+            raise ConfigError(f"train.batch_backoff_floor: expected a number in (0, 1]; got {t.batch_backoff_floor}")
+        if not cfg.eval.every_steps:
+            raise ConfigError("train.batch_backoff_patience: a back-off watches evaluations; set eval.every_steps too")
 
 
 def parse_override(arg: str) -> tuple[list[str], Any]:

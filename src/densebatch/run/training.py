@@ -39,6 +39,7 @@ from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
 from densebatch.train.loop import Trainer, resolve_device
 from densebatch.train.monitor import METRICS_FILE, truncate_metrics
 from densebatch.train.portable import is_sharded, model_state
+from densebatch.train.schedule import BatchSchedule
 from densebatch.train.session import Session
 
 FINAL_DIR = "final"  # output_dir/final: model + tokenizer + config.yaml + densebatch_state.json
@@ -191,11 +192,14 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     forward = wrap_model(model, cfg.train.distributed, dist)
     loader, eval_data = build_loaders(cfg, prepared, dist)
     t = cfg.train
+    if t.batch_backoff_patience and eval_data is None:
+        raise ConfigError("train.batch_backoff_patience: a back-off watches the eval loss, and this run has no eval split")
     trainer = Trainer(
         model, loader, t, cfg.eval, output_dir=out, device=device, eval_data=eval_data,
         guard=AnomalyGuard(t.spike_zscore, t.spike_window, t.max_bad_steps),
         clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
         dist=dist, forward=forward, sinks=build_sinks(cfg, out) if dist.is_main else (),
+        batch_schedule=BatchSchedule.from_config(t),
     )  # fmt: skip
     accuracy = None
     sharded = cfg.train.distributed == "fsdp" and dist.enabled  # generation would need every rank's shards

@@ -30,7 +30,8 @@ from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.evaluate import autocast, check_precision, evaluate, to_device
 from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
 from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
-from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_at
+from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
+from densebatch.train.schedule import BatchSchedule
 from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes
 
 
@@ -71,6 +72,7 @@ class Trainer:
         total_steps: int | None = None,
         console: bool = True,
         sinks: Iterable[Any] = (),
+        batch_schedule: BatchSchedule | None = None,
     ):
         self.cfg, self.eval_cfg = cfg, eval_cfg or EvalConfig()
         self.dist = dist or Distributed()
@@ -84,6 +86,7 @@ class Trainer:
         self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
         self.data = data if hasattr(data, "steps_per_epoch") else BatchSteps(data, cfg)
+        self.batch_schedule = batch_schedule.attach(self.data) if batch_schedule is not None else None  # train/schedule.py
         self.guard = guard if guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
         self.clipper = clipper if clipper is not None else FixedClipper(cfg.grad_clip)
         self.eval_data, self.evaluate_fn = eval_data, evaluate_fn
@@ -102,7 +105,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------ state
     def parts(self) -> dict[str, Any]:
         """The JSON-able stateful parts a checkpoint stores beside model and optimizer, by name."""
-        return {"counters": self.state, "scaler": self.scaler, "data": self.data, "guard": self.guard, "clipper": self.clipper}
+        parts = {"counters": self.state, "scaler": self.scaler, "data": self.data, "guard": self.guard, "clipper": self.clipper}
+        return parts | ({"batch_schedule": self.batch_schedule} if self.batch_schedule is not None else {})
 
     def trainer_state(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts().items()}
@@ -181,12 +185,10 @@ class Trainer:
         if st.total_steps is None and st.step == 0:  # the horizon, fixed once from the first step (all ranks)
             local = torch.tensor([float(sum(b.num_real_tokens for b in step.batches))], dtype=torch.float64)
             first_tokens = int(self.dist.all_reduce_sum(local.to(self.device)).item())
-            st.total_steps = estimate_total_steps(self.cfg, self.data.steps_per_epoch(), first_tokens)
+            st.total_steps = estimate_total_steps(self.cfg, self.data.steps_per_epoch(), first_tokens, self.batch_schedule)
             self.console.set_total(self.cfg.max_steps or st.total_steps)
-        lr = lr_at(st.step, self.cfg, st.total_steps) * st.lr_scale
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group["lr_mult"]
-        return lr
+        scale = st.lr_scale * (self.batch_schedule.before_step(self) if self.batch_schedule is not None else 1.0)
+        return set_lrs(self.optimizer, st.step, self.cfg, st.total_steps, scale)  # per layer group (train/optim.py)
 
     def train_step(self, step: Step) -> StepResult:
         """One optimizer step: schedule, forward/backward, clip, verdict, update, log, evaluate."""
@@ -252,6 +254,8 @@ class Trainer:
             "optimizer_s": t2 - t1,
             "step_s": seconds,
             **resource_usage(self.device),
+            **lr_record(self.optimizer, self.cfg),
+            **(self.batch_schedule.record() if self.batch_schedule is not None else {}),
         }
         if outcome not in (StepOutcome.APPLIED, StepOutcome.EMPTY):
             rec["documents"] = list(step.documents)
@@ -263,6 +267,8 @@ class Trainer:
         result = StepResult(outcome, rec, step)
         if self.eval_cfg.every_steps and st.step % self.eval_cfg.every_steps == 0:
             self.evaluate_now()
+        if self.batch_schedule is not None:  # may change the next steps' size: before the session checkpoints
+            self.batch_schedule.after_step(self)
         if self.after_step is not None:
             self.after_step(result)
         return result
