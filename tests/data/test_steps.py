@@ -119,3 +119,16 @@ def test_bad_arguments():
         step_stop(plan, 0, StepSettings(), 0.0)
     with pytest.raises(ValueError):
         StepSettings(world_size=2, rank=2)
+
+
+def test_plan_settings_take_every_field_from_the_config():
+    """A config field renamed or added without the planner knowing fails here, not silently."""
+    from dataclasses import fields
+
+    from densebatch.config import BatchingConfig
+
+    cfg = BatchingConfig(strategy="token_budget", rows_per_batch=3, max_tokens_per_batch=999, seq_len=77, long_docs="truncate",
+                         pad_to_multiple_of=7, mega_batch_mult=5, drop_last=True, shard_docs=1234)  # fmt: skip
+    settings = PlanSettings.from_config(cfg)
+    for f in fields(PlanSettings):
+        assert getattr(settings, f.name) == getattr(cfg, f.name), f.name

@@ -76,8 +76,19 @@ class PlanSettings:
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> PlanSettings:
-        """From a ``BatchingConfig`` (any object with the same field names)."""
-        kw = {f: getattr(cfg, f) for f in cls.__dataclass_fields__ if hasattr(cfg, f)}
+        """From a ``BatchingConfig``, field by field: renaming a config field fails here at once
+        instead of silently leaving the planner at its default."""
+        kw = dict(
+            strategy=cfg.strategy,
+            rows_per_batch=cfg.rows_per_batch,
+            max_tokens_per_batch=cfg.max_tokens_per_batch,
+            seq_len=cfg.seq_len,
+            long_docs=cfg.long_docs,
+            pad_to_multiple_of=cfg.pad_to_multiple_of,
+            mega_batch_mult=cfg.mega_batch_mult,
+            drop_last=cfg.drop_last,
+            shard_docs=cfg.shard_docs,
+        )
         kw.update(overrides)
         return cls(**kw)
 
