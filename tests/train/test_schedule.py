@@ -9,16 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from densebatch.config import EvalConfig, GroupScheduleConfig, ModelConfig, TrainConfig
+from densebatch.config import ConfigError, EvalConfig, GroupScheduleConfig, ModelConfig, TrainConfig, load_config
 from densebatch.data.collate import CausalCollator
 from densebatch.data.loader import StepLoader
 from densebatch.data.plan import PlanSettings
 from densebatch.data.steps import StepSettings
 from densebatch.model import build_model
+from densebatch.train.checkpoint import CheckpointManager
+from densebatch.train.guard import Verdict
 from densebatch.train.loop import Trainer
 from densebatch.train.monitor import read_metrics
 from densebatch.train.optim import estimate_total_steps, group_lr_at, lr_at, param_groups
 from densebatch.train.schedule import BatchSchedule
+from densebatch.train.session import Session
 
 
 # ---------------------------------------------------------------------------------- fractions
@@ -88,6 +91,34 @@ def test_state_round_trip_gives_the_same_fractions_after_a_change_mid_ramp():
     assert [b.fraction(n) for n in range(60)] == [a.fraction(n) for n in range(60)]
     assert a.fraction(6) < a.fraction(5)  # halved mid-ramp; the ramp goes on from there
     assert (b.best_loss, b.bad_evals) == (2.0, 0)
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["--train.ramp_steps=5", "--train.ramp_start=0"], "train.ramp_start"),
+        (["--train.ramp_steps=5", "--train.ramp_start=1.5"], "train.ramp_start"),
+        (["--train.batch_backoff_patience=2"], "eval.every_steps"),
+        (["--train.batch_backoff_patience=2", "--eval.every_steps=5", "--train.batch_backoff_factor=1"], "backoff_factor"),
+        (["--train.batch_backoff_patience=2", "--eval.every_steps=5", "--train.batch_backoff_floor=0"], "backoff_floor"),
+        (["--train.layer_lr_decay=1.5"], "train.layer_lr_decay"),
+        (["--train.ramp_unit=epochs"], "train.ramp_unit"),
+        (["--train.embeddings.schedule=step"], "train.embeddings.schedule"),
+    ],
+)
+def test_schedule_keys_are_checked(overrides, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, overrides)
+
+
+def test_schedule_from_config_only_when_asked_for():
+    assert BatchSchedule.from_config(TrainConfig()) is None
+    t = load_config(None, ["--train.ramp_steps=20", "--train.ramp_start=0.25", "--train.lr_batch_scaling=linear"]).train
+    s = BatchSchedule.from_config(t)
+    assert (s.fraction(0), s.fraction(20), s.lr_factor(0)) == (0.25, 1.0, 0.25)
+    assert (t.embeddings.schedule, t.head.warmup_steps) == ("same", None)
+    t = load_config(None, ["--train.head.schedule=constant", "--train.head.warmup_steps=0"]).train
+    assert t.head == GroupScheduleConfig(schedule="constant", warmup_steps=0) and t.blocks == GroupScheduleConfig()
 
 
 # ------------------------------------------------------------------------ in the trainer
@@ -177,6 +208,46 @@ def test_trainer_resume_mid_ramp_and_after_a_backoff_is_exact(tiny, tmp_path):
         assert [(r["loss"], r["batch_fraction"], r["lr"]) for r in got] == [
             (r["loss"], r["batch_fraction"], r["lr"]) for r in reference
         ]
+
+
+class RollbackAt:
+    """A guard whose verdict is a rollback at the given step (1-based), OK otherwise."""
+
+    def __init__(self, step):
+        self.step, self.calls = step, 0
+
+    def check(self, loss, grad_norm):
+        self.calls += 1
+        return Verdict.ROLLBACK if self.calls == self.step else Verdict.OK
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, d):
+        self.calls = d["calls"]
+
+
+def test_a_rollback_keeps_the_schedule_and_the_data_position(tiny, tmp_path):
+    """A back-off decided after the checkpoint the rollback returns to stays in force, as the data position does."""
+    schedule = BatchSchedule(backoff_patience=1, backoff_factor=0.5)
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, schedule="constant", max_steps=5, progress=False, device="cpu", grad_clip=0.0)
+    t = Trainer(
+        tiny.TinyLM(), _loader(), cfg, EvalConfig(every_steps=1), output_dir=tmp_path, device="cpu", console=False,
+        evaluate_fn=ScriptedEval([2.0, 1.0, 1.5, 0.9, 0.8, 0.7]), batch_schedule=schedule, guard=RollbackAt(3),
+    )  # fmt: skip
+    session = Session(t, CheckpointManager(tmp_path / "checkpoints"), every_steps=2)
+    rows = []
+    t.after_step = lambda result: (
+        rows.append(sum(b.input_ids.shape[0] for b in result.step.batches)),
+        session.after_step(result),
+    )
+    t.run()
+    # step 3: eval 1.5 > 1.0 halves the step from loader step 3 on; its verdict rolls back to the checkpoint of step 2
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["kind"] for r in recs if r["kind"] in ("batch_size", "rollback")] == ["batch_size", "rollback"]
+    assert schedule.changes == ((3, 0.5),) and t.data.state_dict()["steps"] == len(rows) == 6
+    assert rows == [8, 8, 8, 4, 4, 4]  # the steps after the rollback are at the halved size
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 3, 4, 5]  # step numbers restart at 2
 
 
 def test_a_schedule_needs_a_step_loader(tiny, tmp_path):
