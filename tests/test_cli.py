@@ -12,22 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_args import TINY
 
 from densebatch.cli import _parser, _split_overrides, main
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--model.n_layer=1",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=256",
-    "--data.max_seq_len=256",
-    "--batching.seq_len=256",
-    "--batching.max_tokens_per_batch=1024",
-    "--data.default.num_records=200",
-    "--train.progress=false",
-    "--eval.accuracy_samples=0",
-]
 
 
 def run_cli(args: list[str]) -> subprocess.CompletedProcess:

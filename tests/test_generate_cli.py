@@ -6,24 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_args import TINY as BASE_TINY
 
 from densebatch.cli import main
 from densebatch.data.tokenizers import load_tokenizer
 from densebatch.model import generate, load_model
 
-TINY = [
-    "--model.n_layer=1",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=256",
-    "--data.max_seq_len=256",
-    "--batching.seq_len=256",
-    "--batching.max_tokens_per_batch=1024",
-    "--data.default.num_records=200",
-    "--train.progress=false",
-    "--eval.accuracy_samples=0",
-    "--train.lr=3e-3",
-]
+TINY = [*BASE_TINY, "--train.lr=3e-3"]
 PROMPT = "What is 7 plus 5?"
 # The alpaca template (data/templates.py), written out: what the model sees without --raw.
 ALPACA = (

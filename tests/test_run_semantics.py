@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from cli_args import TINY as BASE_TINY
 
 from densebatch.cli import main
 from densebatch.config import load_config
@@ -22,19 +23,7 @@ from densebatch.model import load_model
 from densebatch.train.evaluate import evaluate
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = [
-    "--model.n_layer=1",
-    "--model.n_head=2",
-    "--model.n_embd=32",
-    "--model.block_size=256",
-    "--data.max_seq_len=256",
-    "--batching.seq_len=256",
-    "--batching.max_tokens_per_batch=1024",
-    "--data.default.num_records=200",
-    "--train.progress=false",
-    "--eval.accuracy_samples=0",
-    "--data.eval_fraction=0.2",
-]
+TINY = [*BASE_TINY, "--data.eval_fraction=0.2"]
 
 
 def _train_lines(out: Path) -> list[dict]:

@@ -1,0 +1,14 @@
+"""Command-line overrides shared by the CLI tests: a tiny GPT on a few hundred generated records."""
+
+TINY = [
+    "--model.n_layer=1",
+    "--model.n_head=2",
+    "--model.n_embd=32",
+    "--model.block_size=256",
+    "--data.max_seq_len=256",
+    "--batching.seq_len=256",
+    "--batching.max_tokens_per_batch=1024",
+    "--data.default.num_records=200",
+    "--train.progress=false",
+    "--eval.accuracy_samples=0",
+]
