@@ -127,7 +127,13 @@ class BatchingConfig:
     mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch (as Hugging Face).", minimum=1)
     drop_last: bool = _f(False, "random / length_grouped: drop the last incomplete batch.")
     mlm_probability: float = _f(0.15, "mlm: share of non-special tokens selected, in (0, 1): 0 and 1 are refused.", minimum=0.0)
-    prefetch: int = _f(2, "Batches collated ahead in a background thread (0 = none).", minimum=0)
+    prefetch: int = _f(2, "Steps collated ahead in a background thread (0 = none).", minimum=0)
+    shard_docs: int = _f(
+        1 << 20,
+        "Plan an epoch in shards of this many documents (a seeded random sample each), interleaved: planning "
+        "memory stays bounded for corpora of any size; one shard (the whole corpus) below it.",
+        minimum=1,
+    )
 
 
 # -------------------------------------------------------------------------------------- model
