@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import tempfile
-import time
 import warnings
 
 import numpy as np
 import torch
+from interleave import StepTimer
 from throughput_common import Run, Setup, build_hf_model
 
 
@@ -35,65 +35,74 @@ def hf_features(store) -> list[dict]:
     return feats
 
 
-def run_hf(setup: Setup, strategy: str, features: list[dict]) -> Run:
-    from transformers import DataCollatorForSeq2Seq, GPT2TokenizerFast, Trainer, TrainerCallback, TrainingArguments
+def build_hf_trainer(setup: Setup, strategy: str, features: list[dict], out: str, callbacks=(), trainer_cls=None):
+    """(transformers.Trainer, its CountingCollator) as a user would set it up: default optimizer
+    (``adamw_torch_fused``), ``DataCollatorForSeq2Seq`` right padding, ``train_sampling_strategy``."""
+    from transformers import DataCollatorForSeq2Seq, GPT2TokenizerFast, Trainer, TrainingArguments
 
     tok = GPT2TokenizerFast(vocab_file=str(setup.gpt2_dir / "vocab.json"), merges_file=str(setup.gpt2_dir / "merges.txt"))
     tok.pad_token = tok.eos_token
     collator = CountingCollator(DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100, return_tensors="pt"))
-    ends: list[float] = []
-    cpu: list[float] = []
+    args = TrainingArguments(
+        output_dir=out,
+        per_device_train_batch_size=setup.hf_rows,
+        max_steps=setup.warmup + setup.steps,
+        learning_rate=setup.lr,
+        weight_decay=0.1,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        train_sampling_strategy=strategy,
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        dataloader_pin_memory=False,
+        remove_unused_columns=False,
+        seed=setup.seed,
+        data_seed=setup.seed,
+    )
+    cls = trainer_cls or Trainer
+    trainer = cls(
+        model=build_hf_model(setup), args=args, train_dataset=features, data_collator=collator, callbacks=list(callbacks)
+    )
+    return trainer, collator
+
+
+def run_hf(setup: Setup, strategy: str, features: list[dict], timer: StepTimer) -> Run:
+    from transformers import TrainerCallback
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            ends.append(time.perf_counter())
-            cpu.append(time.process_time())
+            timer.step_end()
 
-    model = build_hf_model(setup)
-    with tempfile.TemporaryDirectory() as out:
-        args = TrainingArguments(
-            output_dir=out,
-            per_device_train_batch_size=setup.hf_rows,
-            max_steps=setup.warmup + setup.steps,
-            learning_rate=setup.lr,
-            weight_decay=0.1,
-            adam_beta2=0.95,
-            max_grad_norm=1.0,
-            train_sampling_strategy=strategy,
-            use_cpu=True,
-            report_to="none",
-            save_strategy="no",
-            logging_strategy="no",
-            disable_tqdm=True,
-            dataloader_pin_memory=False,
-            remove_unused_columns=False,
-            seed=setup.seed,
-            data_seed=setup.seed,
-        )
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            Trainer(model=model, args=args, train_dataset=features, data_collator=collator, callbacks=[Timer()]).train()
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer, collator = build_hf_trainer(setup, strategy, features, out, [Timer()])
+        trainer.train()
     w = setup.warmup
-    secs = list(np.diff(ends[w - 1 :]))
+    wall, cpu = timer.seconds(w)
     m = collator.log[w : w + setup.steps]  # batch k is step k (gradient_accumulation_steps = 1)
-    return Run(
-        f"hf_{strategy}", secs, [a for a, _, _ in m], [b for _, b, _ in m], [c for _, _, c in m], list(np.diff(cpu[w - 1 :]))
-    )
+    return Run(f"hf_{strategy}", wall, [a for a, _, _ in m], [b for _, b, _ in m], [c for _, _, c in m], cpu)
 
 
 def dense_rows(setup: Setup) -> tuple[torch.Tensor, torch.Tensor]:
     """Full rows of real tokens (the documents concatenated) and the data's loss mask, (steps, rows, T)."""
-    rows = setup.tokens_per_step // setup.seq_len
-    need = (setup.warmup + setup.steps) * rows * setup.seq_len
+    rows, T = setup.plain_rows, setup.plain_len
+    need = (setup.warmup + setup.steps) * rows * T
     toks = np.asarray(setup.store.tokens, np.int64)
     mask = np.asarray(setup.store.loss_mask, np.int64)
     reps = -(-need // len(toks))
     toks, mask = np.tile(toks, reps)[:need], np.tile(mask, reps)[:need]
-    shape = (setup.warmup + setup.steps, rows, setup.seq_len)
+    shape = (setup.warmup + setup.steps, rows, T)
     return torch.from_numpy(toks.reshape(shape)), torch.from_numpy(mask.reshape(shape))
 
 
-def run_ceiling(setup: Setup, loss_only: bool) -> Run:
+def run_ceiling(setup: Setup, timer: StepTimer, loss_only: bool = False, fused: bool = False) -> Run:
+    """Forward + backward + AdamW + clip of full rows (documents back to back, one causal sequence
+    per row, no padding, no mask). ``fused``: AdamW's fused CPU kernel, HF Trainer's default
+    optimizer (``adamw_torch_fused``); otherwise multi-tensor (foreach). ``loss_only``: through
+    densebatch's ``HFCausalLM.token_losses`` with the data's loss mask instead of the HF model call."""
     from densebatch.batch import IGNORE_INDEX, Batch
 
     ids, mask = dense_rows(setup)
@@ -106,9 +115,10 @@ def run_ceiling(setup: Setup, loss_only: bool) -> Run:
     else:
         model = build_hf_model(setup)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    impl = {"fused": True} if fused else {"foreach": True}
+    opt = torch.optim.AdamW(model.parameters(), lr=setup.lr, betas=(0.9, 0.95), weight_decay=0.1, **impl)
     positions = torch.arange(T).expand(rows, T)
-    ends, cpu, losstoks = [], [], []
+    losstoks = []
     for s in range(steps):
         x = ids[s]
         if loss_only:
@@ -125,16 +135,38 @@ def run_ceiling(setup: Setup, loss_only: bool) -> Run:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        ends.append(time.perf_counter())
-        cpu.append(time.process_time())
+        timer.step_end()
     w = setup.warmup
-    secs = list(np.diff(ends[w - 1 :]))
+    secs, cpu = timer.seconds(w)
     n = rows * T
     return Run(
-        "ceiling_lossonly" if loss_only else "ceiling",
+        "ceiling_lossonly" if loss_only else "plain_fused" if fused else "ceiling",
         secs,
         [n] * setup.steps,
         [n] * setup.steps,
         losstoks[w:],
-        list(np.diff(cpu[w - 1 :])),
+        cpu,
     )
+
+
+def hf_window(setup: Setup, strategy: str, features: list[dict]) -> list[tuple[int, int, int]]:
+    """(real, slots, loss tokens) of the batches HF Trainer's timed steps will see, without training:
+    the Trainer's own dataloader, drawn right after construction as ``train()`` draws it."""
+    with tempfile.TemporaryDirectory() as out, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer, collator = build_hf_trainer(setup, strategy, features, out)
+        for i, _ in enumerate(trainer.get_train_dataloader()):
+            if i + 1 >= setup.warmup + setup.steps:
+                break
+    return collator.log[setup.warmup : setup.warmup + setup.steps]
+
+
+def hf_epoch_fill(lengths, rows: int, seed: int = 0) -> float:
+    """Fill of a whole epoch of HF ``group_by_length`` batches of ``rows`` documents (its own grouping:
+    mega-batches of 50 batches sorted by length), as opposed to the fill of a short timed window."""
+    from transformers.trainer_pt_utils import get_length_grouped_indices
+
+    lengths = np.asarray(lengths, np.int64)
+    order = np.asarray(get_length_grouped_indices(lengths.tolist(), rows, generator=torch.Generator().manual_seed(seed)))
+    batches = [lengths[order[i : i + rows]] for i in range(0, len(order), rows)]
+    return float(sum(b.sum() for b in batches) / sum(len(b) * b.max() for b in batches))

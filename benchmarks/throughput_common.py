@@ -15,13 +15,28 @@ DATASETS = {  # name -> (file, template)
     "instruction": ("instruction-data.json", "alpaca"),
     "oasst": ("oasst-threads.jsonl", "chatml"),
 }
-METHODS = ("db_token_budget", "db_packed", "hf_random", "hf_group_by_length", "ceiling", "ceiling_lossonly")
+METHODS = (
+    "db_token_budget",
+    "db_token_budget_plain",
+    "db_token_budget_before",
+    "db_packed",
+    "hf_random",
+    "hf_group_by_length",
+    "plain_fused",
+    "ceiling",
+    "ceiling_lossonly",
+)
 DEFAULT_METHODS = ("db_token_budget", "db_packed", "hf_random", "hf_group_by_length", "ceiling")
+# Full-loss mode (--full-loss): the issue-10 comparison.
+FULL_LOSS_METHODS = ("db_token_budget", "hf_group_by_length", "plain_fused")
 LABELS = {
     "db_token_budget": "densebatch token_budget",
+    "db_token_budget_plain": "densebatch token_budget, plain head",
+    "db_token_budget_before": "densebatch token_budget, as before",
     "db_packed": "densebatch packed",
     "hf_random": "HF Trainer (random)",
     "hf_group_by_length": "HF Trainer group_by_length",
+    "plain_fused": "plain full-row loop, fused AdamW",
     "ceiling": "dense ceiling",
     "ceiling_lossonly": "dense ceiling, loss-only head",
 }
@@ -49,6 +64,8 @@ class Setup:
     gpt2_dir: Path
     hf_rows: int = 0  # HF per_device_train_batch_size
     budget: int = 0  # token_budget slot budget
+    plain_rows: int = 0  # plain loop / ceiling: rows x plain_len real tokens per step
+    plain_len: int = 0
     notes: dict = field(default_factory=dict)
 
 
@@ -106,6 +123,7 @@ class Run:
     slots: list[int]
     loss_tokens: list[int]
     cpu_seconds: list[float]  # process CPU time (all threads) per measured step: less sensitive to other jobs
+    load: float = 0.0  # 1-minute load average when the run started
 
     @property
     def tokens_per_cpu_s(self) -> float:

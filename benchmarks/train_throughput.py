@@ -1,39 +1,48 @@
-"""Training throughput, side by side: densebatch vs Hugging Face ``Trainer`` vs a dense ceiling.
+"""Training throughput, side by side: densebatch vs Hugging Face ``Trainer`` vs plain dense loops.
 
 One process, one model (a Hugging Face GPT-2 config: 4 layers, width 256, 4 heads, vocabulary 50,257,
 random init, dropout 0, fp32), one dataset (documents prepared once by ``densebatch.data.prepare``:
-the same token ids and the same prompt mask for every method), the same target of real tokens per
-optimizer step and the same number of steps. Methods:
+the same token ids and loss mask for every method), the same number of steps. Two modes:
+
+- default (``--dataset``): instruction / oasst records with their templates, loss on the responses
+  only, a target of ``--tokens-per-step`` real tokens per step (HF rows = target / mean length).
+- ``--full-loss SETS``: pre-tokenised records (``benchmarks/fullloss_sets.py``; every token carries
+  loss), HF Trainer batches of ``--hf-rows`` 8 documents, and densebatch / the plain loop at the same
+  real tokens per step (8 x the mean document length): the comparison of issue 10.
+
+Methods:
 
 - ``db_token_budget``  densebatch ``token_budget`` batches (rows x longest <= budget; the slot budget is
-  chosen from the plan so that the epoch's mean real tokens per batch equals the target).
+  chosen from the plan so that the epoch's mean real tokens per batch equals the target);
+  ``db_token_budget_plain`` the same with ``loss_head="plain"`` (all loss positions' logits at once).
 - ``db_packed``        densebatch ``packed`` rows of ``--seq-len`` (target / seq_len rows per batch).
-- ``hf_random``        ``transformers.Trainer``, random sampling, ``DataCollatorForSeq2Seq`` padding;
-  ``per_device_train_batch_size = round(target / mean document length)``.
+- ``hf_random``        ``transformers.Trainer``, random sampling, ``DataCollatorForSeq2Seq`` padding,
+  its default optimizer (``adamw_torch_fused``).
 - ``hf_group_by_length``  the same with ``train_sampling_strategy="group_by_length"``.
-- ``ceiling``          forward + backward + AdamW on full rows of ``--seq-len`` real tokens (no padding,
-  one causal sequence per row, loss on every token, plain Hugging Face model call): what the hardware
-  does when every slot is a real token.
-- ``ceiling_lossonly`` (opt-in with ``--methods``) the same full rows through densebatch's model path
-  (``HFCausalLM.token_losses``: the output head projects only positions that carry a target), with the
-  data's prompt mask: the ceiling of densebatch's own compute path.
+- ``plain_fused``      the plain loop of issue 10: the HF model called on full rows (documents back to
+  back, no padding, no mask, loss on every token), clip 1.0, fused AdamW (HF Trainer's default
+  optimizer); ``ceiling`` the same with multi-tensor (foreach) AdamW; ``ceiling_lossonly`` the same
+  rows through densebatch's ``HFCausalLM.token_losses`` with the data's loss mask.
 
-densebatch runs through its real pipeline: ``prepare`` -> ``PlanSettings`` -> ``BatchLoader`` (prefetch
-thread) -> ``collator_from_config`` -> ``HFCausalLM`` -> ``densebatch.train.loop.Trainer``. A step's time
-is the wall time between the ends of consecutive optimizer steps (data loading, collation, forward,
-backward, clipping, optimizer and logging included); the first ``--warmup-steps`` steps are excluded.
-Only real (non-padding) tokens count. Each repeat runs every method once (the order rotates between
-repeats, so that load from other processes does not favour one method); the table shows medians.
+Each repeat runs every method once, step-interleaved (``benchmarks/interleave.py``): one optimizer
+step of each method in turn, in one process, so that all of them sample the machine's load at the
+same moments (``--sequential``: one run after the other). A step's time runs from the moment its
+method gets its turn to the end of that optimizer step (data, collation, forward, backward,
+clipping, optimizer, logging: everything); the first ``--warmup-steps`` steps are excluded. Only
+real (non-padding) tokens count. Ratios are given per repeat and as the median of those; the
+1-minute load average is recorded at the start of every repeat.
 
     .venv/bin/python benchmarks/train_throughput.py                      # both data sets, defaults
-    .venv/bin/python benchmarks/train_throughput.py --dataset oasst --steps 8 --repeats 3
+    .venv/bin/python benchmarks/train_throughput.py --full-loss tune,pareto --steps 20 --repeats 3
     .venv/bin/python benchmarks/train_throughput.py --methods db_packed,ceiling --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -44,10 +53,13 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput_baselines import hf_features, run_ceiling, run_hf  # noqa: E402
+from fullloss_sets import SETS, write_set  # noqa: E402
+from interleave import run_alone, run_interleaved  # noqa: E402
+from throughput_baselines import hf_epoch_fill, hf_features, hf_window, run_ceiling, run_hf  # noqa: E402
 from throughput_common import (  # noqa: E402
     DATASETS,
     DEFAULT_METHODS,
+    FULL_LOSS_METHODS,
     LABELS,
     METHODS,
     Run,
@@ -56,51 +68,7 @@ from throughput_common import (  # noqa: E402
     token_budget_for,
     write_model_dir,
 )
-
-
-def run_densebatch(setup: Setup, strategy: str) -> Run:
-    from densebatch.config import BatchingConfig, EvalConfig, TrainConfig
-    from densebatch.data.collate import collator_from_config
-    from densebatch.data.loader import BatchLoader
-    from densebatch.data.plan import PlanSettings
-    from densebatch.model import HFCausalLM
-    from densebatch.train.loop import Trainer
-
-    if strategy == "packed":
-        bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=setup.tokens_per_step, seq_len=setup.seq_len)
-    else:
-        bcfg = BatchingConfig(strategy="token_budget", max_tokens_per_batch=setup.budget, seq_len=setup.seq_len)
-    settings = PlanSettings.from_config(bcfg)
-    collator = collator_from_config(bcfg, setup.store.meta, setup.seed)
-    loader = BatchLoader(setup.store, settings, collator, seed=setup.seed, prefetch=bcfg.prefetch)
-    torch.manual_seed(setup.seed)
-    model = HFCausalLM(setup.model_dir)
-    tcfg = TrainConfig(max_steps=setup.warmup + setup.steps, lr=setup.lr, progress=False, device="cpu", spike_zscore=0.0)
-    ends: list[float] = []
-    cpu: list[float] = []
-    recs: list[dict] = []
-
-    def on_step(trainer, step):
-        ends.append(time.perf_counter())
-        cpu.append(time.process_time())
-        recs.append(dict(trainer.last_record))
-
-    with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(model, loader, tcfg, EvalConfig(), output_dir=out, device="cpu", on_step=on_step, console=False)
-        trainer.run()
-        if trainer._it is not None:  # stop the loader's prefetch thread now, not at garbage collection
-            trainer._it.close()
-    w = setup.warmup
-    secs = list(np.diff(ends[w - 1 :]))
-    m = recs[w:]
-    return Run(
-        f"db_{strategy}",
-        secs,
-        [r["real_tokens"] for r in m],
-        [r["slot_tokens"] for r in m],
-        [r["loss_tokens"] for r in m],
-        list(np.diff(cpu[w - 1 :])),
-    )
+from throughput_densebatch import attention_cost, run_densebatch  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -108,25 +76,30 @@ def prepare_setup(name: str, args, data_dir: Path, tmp: Path) -> Setup:
     from densebatch.config import DataConfig
     from densebatch.data.prepare import prepare
 
-    fname, template = DATASETS[name]
-    prepared = prepare(
-        DataConfig(
-            path=str(data_dir / fname),
-            template=template,
-            tokenizer=str(data_dir / "gpt2"),
-            eval_fraction=0.0,
-            max_seq_len=args.seq_len,
-            cache_dir=str(tmp / "cache"),
-        )
-    )
+    full = bool(args.full_loss)
+    if full:  # pre-tokenised records, every token a target
+        path = write_set(name, tmp / f"{name}.jsonl", seed=args.seed)
+        data = DataConfig(path=str(path), loss_on="all", max_seq_len=args.seq_len)
+    else:
+        fname, template = DATASETS[name]
+        data = DataConfig(path=str(data_dir / fname), template=template, max_seq_len=args.seq_len)
+    data.tokenizer, data.eval_fraction, data.cache_dir = str(data_dir / "gpt2"), 0.0, str(tmp / "cache")
+    prepared = prepare(data)
     model_dir = tmp / "model"
     if not (model_dir / "config.json").is_file():
         write_model_dir(model_dir, n_positions=max(1024, args.seq_len))
+    lengths = np.asarray(prepared.train.lengths)
+    if full:
+        hf_rows = args.hf_rows
+        target = args.tokens_per_step or int(round(hf_rows * lengths.mean()))
+    else:
+        target = args.tokens_per_step or 2048
+        hf_rows = max(1, round(target / lengths.mean()))
     s = Setup(
         name,
         prepared.train,
         model_dir,
-        args.tokens_per_step,
+        target,
         args.seq_len,
         args.steps,
         args.warmup_steps,
@@ -134,9 +107,10 @@ def prepare_setup(name: str, args, data_dir: Path, tmp: Path) -> Setup:
         args.seed,
         data_dir / "gpt2",
     )
-    lengths = np.asarray(s.store.lengths)
-    s.hf_rows = max(1, round(args.tokens_per_step / lengths.mean()))
-    s.budget, tb_fill = token_budget_for(s.store, args.tokens_per_step, args.seq_len, args.seed)
+    s.hf_rows = hf_rows
+    # The plain loop: as many full rows as HF has rows (full-loss mode), else rows of seq_len.
+    s.plain_rows, s.plain_len = (hf_rows, max(2, round(target / hf_rows))) if full else (target // args.seq_len, args.seq_len)
+    s.budget, tb_fill = token_budget_for(s.store, target, args.seq_len, args.seed)
     s.notes = {
         "documents": len(lengths),
         "mean_len": float(lengths.mean()),
@@ -145,86 +119,67 @@ def prepare_setup(name: str, args, data_dir: Path, tmp: Path) -> Setup:
         "max": int(lengths.max()),
         "loss_share": float(np.asarray(s.store.loss_mask).mean()),
         "hf_rows": s.hf_rows,
+        "plain_rows": f"{s.plain_rows} x {s.plain_len}",
         "token_budget_slots": s.budget,
         "token_budget_epoch_fill": tb_fill,
+        "full_loss": full,
     }
     return s
 
 
-def profile_method(setup: Setup, method: str, features, rows: int = 22) -> None:
-    """Operators by self CPU time over a whole run of ``method`` (warm-up and model build included)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
-        r = run_method(setup, method, features)
-        wall = time.perf_counter() - t0
-    print(
-        f"\n### profile {setup.name} / {LABELS[method]}: {wall:.1f} s in all, timed steps {sum(r.seconds):.1f} s, "
-        f"{r.tokens_per_s:.0f} real tok/s under the profiler"
-    )
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
-
-
-def attention_cost(setup: Setup, repeats: int) -> None:
-    """What document isolation costs densebatch's model path: one packed batch (from the real loader)
-    through ``HFCausalLM.token_losses`` forward + backward, with its positions (4-D document mask, SDPA
-    over all T x T pairs) and with ``positions = arange(T)`` (plain causal SDPA, no mask), same tokens
-    and labels; alternating, median of ``repeats`` (at least 3) each."""
-    import dataclasses
-
-    from densebatch.config import BatchingConfig
-    from densebatch.data.collate import collator_from_config
-    from densebatch.data.loader import BatchLoader
-    from densebatch.data.plan import PlanSettings
-    from densebatch.model import HFCausalLM
-    from densebatch.model.attention import document_mask
-
-    bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=setup.tokens_per_step, seq_len=setup.seq_len)
-    loader = BatchLoader(
-        setup.store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, setup.store.meta), seed=setup.seed, prefetch=0
-    )
-    packed = next(iter(loader.iter_epoch(0)))
-    rows, T = packed.input_ids.shape
-    causal = dataclasses.replace(packed, positions=torch.arange(T).expand(rows, T).contiguous(), num_real_tokens=packed.num_slots)
-    torch.manual_seed(setup.seed)
-    model = HFCausalLM(setup.model_dir)
-    times: dict[str, list[float]] = {"packed (document mask)": [], "causal (no mask)": [], "mask build only": []}
-    for i in range(max(3, repeats) + 1):
-        for name, batch in (("packed (document mask)", packed), ("causal (no mask)", causal)):
-            t0 = time.perf_counter()
-            model.token_losses(batch).sum().backward()
-            model.zero_grad(set_to_none=True)
-            if i:
-                times[name].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        document_mask(packed.positions)
-        if i:
-            times["mask build only"].append(time.perf_counter() - t0)
-    segs = int((packed.positions == 0).sum())
-    print(
-        f"\n### attention cost, {setup.name}: one packed batch {rows} x {T}, {segs} segments, "
-        f"{packed.num_real_tokens} real / {packed.num_loss_tokens} loss tokens; forward + backward, median of {len(times['mask build only'])}"
-    )
-    base = statistics.median(times["causal (no mask)"])
-    for name, ts in times.items():
-        print(f"  {name:24s} {statistics.median(ts):7.3f} s  ({statistics.median(ts) / base:.2f} x causal)")
+def run_method(setup: Setup, method: str, features, timer) -> Run:
+    """One run of ``method``; ``timer`` (interleave.StepTimer, already started) times its steps."""
+    if method.startswith("db_"):
+        strategy = "packed" if method == "db_packed" else "token_budget"
+        kw = (
+            {"loss_head": "plain"}
+            if method == "db_token_budget_plain"
+            else {"before": True}
+            if method.endswith("_before")
+            else {}
+        )
+        r = run_densebatch(setup, strategy, timer, **kw)
+    elif method.startswith("hf_"):
+        r = run_hf(setup, method[3:], features, timer)
+    else:
+        r = run_ceiling(setup, timer, loss_only=method == "ceiling_lossonly", fused=method == "plain_fused")
+    r.method = method
+    return r
 
 
-def run_method(setup: Setup, method: str, features) -> Run:
-    if method == "db_token_budget":
-        return run_densebatch(setup, "token_budget")
-    if method == "db_packed":
-        return run_densebatch(setup, "packed")
-    if method == "hf_random":
-        return run_hf(setup, "random", features)
-    if method == "hf_group_by_length":
-        return run_hf(setup, "group_by_length", features)
-    if method == "ceiling":
-        return run_ceiling(setup, loss_only=False)
-    if method == "ceiling_lossonly":
-        return run_ceiling(setup, loss_only=True)
-    raise ValueError(method)
+def match_hf_window(setup: Setup, args, features) -> None:
+    """Full-loss mode: HF group_by_length's timed steps start with its sorted mega-batch's longest
+    documents, so they hold more real tokens than 8 x the mean length. Unless --tokens-per-step is
+    given, densebatch and the plain loop get the real tokens per step of HF's own timed window."""
+    window = hf_window(setup, "group_by_length", features)
+    real = [r for r, _, _ in window]
+    setup.notes["hf_window_real_per_step"] = statistics.mean(real)
+    setup.notes["hf_window_fill"] = sum(real) / sum(s for _, s, _ in window)
+    setup.notes["hf_epoch_fill"] = hf_epoch_fill(setup.store.lengths, setup.hf_rows, args.seed)
+    if args.tokens_per_step:
+        return
+    target = int(round(statistics.mean(real)))
+    setup.tokens_per_step = target
+    setup.plain_len = max(2, round(target / setup.plain_rows))
+    setup.budget, setup.notes["token_budget_epoch_fill"] = token_budget_for(setup.store, target, args.seq_len, args.seed)
+    setup.notes.update(token_budget_slots=setup.budget, plain_rows=f"{setup.plain_rows} x {setup.plain_len}")
+
+
+# (numerator, reference, target) pairs whose ratios the report prints
+RESPONSE_TARGETS = [
+    (db, ref, t)
+    for db in ("db_packed", "db_token_budget")
+    for ref, t in (("ceiling", 0.9), ("hf_random", 2.0), ("hf_group_by_length", 1.1))
+]
+FULL_TARGETS = [
+    (db, ref, t)
+    for db in ("db_token_budget", "db_token_budget_plain", "db_token_budget_before")
+    for ref, t in (("hf_group_by_length", 1.05), ("plain_fused", 0.97), ("hf_random", None), ("ceiling", None))
+] + [
+    ("hf_group_by_length", "plain_fused", None),
+    ("db_token_budget", "db_token_budget_plain", None),
+    ("db_token_budget", "db_token_budget_before", None),
+]
 
 
 def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
@@ -233,20 +188,24 @@ def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
         f"\n## {setup.name}: {n['documents']} documents, length mean {n['mean_len']:.0f} p50 {n['p50']:.0f} "
         f"p90 {n['p90']:.0f} max {n['max']}, loss-token share {n['loss_share']:.2f}"
     )
+    if "hf_window_fill" in n:
+        print(
+            f"HF group_by_length: timed window {n['hf_window_real_per_step']:.0f} real tokens/step, fill "
+            f"{n['hf_window_fill']:.3f}; whole epoch fill {n['hf_epoch_fill']:.3f} (8 x mean = {8 * n['mean_len']:.0f} per step)"
+        )
     print(
-        f"target {setup.tokens_per_step} real tokens/step; packed rows {setup.tokens_per_step // setup.seq_len} x "
-        f"{setup.seq_len}; token_budget {setup.budget} slots/batch; HF {setup.hf_rows} rows/batch; "
-        f"{setup.steps} timed steps after {setup.warmup} warm-up; {len(next(iter(runs.values())))} repeat(s)"
+        f"target {setup.tokens_per_step} real tokens/step; plain rows {n['plain_rows']}; token_budget {setup.budget} "
+        f"slots/batch; HF {setup.hf_rows} rows/batch; {setup.steps} timed steps after {setup.warmup} warm-up; "
+        f"{len(next(iter(runs.values())))} repeat(s)"
     )
     med = {m: statistics.median(r.tokens_per_s for r in rs) for m, rs in runs.items()}
-    ceil = med.get("ceiling")
     cmed = {m: statistics.median(r.tokens_per_cpu_s for r in rs) for m, rs in runs.items()}
     print(
-        f"{'method':32s} {'real tok/s':>10s} {'min-max':>13s} {'real/step':>9s} {'fill':>5s} {'s/step':>6s} "
-        f"{'vs ceiling':>10s} {'tok/CPU-s':>9s} {'vs ceil':>7s}"
+        f"{'method':34s} {'real tok/s':>10s} {'min-max':>13s} {'real/step':>9s} {'fill':>5s} {'s/step':>6s} "
+        f"{'tok/CPU-s':>9s} {'load':>9s}"
     )
     out = {
-        "setup": {k: v for k, v in n.items()}
+        "setup": dict(n)
         | {"tokens_per_step": setup.tokens_per_step, "seq_len": setup.seq_len, "steps": setup.steps, "warmup": setup.warmup},
         "methods": {},
     }
@@ -255,11 +214,10 @@ def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
         real = statistics.mean(x for r in rs for x in r.real)
         fill = statistics.mean(r.fill for r in rs)
         sps = statistics.median(statistics.mean(r.seconds) for r in rs)
-        rc = f"{med[m] / ceil:10.2f}" if ceil else f"{'-':>10s}"
-        cc = f"{cmed[m] / cmed['ceiling']:7.2f}" if ceil else f"{'-':>7s}"
+        loads = [r.load for r in rs]
         print(
-            f"{LABELS[m]:32s} {med[m]:10.0f} {min(tps):6.0f}-{max(tps):<6.0f} {real:9.0f} {fill:5.2f} {sps:6.2f} {rc} "
-            f"{cmed[m]:9.0f} {cc}"
+            f"{LABELS[m]:34s} {med[m]:10.0f} {min(tps):6.0f}-{max(tps):<6.0f} {real:9.0f} {fill:5.2f} {sps:6.2f} "
+            f"{cmed[m]:9.0f} {min(loads):4.1f}-{max(loads):<4.1f}"
         )
         out["methods"][m] = {
             "tokens_per_s_median": med[m],
@@ -269,22 +227,20 @@ def report(setup: Setup, runs: dict[str, list[Run]]) -> dict:
             "fill_rate": fill,
             "seconds_per_step_median": sps,
             "loss_tokens_per_step": statistics.mean(x for r in rs for x in r.loss_tokens),
+            "load_average": loads,
         }
     ratios = {}
-    for db in ("db_packed", "db_token_budget"):
-        if db not in med:
+    for a, b, target in FULL_TARGETS if n["full_loss"] else RESPONSE_TARGETS:
+        if a not in runs or b not in runs:
             continue
-        for ref, target in (("ceiling", 0.9), ("hf_random", 2.0), ("hf_group_by_length", 1.1)):
-            if ref in med:
-                r, rc = med[db] / med[ref], cmed[db] / cmed[ref]
-                ratios[f"{db}/{ref}"] = r
-                ratios[f"{db}/{ref} (CPU time)"] = rc
-                print(
-                    f"  {LABELS[db]:24s} / {LABELS[ref]:28s} = {r:5.2f} wall, {rc:5.2f} CPU time  (target >= {target}: "
-                    f"{'met' if r >= target else 'MISSED'}{'' if (r >= target) == (rc >= target) else ', CPU-time ratio disagrees'})"
-                )
-    if "hf_group_by_length" in med and "hf_random" in med:
-        ratios["hf_group_by_length/hf_random"] = med["hf_group_by_length"] / med["hf_random"]
+        paired = [x.tokens_per_s / y.tokens_per_s for x, y in zip(runs[a], runs[b])]  # same repeat: same load
+        r, rc = statistics.median(paired), cmed[a] / cmed[b]
+        ratios[f"{a}/{b}"] = {"paired_median": r, "paired": paired, "of_medians": med[a] / med[b], "cpu_time": rc}
+        verdict = "" if target is None else f"  target >= {target}: {'met' if r >= target else 'MISSED'}"
+        print(
+            f"  {LABELS[a]:36s} / {LABELS[b]:32s} = {r:5.3f} (repeats {min(paired):.3f}-{max(paired):.3f}; "
+            f"of medians {med[a] / med[b]:.3f}; CPU time {rc:.3f}){verdict}"
+        )
     out["ratios"] = ratios
     return out
 
@@ -293,48 +249,64 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dataset", default="both", choices=("instruction", "oasst", "both"))
     ap.add_argument(
+        "--full-loss", default=None, help=f"full-loss mode on these pre-tokenised sets (comma list of {', '.join(SETS)})"
+    )
+    ap.add_argument(
         "--data-dir", default=None, help="folder with gpt2/, instruction-data.json, oasst-threads.jsonl (default: ../shared/data)"
     )
-    ap.add_argument("--steps", type=int, default=3, help="timed optimizer steps per method")
-    ap.add_argument("--warmup-steps", type=int, default=1, help="untimed steps first (>= 1)")
-    ap.add_argument("--tokens-per-step", type=int, default=2048, help="target real tokens per optimizer step")
-    ap.add_argument("--seq-len", type=int, default=1024, help="packed / ceiling row length; longest document")
+    ap.add_argument("--steps", type=int, default=None, help="timed optimizer steps per method (default 3; 20 in full-loss mode)")
+    ap.add_argument("--warmup-steps", type=int, default=None, help="untimed steps first, >= 1 (default 1; 3 in full-loss mode)")
+    ap.add_argument(
+        "--tokens-per-step", type=int, default=None, help="real tokens per step (default 2048; full-loss: 8 x mean length)"
+    )
+    ap.add_argument("--hf-rows", type=int, default=8, help="full-loss mode: HF Trainer's per_device_train_batch_size")
+    ap.add_argument("--seq-len", type=int, default=1024, help="packed row length; longest document")
     ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of {', '.join(METHODS)}")
+    ap.add_argument("--methods", default=None, help=f"comma list of {', '.join(METHODS)}")
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument(
+        "--sequential", action="store_true", help="run the methods one after the other instead of one step of each in turn"
+    )
     ap.add_argument(
         "--attention-cost",
         action="store_true",
         help="time forward+backward of one packed batch with its "
         "document mask against the same tokens as one causal sequence per row (no mask), alternating",
     )
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="run each method once under torch.profiler and print "
-        "where its CPU time goes (operators by self time), instead of the throughput table",
-    )
     args = ap.parse_args(argv)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    full = bool(args.full_loss)
+    args.steps = args.steps or (20 if full else 3)
+    args.warmup_steps = args.warmup_steps or (3 if full else 1)
+    methods = [
+        m.strip() for m in (args.methods or ",".join(FULL_LOSS_METHODS if full else DEFAULT_METHODS)).split(",") if m.strip()
+    ]
     bad = [m for m in methods if m not in METHODS]
     if bad:
         ap.error(f"unknown method {bad[0]!r}; expected some of {', '.join(METHODS)}")
     if args.warmup_steps < 1 or args.steps < 1:
         ap.error("--steps and --warmup-steps must be >= 1")
-    if args.tokens_per_step % args.seq_len:
+    if not full and (args.tokens_per_step or 2048) % args.seq_len:
         ap.error("--tokens-per-step must be a multiple of --seq-len (packed rows and the ceiling use full rows)")
+    names = (
+        [x.strip() for x in args.full_loss.split(",")]
+        if full
+        else ["instruction", "oasst"]
+        if args.dataset == "both"
+        else [args.dataset]
+    )
+    if full and any(x not in SETS for x in names):
+        ap.error(f"--full-loss: expected some of {', '.join(SETS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     data_dir = find_shared_data(args.data_dir)
-    names = ["instruction", "oasst"] if args.dataset == "both" else [args.dataset]
     import transformers
 
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-        f"methods {', '.join(methods)}",
+        f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}, methods {', '.join(methods)}",
         flush=True,
     )
     results = {
@@ -349,27 +321,33 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmpd)
         for name in names:
             setup = prepare_setup(name, args, data_dir, tmp)
-            features = hf_features(setup.store) if any(m.startswith("hf_") for m in methods) else None
+            features = hf_features(setup.store) if any(m.startswith("hf_") for m in methods) or full else None
+            if full:
+                match_hf_window(setup, args, features)
             if args.attention_cost:
                 attention_cost(setup, args.repeats)
-                continue
-            if args.profile:
-                for m in methods:
-                    profile_method(setup, m, features)
                 continue
             runs: dict[str, list[Run]] = {m: [] for m in methods}
             for rep in range(args.repeats):
                 order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
+                load = os.getloadavg()[0]
+                jobs = {m: functools.partial(run_method, setup, m, features) for m in order}
+                if args.sequential:
+                    done = {m: run_alone(job) for m, job in jobs.items()}
+                else:  # one step of each method in turn: they share the machine's load alike
+                    done = run_interleaved(jobs)
                 for m in order:
-                    r = run_method(setup, m, features)
+                    r = done[m]
+                    r.load = load
                     runs[m].append(r)
                     print(
-                        f"  [{name} repeat {rep + 1}/{args.repeats}] {LABELS[m]:32s} {r.tokens_per_s:8.0f} real tok/s "
-                        f"{r.tokens_per_cpu_s:6.0f} per CPU-s (fill {r.fill:.2f}, {statistics.mean(r.seconds):.2f} s/step)",
+                        f"  [{name} repeat {rep + 1}/{args.repeats}] {LABELS[m]:34s} {r.tokens_per_s:8.0f} real tok/s "
+                        f"{r.tokens_per_cpu_s:6.0f} per CPU-s (fill {r.fill:.2f}, {statistics.mean(r.seconds):.2f} s/step, "
+                        f"{statistics.mean(r.real):.0f} real/step, load {load:.1f})",
                         flush=True,
                     )
             results["datasets"][name] = report(setup, runs)
-    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s, load average now {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -31,9 +31,9 @@ from torch import Tensor
 from densebatch.batch import IGNORE_INDEX
 
 # Logits of at most this many bytes (float32) exist at once: the chunk is CHUNK_BYTES / (4 * vocab)
-# positions (325 at vocabulary 50,257). Large enough for efficient matrix products, small enough to
+# positions (163 at vocabulary 50,257). Large enough for efficient matrix products, small enough to
 # stay near the last-level cache; see docs/benchmarks.md ("Loss head") for the measurement.
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 32 * 2**20
 LOSS_HEADS = ("fused", "plain")
 
 
@@ -90,12 +90,19 @@ class _FusedLinearCE(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += d.sum(0, dtype=torch.float32)
         ctx.chunk, ctx.dtype, ctx.has_bias = chunk, dtype, bias is not None
-        ctx.save_for_backward(h, weight, bias, idx, targets, grad_h, grad_w, grad_b)
+        ctx.save_for_backward(h, weight, bias, idx, targets)
+        # The forward's gradient sums are this Function's own buffers, held on ctx (not as saved
+        # tensors) so that backward can scale them in place and drop them.
+        ctx.unit_grads = (grad_h, grad_w, grad_b)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses: Tensor):
-        h, weight, bias, idx, targets, grad_h_unit, grad_w_unit, grad_b_unit = ctx.saved_tensors
+        h, weight, bias, idx, targets = ctx.saved_tensors
+        if ctx.unit_grads is None:
+            raise RuntimeError("the fused loss head supports one backward pass per forward (no retain_graph)")
+        grad_h_unit, grad_w_unit, grad_b_unit = ctx.unit_grads
+        ctx.unit_grads = None
         g = grad_losses.float()  # (n,)
         grad_h = None
         if ctx.needs_input_grad[0]:
@@ -105,8 +112,8 @@ class _FusedLinearCE(torch.autograd.Function):
         # recompute the weight gradient with each token's own weight.
         if g.numel() == 0 or bool((g == g[0]).all()):
             scale = g[0] if g.numel() else g.new_zeros(())
-            grad_w = grad_w_unit * scale
-            grad_b = grad_b_unit * scale if grad_b_unit is not None else None
+            grad_w = grad_w_unit.mul_(scale)
+            grad_b = grad_b_unit.mul_(scale) if grad_b_unit is not None else None
         else:
             with torch.autocast(h.device.type, enabled=False):
                 grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, g, ctx.chunk, ctx.dtype)
