@@ -74,13 +74,16 @@ def test_extract_tolerates_missing_null_and_foreign_records():
     assert d.series("loss").steps == [1] and not d.series("loss") and not d.eval_loss
 
 
-def test_smooth_is_bias_corrected_and_carries_over_gaps():
-    assert smooth([4.0, 4.0, 4.0], span=10) == [4.0, 4.0, 4.0]  # no pull towards zero at the start
+def test_smooth_is_two_sided_normalised_at_the_ends_and_skips_gaps():
+    assert smooth([4.0, 4.0, 4.0], span=10) == [4.0, 4.0, 4.0]  # no pull towards zero at either end
     out = smooth([1.0, math.nan, 3.0], span=2)
-    assert out[0] == 1.0 and out[1] == 1.0 and 1.0 < out[2] < 3.0
-    assert math.isnan(smooth([math.nan, 2.0])[0])
-    ramp = smooth([float(i) for i in range(1000)])
-    assert ramp[-1] < 999 and ramp[-1] > 900  # smooths, but follows the trend (span <= 50 points)
+    assert 1.0 < out[0] < out[1] < out[2] < 3.0 and not any(math.isnan(v) for v in out)
+    assert math.isnan(smooth([math.nan, math.nan])[0])
+    ramp = smooth([float(i) for i in range(1000)])  # span 40
+    assert abs(ramp[500] - 500) < 1e-3  # two-sided: no lag behind a trend (a one-sided EMA lags by ~40)
+    assert 950 < ramp[-1] < 999  # at the end only the past is there to average
+    noisy = smooth([1.0 + (-1) ** i for i in range(1000)])
+    assert all(abs(v - 1.0) < 0.1 for v in noisy[100:-100])
 
 
 # --------------------------------------------------------------------------------- drawing

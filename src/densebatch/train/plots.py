@@ -12,9 +12,11 @@
 - ``step_time.png``: seconds per step split into data wait, forward+backward and optimizer.
 
 A file is written only when its data exist (a run with eval only gets ``loss.png`` alone).
-Smoothing is a bias-corrected exponential moving average (as TensorBoard's): weight
-``w = 1 - 1/span`` with ``span = clamp(points / 25, 1, 50)`` points, divided by ``1 - w^k`` so the
-first points are not pulled towards zero; missing values (NaN, null) are carried over, not averaged.
+Smoothing is an exponential moving average made two-sided (the plots are drawn after the fact, so
+the smoothed curve need not lag behind a falling loss): point ``i`` is the average of the points
+``j`` weighted by ``w^|i-j|``, ``w = 1 - 1/span``, ``span = clamp(points / 25, 1, 50)``, normalised by
+the weights present (so the ends are not pulled towards zero, as TensorBoard's bias correction);
+missing values (NaN, null) weigh nothing.
 Replayed steps after a rollback supersede the records they replace (metrics.jsonl keeps both), so
 curves never double back. matplotlib is imported lazily, through its object API (no pyplot, no
 global backend change): the Agg renderer writes the files.
@@ -113,17 +115,29 @@ def extract(records: list[dict], name: str = "run") -> RunData:
     return data
 
 
+def _decayed_sums(values: list[float], w: float) -> tuple[list[float], list[float]]:
+    """For each i: sum over j <= i of w^(i-j) * v_j, and of w^(i-j) (non-finite values weigh 0)."""
+    sums, weights, s, t = [], [], 0.0, 0.0
+    for v in values:
+        ok = math.isfinite(v)
+        s, t = w * s + (v if ok else 0.0), w * t + (1.0 if ok else 0.0)
+        sums.append(s)
+        weights.append(t)
+    return sums, weights
+
+
 def smooth(values: list[float], span: float | None = None) -> list[float]:
-    """Bias-corrected EMA (see the module docstring); NaN inputs carry the previous smoothed value."""
+    """Symmetric exponential smoothing (see the module docstring); NaN inputs are skipped, not averaged in."""
     n = sum(math.isfinite(v) for v in values)
     span = span if span is not None else min(50.0, max(1.0, n / 25))
     w = 1.0 - 1.0 / span
-    out, avg, weight = [], 0.0, 0.0
-    for v in values:
-        if math.isfinite(v):
-            avg = w * avg + (1 - w) * v
-            weight = w * weight + (1 - w)
-        out.append(avg / weight if weight > 0 else math.nan)
+    fs, fw = _decayed_sums(values, w)  # j <= i
+    bs, bw = (x[::-1] for x in _decayed_sums(values[::-1], w))  # j >= i
+    out = []
+    for i, v in enumerate(values):
+        own = v if math.isfinite(v) else 0.0  # counted in both directions: take it out once
+        total = fw[i] + bw[i] - (1.0 if math.isfinite(v) else 0.0)
+        out.append((fs[i] + bs[i] - own) / total if total > 0 else math.nan)
     return out
 
 
