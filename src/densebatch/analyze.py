@@ -4,6 +4,9 @@
 batches, mean / max real tokens per batch, max token slots per batch and planning seconds; it can
 also write one strategy's plan as JSON and a PNG histogram of the lengths. ``read_lengths`` reads a
 lengths file (one integer per line, or ``.npy``). The CLI parses arguments and prints the result.
+For prepared documents (``analyze_prepared``), each strategy also reports, per source, the records,
+documents and tokens prepared and the documents, tokens and share of the tokens its epoch-0 plan
+holds (a mixture's weights applied: ``data/mixing.py``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
+from densebatch.data.mixing import materialise, select
+from densebatch.data.mixture import Selection, plan_source_stats
 from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
 from densebatch.data.shards import plan_epoch_sharded
 from densebatch.errors import ConfigError, DataError, UserError
@@ -59,20 +64,44 @@ def read_lengths(path: str | Path) -> np.ndarray:
     return np.array(out, np.int64)
 
 
-def analyze(lengths: np.ndarray, settings: PlanSettings, strategies=STRATEGIES, seed: int = 0) -> dict[str, dict]:
-    """{strategy: stats} for one epoch of each strategy (see ``Plan.stats``), with ``plan_seconds``."""
+def analyze(
+    lengths: np.ndarray,
+    settings: PlanSettings,
+    strategies=STRATEGIES,
+    seed: int = 0,
+    selection: Selection | None = None,
+    source_facts: list[dict] | None = None,
+) -> dict[str, dict]:
+    """{strategy: stats} for one epoch of each strategy (see ``Plan.stats``), with ``plan_seconds``; with a
+    ``selection`` (a store's epoch 0), ``sources``: {name: prepared facts + the plan's documents, tokens, share}."""
     results = {}
     for name in strategies:
         if name not in STRATEGIES:
             raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
         s = dataclasses.replace(settings, strategy=name)
         t0 = time.perf_counter()
-        plan = plan_epoch_sharded(lengths, s, seed, 0)  # bounded memory: shard by shard past shard_docs
+        plan = plan_epoch_sharded(lengths, s, seed, 0, selection)  # bounded memory: shard by shard past shard_docs
         stats = plan.stats()
         stats["plan_seconds"] = time.perf_counter() - t0
+        if selection is not None:
+            facts = {x["name"]: x for x in source_facts or []}
+            stats["sources"] = {
+                name: {
+                    **_prepared(facts.get(name)),
+                    "planned_documents": x["documents"],
+                    "planned_tokens": x["tokens"],
+                    "share": x["share"],
+                }
+                for name, x in plan_source_stats(plan, selection).items()
+            }
         results[name] = stats
         del plan  # before the next strategy plans: two plans' indexes and cached shards never coexist
     return results
+
+
+def _prepared(facts: dict | None) -> dict:
+    keys = ("records_read", "documents", "tokens")
+    return {k: facts[k] for k in keys if k in facts} if facts else {}
 
 
 def format_table(results: dict[str, dict]) -> str:
@@ -95,6 +124,11 @@ def format_table(results: dict[str, dict]) -> str:
         f"{k}: {r['split']} split, {r['truncated']} truncated, {r['dropped']} dropped"
         for k, r in results.items()
         if r["split"] or r["truncated"] or r["dropped"]
+    ]
+    notes += [
+        f"{k}: token share " + ", ".join(f"{n} {x['share']:.4f}" for n, x in r["sources"].items())
+        for k, r in results.items()
+        if len(r.get("sources") or ()) > 1
     ]
     return "\n".join([line(head), *map(line, rows), *notes])
 
@@ -138,6 +172,8 @@ def analyze_main(
     strategy: str | None = None,
     plot: str | Path | None = None,
     seed: int = 0,
+    selection: Selection | None = None,
+    source_facts: list[dict] | None = None,
 ) -> str:
     """Run the analysis; return the text to print (table, or one JSON object keyed by strategy).
 
@@ -151,13 +187,18 @@ def analyze_main(
     if len(lengths) == 0:
         raise DataError("no document lengths to analyze")
     strategies = list(strategies or STRATEGIES)
-    results = analyze(lengths, settings, strategies, seed)
+    results = analyze(lengths, settings, strategies, seed, selection, source_facts)
     wrote: list[str] = []
     if dump_plan is not None:
         name = strategy or settings.strategy
         if name not in STRATEGIES:
             raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
-        plan = plan_epoch(lengths, dataclasses.replace(settings, strategy=name), seed, 0)
+        s = dataclasses.replace(settings, strategy=name)
+        plan = (
+            plan_epoch(lengths, s, seed, 0)
+            if selection is None
+            else materialise(plan_epoch_sharded(lengths, s, seed, 0, selection))
+        )
         Path(dump_plan).write_text(json.dumps(plan.doc_lists(), separators=(",", ":")), encoding="utf-8")
         wrote.append(f"wrote {dump_plan}: the {name} plan, {plan.num_batches} batches → rows → document indices")
     if plot is not None:
@@ -168,3 +209,11 @@ def analyze_main(
             print(line, file=sys.stderr)
         return json.dumps(results, indent=2)
     return "\n".join([format_table(results), *wrote])
+
+
+def analyze_prepared(prepared, settings: PlanSettings, seed: int = 0, **kw) -> str:
+    """``analyze_main`` on prepared documents (``prepare``'s result), reporting per source: what was
+    prepared and what epoch 0's plan of each strategy holds with the run's weights."""
+    lengths = np.asarray(prepared.train.lengths, dtype=np.int64)
+    selection = select(prepared.train, prepared.weights, seed, 0, lengths)
+    return analyze_main(lengths, settings, seed=seed, selection=selection, source_facts=prepared.summary.sources, **kw)

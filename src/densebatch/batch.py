@@ -20,6 +20,8 @@ rediscover it: ``single_doc_rows`` (every row is one document piece then padding
 attention is exact), ``max_position`` (largest position, i.e. the longest piece minus one) and
 ``documents`` (store indices of the documents in the batch, for logs and error messages). They
 are ``None`` / empty when unknown (a batch built by hand); models then fall back to computing.
+``source_ids`` (when the data has named sources) gives each real token its source's index, so a
+loss can be summed per source exactly over the tokens whose label is not ``IGNORE_INDEX``.
 
 A batch never has zero rows. A rank with no share of a step gets ``Batch.null(pad_id)``: one row
 of one padding token and no loss, so it still runs forward and backward and joins every collective
@@ -46,6 +48,7 @@ class Batch:
     single_doc_rows: bool | None = None  # every row: one piece, then padding (None = unknown)
     max_position: int | None = None  # largest value in positions (None = unknown)
     documents: tuple[int, ...] = ()  # store indices of the documents in this batch (sorted, unique)
+    source_ids: Tensor | None = None  # (rows, T) int64: source (of a mixture) of each real token, -1 at padding
 
     @classmethod
     def null(cls, pad_id: int) -> Batch:
@@ -88,6 +91,7 @@ class Batch:
             input_ids=self.input_ids.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
             positions=self.positions.to(device, non_blocking=non_blocking),
+            source_ids=None if self.source_ids is None else self.source_ids.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:
@@ -96,6 +100,7 @@ class Batch:
             input_ids=self.input_ids.pin_memory(),
             labels=self.labels.pin_memory(),
             positions=self.positions.pin_memory(),
+            source_ids=None if self.source_ids is None else self.source_ids.pin_memory(),
         )
 
 

@@ -70,19 +70,54 @@ class DefaultDataConfig:
     seed: int = _f(1234, "Seed of the generator (independent of the run seed).")
 
 
+Format = Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"]
+Template = Literal["alpaca", "chatml", "chat_template", "raw", "custom"]
+
+
+@dataclass
+class SourceConfig:
+    """One source of a mixture (``data.sources``); a field left unset follows the same ``data.*`` key."""
+
+    path: str = _f("", "Input file or directory of this source (required).")
+    name: str | None = _f(None, "Name in reports and metrics; none = the file (or directory) name without its suffix.")
+    weight: float | None = _f(
+        None,
+        "Relative share of an epoch's tokens (up- or down-sampled from the seed); none on every source = natural "
+        "shares (each document once per epoch). See docs/data.md.",
+        minimum=0.0,
+    )
+    format: Format | None = _f(None, "Input format; none = data.format.")
+    template: Template | None = _f(None, "Prompt template; none = data.template.")
+    fields: FieldsConfig | None = _f(None, "Field mapping; none = data.fields.")
+    prompt_format: str | None = _f(None, "custom template's prompt; none = data.prompt_format.")
+    loss_on: Literal["all", "response"] | None = _f(None, "Tokens carrying loss; none = data.loss_on.")
+    eval_path: str | None = _f(None, "This source's evaluation file; none = hold out data.eval_fraction of its records.")
+
+    @property
+    def label(self) -> str:
+        """The source's name: ``name``, else the file name without its suffix."""
+        return self.name or Path(self.path).stem or Path(self.path).name
+
+
 @dataclass
 class DataConfig:
-    path: str | None = _f(None, "Input file or directory; none = the embedded default dataset.")
-    format: Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"] = _f(
+    path: str | None = _f(None, "Input file or directory; none = the embedded default dataset (or data.sources).")
+    sources: list[SourceConfig] = _f(
+        list,
+        "A mixture instead of data.path: a list of sources, each {path, name, weight, format, template, fields, "
+        "prompt_format, loss_on, eval_path} (unset keys follow data.*); one tokenizer for all. See docs/data.md.",
+    )
+    format: Format = _f(
         "auto",
         "Input format; auto = from the file name (a directory = Hugging Face save_to_disk).",
     )
     eval_path: str | None = _f(None, "Separate evaluation file; none = hold out eval_fraction of records.")
     eval_fraction: float = _f(0.05, "Share of records held out for evaluation when eval_path is unset.", minimum=0.0)
     fields: FieldsConfig = _f(FieldsConfig, "Field mapping.")
-    template: Literal["alpaca", "chatml", "raw", "custom"] = _f(
+    template: Template = _f(
         "alpaca",
-        "Prompt template: alpaca, chatml (chat messages), raw (plain text) or custom (prompt_format).",
+        "Prompt template: alpaca, chatml (chat messages), chat_template (messages rendered with the tokenizer's own "
+        "Jinja chat template), raw (plain text) or custom (prompt_format).",
     )
     prompt_format: str | None = _f(None, "custom template: prompt with {named} record fields; the response is fields.output.")
     loss_on: Literal["all", "response"] = _f("response", "Tokens carrying loss: all, or only the response / assistant turns.")
@@ -97,6 +132,13 @@ class DataConfig:
         "auto (model.kind hf: the model directory's tokenizer when it has one; else default), default "
         "(self-contained byte-level), bpe:N (learned from the training text), a tokenizer.json file, a local "
         "Hugging Face model directory, or a directory with GPT-2 vocab.json + merges.txt.",
+    )
+    add_tokens: list[str] = _f(
+        list, "Strings that become single new ids of the tokenizer (the model's embeddings grow to match)."
+    )
+    add_special_tokens: list[str] = _f(
+        list,
+        "As add_tokens, as special tokens (template chatml adds its <|im_start|> and <|im_end|> itself).",
     )
     pad_id: int | None = _f(None, "Padding id; none = the end-of-text id.")
     max_seq_len: int = _f(1024, "Longest document in tokens (end-of-text included).", minimum=2)
@@ -301,6 +343,8 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    if dataclasses.is_dataclass(tp):  # a section inside a list or an optional one: data.sources[1].fields
+        return _build(tp, value, key)
     origin = typing.get_origin(tp)
     if origin is Literal:
         if value in typing.get_args(tp):
@@ -317,6 +361,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         if value is None and type(None) in args:
             return None
         for a in args:
+            if dataclasses.is_dataclass(a) and isinstance(value, dict):
+                return _build(a, value, key)  # its own errors name the key inside it
             if a is type(None):
                 continue
             try:
@@ -390,10 +436,11 @@ def prompt_fields(prompt_format: str) -> list[str]:
 def _check(cfg: RunConfig) -> None:
     """Cross-field rules that one field alone cannot express."""
     d, b, m = cfg.data, cfg.batching, cfg.model
-    if d.template == "custom":
+    if d.template == "custom" and not d.sources:
         if not d.prompt_format:
             raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
         prompt_fields(d.prompt_format)
+    _check_sources(d)
     if m.kind == "hf" and m.attention not in ("auto", "masked"):
         raise ConfigError(
             f"model.attention: {m.attention!r} is not available for Hugging Face models; use auto or masked "
@@ -414,6 +461,36 @@ def _check(cfg: RunConfig) -> None:
     if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
         raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
     _check_schedules(cfg)
+
+
+def _check_sources(d: DataConfig) -> None:
+    """A mixture: paths set, names unique, weights on every source or on none, a custom prompt where needed."""
+    if not d.sources:
+        return
+    if d.path is not None or d.eval_path is not None:
+        which = "data.path" if d.path is not None else "data.eval_path"
+        raise ConfigError(f"{which}: unset it when data.sources is set (give each source its path and eval_path)")
+    seen: dict[str, int] = {}
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not s.path:
+            raise ConfigError(f"{key}.path: required (the source's file or directory)")
+        if s.label in seen:
+            raise ConfigError(
+                f"{key}.name: {s.label!r} already names data.sources[{seen[s.label]}]; give each source its own name"
+            )
+        seen[s.label] = i
+        if (s.template or d.template) == "custom":
+            fmt = s.prompt_format or d.prompt_format
+            if not fmt:
+                raise ConfigError(f"{key}.prompt_format: required when the source's template is custom")
+            prompt_fields(fmt)
+    weighted = [s.weight is not None for s in d.sources]
+    if any(weighted) and not all(weighted):
+        i = weighted.index(False)
+        raise ConfigError(f"data.sources[{i}].weight: set a weight on every source, or on none (natural shares)")
+    if all(weighted) and not any(s.weight > 0 for s in d.sources):
+        raise ConfigError("data.sources[0].weight: at least one source needs a weight > 0")
 
 
 def _check_schedules(cfg: RunConfig) -> None:
@@ -465,14 +542,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     for arg in overrides:
         keys, value = parse_override(arg)
         node = data
-        for k in keys[:-1]:
-            nxt = node.get(k)
+        for i, k in enumerate(keys):
+            if isinstance(node, list):  # --data.sources.1.weight=3: an item of a list of sections
+                if not k.isdigit() or int(k) >= len(node):
+                    raise ConfigError(f"override '{arg}': '{k}' is not an index of '{keys[i - 1]}' (0 .. {len(node) - 1})")
+                k = int(k)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"override '{arg}': '{keys[i - 1]}' is not a section")
+            if i == len(keys) - 1:
+                node[k] = value
+                break
+            nxt = node[k] if isinstance(node, list) else node.get(k)
             if nxt is None:
                 nxt = node[k] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override '{arg}': '{k}' is not a section")
             node = nxt
-        node[keys[-1]] = value
     return config_from_dict(data)
 
 
@@ -508,7 +591,14 @@ def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, st
         if dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, key))
             continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(item):  # a list of sections: the list, then each item's keys
+            rows.append((key, "[]", f.metadata.get("help", "")))
+            rows.extend(describe(item, f"{key}[i]"))
+            continue
         default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:  # a list: show its empty default, not null
+            default = f.default_factory()
         help_ = f.metadata.get("help", "")
         if (choices := choices_of(tp)) is not None:
             help_ += f" [{' | '.join(map(str, choices))}]"

@@ -355,3 +355,13 @@ def test_mlm_probability_zero_is_refused_at_load():
     for p in ("0", "1", "-0.1"):
         with pytest.raises(ConfigError, match="batching.mlm_probability"):
             load_config(None, [f"--batching.mlm_probability={p}"])
+
+
+def test_source_ids_follow_the_batch_to_a_device():
+    from densebatch.data.store import DocumentStore
+
+    store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1])], {"sources": ["x", "y"]}, source=[0, 1])
+    batch = CausalCollator(0)(store, [[(0, 0, 3), (1, 0, 2)], [(1, 0, 2)]])
+    assert batch.source_ids.tolist() == [[0, 0, 0, 1, 1], [1, 1, -1, -1, -1]]
+    assert torch.equal(batch.to("cpu").source_ids, batch.source_ids)
+    assert CausalCollator(0)(DocumentStore.from_documents([([1, 2], [0, 1])]), [[(0, 0, 2)]]).source_ids is None

@@ -63,3 +63,18 @@ def test_save_replaces_an_incomplete_directory(tmp_path):
 def test_mismatched_document_is_rejected():
     with pytest.raises(ValueError, match="mask"):
         DocumentStore.from_documents([([1, 2], [1])])
+
+
+def test_sources_round_trip_and_offsets(tmp_path):
+    docs = [([1, 2], [0, 1]), ([3], [0]), ([4, 5, 6], [0, 1, 1]), ([7, 8], [0, 1])]
+    store = DocumentStore.from_documents(docs, {"sources": ["a", "b", "c"]}, source=[0, 0, 2, 2])
+    opened = store.save(tmp_path / "s")
+    assert opened.source.tolist() == [0, 0, 2, 2] and opened.source.dtype == np.int16
+    assert opened.source_names == ["a", "b", "c"] and opened.source_offsets().tolist() == [0, 2, 2, 4]
+    assert opened.meta["source_documents"] == [2, 0, 2]
+    (opened.path / "source.npy").write_bytes(b"x")  # the marker covers the source array too
+    assert not DocumentStore.is_complete(opened.path)
+    plain = DocumentStore.from_documents(docs)
+    assert plain.source is None and plain.source_names == ["data"] and plain.source_offsets().tolist() == [0, 4]
+    with pytest.raises(ValueError, match="source after source"):
+        DocumentStore.from_documents(docs, source=[1, 0, 0, 0])

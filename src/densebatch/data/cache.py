@@ -3,7 +3,8 @@ reading an entry back, checked, so that a damaged or stale entry is a one-line e
 
 An entry ``cache_dir/<key>/`` holds ``train/`` and ``eval/`` document stores, ``summary.json``,
 ``eval_records.jsonl``, a learned ``bpe:N`` tokenizer in ``tokenizer/`` and the completion marker
-(written by ``prepare``).
+(written by ``prepare``). A mixture has one entry per source and ``cache_dir/mix-<key>/`` with all of
+them end to end (its key hashes the sources' keys, in order).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from densebatch.data.summary import PrepareSummary
 from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_tokenizer
 from densebatch.errors import DataError, UserError
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: stores carry source.npy; tokenizers may add tokens
 LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
 
 
@@ -39,7 +40,8 @@ def _file_digest(path: Path) -> str:
 def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
     """Hash of the input bytes and every setting that changes the prepared tokens."""
     settings = dataclasses.asdict(cfg)
-    for k in ("path", "eval_path", "cache_dir"):
+    # a source's key: the tokenizer's fingerprint covers the added tokens, and other sources are theirs
+    for k in ("path", "eval_path", "cache_dir", "sources", "add_tokens", "add_special_tokens"):
         settings.pop(k)
     if cfg.path is not None:
         settings.pop("default")
@@ -52,6 +54,8 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
         "input": default_dataset.VERSION if cfg.path is None else _file_digest(Path(cfg.path)),
         "eval_input": None if cfg.eval_path is None else _file_digest(Path(cfg.eval_path)),
     }
+    if cfg.template == "chat_template":  # the texts are the tokenizer's template's
+        material["chat_template"] = [tok.chat_template, tok.template_variables]
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
 
 

@@ -24,7 +24,8 @@ token after the cut as its last target, so splitting a document never loses a ta
 Masking is by *position*: a pad or end-of-text id inside a text is still a target. All of it is a
 handful of numpy gathers/scatters over the batch's tokens, no per-token Python. The planner's facts
 travel with the batch (``single_doc_rows``, ``max_position``, ``documents``), computed here from the
-pieces so that models need no host synchronisation to rediscover them.
+pieces so that models need no host synchronisation to rediscover them. A store with sources (every
+prepared one) also gives ``source_ids``: each real token's source, -1 at padding.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class _Gathered:
     single_doc_rows: bool  # every row: exactly one piece, then padding
     max_position: int  # largest value in positions (pieces and padding runs)
     documents: tuple[int, ...]  # sorted unique store indices
+    source_ids: np.ndarray | None  # (rows, T) int64, -1 at padding; None when the store has no sources
 
     def batch(self, input_ids: np.ndarray | torch.Tensor, labels: torch.Tensor, num_loss_tokens: int) -> Batch:
         return Batch(
@@ -59,6 +61,7 @@ class _Gathered:
             single_doc_rows=self.single_doc_rows,
             max_position=self.max_position,
             documents=self.documents,
+            source_ids=None if self.source_ids is None else torch.from_numpy(self.source_ids),
         )
 
 
@@ -105,6 +108,12 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     positions = positions.reshape(-1)
     positions[dst] = k
     shape = (nrows, T)
+    source_ids = None
+    source = getattr(store, "source", None)
+    if source is not None:  # every real token gets its document's source, so each target does too
+        source_ids = np.full(nrows * T, -1, np.int64)
+        source_ids[dst] = np.repeat(np.asarray(source)[doc].astype(np.int64), lens)
+        source_ids = source_ids.reshape(shape)
     # The largest position, from lengths alone: the longest piece or the longest padding run.
     longest_run = max(int(lens.max(initial=0)), int((T - row_len).max(initial=0)))
     return _Gathered(
@@ -116,6 +125,7 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
         single_doc_rows=all(len(r) == 1 for r in rows),
         max_position=max(0, longest_run - 1),
         documents=tuple(int(d) for d in np.unique(doc)),
+        source_ids=source_ids,
     )
 
 

@@ -1,10 +1,17 @@
 """prepare: records → tokenised documents on disk (train + eval DocumentStores), cached by content hash.
 
-``prepare(cfg: DataConfig) -> Prepared``. In order, for each record in file order:
+``prepare(cfg: DataConfig, seed=0) -> Prepared``. For each source (``data.path``, or each of
+``data.sources``), in order, for each record in file order (``documents.Builder``):
 read (``sources``) → render with the template, cleaning each field value (``templates``, ``clean``)
 → length filters and exact dedupe → tokenize each segment on its own and concatenate, so the loss
 mask is exact by position → append the end-of-text → split train / eval → truncate or drop
 documents over ``max_seq_len`` → write both stores.
+
+A mixture (``data.sources``) is prepared source by source, each in its own cache entry (so adding a
+source tokenises only that one; all share one tokenizer, whose added tokens are in every key), then
+laid end to end in one entry: its stores carry ``source.npy`` and ``meta["sources"]``, its eval split
+holds each source's own held-out documents, and its summary one line of facts per source. Names
+and weights are not part of any key: renaming or re-weighting prepares nothing again.
 
 Eval split, when ``data.eval_path`` is unset: a record goes to eval when the hash of its raw
 content (canonical JSON, BLAKE2b) ranks among the ``round(eval_fraction * n)`` smallest (at least one
@@ -29,23 +36,20 @@ import dataclasses
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from densebatch.config import DataConfig
-from densebatch.data import default_dataset
-from densebatch.data.cache import LEARNED_TOKENIZER, cache_key, load_entry
-from densebatch.data.clean import Cleaner
-from densebatch.data.sources import SURROGATE, BadRecord, detect_format, has_undecodable, iter_records
+from densebatch.data.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, load_entry
+from densebatch.data.documents import Builder, Doc, learn_bpe, split_eval
+from densebatch.data.mixing import epoch_shares, mixture_weights, source_configs
+from densebatch.data.sources import detect_format
 from densebatch.data.store import DocumentStore, staged_store, write_marker, write_store_files
 from densebatch.data.summary import PrepareSummary
-from densebatch.data.templates import EmptiedByCleaning, RecordError, render
-from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_tokenizer, train_bpe
+from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
 from densebatch.errors import DataError
-
-_ENCODE_CHUNK = 4096  # texts per encode_batch call: large enough for the library's threads
 
 
 @dataclass
@@ -56,186 +60,11 @@ class Prepared:
     summary: PrepareSummary
     eval_records: list[dict]  # the held-out records that became eval documents (for exact-match accuracy)
     cache_dir: Path
+    weights: tuple[float, ...] | None = None  # data.sources' weights, in store order; None = natural shares
+    source_names: list[str] = field(default_factory=list)
 
 
-@dataclass
-class _Doc:
-    key: bytes  # content hash: decides the eval split
-    tokens: np.ndarray  # int32
-    mask: np.ndarray  # uint8
-    record: dict | None
-
-
-def _record_key(record: dict) -> bytes:
-    text = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-
-
-# --------------------------------------------------------------------------------- building
-class _Builder:
-    """Turns records into documents, counting every record it does not keep."""
-
-    def __init__(self, cfg: DataConfig, tok: Tokenizer, summary: PrepareSummary) -> None:
-        self.cfg, self.tok, self.s = cfg, tok, summary
-        self.cleaner = Cleaner(cfg.clean)
-
-    def bad(self, b: BadRecord) -> None:
-        if self.cfg.on_bad_record == "error":
-            if b.reason == "bad_token_ids":  # the fix is the tokenizer, not skipping every record
-                raise DataError(str(b))
-            raise DataError(f"{b} (set data.on_bad_record: skip to count and skip such records)")
-        self.s.skipped[b.reason] = self.s.skipped.get(b.reason, 0) + 1
-        self.s.skip_examples.setdefault(b.reason, str(b))
-
-    def read(self, path: str | None, fmt: str) -> list[tuple[str, dict]]:
-        if path is None:
-            d = self.cfg.default
-            self.s.records_read += d.num_records
-            return [
-                (f"default dataset: record {i}", r) for i, r in enumerate(default_dataset.generate_records(d.num_records, d.seed))
-            ]
-        if fmt == "text" and self.cfg.text_split == "chunks":
-            return self._whole_text(Path(path))
-        out = []
-        for item in iter_records(path, fmt):
-            self.s.records_read += 1
-            if isinstance(item, BadRecord):
-                self.bad(item)
-            else:
-                out.append(item)
-        return out
-
-    def _whole_text(self, p: Path) -> list[tuple[str, dict]]:
-        next(iter_records(p, "text"))  # the same checks as paragraphs: missing, empty, whitespace only
-        self.s.records_read += 1
-        text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
-        if has_undecodable(text):  # one document: an undecodable byte anywhere spoils all of it
-            line = text[: SURROGATE.search(text).start()].count("\n") + 1
-            self.bad(BadRecord(f"{p}:{line}", "undecodable_bytes", "undecodable bytes; the file must be UTF-8"))
-            return []
-        return [(f"{p}:1", {"text": text})]
-
-    def documents(self, items: list[tuple[str, dict]], pretokenized_ok: bool = True) -> list[_Doc]:
-        """Render, clean, filter and tokenize ``items`` (in order); bad ones are reported."""
-        rendered: list[tuple[dict, list]] = []
-        docs: list[_Doc] = []
-        for where, rec in items:
-            if pretokenized_ok and self.cfg.fields.input_ids in rec:
-                try:
-                    docs.append(self._pretokenized(rec))
-                except RecordError as e:
-                    self.bad(BadRecord(where, e.reason, e.message))
-                continue
-            self.cleaner.start_record()
-            try:
-                segments = render(rec, self.cfg, self.cleaner.transform)
-            except RecordError as e:
-                self.bad(BadRecord(where, e.reason, e.message))
-                continue
-            except EmptiedByCleaning:
-                self.cleaner.finish_record()
-                self.cleaner.drop("emptied")
-                continue
-            self.cleaner.finish_record()
-            if self.cleaner.keep("".join(t for t, _ in segments)):
-                rendered.append((rec, segments))
-        return docs + self._tokenize(rendered)
-
-    def _tokenize(self, rendered: list[tuple[dict, list]]) -> list[_Doc]:
-        docs = []
-        eos = np.array([self.tok.eos_id], np.int32)
-        for lo in range(0, len(rendered), _ENCODE_CHUNK):
-            part = rendered[lo : lo + _ENCODE_CHUNK]
-            ids = iter(self.tok.encode_batch([t for _, segs in part for t, _ in segs]))
-            for rec, segs in part:
-                pieces = [np.asarray(next(ids), np.int32) for _ in segs]
-                masks = [np.full(len(p), flag, np.uint8) for p, (_, flag) in zip(pieces, segs)]
-                # The end-of-text carries loss when the text before it does (a response, an assistant turn).
-                eos_flag = next((flag for t, flag in reversed(segs) if t.strip()), True)
-                tokens = np.concatenate(pieces + [eos])
-                mask = np.concatenate(masks + [np.array([eos_flag], np.uint8)])
-                docs.append(_Doc(_record_key(rec), tokens, mask, rec))
-        return docs
-
-    def _pretokenized(self, rec: dict) -> _Doc:
-        f = self.cfg.fields
-        ids, labels = rec[f.input_ids], rec.get(f.labels)
-        if not isinstance(ids, list) or not ids:
-            raise RecordError(
-                "wrong_type" if not isinstance(ids, list) else "empty_field",
-                f"field '{f.input_ids}' should be a non-empty list of token ids",
-            )
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise RecordError("bad_token_ids", f"field '{f.input_ids}' holds a value that is not an integer token id")
-        if not 0 <= min(ids) <= max(ids) < self.tok.vocab_size:
-            bad = next(i for i in ids if not 0 <= i < self.tok.vocab_size)
-            raise RecordError(
-                "bad_token_ids",
-                f"field '{f.input_ids}' holds id {bad}, outside the {self.tok.vocab_size} ids of data.tokenizer "
-                f"{self.tok.name!r}: set data.tokenizer to the tokenizer these ids came from (a tokenizer.json or "
-                "model directory)",
-            )
-        tokens = np.asarray(ids, np.int32)
-        if labels is None:
-            mask = np.ones(len(ids), np.uint8)
-        else:
-            if not isinstance(labels, list) or len(labels) != len(ids):
-                raise RecordError("bad_labels", f"field '{f.labels}' should be a list as long as '{f.input_ids}' ({len(ids)})")
-            lab = np.asarray([x if isinstance(x, int) else -(10**9) for x in labels], np.int64)
-            if np.any((lab != -100) & (lab != tokens)):
-                raise RecordError(
-                    "bad_labels",
-                    f"field '{f.labels}': each label must be -100 or equal to its input id (unshifted, as Hugging Face)",
-                )
-            mask = (lab != -100).astype(np.uint8)
-        if tokens[-1] != self.tok.eos_id:
-            tokens = np.append(tokens, np.int32(self.tok.eos_id))
-            mask = np.append(mask, mask[-1])
-        return _Doc(_record_key(rec), tokens, mask, None)
-
-    def chunk(self, docs: list[_Doc]) -> list[_Doc]:
-        """text_split=chunks: one document per chunk_tokens tokens; only the last keeps the end-of-text."""
-        out = []
-        n = self.cfg.chunk_tokens
-        for d in docs:
-            for a in range(0, len(d.tokens), n):
-                t = d.tokens[a : a + n]
-                if len(t) < 2:
-                    continue  # a lone trailing token has no target
-                out.append(_Doc(hashlib.blake2b(t.tobytes(), digest_size=8).digest(), t, d.mask[a : a + n].copy(), None))
-        return out
-
-    def finish(self, docs: list[_Doc]) -> list[_Doc]:
-        """Overlong policy, and drop documents with no loss-carrying target; all counted."""
-        out = []
-        for d in docs:
-            d.mask[0] = 0  # the first token is never a target
-            if len(d.tokens) > self.cfg.max_seq_len:
-                if self.cfg.overlong == "drop":
-                    self.s.dropped_overlong += 1
-                    continue
-                d.tokens, d.mask = d.tokens[: self.cfg.max_seq_len], d.mask[: self.cfg.max_seq_len]
-                if not d.mask.any():
-                    self.s.dropped_no_target += 1
-                    continue
-                self.s.truncated += 1
-            if not d.mask.any():
-                self.s.dropped_no_loss += 1
-                continue
-            out.append(d)
-        return out
-
-
-def split_eval(docs: list[_Doc], fraction: float) -> tuple[list[_Doc], list[_Doc]]:
-    """(train, eval): eval = the round(fraction * n) documents of smallest content hash, in input order."""
-    n = len(docs)
-    n_eval = 0 if fraction <= 0 or n < 2 else min(n - 1, max(1, round(fraction * n)))
-    ranked = sorted(range(n), key=lambda i: (docs[i].key, i))
-    held = set(ranked[:n_eval])
-    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
-
-
-# --------------------------------------------------------------------------------- entry point
+# --------------------------------------------------------------------------------- one source
 def _meta(tok: Tokenizer, cfg: DataConfig, split: str) -> dict:
     return {
         "split": split,
@@ -243,6 +72,8 @@ def _meta(tok: Tokenizer, cfg: DataConfig, split: str) -> dict:
         "pad_id": tok.pad_id,
         "mask_id": tok.mask_id,
         "vocab_size": tok.vocab_size,
+        "base_vocab_size": tok.base_vocab_size,
+        "added_tokens": tok.added,
         "special_ids": tok.special_ids,
         "tokenizer": tok.describe(),
         "template": cfg.template,
@@ -250,7 +81,7 @@ def _meta(tok: Tokenizer, cfg: DataConfig, split: str) -> dict:
     }
 
 
-def _arrays(docs: list[_Doc]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _arrays(docs: list[Doc]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     lengths = np.array([0] + [len(d.tokens) for d in docs], np.int64)
     tokens = np.concatenate([d.tokens for d in docs]) if docs else np.zeros(0, np.int32)
     mask = np.concatenate([d.mask for d in docs]) if docs else np.zeros(0, np.uint8)
@@ -265,33 +96,6 @@ def _eval_source(cfg: DataConfig) -> str:
     return f"{cfg.eval_fraction:g} of records held out by content hash"
 
 
-def _learn_bpe(items: list[tuple[str, dict]], cfg: DataConfig, pending: PendingBPE) -> Tokenizer:
-    """Learn ``bpe:N`` from the rendered text of the training file's records (held-out ones
-    included: the split is drawn from token contents afterwards; no label is involved)."""
-    texts = []
-    for _, rec in items:
-        try:
-            texts.append("".join(t for t, _ in render(rec, cfg)))
-        except (RecordError, EmptiedByCleaning):
-            continue  # reported when the documents are built
-    if not texts:
-        raise DataError(f"data.tokenizer {pending.name}: no readable text to learn a tokenizer from")
-    return train_bpe(texts, pending.vocab_size, pending.requested_pad_id, pending.name)
-
-
-def _refuse_ids_for_a_new_bpe(items: list[tuple[str, dict]], cfg: DataConfig, pending: PendingBPE) -> None:
-    """Pre-tokenised records hold ids of a tokenizer that already exists: learning a new one from
-    text (``bpe:N``) cannot give their ids a meaning, and there may be no text at all to learn from."""
-    found = [where for where, rec in items if cfg.fields.input_ids in rec]
-    if found:
-        every = "every record is" if len(found) == len(items) else f"{len(found)} of {len(items)} records are"
-        raise DataError(
-            f"data.tokenizer {pending.name} learns a new tokenizer from text, but {every} pre-tokenised (field "
-            f"'{cfg.fields.input_ids}', first at {found[0]}): set data.tokenizer to the tokenizer that made the ids "
-            "(a tokenizer.json or model directory; or auto with model.kind hf)"
-        )
-
-
 def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
     entry = load_entry(final, tok)
     if entry is None:
@@ -301,21 +105,39 @@ def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
     return Prepared(train, evals, tok, summary, eval_records, final)
 
 
-def prepare(cfg: DataConfig) -> Prepared:
-    """Prepare (or reuse from the cache) the train and eval documents that ``cfg`` describes."""
-    t0 = time.perf_counter()
-    tok = load_tokenizer(cfg.tokenizer, cfg.pad_id)
+def _resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
+    """(cfg, format) of one source, checked: a plain text file has no fields to template (its paragraphs are the text)."""
     for p in (cfg.path, cfg.eval_path):
         if p is not None and not Path(p).exists():
             raise DataError(f"{p}: file not found (data.path / data.eval_path)")
     fmt = "json" if cfg.path is None else detect_format(cfg.path, cfg.format)
-    if fmt == "text":  # a plain text file has no fields to template: its paragraphs are the text
+    if fmt == "text":
         cfg = dataclasses.replace(cfg, template="raw", fields=dataclasses.replace(cfg.fields, text="text"))
+    return cfg, fmt
+
+
+def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary) -> None:
+    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split)."""
+    with staged_store(final) as tmp:
+        if cfg.tokenizer.startswith("bpe:"):
+            tok.save(tmp / LEARNED_TOKENIZER)
+        for split, arrays in (("train", train), ("eval", evals)):
+            if arrays is not None:
+                (tmp / split).mkdir()
+                write_store_files(tmp / split, *arrays[:3], dict(_meta(tok, cfg, split), sources=summary.source_names), arrays[3])
+        lines = [json.dumps(r, ensure_ascii=False, default=str) for r in records]
+        (tmp / "eval_records.jsonl").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+        (tmp / "summary.json").write_text(json.dumps(summary.as_dict(), indent=1), encoding="utf-8")
+        write_marker(tmp, {"sizes": {n: (tmp / n).stat().st_size for n in ("summary.json", "eval_records.jsonl")}})
+
+
+def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, read: tuple | None = None) -> Prepared:
+    """One source's entry (built, or found in the cache). ``read``: (its records, records read) when
+    a mixture's bpe:N already read them."""
     final = Path(cfg.cache_dir) / cache_key(cfg, tok)
     cached = _load_cached(final, tok, t0)
     if cached is not None:
         return cached
-
     s = PrepareSummary(
         source=cfg.path or "embedded default dataset",
         format=fmt,
@@ -323,13 +145,15 @@ def prepare(cfg: DataConfig) -> Prepared:
         tokenizer=tok.name,
         eval_source=_eval_source(cfg),
     )
-    b = _Builder(cfg, tok, s)
-    items = b.read(cfg.path, fmt)
+    b = Builder(cfg, tok, s)
+    if read is None:
+        items = b.read(cfg.path, fmt)
+    else:
+        items, s.records_read = read
     if isinstance(tok, PendingBPE):
-        _refuse_ids_for_a_new_bpe(items, cfg, tok)
-        tok = b.tok = _learn_bpe(items, cfg, tok)
+        tok = b.tok = learn_bpe([(items, cfg)], tok)
         s.tokenizer = tok.name
-    eval_docs: list[_Doc] = []
+    eval_docs: list[Doc] = []
     if cfg.eval_path is not None:
         eval_docs = b.documents(b.read(cfg.eval_path, detect_format(cfg.eval_path, cfg.format)))
     train_docs = b.documents(items)
@@ -342,20 +166,81 @@ def prepare(cfg: DataConfig) -> Prepared:
     if not train_docs:
         raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
     s.fill_counts(train_docs, eval_docs)
-
-    with staged_store(final) as tmp:
-        if cfg.tokenizer.startswith("bpe:"):
-            tok.save(tmp / LEARNED_TOKENIZER)
-        (tmp / "train").mkdir()
-        write_store_files(tmp / "train", *_arrays(train_docs), _meta(tok, cfg, "train"))
-        if eval_docs:
-            (tmp / "eval").mkdir()
-            write_store_files(tmp / "eval", *_arrays(eval_docs), _meta(tok, cfg, "eval"))
-        lines = [json.dumps(d.record, ensure_ascii=False, default=str) for d in eval_docs if d.record is not None]
-        (tmp / "eval_records.jsonl").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
-        (tmp / "summary.json").write_text(json.dumps(s.as_dict(), indent=1), encoding="utf-8")
-        write_marker(tmp, {"sizes": {n: (tmp / n).stat().st_size for n in ("summary.json", "eval_records.jsonl")}})
+    s.sources = [s.source_facts(name, s.source)]
+    zeros = lambda docs: np.zeros(len(docs), np.int16)  # noqa: E731 - one source: every document is source 0
+    evals = (*_arrays(eval_docs), zeros(eval_docs)) if eval_docs else None
+    records = [d.record for d in eval_docs if d.record is not None]
+    _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s)
     prepared = _load_cached(final, tok, t0)
     assert prepared is not None, "a freshly written cache must be complete"
     prepared.summary.cache_hit = False
+    return prepared
+
+
+# --------------------------------------------------------------------------------- a mixture
+def _concat(stores: list[DocumentStore | None]):
+    """(tokens, offsets, loss_mask, source) of ``stores`` end to end, source s = the s-th (None: absent); None if all are."""
+    present = [(s, st) for s, st in enumerate(stores) if st is not None and len(st)]
+    if not present:
+        return None
+    tokens = np.concatenate([np.asarray(st.tokens) for _, st in present])
+    mask = np.concatenate([np.asarray(st.loss_mask) for _, st in present])
+    offsets = np.cumsum([0] + [int(x) for _, st in present for x in st.lengths], dtype=np.int64)
+    source = np.concatenate([np.full(len(st), s, np.int16) for s, st in present])
+    return tokens, offsets, mask, source
+
+
+def _prepare_mixture(cfg: DataConfig, sources: list[tuple[str, DataConfig, str]], tok: Tokenizer, t0: float) -> Prepared:
+    keys = [cache_key(c, tok) for _, c, _ in sources]
+    digest = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "mixture": keys}).encode()).hexdigest()[:24]
+    final = Path(cfg.cache_dir) / f"mix-{digest}"
+    cached = _load_cached(final, tok, t0)
+    if cached is not None:
+        return cached
+    read: list = [None] * len(sources)
+    if isinstance(tok, PendingBPE):  # one vocabulary learned from every source's text, then each source with it
+        for i, (_name, c, fmt) in enumerate(sources):
+            s = PrepareSummary()
+            read[i] = (Builder(c, tok, s).read(c.path, fmt), s.records_read)
+        tok = learn_bpe([(r[0], c) for r, (_, c, _) in zip(read, sources)], tok)
+    parts = [_prepare_one(name, c, fmt, tok, t0, r) for (name, c, fmt), r in zip(sources, read)]
+    train = _concat([p.train for p in parts])
+    summary = PrepareSummary.combine(
+        [(name, p.summary) for (name, _, _), p in zip(sources, parts)],
+        np.diff(train[1]),
+        source=", ".join(name for name, _, _ in sources),
+        format="mixture",
+        template=", ".join(sorted({c.template for _, c, _ in sources})),
+        tokenizer=tok.name,
+        eval_source=_eval_source(cfg) + " per source",
+    )
+    records = [r for p in parts for r in p.eval_records]
+    _write(final, tok, cfg, train, _concat([p.eval for p in parts]), records, summary)
+    prepared = _load_cached(final, tok, t0)
+    assert prepared is not None, "a freshly written cache must be complete"
+    prepared.summary.cache_hit = False
+    return prepared
+
+
+# --------------------------------------------------------------------------------- entry point
+def prepare(cfg: DataConfig, seed: int = 0) -> Prepared:
+    """Prepare (or reuse from the cache) the train and eval documents that ``cfg`` describes; the
+    summary's per-source ``share`` is that of epoch 0's tokens at ``seed`` with the configured weights."""
+    t0 = time.perf_counter()
+    tok = load_data_tokenizer(cfg)
+    sources = [(name, *_resolved(c)) for name, c in source_configs(cfg)]
+    if len(sources) == 1:
+        prepared = _prepare_one(*sources[0], tok, t0)
+    else:
+        prepared = _prepare_mixture(cfg, sources, tok, t0)
+    names = [name for name, _, _ in sources]
+    for store in (prepared.train, prepared.eval):  # names are configuration, not content: never in a key
+        if store is not None:
+            store.meta["sources"] = names
+    prepared.weights, prepared.source_names = mixture_weights(cfg), names
+    facts = prepared.summary.sources
+    for x, name in zip(facts, names):
+        x["name"] = name
+    for x, share in zip(facts, epoch_shares(prepared.train, prepared.weights, seed).values()):
+        x["share"] = share["share"]
     return prepared

@@ -3,7 +3,8 @@
 ``iter_records(path, fmt)`` yields, for each record, either ``(where, record_dict)`` or a
 ``BadRecord(where, reason, message)``; the caller decides whether a bad record stops the run.
 ``where`` names the file and place: ``file:LINE`` (1-based line) for JSONL, CSV and text, and
-``file: record N (0-based index)`` for JSON arrays, Parquet and Hugging Face datasets.
+``file: record N (0-based index)`` for JSON arrays, Parquet and Hugging Face datasets (a
+``save_to_disk`` directory, read through ``datasets.load_from_disk``: the optional ``datasets`` extra).
 
 Undecodable bytes are read with ``surrogateescape`` so one bad record can be skipped without
 losing the rest of the file; ``has_undecodable`` finds them afterwards.
@@ -261,44 +262,29 @@ def _parquet(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
             i += 1
 
 
-def _arrow_files(d: Path) -> list[Path]:
-    state = d / "state.json"
-    if state.is_file():
-        try:
-            files = [d / f["filename"] for f in json.loads(state.read_text(encoding="utf-8"))["_data_files"]]
-        except (ValueError, KeyError, TypeError):
-            raise DataError(f"{state}: not a Hugging Face dataset state file") from None
-        missing = [str(f) for f in files if not f.is_file()]
-        if missing:
-            raise DataError(f"{d}: dataset files listed in state.json are missing: {', '.join(missing)}")
-        return files
-    return sorted(d.glob("*.arrow"))
-
-
 def _hf_disk(d: Path) -> Iterator[tuple[str, dict] | BadRecord]:
-    """A ``datasets`` ``save_to_disk`` directory, read with pyarrow alone (no ``datasets`` needed)."""
-    _require_pyarrow("a Hugging Face dataset directory")
-    import pyarrow as pa
-
-    dict_file = d / "dataset_dict.json"
-    if dict_file.is_file():
-        splits = json.loads(dict_file.read_text(encoding="utf-8")).get("splits", [])
-        if "train" not in splits:
-            raise DataError(
-                f"{d}: a DatasetDict without a 'train' split; point data.path at one of: {', '.join(map(str, splits))}"
-            )
-        d = d / "train"
-    files = _arrow_files(d)
-    if not files:
-        raise DataError(f"{d}: a directory, but not a Hugging Face save_to_disk dataset (no state.json or .arrow files)")
+    """A ``datasets`` ``save_to_disk`` directory, read with ``datasets.load_from_disk`` (a DatasetDict: its train split)."""
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"{d}: reading a Hugging Face save_to_disk directory needs datasets: pip install 'densebatch[datasets]'"
+        ) from None
+    try:
+        ds = datasets.load_from_disk(str(d))
+    except FileNotFoundError:
+        raise DataError(
+            f"{d}: a directory, but not a Hugging Face save_to_disk dataset (datasets.load_from_disk cannot read it)"
+        ) from None
+    except Exception as e:  # a damaged or foreign directory: datasets raises many kinds
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{d}: not a readable Hugging Face save_to_disk dataset: {why}") from None
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise DataError(f"{d}: a DatasetDict without a 'train' split; point data.path at one of: {', '.join(ds)}")
+        ds, d = ds["train"], d / "train"
     i = 0
-    for f in files:
-        try:
-            with pa.memory_map(str(f), "r") as src:
-                reader = pa.ipc.open_stream(src)
-                for batch in reader:
-                    for rec in batch.to_pylist():
-                        yield f"{d}: record {i} (0-based index)", rec
-                        i += 1
-        except pa.ArrowInvalid as e:
-            raise DataError(f"{f}: not a readable Arrow stream: {e}") from None
+    for batch in ds.iter(batch_size=4096):  # columns -> rows
+        for rec in (dict(zip(batch, row)) for row in zip(*batch.values())):
+            yield f"{d}: record {i} (0-based index)", rec
+            i += 1

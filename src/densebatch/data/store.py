@@ -5,10 +5,13 @@ Layout of a store directory::
     tokens.npy     int32  (total_tokens,)   all documents back to back
     offsets.npy    int64  (n + 1,)          document i is tokens[offsets[i]:offsets[i+1]]
     loss_mask.npy  uint8  (total_tokens,)   1 = this token, *as a target*, carries loss
-    meta.json      eos_id, pad_id, vocab_size, mask_id, special_ids, tokenizer, ...
+    source.npy     int16  (n,)              optional: the source (of a mixture) of each document
+    meta.json      eos_id, pad_id, vocab_size, mask_id, special_ids, tokenizer, sources (names), ...
     COMPLETE       written last: file sizes; a directory without it (or with other sizes) is not a store
 
 The first token of a document is never a target (nothing precedes it), so its mask is always 0.
+A mixture's documents lie source after source (``source`` ascending), the layout ``mixture.Selection``
+plans from; ``meta["sources"]`` names them in that order.
 Writes go to a temporary sibling directory (``densebatch.atomic.staged_dir``): every file is
 fsynced, then the directory is renamed into place (atomic on POSIX), so a crash mid-write leaves
 only a ``.tmp-*`` directory, never a directory that ``open`` would trust.
@@ -45,7 +48,9 @@ def marker_ok(directory: Path) -> bool:
         return False
 
 
-def write_store_files(directory: Path, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict) -> None:
+def write_store_files(
+    directory: Path, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict, source: np.ndarray | None = None
+) -> None:
     """Write a store's files into an existing (temporary) directory, marker last."""
     arrays = {
         "tokens": tokens.astype(np.int32, copy=False),
@@ -53,11 +58,15 @@ def write_store_files(directory: Path, tokens: np.ndarray, offsets: np.ndarray, 
         "loss_mask": loss_mask.astype(np.uint8, copy=False),
     }
     assert arrays["offsets"][0] == 0 and arrays["offsets"][-1] == len(tokens) == len(loss_mask)
+    if source is not None:
+        assert len(source) == len(offsets) - 1 and (np.diff(source) >= 0).all(), "documents lie source after source"
+        arrays["source"] = source.astype(np.int16, copy=False)
+        meta = dict(meta, source_documents=np.bincount(source, minlength=len(meta.get("sources") or [0])).tolist())
     for name, arr in arrays.items():
         np.save(directory / f"{name}.npy", arr, allow_pickle=False)
     meta = dict(meta, num_documents=len(offsets) - 1, num_tokens=int(len(tokens)), num_loss_tokens=int(loss_mask.sum()))
     (directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-    names = [f"{n}.npy" for n in _ARRAYS] + ["meta.json"]
+    names = [f"{n}.npy" for n in arrays] + ["meta.json"]
     write_marker(directory, {"sizes": {n: (directory / n).stat().st_size for n in names}})
 
 
@@ -76,13 +85,24 @@ def staged_store(final: Path) -> Iterator[Path]:
 class DocumentStore:
     """Read access to one prepared split. Arrays are memory-mapped read-only when opened from disk."""
 
-    def __init__(self, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict, path: Path | None = None):
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        offsets: np.ndarray,
+        loss_mask: np.ndarray,
+        meta: dict,
+        path: Path | None = None,
+        source: np.ndarray | None = None,
+    ):
         self.tokens = tokens  # (total_tokens,) int32
         self.offsets = offsets  # (n + 1,) int64
         self.loss_mask = loss_mask  # (total_tokens,) uint8
         self.lengths = np.diff(offsets)  # (n,) int64
         self.meta = meta
         self.path = path
+        self.source = source  # (n,) int16: source of each document, ascending; None = one unnamed source
+        if source is not None and len(source) != len(self):
+            raise ValueError(f"source: {len(source)} entries for {len(self)} documents")
 
     # ------------------------------------------------------------------ reading
     @classmethod
@@ -92,7 +112,8 @@ class DocumentStore:
             raise DataError(f"{d}: not a complete document store (missing or mismatched {MARKER} marker); prepare it again")
         arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in _ARRAYS}
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
-        return cls(arrays["tokens"], np.asarray(arrays["offsets"]), arrays["loss_mask"], meta, d)
+        source = np.load(d / "source.npy", allow_pickle=False) if (d / "source.npy").is_file() else None
+        return cls(arrays["tokens"], np.asarray(arrays["offsets"]), arrays["loss_mask"], meta, d, source)
 
     @staticmethod
     def is_complete(directory: str | Path) -> bool:
@@ -111,6 +132,19 @@ class DocumentStore:
         return int(self.offsets[-1])
 
     @property
+    def source_names(self) -> list[str]:
+        """Names of the sources, in store order (one unnamed source: ``["data"]``)."""
+        names = self.meta.get("sources")
+        return list(names) if names else ["data"]
+
+    def source_offsets(self) -> np.ndarray:
+        """(sources + 1,) first document of each source: source s is documents offsets[s] .. offsets[s+1] - 1."""
+        k = len(self.source_names)
+        if self.source is None:
+            return np.array([0] + [len(self)] * k, np.int64)
+        return np.searchsorted(np.asarray(self.source), np.arange(k + 1), side="left").astype(np.int64)
+
+    @property
     def eos_id(self) -> int:
         return int(self.meta["eos_id"])
 
@@ -123,8 +157,10 @@ class DocumentStore:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def from_documents(cls, documents: Iterable[tuple[Sequence[int], Sequence[int]]], meta: dict | None = None) -> DocumentStore:
-        """An in-memory store from ``(tokens, loss_mask)`` pairs (tests, small tools)."""
+    def from_documents(
+        cls, documents: Iterable[tuple[Sequence[int], Sequence[int]]], meta: dict | None = None, source=None
+    ) -> DocumentStore:
+        """An in-memory store from ``(tokens, loss_mask)`` pairs (tests, small tools); ``source``: one id per document."""
         toks, masks, lengths = [], [], [0]
         for t, m in documents:
             t, m = np.asarray(t, dtype=np.int32), np.asarray(m, dtype=np.uint8)
@@ -135,7 +171,10 @@ class DocumentStore:
             lengths.append(len(t))
         tokens = np.concatenate(toks) if toks else np.zeros(0, np.int32)
         mask = np.concatenate(masks) if masks else np.zeros(0, np.uint8)
-        return cls(tokens, np.cumsum(lengths, dtype=np.int64), mask, dict(meta or {}))
+        src = None if source is None else np.asarray(source, np.int16)
+        if src is not None and len(src) and (np.diff(src) < 0).any():
+            raise ValueError("source: documents must lie source after source (ascending source ids)")
+        return cls(tokens, np.cumsum(lengths, dtype=np.int64), mask, dict(meta or {}), None, src)
 
     def save(self, directory: str | Path) -> DocumentStore:
         """Write atomically to ``directory`` (replacing an incomplete one) and return the opened copy."""
@@ -143,5 +182,6 @@ class DocumentStore:
         if final.exists():
             shutil.rmtree(final)  # save() replaces: unlike a cache entry, the caller asked for this content
         with staged_store(final) as tmp:
-            write_store_files(tmp, np.asarray(self.tokens), np.asarray(self.offsets), np.asarray(self.loss_mask), self.meta)
+            src = None if self.source is None else np.asarray(self.source)
+            write_store_files(tmp, np.asarray(self.tokens), np.asarray(self.offsets), np.asarray(self.loss_mask), self.meta, src)
         return DocumentStore.open(final)

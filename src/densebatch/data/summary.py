@@ -2,7 +2,9 @@
 
 Every record read is accounted for: ``records_read = kept + skipped + dropped by cleaning +
 dropped overlong / without target / without loss tokens`` (for text chunks, ``records_read`` counts
-the file once and documents are chunks).
+the file once and documents are chunks). A mixture's summary sums its sources' and keeps one line of
+facts per source in ``sources`` (name, records, documents, tokens, and the share of an epoch's tokens
+its weight gives it, filled in by ``prepare`` for the run's weights).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class PrepareSummary:
     seconds: float = 0.0
     cache_hit: bool = False
     cache_path: str = ""
+    sources: list = field(default_factory=list)  # per source: name, path, records_read, documents, tokens, ..., share
 
     @property
     def records_kept(self) -> int:
@@ -69,6 +72,51 @@ class PrepareSummary:
         self.train_loss_tokens = int(sum(int(d.mask.sum()) for d in train_docs))
         self.eval_loss_tokens = int(sum(int(d.mask.sum()) for d in eval_docs))
         self.lengths = percentiles(np.array([len(d.tokens) for d in train_docs]))
+
+    @property
+    def source_names(self) -> list[str]:
+        return [x["name"] for x in self.sources]
+
+    def source_facts(self, name: str, path: str) -> dict:
+        """This (one source's) summary as one line of a mixture's per-source facts."""
+        return {
+            "name": name,
+            "path": path,
+            "records_read": self.records_read,
+            "records_kept": self.records_kept,
+            "records_skipped": self.records_skipped,
+            "documents": self.train_documents,
+            "eval_documents": self.eval_documents,
+            "tokens": self.train_tokens,
+            "eval_tokens": self.eval_tokens,
+            "loss_tokens": self.train_loss_tokens,
+        }
+
+    @classmethod
+    def combine(cls, parts: list[tuple[str, PrepareSummary]], lengths: np.ndarray, **kw) -> PrepareSummary:
+        """A mixture's summary: counts summed over its sources' summaries, ``lengths`` (train) percentiles."""
+        out = cls(**kw)
+        for name, p in parts:
+            for key in ("records_read", "truncated", "dropped_overlong", "dropped_no_target", "dropped_no_loss"):
+                setattr(out, key, getattr(out, key) + getattr(p, key))
+            for key in (
+                "train_documents",
+                "eval_documents",
+                "train_tokens",
+                "eval_tokens",
+                "train_loss_tokens",
+                "eval_loss_tokens",
+            ):
+                setattr(out, key, getattr(out, key) + getattr(p, key))
+            for key in ("skipped", "cleaning_changed", "cleaning_dropped"):
+                total = getattr(out, key)
+                for k, v in getattr(p, key).items():
+                    total[k] = total.get(k, 0) + v
+            for k, v in p.skip_examples.items():
+                out.skip_examples.setdefault(k, f"{name}: {v}")
+            out.sources.append(p.source_facts(name, p.source))
+        out.lengths = percentiles(lengths)
+        return out
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -112,5 +160,12 @@ class PrepareSummary:
             ("time", f"{self.seconds:.2f} s ({'cache hit' if self.cache_hit else 'built'}: {self.cache_path})"),
         ]
         lines = [f"{k:<10} {v}" for k, v in rows]
+        if len(self.sources) > 1:  # one source: the rows above already say it all
+            lines.append(f"{'sources':<10} {'name':<16} {'records':>9} {'documents':>10} {'tokens':>12} {'epoch share':>12}")
+            for x in self.sources:
+                share = f"{x['share']:.4f}" if "share" in x else "-"
+                lines.append(
+                    f"{'':<10} {x['name']:<16} {x['records_read']:>9} {x['documents']:>10} {x['tokens']:>12} {share:>12}"
+                )
         lines += [f"{'':<10} first {reason}: {ex}" for reason, ex in sorted(self.skip_examples.items())]
         return "\n".join(lines)

@@ -18,7 +18,11 @@ search for a token value). Templates (``data.template``):
       {output}              <- the response: carries loss with loss_on=response
 
 - ``chatml``: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message; with loss_on=response only
-  each assistant turn's ``{content}<|im_end|>`` carries loss.
+  each assistant turn's ``{content}<|im_end|>`` carries loss. (Its two markers are added to the
+  tokenizer as special tokens, so each is one id: ``vocab.requested_tokens``.)
+- ``chat_template``: the messages rendered by the tokenizer's own Jinja chat template, byte for byte as
+  transformers' ``apply_chat_template``; each assistant reply carries loss, placed by position
+  (``chat_template.ChatTemplate``, passed in as ``chat``).
 - ``raw``: the text field, all of it carrying loss.
 - ``custom``: ``data.prompt_format`` with ``{named}`` record fields as the prompt, ``fields.output`` as
   the response.
@@ -30,9 +34,11 @@ template's own text.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from densebatch.config import DataConfig, prompt_fields
+from densebatch.data.chat_template import ChatTemplate, ChatTemplateError
 from densebatch.errors import ConfigError
 
 Segment = tuple[str, bool]
@@ -102,7 +108,8 @@ def _alpaca(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment
     return [(alpaca_prompt(instruction, inp), False), (output, True)]
 
 
-def _chatml(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
+def _messages(record: dict, cfg: DataConfig, transform: Transform) -> list[dict]:
+    """The record's messages as ``{"role", "content", ...}`` (content cleaned), checked; other keys kept."""
     f = cfg.fields
     if f.messages not in record:
         raise RecordError("missing_field", f"missing field '{f.messages}' (a list of chat messages)")
@@ -113,8 +120,7 @@ def _chatml(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment
         raise RecordError("wrong_type", f"field '{f.messages}' should be a list of messages, got {type(messages).__name__}")
     if not messages:
         raise RecordError("empty_field", f"field '{f.messages}' is an empty list")
-    segments: list[Segment] = []
-    has_assistant = False
+    out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise RecordError("wrong_type", f"{f.messages}[{i}] should be an object with '{f.role}' and '{f.content}'")
@@ -123,14 +129,33 @@ def _chatml(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment
             content = _required_str(m, f.content, transform)
         except RecordError as e:
             raise RecordError(e.reason, f"{f.messages}[{i}]: {e.message}") from None
+        rest = {k: v for k, v in m.items() if k not in (f.role, f.content)}
+        out.append({**rest, "role": role, "content": content})
+    if cfg.loss_on == "response" and not any(m["role"] == "assistant" for m in out):
+        raise RecordError("no_response", f"no message with role 'assistant' in '{f.messages}': nothing would carry loss")
+    return out
+
+
+def _chatml(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
+    segments: list[Segment] = []
+    for m in _messages(record, cfg, transform):
+        role, content = m["role"], m["content"]
         if role == "assistant":
-            has_assistant = True
             segments += [(f"{IM_START}{role}\n", False), (f"{content}{IM_END}", True), ("\n", False)]
         else:
             segments.append((f"{IM_START}{role}\n{content}{IM_END}\n", False))
-    if cfg.loss_on == "response" and not has_assistant:
-        raise RecordError("no_response", f"no message with role 'assistant' in '{f.messages}': nothing would carry loss")
     return segments
+
+
+def _chat_template(record: dict, cfg: DataConfig, transform: Transform, chat: ChatTemplate | None) -> list[Segment]:
+    if chat is None:  # prepare builds it from the tokenizer (ChatTemplate.of), which says when there is none
+        raise ValueError("template chat_template: render() needs the tokenizer's ChatTemplate (chat=...)")
+    messages = _messages(record, cfg, transform)
+    try:
+        return chat.segments(messages, loss_on_replies=cfg.loss_on == "response")
+    except ChatTemplateError as e:
+        where = f"{cfg.fields.messages}[{e.index}]: " if e.index is not None else ""
+        raise RecordError("chat_template", where + e.message) from None
 
 
 def _raw(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment]:
@@ -147,13 +172,21 @@ def _custom(record: dict, cfg: DataConfig, transform: Transform) -> list[Segment
 
 
 TEMPLATES = {"alpaca": _alpaca, "chatml": _chatml, "raw": _raw, "custom": _custom}
+NAMES = (*TEMPLATES, "chat_template")
 
 
-def render(record: dict, cfg: DataConfig, transform: Transform = _identity) -> list[Segment]:
-    """Segments of one record; with loss_on=all every segment carries loss. Adjacent equal flags merge."""
-    if cfg.template not in TEMPLATES:
-        raise ConfigError(f"data.template: expected one of {', '.join(TEMPLATES)}; got {cfg.template!r}")
-    segments = TEMPLATES[cfg.template](record, cfg, transform)
+def _segments(record: dict, cfg: DataConfig, transform: Transform, chat: ChatTemplate | None) -> list[Segment]:
+    if cfg.template not in NAMES:
+        raise ConfigError(f"data.template: expected one of {', '.join(NAMES)}; got {cfg.template!r}")
+    if cfg.template == "chat_template":
+        return _chat_template(record, cfg, transform, chat)
+    return TEMPLATES[cfg.template](record, cfg, transform)
+
+
+def render(record: dict, cfg: DataConfig, transform: Transform = _identity, chat: ChatTemplate | None = None) -> list[Segment]:
+    """Segments of one record; with loss_on=all every segment carries loss. Adjacent equal flags merge.
+    ``chat``: the tokenizer's chat template, for ``template: chat_template``."""
+    segments = _segments(record, cfg, transform, chat)
     if cfg.loss_on == "all":
         segments = [(t, True) for t, _ in segments]
     merged: list[Segment] = []
@@ -165,9 +198,9 @@ def render(record: dict, cfg: DataConfig, transform: Transform = _identity) -> l
     return merged
 
 
-def prompt_text(record: dict, cfg: DataConfig) -> str:
+def prompt_text(record: dict, cfg: DataConfig, chat: ChatTemplate | None = None) -> str:
     """What a model is given to answer ``record`` (every segment before the first response segment)."""
-    segments = TEMPLATES[cfg.template](record, cfg, _identity)
+    segments = _segments(record, dataclasses.replace(cfg, loss_on="response"), _identity, chat)
     out = []
     for text, flag in segments:
         if flag:
@@ -176,6 +209,6 @@ def prompt_text(record: dict, cfg: DataConfig) -> str:
     return "".join(out)
 
 
-def render_text(record: dict, cfg: DataConfig) -> str:
+def render_text(record: dict, cfg: DataConfig, chat: ChatTemplate | None = None) -> str:
     """The whole rendered text of a record (prompt and response), for display and tests."""
-    return "".join(t for t, _ in render(record, cfg))
+    return "".join(t for t, _ in render(record, cfg, chat=chat))

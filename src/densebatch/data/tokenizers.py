@@ -20,8 +20,16 @@
 
 Every tokenizer has ``encode``, ``encode_batch``, ``decode``, ``eos_id``, ``pad_id`` (default: eos),
 ``mask_id`` (or None), ``vocab_size``, ``name``, ``special_ids``, ``fingerprint()`` (content hash for
-cache keys) and ``save(dir)``. Special-token strings in text are *not* special for the byte-level
-tokenizer (text is always just bytes); the Hugging Face tokenizers keep their library's behaviour.
+cache keys), ``chat_template`` (the Jinja template of a Hugging Face tokenizer directory, or None) and
+``save(dir)``, which writes files both ``load_tokenizer`` and transformers' ``AutoTokenizer`` read
+(``tokenizer_files``). The three special-token strings of the byte-level tokenizer are *not* special
+in text (text is just bytes); the Hugging Face tokenizers keep their library's behaviour.
+
+Vocabulary extension: ``added`` (``(text, special)`` pairs, from ``data.add_tokens``,
+``data.add_special_tokens`` and the chatml template's markers: ``requested_tokens``) become single ids
+matched whole in text; a string already in the vocabulary keeps its id, new ones get the next ids in
+order. ``tok.added`` lists the new ones and ``tok.base_vocab_size`` the size before them (what a model
+grows its embeddings from).
 """
 
 from __future__ import annotations
@@ -31,6 +39,15 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from densebatch.data.tokenizer_files import (
+    byte_level_tokenizer,
+    read_chat_template,
+    read_config,
+    template_variables,
+    token_text,
+    write_hf_files,
+)
+from densebatch.data.vocab import Added, alternation, requested_tokens, unique_tokens
 from densebatch.errors import ConfigError
 
 SAVED_META = "densebatch_tokenizer.json"
@@ -47,6 +64,10 @@ class Tokenizer:
     pad_id: int
     mask_id: int | None
     vocab_size: int
+    base_vocab_size: int  # before densebatch added tokens
+    added: list[dict]  # tokens densebatch added: {"content", "id", "special"}, ids >= base_vocab_size
+    chat_template: str | None = None
+    template_variables: dict[str, str] = {}  # bos_token, eos_token, ... as a chat template sees them
 
     def encode(self, text: str) -> list[int]:
         return self.encode_batch([text])[0]
@@ -71,6 +92,8 @@ class Tokenizer:
             "pad_id": self.pad_id,
             "mask_id": self.mask_id,
             "vocab_size": self.vocab_size,
+            "base_vocab_size": self.base_vocab_size,
+            "added_tokens": self.added,
             "fingerprint": self.fingerprint(),
         }
 
@@ -85,19 +108,40 @@ class Tokenizer:
 
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes as ids; three special ids above them. Deterministic, no files, 259 ids."""
+    """UTF-8 bytes as ids; three special ids above them, then added tokens. Deterministic, no files."""
 
     SPECIALS = ("<|endoftext|>", "<|mask|>", "<|pad|>")
 
-    def __init__(self, pad_id: int | None = None) -> None:
+    def __init__(self, pad_id: int | None = None, added: Added = ()) -> None:
         self.name = "default"
         self.eos_id, self.mask_id = 256, 257
-        self.vocab_size = 256 + len(self.SPECIALS)
+        self.base_vocab_size = 256 + len(self.SPECIALS)
+        self.requested = unique_tokens(added)
+        ids = {t: 256 + i for i, t in enumerate(self.SPECIALS)}  # an added base special is matched, keeps its id
+        self.added = []
+        for content, special in self.requested:
+            if content not in ids:
+                ids[content] = self.base_vocab_size + len(self.added)
+                self.added.append({"content": content, "id": ids[content], "special": special})
+        self._ids = {t: ids[t] for t, _ in self.requested}  # the strings matched whole in text
+        self._text = {i: t for t, i in ids.items()}
+        self._pattern = alternation(self._ids)
+        self.vocab_size = self.base_vocab_size + len(self.added)
         self.pad_id = self._check_pad(pad_id)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # surrogateescape: a lone surrogate (from undecodable input) maps back to its raw byte.
-        return [list(t.encode("utf-8", "surrogateescape")) for t in texts]
+        if self._pattern is None:
+            return [list(t.encode("utf-8", "surrogateescape")) for t in texts]
+        out = []
+        for t in texts:
+            ids, pos = [], 0
+            for m in self._pattern.finditer(t):
+                ids += t[pos : m.start()].encode("utf-8", "surrogateescape")
+                ids.append(self._ids[m.group()])
+                pos = m.end()
+            out.append(ids + list(t[pos:].encode("utf-8", "surrogateescape")))
+        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         out, run = [], bytearray()
@@ -108,23 +152,42 @@ class ByteTokenizer(Tokenizer):
                 continue
             out.append(run.decode("utf-8", "replace"))
             run = bytearray()
-            out.append(self.SPECIALS[i - 256] if i - 256 < len(self.SPECIALS) else f"<|{i}|>")
+            out.append(self._text.get(i, f"<|{i}|>"))
         out.append(run.decode("utf-8", "replace"))
         return "".join(out)
 
     def fingerprint(self) -> str:
-        return "byte-v1"
+        if not self.requested:
+            return "byte-v1"
+        return "byte-v1+" + hashlib.sha256(json.dumps(self.requested).encode()).hexdigest()[:16]
 
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        (d / SAVED_META).write_text(json.dumps({"kind": "byte", "pad_id": self.pad_id}, indent=1), encoding="utf-8")
+        meta = {"kind": "byte", "pad_id": self.pad_id, "added": self.requested}
+        (d / SAVED_META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        hf = byte_level_tokenizer(self.SPECIALS, [(a["content"], a["special"]) for a in self.added])
+        assert hf.get_vocab_size(with_added_tokens=True) == self.vocab_size, "the exported ids are densebatch's"
+        write_hf_files(d, self, hf)
 
 
 class HFTokenizer(Tokenizer):
-    """A ``tokenizers.Tokenizer`` (tokenizer.json or byte-level BPE files) plus its special ids."""
+    """A ``tokenizers.Tokenizer`` (tokenizer.json or byte-level BPE files) plus its special ids, its directory's
+    config (special tokens, chat template) and the tokens densebatch added to it."""
 
-    def __init__(self, tok, name: str, eos_token: str, mask_token: str | None = None, pad_id: int | None = None) -> None:
+    def __init__(
+        self,
+        tok,
+        name: str,
+        eos_token: str,
+        mask_token: str | None = None,
+        pad_id: int | None = None,
+        added: Added = (),
+        config: dict | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        from tokenizers import AddedToken
+
         self._tok = tok
         self.name = name
         self.eos_token = eos_token
@@ -132,10 +195,21 @@ class HFTokenizer(Tokenizer):
         if eos is None:
             raise ConfigError(f"data.tokenizer: {name}: end-of-text token {eos_token!r} is not in the vocabulary")
         self.eos_id = int(eos)
+        self.base_vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        self.added = []
+        for content, special in unique_tokens(added):  # one at a time: new ids follow the order given
+            before = tok.token_to_id(content)
+            token = AddedToken(content, special=special, normalized=False)
+            tok.add_special_tokens([token]) if special else tok.add_tokens([token])
+            if before is None:
+                self.added.append({"content": content, "id": int(tok.token_to_id(content)), "special": special})
         self.mask_token = mask_token
         self.mask_id = None if mask_token is None else tok.token_to_id(mask_token)
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
         self.pad_id = self._check_pad(pad_id)
+        self.config = dict(config or {})
+        self.chat_template = chat_template
+        self.template_variables = template_variables(self.config)
         self._fingerprint: str | None = None
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
@@ -157,36 +231,22 @@ class HFTokenizer(Tokenizer):
     def save(self, directory: str | Path) -> None:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
-        self._tok.save(str(d / "tokenizer.json"))
         meta = {
             "kind": "hf",
             "name": self.name,
             "eos_token": self.eos_token,
             "mask_token": self.mask_token,
             "pad_id": self.pad_id,
+            "base_vocab_size": self.base_vocab_size,
+            "added": self.added,
         }
         (d / SAVED_META).write_text(json.dumps(meta, indent=1), encoding="utf-8")
+        write_hf_files(d, self, self._tok, self.config, self.chat_template)
 
 
-def _token_from_config(value) -> str | None:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, dict) and isinstance(value.get("content"), str):
-        return value["content"]
-    return None
-
-
-def _special_from_configs(directory: Path, key: str) -> str | None:
-    for fname in ("tokenizer_config.json", "special_tokens_map.json"):
-        p = directory / fname
-        if p.is_file():
-            try:
-                tok = _token_from_config(json.loads(p.read_text(encoding="utf-8")).get(key))
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-                raise ConfigError(f"data.tokenizer: {p} is not a valid JSON object") from None
-            if tok:
-                return tok
-    return None
+def load_data_tokenizer(cfg) -> Tokenizer:
+    """The tokenizer a ``DataConfig`` prepares with: ``data.tokenizer`` plus the tokens it adds."""
+    return load_tokenizer(cfg.tokenizer, cfg.pad_id, requested_tokens(cfg))
 
 
 def _first_known(tok, names: Sequence[str]) -> str | None:
@@ -194,7 +254,7 @@ def _first_known(tok, names: Sequence[str]) -> str | None:
 
 
 def _load_tokenizer_json(
-    path: Path, name: str, pad_id: int | None, eos_token: str | None = None, mask_token: str | None = None
+    path: Path, name: str, pad_id: int | None, eos_token: str | None = None, mask_token: str | None = None, added: Added = ()
 ) -> HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
@@ -202,17 +262,18 @@ def _load_tokenizer_json(
         tok = _Tok.from_file(str(path))
     except Exception as e:  # the library raises a bare Exception for malformed files
         raise ConfigError(f"data.tokenizer: cannot read {path}: {e}") from None
-    eos_token = eos_token or _special_from_configs(path.parent, "eos_token") or _first_known(tok, _EOS_NAMES)
+    config = read_config(path.parent)
+    eos_token = eos_token or token_text(config.get("eos_token")) or _first_known(tok, _EOS_NAMES)
     if eos_token is None:
         raise ConfigError(
             f"data.tokenizer: {path}: cannot tell the end-of-text token; add tokenizer_config.json with "
             f'"eos_token" beside it (tried {", ".join(_EOS_NAMES)})'
         )
-    mask_token = mask_token or _special_from_configs(path.parent, "mask_token") or _first_known(tok, _MASK_NAMES)
-    return HFTokenizer(tok, name, eos_token, mask_token, pad_id)
+    mask_token = mask_token or token_text(config.get("mask_token")) or _first_known(tok, _MASK_NAMES)
+    return HFTokenizer(tok, name, eos_token, mask_token, pad_id, added, config, read_chat_template(path.parent, config))
 
 
-def _load_bpe_files(directory: Path, pad_id: int | None) -> HFTokenizer:
+def _load_bpe_files(directory: Path, pad_id: int | None, added: Added = ()) -> HFTokenizer:
     from tokenizers import ByteLevelBPETokenizer
 
     try:
@@ -220,12 +281,13 @@ def _load_bpe_files(directory: Path, pad_id: int | None) -> HFTokenizer:
     except Exception as e:
         raise ConfigError(f"data.tokenizer: cannot read GPT-2 BPE files in {directory}: {e}") from None
     tok = bpe._tokenizer  # the underlying tokenizers.Tokenizer: same encode/save as tokenizer.json ones
-    eos = _special_from_configs(directory, "eos_token") or "<|endoftext|>"
+    config = read_config(directory)
+    eos = token_text(config.get("eos_token")) or "<|endoftext|>"
     if tok.token_to_id(eos) is None:
         raise ConfigError(f"data.tokenizer: {directory}/vocab.json has no {eos!r} (the end-of-text token)")
     # As Hugging Face's GPT2TokenizerFast: the end-of-text string in text maps to its one id.
     tok.add_special_tokens([eos])
-    return HFTokenizer(tok, str(directory), eos, None, pad_id)
+    return HFTokenizer(tok, str(directory), eos, None, pad_id, added, config, read_chat_template(directory, config))
 
 
 BPE_SPECIALS = ("<|endoftext|>", "<|mask|>")
@@ -234,7 +296,7 @@ BPE_SPECIALS = ("<|endoftext|>", "<|mask|>")
 class PendingBPE(Tokenizer):
     """``bpe:N`` before training: knows its size and identity (for cache keys), encodes nothing."""
 
-    def __init__(self, spec: str, pad_id: int | None) -> None:
+    def __init__(self, spec: str, pad_id: int | None, added: Added = ()) -> None:
         try:
             self.vocab_size = int(spec.split(":", 1)[1])
         except ValueError:
@@ -243,20 +305,23 @@ class PendingBPE(Tokenizer):
             raise ConfigError(
                 f"data.tokenizer: bpe:N needs N between 300 and 1000000 (256 bytes + merges); got {self.vocab_size}"
             )
-        self.name, self.requested_pad_id = spec, pad_id
+        self.name, self.requested_pad_id, self.requested = spec, pad_id, unique_tokens(added)
+        self.base_vocab_size, self.added = self.vocab_size, []
         self.eos_id = self.pad_id = 0  # unknown until trained
         self.mask_id = None
 
     def fingerprint(self) -> str:
-        return "pending-" + self.name  # the cache key also hashes the input text and every setting
+        # the cache key also hashes the input text and every setting
+        return "pending-" + self.name + (json.dumps(self.requested) if self.requested else "")
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         raise RuntimeError("bpe:N tokenizer used before prepare trained it")
 
 
-def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | None = None) -> HFTokenizer:
+def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | None = None, added: Added = ()) -> HFTokenizer:
     """A byte-level BPE with ``vocab_size`` ids learned from ``texts`` (deterministic for the same
-    texts in the same order): every byte stays encodable, frequent strings become single ids."""
+    texts in the same order): every byte stays encodable, frequent strings become single ids;
+    ``added`` tokens come after them."""
     from tokenizers import Tokenizer as _Tok
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -271,7 +336,7 @@ def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | Non
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id)
+    return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id, added)
 
 
 def has_tokenizer_files(directory: str | Path) -> bool:
@@ -297,29 +362,33 @@ def resolve_tokenizer_spec(data_tokenizer: str, model_dir: str | Path | None) ->
     return "default"
 
 
-def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None) -> Tokenizer:
-    """Load the tokenizer named by ``spec`` (see the module docstring); ``pad_id`` None = eos."""
+def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None, added: Added = ()) -> Tokenizer:
+    """Load the tokenizer named by ``spec`` (see the module docstring) with ``added`` tokens; ``pad_id`` None = eos."""
     if str(spec) in ("default", "auto"):
-        return ByteTokenizer(pad_id)
+        return ByteTokenizer(pad_id, added)
     if str(spec).startswith("bpe:"):
-        return PendingBPE(str(spec), pad_id)
+        return PendingBPE(str(spec), pad_id, added)
     p = Path(spec).expanduser()
     if p.is_file():
-        return _load_tokenizer_json(p, str(spec), pad_id)
+        return _load_tokenizer_json(p, str(spec), pad_id, added=added)
     if p.is_dir():
         meta_path = p / SAVED_META
         if meta_path.is_file():
             meta = json.loads(meta_path.read_text(encoding="utf-8"))
             pad = meta.get("pad_id") if pad_id is None else pad_id
             if meta.get("kind") == "byte":
-                return ByteTokenizer(pad)
-            return _load_tokenizer_json(
-                p / "tokenizer.json", meta.get("name", str(spec)), pad, meta.get("eos_token"), meta.get("mask_token")
+                return ByteTokenizer(pad, [*map(tuple, meta.get("added", [])), *added])
+            tok = _load_tokenizer_json(
+                p / "tokenizer.json", meta.get("name", str(spec)), pad, meta.get("eos_token"), meta.get("mask_token"), added
             )
+            # the tokens added before saving are in tokenizer.json already: keep what they were added to
+            tok.added = meta.get("added", []) + tok.added
+            tok.base_vocab_size = int(meta.get("base_vocab_size", tok.base_vocab_size))
+            return tok
         if (p / "tokenizer.json").is_file():
-            return _load_tokenizer_json(p / "tokenizer.json", str(spec), pad_id)
+            return _load_tokenizer_json(p / "tokenizer.json", str(spec), pad_id, added=added)
         if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
-            return _load_bpe_files(p, pad_id)
+            return _load_bpe_files(p, pad_id, added)
         raise ConfigError(f"data.tokenizer: directory '{spec}' has neither tokenizer.json nor vocab.json + merges.txt")
     raise ConfigError(
         f"data.tokenizer: '{spec}' not found; expected 'default', a tokenizer.json file, a local Hugging Face "

@@ -27,7 +27,7 @@ from densebatch.train.loop import resolve_device
 
 
 def prepare_command(cfg: RunConfig, args) -> int:
-    prepared = prepare_data(cfg.data)
+    prepared = prepare_data(cfg.data, cfg.seed)
     print(prepared.summary)
     print(f"documents: {prepared.cache_dir}")
     return 0
@@ -46,18 +46,14 @@ def inspect_command(cfg: RunConfig, args) -> int:
 
 
 def analyze_command(cfg: RunConfig, args) -> int:
-    from densebatch.analyze import analyze_main, read_lengths
+    from densebatch.analyze import analyze_main, analyze_prepared, read_lengths
 
-    if args.lengths:
-        lengths = read_lengths(args.lengths)
-    else:
-        lengths = np.asarray(prepare_data(cfg.data).train.lengths)
     settings = PlanSettings.from_config(cfg.batching)
-    print(
-        analyze_main(
-            lengths, settings, json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy, plot=args.plot, seed=cfg.seed
-        )
-    )
+    kw = dict(json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy, plot=args.plot)
+    if args.lengths:
+        print(analyze_main(read_lengths(args.lengths), settings, seed=cfg.seed, **kw))
+    else:  # prepared documents: per source too, with the mixture's weights
+        print(analyze_prepared(prepare_data(cfg.data, cfg.seed), settings, cfg.seed, **kw))
     return 0
 
 

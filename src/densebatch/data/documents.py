@@ -1,0 +1,238 @@
+"""Documents: records -> rendered, cleaned, filtered, tokenised documents with an exact loss mask by position.
+
+``Builder(cfg, tok, summary)`` reads one source's records (``read``), turns them into ``Doc``s
+(``documents``: render with the template, clean, filter, tokenize each segment on its own and
+concatenate, append the end-of-text), chunks plain text (``chunk``) and applies the length policy
+(``finish``); every record it does not keep is counted in the summary. ``split_eval`` holds out
+documents by content hash. ``prepare`` drives it and stores the result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from densebatch.config import DataConfig
+from densebatch.data import default_dataset
+from densebatch.data.chat_template import ChatTemplate
+from densebatch.data.clean import Cleaner
+from densebatch.data.sources import SURROGATE, BadRecord, has_undecodable, iter_records
+from densebatch.data.summary import PrepareSummary
+from densebatch.data.templates import EmptiedByCleaning, RecordError, render
+from densebatch.data.tokenizers import PendingBPE, Tokenizer, train_bpe
+from densebatch.errors import DataError
+
+_ENCODE_CHUNK = 4096  # texts per encode_batch call: large enough for the library's threads
+
+
+@dataclass
+class Doc:
+    key: bytes  # content hash: decides the eval split
+    tokens: np.ndarray  # int32
+    mask: np.ndarray  # uint8
+    record: dict | None
+
+
+def record_key(record: dict) -> bytes:
+    text = json.dumps(record, sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+
+
+# --------------------------------------------------------------------------------- building
+class Builder:
+    """Turns records into documents, counting every record it does not keep."""
+
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, summary: PrepareSummary) -> None:
+        self.cfg, self.tok, self.s = cfg, tok, summary
+        self.cleaner = Cleaner(cfg.clean)
+        # the tokenizer's own chat template (a ConfigError at once when it has none)
+        self.chat = ChatTemplate.of(tok) if cfg.template == "chat_template" else None
+
+    def bad(self, b: BadRecord) -> None:
+        if self.cfg.on_bad_record == "error":
+            if b.reason == "bad_token_ids":  # the fix is the tokenizer, not skipping every record
+                raise DataError(str(b))
+            raise DataError(f"{b} (set data.on_bad_record: skip to count and skip such records)")
+        self.s.skipped[b.reason] = self.s.skipped.get(b.reason, 0) + 1
+        self.s.skip_examples.setdefault(b.reason, str(b))
+
+    def read(self, path: str | None, fmt: str) -> list[tuple[str, dict]]:
+        if path is None:
+            d = self.cfg.default
+            self.s.records_read += d.num_records
+            return [
+                (f"default dataset: record {i}", r) for i, r in enumerate(default_dataset.generate_records(d.num_records, d.seed))
+            ]
+        if fmt == "text" and self.cfg.text_split == "chunks":
+            return self._whole_text(Path(path))
+        out = []
+        for item in iter_records(path, fmt):
+            self.s.records_read += 1
+            if isinstance(item, BadRecord):
+                self.bad(item)
+            else:
+                out.append(item)
+        return out
+
+    def _whole_text(self, p: Path) -> list[tuple[str, dict]]:
+        next(iter_records(p, "text"))  # the same checks as paragraphs: missing, empty, whitespace only
+        self.s.records_read += 1
+        text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
+        if has_undecodable(text):  # one document: an undecodable byte anywhere spoils all of it
+            line = text[: SURROGATE.search(text).start()].count("\n") + 1
+            self.bad(BadRecord(f"{p}:{line}", "undecodable_bytes", "undecodable bytes; the file must be UTF-8"))
+            return []
+        return [(f"{p}:1", {"text": text})]
+
+    def documents(self, items: list[tuple[str, dict]], pretokenized_ok: bool = True) -> list[Doc]:
+        """Render, clean, filter and tokenize ``items`` (in order); bad ones are reported."""
+        rendered: list[tuple[dict, list]] = []
+        docs: list[Doc] = []
+        for where, rec in items:
+            if pretokenized_ok and self.cfg.fields.input_ids in rec:
+                try:
+                    docs.append(self._pretokenized(rec))
+                except RecordError as e:
+                    self.bad(BadRecord(where, e.reason, e.message))
+                continue
+            self.cleaner.start_record()
+            try:
+                segments = render(rec, self.cfg, self.cleaner.transform, self.chat)
+            except RecordError as e:
+                self.bad(BadRecord(where, e.reason, e.message))
+                continue
+            except EmptiedByCleaning:
+                self.cleaner.finish_record()
+                self.cleaner.drop("emptied")
+                continue
+            self.cleaner.finish_record()
+            if self.cleaner.keep("".join(t for t, _ in segments)):
+                rendered.append((rec, segments))
+        return docs + self._tokenize(rendered)
+
+    def _tokenize(self, rendered: list[tuple[dict, list]]) -> list[Doc]:
+        docs = []
+        eos = np.array([self.tok.eos_id], np.int32)
+        for lo in range(0, len(rendered), _ENCODE_CHUNK):
+            part = rendered[lo : lo + _ENCODE_CHUNK]
+            ids = iter(self.tok.encode_batch([t for _, segs in part for t, _ in segs]))
+            for rec, segs in part:
+                pieces = [np.asarray(next(ids), np.int32) for _ in segs]
+                masks = [np.full(len(p), flag, np.uint8) for p, (_, flag) in zip(pieces, segs)]
+                # The end-of-text carries loss when the text before it does (a response, an assistant turn).
+                eos_flag = next((flag for t, flag in reversed(segs) if t.strip()), True)
+                tokens = np.concatenate(pieces + [eos])
+                mask = np.concatenate(masks + [np.array([eos_flag], np.uint8)])
+                docs.append(Doc(record_key(rec), tokens, mask, rec))
+        return docs
+
+    def _pretokenized(self, rec: dict) -> Doc:
+        f = self.cfg.fields
+        ids, labels = rec[f.input_ids], rec.get(f.labels)
+        if not isinstance(ids, list) or not ids:
+            raise RecordError(
+                "wrong_type" if not isinstance(ids, list) else "empty_field",
+                f"field '{f.input_ids}' should be a non-empty list of token ids",
+            )
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise RecordError("bad_token_ids", f"field '{f.input_ids}' holds a value that is not an integer token id")
+        if not 0 <= min(ids) <= max(ids) < self.tok.vocab_size:
+            bad = next(i for i in ids if not 0 <= i < self.tok.vocab_size)
+            raise RecordError(
+                "bad_token_ids",
+                f"field '{f.input_ids}' holds id {bad}, outside the {self.tok.vocab_size} ids of data.tokenizer "
+                f"{self.tok.name!r}: set data.tokenizer to the tokenizer these ids came from (a tokenizer.json or "
+                "model directory)",
+            )
+        tokens = np.asarray(ids, np.int32)
+        if labels is None:
+            mask = np.ones(len(ids), np.uint8)
+        else:
+            if not isinstance(labels, list) or len(labels) != len(ids):
+                raise RecordError("bad_labels", f"field '{f.labels}' should be a list as long as '{f.input_ids}' ({len(ids)})")
+            lab = np.asarray([x if isinstance(x, int) else -(10**9) for x in labels], np.int64)
+            if np.any((lab != -100) & (lab != tokens)):
+                raise RecordError(
+                    "bad_labels",
+                    f"field '{f.labels}': each label must be -100 or equal to its input id (unshifted, as Hugging Face)",
+                )
+            mask = (lab != -100).astype(np.uint8)
+        if tokens[-1] != self.tok.eos_id:
+            tokens = np.append(tokens, np.int32(self.tok.eos_id))
+            mask = np.append(mask, mask[-1])
+        return Doc(record_key(rec), tokens, mask, None)
+
+    def chunk(self, docs: list[Doc]) -> list[Doc]:
+        """text_split=chunks: one document per chunk_tokens tokens; only the last keeps the end-of-text."""
+        out = []
+        n = self.cfg.chunk_tokens
+        for d in docs:
+            for a in range(0, len(d.tokens), n):
+                t = d.tokens[a : a + n]
+                if len(t) < 2:
+                    continue  # a lone trailing token has no target
+                out.append(Doc(hashlib.blake2b(t.tobytes(), digest_size=8).digest(), t, d.mask[a : a + n].copy(), None))
+        return out
+
+    def finish(self, docs: list[Doc]) -> list[Doc]:
+        """Overlong policy, and drop documents with no loss-carrying target; all counted."""
+        out = []
+        for d in docs:
+            d.mask[0] = 0  # the first token is never a target
+            if len(d.tokens) > self.cfg.max_seq_len:
+                if self.cfg.overlong == "drop":
+                    self.s.dropped_overlong += 1
+                    continue
+                d.tokens, d.mask = d.tokens[: self.cfg.max_seq_len], d.mask[: self.cfg.max_seq_len]
+                if not d.mask.any():
+                    self.s.dropped_no_target += 1
+                    continue
+                self.s.truncated += 1
+            if not d.mask.any():
+                self.s.dropped_no_loss += 1
+                continue
+            out.append(d)
+        return out
+
+
+def split_eval(docs: list[Doc], fraction: float) -> tuple[list[Doc], list[Doc]]:
+    """(train, eval): eval = the round(fraction * n) documents of smallest content hash, in input order."""
+    n = len(docs)
+    n_eval = 0 if fraction <= 0 or n < 2 else min(n - 1, max(1, round(fraction * n)))
+    ranked = sorted(range(n), key=lambda i: (docs[i].key, i))
+    held = set(ranked[:n_eval])
+    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
+
+
+# --------------------------------------------------------------------------------- bpe:N
+def learn_bpe(sources: list[tuple[list[tuple[str, dict]], DataConfig]], pending: PendingBPE) -> Tokenizer:
+    """Learn ``bpe:N`` from the rendered text of every source's training records, in source order
+    (held-out ones included: the split is drawn from token contents afterwards; no label is involved)."""
+    texts = []
+    for items, cfg in sources:
+        refuse_ids_for_a_new_bpe(items, cfg, pending)
+        for _, rec in items:
+            try:
+                texts.append("".join(t for t, _ in render(rec, cfg)))
+            except (RecordError, EmptiedByCleaning):
+                continue  # reported when the documents are built
+    if not texts:
+        raise DataError(f"data.tokenizer {pending.name}: no readable text to learn a tokenizer from")
+    return train_bpe(texts, pending.vocab_size, pending.requested_pad_id, pending.name, pending.requested)
+
+
+def refuse_ids_for_a_new_bpe(items: list[tuple[str, dict]], cfg: DataConfig, pending: PendingBPE) -> None:
+    """Pre-tokenised records hold ids of a tokenizer that already exists: learning a new one from
+    text (``bpe:N``) cannot give their ids a meaning, and there may be no text at all to learn from."""
+    found = [where for where, rec in items if cfg.fields.input_ids in rec]
+    if found:
+        every = "every record is" if len(found) == len(items) else f"{len(found)} of {len(items)} records are"
+        raise DataError(
+            f"data.tokenizer {pending.name} learns a new tokenizer from text, but {every} pre-tokenised (field "
+            f"'{cfg.fields.input_ids}', first at {found[0]}): set data.tokenizer to the tokenizer that made the ids "
+            "(a tokenizer.json or model directory; or auto with model.kind hf)"
+        )

@@ -1,0 +1,111 @@
+"""Mixtures, store side: the sources a ``DataConfig`` names, their weights, and the plan of one epoch of
+a prepared multi-source store (``mixture.select_mixture`` decides which documents, the planners how).
+
+A prepared store keeps its sources end to end (``store.source``, ``store.source_offsets()``,
+``meta["sources"]``), which is the layout a ``Selection`` plans from. With no weights (every
+``data.sources[i].weight`` unset, or ``data.path``) an epoch is every document once, planned exactly
+as ``plan_epoch`` plans a single corpus; with weights, each source's share of the epoch's tokens is
+its weight's share (semantics in ``mixture``: whole passes, then a seeded sample without repetition).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from densebatch.config import DataConfig, SourceConfig
+from densebatch.data.mixture import Selection, select_mixture
+from densebatch.data.plan import Plan, PlanSettings, plan_epoch
+from densebatch.data.shards import ShardedPlan, plan_epoch_sharded
+from densebatch.errors import DataError
+
+
+def source_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
+    """(name, single-source ``DataConfig``) of every source, in store order; ``data.path`` (or the
+    embedded default) is one source. A source's unset keys follow ``data.*``."""
+    if not cfg.sources:
+        return [("default" if cfg.path is None else SourceConfig(path=cfg.path).label, cfg)]
+    out = []
+    for s in cfg.sources:
+        one = dataclasses.replace(
+            cfg,
+            path=s.path,
+            eval_path=s.eval_path,
+            sources=[],
+            format=s.format or cfg.format,
+            template=s.template or cfg.template,
+            fields=s.fields or cfg.fields,
+            prompt_format=s.prompt_format if s.prompt_format is not None else cfg.prompt_format,
+            loss_on=s.loss_on or cfg.loss_on,
+        )
+        out.append((s.label, one))
+    return out
+
+
+def mixture_weights(cfg: DataConfig) -> tuple[float, ...] | None:
+    """The sources' weights, or None for natural shares (no weights set, or a single source)."""
+    if len(cfg.sources) < 2 or cfg.sources[0].weight is None:
+        return None
+    return tuple(float(s.weight) for s in cfg.sources)
+
+
+def source_lengths(store, lengths=None) -> list[np.ndarray]:
+    """Each source's document lengths (views of ``lengths``, default the store's)."""
+    lengths = store.lengths if lengths is None else lengths
+    o = store.source_offsets()
+    return [lengths[o[s] : o[s + 1]] for s in range(len(o) - 1)]
+
+
+def select(store, weights, seed: int, epoch: int, lengths=None) -> Selection:
+    """The ``Selection`` of ``epoch`` (``weights`` None: natural shares, every document once)."""
+    names = store.source_names
+    if weights is not None and len(weights) != len(names):
+        raise DataError(
+            f"data.sources: {len(weights)} weights for prepared documents of {len(names)} sources ({', '.join(names)})"
+        )
+    try:
+        return select_mixture(source_lengths(store, lengths), weights, seed, epoch, names)
+    except ValueError as e:
+        raise DataError(f"data.sources: {e}") from None
+
+
+def epoch_selection(store, weights, seed: int, epoch: int, lengths=None) -> Selection | None:
+    """The documents epoch ``epoch`` plans, or None when it is every document once (no weights)."""
+    return None if weights is None else select(store, weights, seed, epoch, lengths)
+
+
+def plan_store_epoch(store, settings: PlanSettings, seed: int, epoch: int, weights=None, lengths=None) -> Plan:
+    """One epoch's whole plan (all ranks) of ``store``'s documents mixed by ``weights``, as one ``Plan`` with
+    store document ids (a document an up-weighted source repeats appears once per repeat). Without
+    weights: ``plan_epoch`` itself. With weights: the sharded planner on the epoch's selection, its
+    shards laid end to end (memory as ``plan_epoch``'s: every piece of the epoch)."""
+    lengths = np.asarray(store.lengths, np.int64) if lengths is None else lengths
+    selection = epoch_selection(store, weights, seed, epoch, lengths)
+    if selection is None:
+        return plan_epoch(lengths, settings, seed, epoch)
+    return materialise(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
+
+
+def materialise(sharded: ShardedPlan) -> Plan:
+    """A ``ShardedPlan`` as one ``Plan``: its shards' pieces, rows and batches end to end (same batch order)."""
+    parts = [sharded.shard(k) for k in range(sharded.num_shards)]
+    pieces = np.cumsum([0] + [len(p.doc) for p in parts])
+    rows = np.cumsum([0] + [p.num_rows for p in parts])
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
+    return Plan(
+        doc=cat([p.doc for p in parts]),
+        start=cat([p.start for p in parts]),
+        stop=cat([p.stop for p in parts]),
+        row_ptr=cat([p.row_ptr[:-1] + pieces[k] for k, p in enumerate(parts)] + [[pieces[-1]]]),
+        batch_ptr=cat([p.batch_ptr[:-1] + rows[k] for k, p in enumerate(parts)] + [[rows[-1]]]),
+        pad_to_multiple_of=sharded.pad_to_multiple_of,
+        split=cat([p.split for p in parts]),
+        truncated=cat([p.truncated for p in parts]),
+        dropped=cat([p.dropped for p in parts]),
+    )
+
+
+def epoch_shares(store, weights, seed: int, epoch: int = 0) -> dict[str, dict]:
+    """{source: documents, tokens, share} of the tokens epoch ``epoch`` selects (before planning)."""
+    return select(store, weights, seed, epoch).stats()

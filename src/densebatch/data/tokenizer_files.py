@@ -1,0 +1,118 @@
+"""Hugging Face tokenizer files: what a directory's config says (special tokens, chat template), and
+writing every densebatch tokenizer so that ``transformers.AutoTokenizer.from_pretrained`` loads it.
+
+A saved directory holds ``tokenizer.json`` (the ``tokenizers`` library's file: vocabulary, merges,
+added tokens), ``tokenizer_config.json`` (``eos_token``, ``pad_token``, ``mask_token``, the chat
+template, and whatever else the tokenizer's own config carried) and ``special_tokens_map.json``.
+The byte-level default tokenizer has no file of its own, so one is built here: a BPE with no merges
+whose 256 base tokens are the bytes in GPT-2's byte-to-character alphabet (id b = byte b), then
+``<|endoftext|>``, ``<|mask|>``, ``<|pad|>`` and any added tokens, in densebatch's order.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from densebatch.errors import ConfigError
+
+SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+_DROPPED_KEYS = ("added_tokens_decoder", "chat_template", "auto_map")  # rewritten or meaningless once saved here
+
+
+def token_text(value) -> str | None:
+    """A special token's string in a config (plain, or an AddedToken dict with ``content``)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ConfigError(f"data.tokenizer: {path} is not a valid JSON object") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"data.tokenizer: {path} is not a valid JSON object")
+    return data
+
+
+def read_config(directory: Path) -> dict:
+    """``tokenizer_config.json`` with ``special_tokens_map.json``'s entries filling its gaps ({} when neither exists)."""
+    config: dict = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):  # the config wins
+        p = directory / name
+        if p.is_file():
+            config.update({k: v for k, v in read_json(p).items() if v is not None})
+    return config
+
+
+def read_chat_template(directory: Path, config: dict) -> str | None:
+    """The directory's default chat template: ``chat_template.jinja``, ``chat_template.json`` or the config's
+    ``chat_template`` (a string, or a list of named templates whose ``default`` is used)."""
+    if (directory / "chat_template.jinja").is_file():
+        return (directory / "chat_template.jinja").read_text(encoding="utf-8")
+    value = config.get("chat_template")
+    if (directory / "chat_template.json").is_file():
+        value = read_json(directory / "chat_template.json").get("chat_template", value)
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def template_variables(config: dict) -> dict[str, str]:
+    """The special tokens a chat template sees by name (``bos_token``, ``eos_token``, ...), as transformers passes them."""
+    out = {}
+    for key in SPECIAL_KEYS:
+        text = token_text(config.get(key))
+        if text is not None:
+            out[key] = text
+    return out
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible map from the 256 bytes to printable characters (the ByteLevel pre-tokenizer's alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {b: chr(b) for b in printable}, 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+def byte_level_tokenizer(specials: Sequence[str], added: Sequence[tuple[str, bool]]):
+    """A ``tokenizers.Tokenizer`` giving densebatch's byte-level ids: byte b -> b, then ``specials``, then ``added``."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={chars[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    for content, special in added:  # one at a time: ids follow the order given
+        token = AddedToken(content, special=special, normalized=False)
+        tok.add_special_tokens([token]) if special else tok.add_tokens([token])
+    return tok
+
+
+def write_hf_files(directory: Path, tok, hf_tokenizer, config: dict | None = None, chat_template: str | None = None) -> None:
+    """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` for densebatch tokenizer
+    ``tok`` whose ``tokenizers.Tokenizer`` is ``hf_tokenizer``; ``config`` is the source directory's own config
+    (kept, except what is rewritten here), ``chat_template`` its chat template."""
+    hf_tokenizer.save(str(directory / "tokenizer.json"))
+    cfg = {k: v for k, v in (config or {}).items() if k not in _DROPPED_KEYS}
+    cfg.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    cfg["eos_token"] = hf_tokenizer.id_to_token(tok.eos_id)
+    cfg["pad_token"] = hf_tokenizer.id_to_token(tok.pad_id)
+    if tok.mask_id is not None:
+        cfg["mask_token"] = hf_tokenizer.id_to_token(tok.mask_id)
+    if chat_template is not None:
+        cfg["chat_template"] = chat_template
+    (directory / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1, ensure_ascii=False), encoding="utf-8")
+    specials = {k: token_text(cfg[k]) for k in SPECIAL_KEYS if token_text(cfg.get(k)) is not None}
+    (directory / "special_tokens_map.json").write_text(json.dumps(specials, indent=1, ensure_ascii=False), encoding="utf-8")

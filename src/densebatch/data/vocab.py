@@ -1,0 +1,44 @@
+"""Vocabulary extension: the tokens a data configuration adds to its tokenizer, each once, checked.
+
+``requested_tokens(cfg)`` is the ordered list of ``(text, special)`` pairs: the chatml template's
+markers when any source uses chatml, then ``data.add_special_tokens``, then ``data.add_tokens``.
+New ids follow that order, so the same configuration always gives the same ids.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from densebatch.data.templates import IM_END, IM_START
+from densebatch.errors import ConfigError
+
+Added = Sequence[tuple[str, bool]]  # (text, special) of each token to add
+
+
+def unique_tokens(added: Added) -> list[tuple[str, bool]]:
+    """``added`` with repeats dropped (the first occurrence decides); an empty string is a ``ConfigError``."""
+    out, seen = [], set()
+    for content, special in added:
+        if not isinstance(content, str) or not content:
+            raise ConfigError(f"data.add_tokens / data.add_special_tokens: expected non-empty strings; got {content!r}")
+        if content not in seen:
+            seen.add(content)
+            out.append((content, bool(special)))
+    return out
+
+
+def alternation(strings) -> re.Pattern | None:
+    """Leftmost-longest matching of ``strings`` (as the tokenizers library matches added tokens)."""
+    if not strings:
+        return None
+    return re.compile("|".join(re.escape(t) for t in sorted(strings, key=len, reverse=True)))
+
+
+def requested_tokens(cfg) -> list[tuple[str, bool]]:
+    """The tokens a ``DataConfig`` adds: chatml's markers (when a source uses chatml), then
+    ``add_special_tokens``, then ``add_tokens``; each once."""
+    templates = {s.template or cfg.template for s in cfg.sources} if cfg.sources else {cfg.template}
+    out = [(IM_START, True), (IM_END, True)] if "chatml" in templates else []
+    out += [(t, True) for t in cfg.add_special_tokens] + [(t, False) for t in cfg.add_tokens]
+    return unique_tokens(out)
