@@ -16,7 +16,7 @@ from densebatch.data.loader import StepLoader, full_context_settings
 from densebatch.data.plan import PlanSettings
 from densebatch.data.prepare import prepare as prepare_data
 from densebatch.data.templates import prompt_text
-from densebatch.data.tokenizers import load_tokenizer
+from densebatch.data.tokenizers import load_data_tokenizer, load_tokenizer
 from densebatch.errors import UserError
 from densebatch.model import build_model, load_model
 from densebatch.model import generate as generate_ids
@@ -141,7 +141,7 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
     if run_cfg.data.tokenizer.startswith("bpe:"):  # a learned tokenizer lives with the prepared documents
         tokenizer = prepare_data(run_cfg.data).tokenizer
     else:
-        tokenizer = load_tokenizer(run_cfg.data.tokenizer, run_cfg.data.pad_id)
+        tokenizer = load_data_tokenizer(run_cfg.data)  # with the tokens the run added (chatml's markers, add_tokens)
     model = build_model(run_cfg.model, tokenizer.vocab_size)
     model.load_state_dict(ckpt.model_state)
     return model, tokenizer, run_cfg, which
