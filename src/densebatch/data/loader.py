@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from densebatch.batch import Batch, Step
-from densebatch.data.plan import Plan, PlanSettings, plan_epoch
+from densebatch.data.mixing import plan_store_epoch
+from densebatch.data.plan import Plan, PlanSettings
 from densebatch.data.steps import StepSettings, cumulative_row_loss_tokens, rows_of, share, step_documents, step_stop
 from densebatch.errors import DataError
 
@@ -45,6 +46,7 @@ class StepLoader:
         prefetch: int = 2,
         pin_memory: bool | None = None,
         max_epochs: float | None = None,
+        weights: tuple[float, ...] | None = None,
     ):
         if prefetch < 0:
             raise ValueError(f"prefetch: expected 0 or more steps; got {prefetch}")
@@ -56,6 +58,7 @@ class StepLoader:
         self.lengths = np.asarray(store.lengths, dtype=np.int64)
         self.pad_id = int(getattr(collator, "pad_id", 0))
         self.max_epochs = max_epochs
+        self.weights = weights  # data.sources' weights (store order); None: every document once an epoch
         self.fraction: Callable[[int], float] = lambda step: 1.0  # noqa: E731 - the ramp's hook
         self.epoch, self.row, self.steps_done = 0, 0, 0
         self._plans: dict[int, Plan] = {}
@@ -66,12 +69,13 @@ class StepLoader:
 
     # ------------------------------------------------------------------------- plans and state
     def plan(self, epoch: int) -> Plan:
-        """The global plan of ``epoch`` (all ranks), cached for the current and next epoch only."""
+        """The global plan of ``epoch`` (all ranks; sources mixed by ``weights``), cached for the current
+        and next epoch only."""
         with self._lock:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
                 self._cum = {e: c for e, c in self._cum.items() if e in self._plans}
-                self._plans[epoch] = plan_epoch(self.lengths, self.settings, self.seed, epoch)
+                self._plans[epoch] = plan_store_epoch(self.store, self.settings, self.seed, epoch, self.weights, self.lengths)
             return self._plans[epoch]
 
     def _cum_tokens(self, epoch: int) -> np.ndarray | None:
@@ -113,7 +117,8 @@ class StepLoader:
 
     @property
     def batches_per_epoch(self) -> int:
-        """Planned batches per epoch over all ranks (the same in every epoch: plans differ in order)."""
+        """Planned batches of the current epoch over all ranks (the same in every epoch unless sources are
+        mixed by weight, whose sampled documents differ from epoch to epoch)."""
         return self.plan(self.epoch).num_batches
 
     def steps_per_epoch(self, fraction: float = 1.0) -> int:
@@ -246,6 +251,7 @@ def with_settings(loader: StepLoader, **changes) -> StepLoader:
         loader.prefetch,
         loader.pin_memory,
         loader.max_epochs,
+        loader.weights,
     )
 
 

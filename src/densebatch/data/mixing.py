@@ -82,8 +82,9 @@ def plan_store_epoch(store, settings: PlanSettings, seed: int, epoch: int, weigh
     shards laid end to end (memory as ``plan_epoch``'s: every piece of the epoch)."""
     lengths = np.asarray(store.lengths, np.int64) if lengths is None else lengths
     selection = epoch_selection(store, weights, seed, epoch, lengths)
-    if selection is None:
-        return plan_epoch(lengths, settings, seed, epoch)
+    if selection is None and len(lengths) <= settings.shard_docs:
+        return plan_epoch(lengths, settings, seed, epoch)  # one shard: the sharded plan is this one
+    # Large corpora are planned shard by shard (bounded planning memory, the plan `analyze` reports).
     return materialise(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
 
 

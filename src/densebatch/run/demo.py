@@ -28,7 +28,7 @@ DEMO_OVERRIDES: tuple[str, ...] = (
 )
 
 # Overrides that bring the user's own data: with any of them, the demo's settings do not apply.
-OWN_DATA_KEYS = ("data.path",)
+OWN_DATA_KEYS = ("data.path", "data.sources")
 
 
 def is_demo(config_path: str | None, overrides: list[str]) -> bool:
@@ -36,4 +36,4 @@ def is_demo(config_path: str | None, overrides: list[str]) -> bool:
     if config_path is not None:
         return False
     keys = {o[2:].split("=", 1)[0] for o in overrides if o.startswith("--")}
-    return not any(k in keys for k in OWN_DATA_KEYS)
+    return not any(k == own or k.startswith(own + ".") for k in keys for own in OWN_DATA_KEYS)
