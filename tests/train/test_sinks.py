@@ -81,6 +81,16 @@ def test_tensorboard_rollback_within_a_session_does_not_tangle(tmp_path):
     assert got["eval/loss"] == [(5, 7.5)]  # the replayed eval at step 5 is kept, the old one is gone
 
 
+def test_records_sharing_a_step_do_not_purge_each_other(tmp_path):
+    pytest.importorskip("tensorboard")
+    warn = lambda key, value: {"kind": "warning", "step": 3, "key": key, "message": "m", "value": value}  # noqa: E731
+    records = [_train(s, 1.0) for s in (1, 2, 3)] + [warn("throughput", 0.25), warn("fill_rate", 0.5), _train(4, 1.0)]
+    _write(build_sinks(["tensorboard", "csv"], tmp_path), records)
+    assert _scalars(tmp_path / TENSORBOARD_DIR)["warning/value"] == [(3, 0.25), (3, 0.5)]
+    assert [r["key"] for r in _csv(tmp_path / CSV_DIR / "warning.csv")] == ["throughput", "fill_rate"]
+    assert [r["step"] for r in _csv(tmp_path / CSV_DIR / "train.csv")] == ["1", "2", "3", "4"]
+
+
 def test_missing_tensorboard_is_a_one_line_config_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import now raises ImportError
     with pytest.raises(ConfigError) as e:

@@ -10,8 +10,8 @@ and the axis, not values; booleans, ``None``, strings and lists are skipped by T
 keeps strings, e.g. ``skipped``). Records without an integer ``step`` are ignored.
 
 Replayed steps: after a resume the loop logs again from the checkpoint's step + 1, and after a
-rollback from the restored step + 1. Both sinks treat a record whose step is not past the last step
-of its kind, and the first record a sink receives, as the start of a new timeline: everything at that
+rollback from the restored step + 1. Both sinks treat a train record whose step is not past the last
+train step, and the first record a sink receives, as the start of a new timeline: everything at that
 step or later is dropped (TensorBoard: the writer is reopened with ``purge_step``; CSV: the files are
 rewritten without those rows), so a curve never doubles back on itself. ``metrics.jsonl`` keeps every
 record, and the plots mark the rollbacks.
@@ -64,23 +64,27 @@ def _step(record: dict) -> int | None:
 
 
 class _Timeline:
-    """Per-kind last step; says when a record starts a new timeline (first record, or a step replayed)."""
+    """Says when a record starts a new timeline: the first record, or a train step not past the last one.
+
+    Only train records reveal a replay (one per step, in step order within a timeline); several
+    records of another kind may share a step (two warnings) and must not purge each other.
+    """
 
     def __init__(self) -> None:
-        self.last: dict[str, int] | None = None  # None until the first record
+        self.started = False
+        self.last_train = -math.inf
 
     def purge_from(self, kind: str, step: int) -> int | None:
         """The step from which earlier records must be dropped before writing this one, or None."""
         purge = None
-        if self.last is None:
-            purge, self.last = step, {}
-        elif step <= self.last.get(kind, -math.inf):
+        if not self.started:
+            purge, self.started = step, True
+        elif kind == "train" and step <= self.last_train:
             purge = step
-        if purge is not None:
-            # Every kind's history at or after ``purge`` is gone: an eval replayed at a step the old
-            # timeline had also evaluated must not purge again (and wipe the new train records).
-            self.last = {k: min(v, purge - 1) for k, v in self.last.items()}
-        self.last[kind] = step
+        if kind == "train":
+            self.last_train = step
+        elif purge is not None:
+            self.last_train = min(self.last_train, step - 1)
         return purge
 
 
