@@ -32,7 +32,12 @@ from densebatch.errors import ConfigError
 from densebatch.train.monitor import METRICS_FILE, read_metrics
 
 PLOTS_DIR = "plots"
-MEMORY_KEYS = ("mem_rss_gb", "mem_peak_rss_gb", "cuda_max_allocated_gb", "cuda_max_reserved_gb")
+MEMORY_KEYS = {  # record field -> legend
+    "mem_rss_gb": "process resident memory (RSS)",
+    "mem_peak_rss_gb": "peak RSS",
+    "cuda_max_allocated_gb": "CUDA peak allocated in the step",
+    "cuda_max_reserved_gb": "CUDA peak reserved in the step",
+}
 TIME_KEYS = ("data_wait_s", "fwd_bwd_s", "optimizer_s")
 APPLIED = ("ok", "applied", None)  # outcomes of a step whose update was applied
 
@@ -153,9 +158,13 @@ STEP_LABEL = "step (optimizer updates)"
 
 def _figure(rows: int = 1):
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(8, 3.6 * rows), dpi=100, layout="constrained")
-    return fig, [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
+    axes = [fig.add_subplot(rows, 1, i + 1) for i in range(rows)]
+    for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers, even in a 3-step run
+    return fig, axes
 
 
 def _save(fig, path: Path) -> Path:
@@ -209,7 +218,7 @@ def _grad_norm(data: RunData, path: Path) -> Path:
         ax.set_yscale("log")
     ax.set(title=f"{data.name}: gradient norm", xlabel=STEP_LABEL, ylabel="global L2 norm")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(loc="upper right")
+    ax.legend(loc="best")
     return _save(fig, path)
 
 
@@ -231,9 +240,9 @@ def _throughput(data: RunData, path: Path) -> Path:
 
 def _memory(data: RunData, path: Path) -> Path:
     fig, (ax,) = _figure()
-    for key in MEMORY_KEYS:
+    for key, label in MEMORY_KEYS.items():
         if s := data.series(key):
-            ax.plot(s.steps, s.values, label=key.removesuffix("_gb"))
+            ax.plot(s.steps, s.values, label=label)
     ax.set(title=f"{data.name}: memory", xlabel=STEP_LABEL, ylabel="GB")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
