@@ -8,7 +8,7 @@ the process's peak RSS (``ru_maxrss``). The figure is peak - before: what the st
 activations and logits included, as the operating system saw it (allocator caching included).
 
     .venv/bin/python benchmarks/head_memory.py                   # both heads, both models, 2 sizes
-    .venv/bin/python benchmarks/head_memory.py --tokens 1x1438 --models hf
+    .venv/bin/python benchmarks/head_memory.py --tokens 2x719 --models hf
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def one_step(kind: str, head: str, rows: int, T: int) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", default="1x1438,4x1024", help="comma list of ROWSxT batches")
+    ap.add_argument("--tokens", default="2x719,4x1024", help="comma list of ROWSxT batches")
     ap.add_argument("--models", default="hf,gpt")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -66,6 +66,32 @@ def test_fused_head_matches_plain_losses_and_gradients(rows, T, chunk, bias, uni
         assert rel(a, b) <= 1e-6 or b.norm() == 0 and a.norm() == 0
 
 
+def test_backward_needs_no_host_read_for_the_trainers_sum(monkeypatch):
+    # As on an accelerator: no equality check on the host. The trainer's sum / count reaches the head
+    # as one value expanded over all positions, so the forward's sums only get scaled...
+    import densebatch.model.loss_head as lh
+
+    monkeypatch.setattr(lh, "_CHECK_UNIFORM_ON_HOST", set())
+    h = torch.randn(2, 7, 16, requires_grad=True)
+    head = torch.nn.Linear(16, V, bias=False)
+    labels = torch.randint(0, V, (2, 7))
+    ref, ref_grads = run_head(lambda: plain_head_token_losses(h, labels, head), h, labels, head, torch.full((2, 7), 1 / 14))
+
+    def no_recompute(*a, **kw):
+        raise AssertionError("recomputed although the weights were visibly uniform")
+
+    with monkeypatch.context() as m:
+        m.setattr(lh, "_weighted_head_grads", no_recompute)
+        h.grad = head.weight.grad = None
+        (head_token_losses(h, labels, head.weight, None, 14).sum() / 14).backward()
+    assert rel(h.grad, ref_grads[0]) <= 1e-6 and rel(head.weight.grad, ref_grads[1]) <= 1e-6
+    # ...while uniform weights it cannot see as such are recomputed, still exactly.
+    got, got_grads = run_head(
+        lambda: head_token_losses(h, labels, head.weight, None, 14, chunk_tokens=5), h, labels, head, torch.full((2, 7), 1 / 14)
+    )
+    assert rel(got, ref) <= 1e-6 and all(rel(a, b) <= 1e-6 for a, b in zip(got_grads, ref_grads))
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any operator produces (forward and backward)."""
 

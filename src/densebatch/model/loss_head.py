@@ -9,13 +9,15 @@
   loss *and* its gradient at once (``softmax - onehot``, projected back through the head): at most
   ``chunk_tokens x vocab`` float32 values exist at any moment, never ``rows x T x vocab`` (the plain
   path keeps logits, log-probabilities and their gradients: three such tensors at the peak);
-- no host synchronisation: the gather index has a static size, the batch's ``num_loss_tokens``.
+- no host synchronisation on an accelerator: the gather index has a static size (the batch's
+  ``num_loss_tokens``) and the backward pass never reads a value back.
 
 Computing the gradient in the forward pass assumes the loss of every token is weighted alike
-downstream, which is how the trainer uses it (``losses.sum() / loss_tokens``). The backward pass
-checks that: when the incoming per-token gradient is not one value, the weight's gradient is
-recomputed chunk by chunk from the saved hidden states (exact, one extra projection). The head's
-input gradient is exact either way (it is scaled per token).
+downstream, which is how the trainer uses it (``losses.sum() / loss_tokens``: its gradient reaches
+the head as one value expanded over all positions, which the backward pass sees without reading
+it). Any other weighting is still exact: the weight's gradient is then recomputed chunk by chunk
+from the saved hidden states (one extra projection; on CPU an equality check, free there, spares
+it for weights that happen to be uniform). The head's input gradient is scaled per token either way.
 
 Cost: the same three matrix products per chunk as the plain path's forward and backward, with fewer
 passes over the logits (no separate log-softmax, loss and backward tensors), so it is also faster on
@@ -49,8 +51,14 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
+# Devices where reading a tensor on the host costs nothing: there, backward checks whether a
+# gradient that is not visibly uniform is uniform all the same. Elsewhere it never synchronises.
+_CHECK_UNIFORM_ON_HOST = {"cpu"}
+
+
 class _FusedLinearCE(torch.autograd.Function):
-    """losses (n,) of rows ``h[idx]`` under the head (weight, bias) against ``targets`` (n,)."""
+    """losses (N,) of all rows of ``h``: cross-entropy of ``h[idx]`` under the head (weight, bias)
+    against ``targets`` (n,) at ``idx``, 0 elsewhere."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk: int, dtype, need_grad):
@@ -94,29 +102,35 @@ class _FusedLinearCE(torch.autograd.Function):
         # The forward's gradient sums are this Function's own buffers, held on ctx (not as saved
         # tensors) so that backward can scale them in place and drop them.
         ctx.unit_grads = (grad_h, grad_w, grad_b)
-        return losses
+        return torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).index_copy_(0, idx, losses)  # (N,)
 
     @staticmethod
-    def backward(ctx, grad_losses: Tensor):
+    def backward(ctx, grad_out: Tensor):
+        # grad_out: (N,). The trainer's ``losses.sum() / count`` arrives as one value expanded over
+        # every position (stride 0): the forward's sums then only need scaling, with no host sync.
         h, weight, bias, idx, targets = ctx.saved_tensors
         if ctx.unit_grads is None:
             raise RuntimeError("the fused loss head supports one backward pass per forward (no retain_graph)")
         grad_h_unit, grad_w_unit, grad_b_unit = ctx.unit_grads
         ctx.unit_grads = None
-        g = grad_losses.float()  # (n,)
-        grad_h = None
-        if ctx.needs_input_grad[0]:
-            grad_h = torch.zeros_like(h)  # (N, C): positions without a target get no gradient
-            grad_h.index_copy_(0, idx, (grad_h_unit * g[:, None]).to(h.dtype))
-        # Uniform weights (the trainer's sum / count): the forward's sums scale exactly. Otherwise
-        # recompute the weight gradient with each token's own weight.
-        if g.numel() == 0 or bool((g == g[0]).all()):
-            scale = g[0] if g.numel() else g.new_zeros(())
+        uniform = grad_out.numel() <= 1 or grad_out.stride(0) == 0
+        g = None
+        if not uniform:
+            g = grad_out.float().index_select(0, idx)  # (n,) each token's own weight
+            if grad_out.device.type in _CHECK_UNIFORM_ON_HOST:
+                uniform = g.numel() == 0 or bool((g == g[0]).all())
+        if uniform:
+            scale = grad_out.reshape(-1)[:1].float()  # (1,) the common weight, still on the device
             grad_w = grad_w_unit.mul_(scale)
             grad_b = grad_b_unit.mul_(scale) if grad_b_unit is not None else None
-        else:
+            grad_h_sel = grad_h_unit.mul_(scale.to(grad_h_unit.dtype))  # (n, C)
+        else:  # recompute the weight gradient with each token's own weight (exact, one more projection)
             with torch.autocast(h.device.type, enabled=False):
                 grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, g, ctx.chunk, ctx.dtype)
+            grad_h_sel = grad_h_unit * g[:, None].to(grad_h_unit.dtype)
+        grad_h = None
+        if ctx.needs_input_grad[0]:
+            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_h_sel.to(h.dtype))  # (N, C): 0 without a target
         return (
             grad_h,
             grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None,
@@ -168,10 +182,8 @@ def head_token_losses(
     # Gradient work happens in the forward pass, so it must know now whether a backward will follow.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
     targets = flat_labels.index_select(0, idx)  # (n,)
-    losses = _FusedLinearCE.apply(h.reshape(rows * T, C), weight, bias, idx, targets, chunk, _compute_dtype(h), need_grad)
-    # (n,)
-    out = torch.zeros(rows * T, dtype=torch.float32, device=h.device).index_copy(0, idx, losses)  # (N,)
-    return out.view(rows, T)
+    out = _FusedLinearCE.apply(h.reshape(rows * T, C), weight, bias, idx, targets, chunk, _compute_dtype(h), need_grad)
+    return out.view(rows, T)  # (N,) -> (rows, T)
 
 
 def plain_head_token_losses(h: Tensor, labels: Tensor, head: torch.nn.Module) -> Tensor:
