@@ -27,9 +27,10 @@ from densebatch.batch import Batch, Step
 from densebatch.config import EvalConfig, TrainConfig
 from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.distributed import Distributed, TokenLosses
-from densebatch.train.evaluate import autocast, check_precision, evaluate, to_device
+from densebatch.train.evaluate import check_precision, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
 from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
+from densebatch.train.oom import accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes
@@ -148,24 +149,17 @@ class Trainer:
         """Leave in ``.grad`` the gradient of (summed CE of the step) / (loss tokens of the step).
 
         Returns the step's loss and token counts over all ranks. Gradients carry the fp16 loss scale
-        when it is on (``scaler.unscale_`` removes it)."""
+        when it is on (``scaler.unscale_`` removes it). The passes run in ``train/oom.py``: a batch that
+        runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
         batches = list(batches)
-        self.optimizer.zero_grad(set_to_none=True)
         counts = torch.tensor([float(sum(b.num_loss_tokens for b in batches))], dtype=torch.float64)
         total = float(self.dist.all_reduce_sum(counts.to(self.device)).item())  # the normaliser of every batch
         # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
         denom = total / self.dist.world_size if total > 0 else 1.0
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # CE sum, real tokens, slots
-        for i, batch in enumerate(batches):
-            batch = to_device(batch, self.device)
-            with self._sync(i == len(batches) - 1), autocast(self.device, self.cfg.precision):
-                losses = self.forward(batch)  # (rows, T) float32, 0 where label == -100
-            summed = losses.float().sum()
-            self.scaler.scale(summed / denom).backward()
-            sums[0] += summed.detach().double()
-            if not batch.is_null:
-                sums[1] += batch.num_real_tokens
-                sums[2] += batch.num_slots
+        loss, splits = accumulate(self, batches, denom)
+        real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
+        sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=self.device)  # CE sum, real tokens, slots
+        sums[0] = loss
         loss_sum, real, slots = self.dist.all_reduce_sum(sums).tolist()
         return {
             "loss": loss_sum / total if total > 0 else math.nan,
@@ -173,6 +167,7 @@ class Trainer:
             "real_tokens": int(real),
             "slot_tokens": int(slots),
             "batches": len(batches),
+            "oom_splits": splits,
         }
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
@@ -262,7 +257,9 @@ class Trainer:
         if st.step == 1 or self._first_record:  # what this rank holds: 1/N of DDP's under FSDP
             rec["rank_state_gb"] = rank_state_bytes(self.model, self.optimizer) / 1e9
             self._first_record = False
-        self._write(rec, always=outcome is not StepOutcome.APPLIED)
+        if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/oom.py)
+            rec["oom_splits"] = stats["oom_splits"]
+        self._write(rec, always=outcome is not StepOutcome.APPLIED or "oom_splits" in rec)
         self.console.step(rec, seconds)
         result = StepResult(outcome, rec, step)
         if self.eval_cfg.every_steps and st.step % self.eval_cfg.every_steps == 0:
@@ -352,6 +349,7 @@ class Trainer:
     _data_wait = 0.0
     _step_began = 0.0
     _first_record = True
+    _oom_logged = False  # the first out-of-memory split of the run is printed (train/oom.py)
 
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""
