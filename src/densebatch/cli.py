@@ -4,6 +4,8 @@
     densebatch inspect  [CONFIG] [--num N] [--split train|eval]
     densebatch analyze  [CONFIG | --lengths FILE] [--json] [--dump-plan FILE --strategy S] [--plot FILE]
     densebatch train    [CONFIG] [--resume | --overwrite]
+    densebatch find-lr  [CONFIG]     (learning-rate range test: output_dir/lr_finder.png and .json)
+    densebatch find-batch [CONFIG]   (largest max_tokens_per_batch the memory holds, and throughput)
     densebatch eval     CONFIG --checkpoint DIR [--json]
     densebatch generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--raw]
     densebatch config   [CONFIG] [--keys]
@@ -79,6 +81,11 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config("train", "Train (with no CONFIG: the embedded default task and a small GPT).")
     sp.add_argument("--resume", action="store_true", help="continue the saved run from its newest verified checkpoint")
     sp.add_argument("--overwrite", action="store_true", help="delete the run already in output_dir and start over")
+
+    with_config("find-lr", "Learning-rate range test from the run's initial weights: suggests train.lr (lr_finder.png / .json).")
+    with_config(
+        "find-batch", "Largest batching.max_tokens_per_batch whose worst batch fits the memory, and where throughput levels off."
+    )
 
     sp = with_config("eval", "Token-weighted loss and perplexity of a checkpoint on the evaluation split.", required=True)
     sp.add_argument("--checkpoint", required=True, metavar="DIR", help="a final model dir, a checkpoint dir, or an output_dir")

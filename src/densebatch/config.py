@@ -162,7 +162,12 @@ class BatchingConfig:
     )
     mode: Literal["causal", "mlm"] = _f("causal", "causal language modelling, or mlm (masked-LM labels).")
     rows_per_batch: int = _f(8, "Rows per batch for random and length_grouped.", minimum=1)
-    max_tokens_per_batch: int = _f(8192, "Token slots (rows x T) per batch for token_budget and packed.", minimum=1)
+    max_tokens_per_batch: int | Literal["auto"] = _f(
+        8192,
+        "Token slots (rows x T) per batch for token_budget and packed; auto = the largest budget whose worst batch "
+        "fits the memory (train.memory_limit_gb, or the GPU's free memory), found before training (densebatch find-batch).",
+        minimum=1,
+    )
     seq_len: int = _f(1024, "Row length of packed rows.", minimum=2)
     long_docs: Literal["split", "truncate"] = _f("split", "packed: documents longer than seq_len are split or truncated.")
     pad_to_multiple_of: int = _f(1, "Pad the row length up to a multiple of this (8, 64, ...).", minimum=1)
@@ -216,7 +221,11 @@ class TrainConfig:
     max_steps: int | None = _f(None, "Stop after this many optimizer steps.", minimum=1)
     max_epochs: float | None = _f(None, "Stop after this many epochs (fractions allowed).", minimum=0.0)
     max_tokens: int | None = _f(None, "Stop after this many real tokens.", minimum=1)
-    lr: float = _f(3e-4, "Peak learning rate.", minimum=0.0)
+    lr: float | Literal["auto"] = _f(
+        3e-4,
+        "Peak learning rate; auto = the learning-rate range test's suggestion (densebatch find-lr), run before training.",
+        minimum=0.0,
+    )
     min_lr_ratio: float = _f(0.1, "Final learning rate as a share of lr (cosine / linear).", minimum=0.0)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate schedule after warm-up.")
     warmup_steps: int = _f(0, "Linear warm-up steps.", minimum=0)
@@ -285,6 +294,17 @@ class TrainConfig:
     report_to: list[Literal["tensorboard", "csv"]] = _f(
         list, "Metric sinks besides metrics.jsonl: tensorboard (event files under output_dir/tensorboard), csv."
     )
+    memory_limit_gb: float | None = _f(
+        None,
+        "Memory a budget of max_tokens_per_batch: auto may use, in GB: on CPU the whole process's peak resident "
+        "memory (none = resident now + MemAvailable), on CUDA a cap on the device memory (none = its free memory).",
+        minimum=0.0,
+    )
+    memory_margin: float = _f(
+        0.1,
+        "Share of the memory limit the budget finder keeps free (fragmentation, evaluation, checkpoint copies), in [0, 0.9].",
+        minimum=0.0,
+    )
 
 
 @dataclass
@@ -305,6 +325,23 @@ class CheckpointConfig:
 
 
 @dataclass
+class FinderConfig:
+    """The learning-rate range test (densebatch find-lr, train.lr: auto) and the budget finder (find-batch)."""
+
+    lr_start: float = _f(1e-6, "Range test: the first learning rate.", minimum=0.0)
+    lr_end: float = _f(1.0, "Range test: the last learning rate (reached only if the loss never diverges).", minimum=0.0)
+    lr_steps: int = _f(100, "Range test: optimizer steps from lr_start to lr_end (rates grow exponentially).", minimum=2)
+    smoothing: float = _f(0.9, "Range test: weight of the loss's exponential moving average, in [0, 1).", minimum=0.0)
+    diverge: float = _f(
+        4.0, "Range test: stop when the smoothed loss exceeds this times its minimum (or, after falling, its start).", minimum=1.0
+    )
+    max_probes: int = _f(10, "Budget finder: most probe steps (each a forward, backward and optimizer step).", minimum=2)
+    throughput_share: float = _f(
+        0.9, "Budget finder: report the smallest budget reaching this share of the best measured throughput.", minimum=0.0
+    )
+
+
+@dataclass
 class RunConfig:
     output_dir: str = _f("runs/default", "Where metrics, checkpoints and the final model go.")
     seed: int = _f(0, "Seed of everything random in the run.")
@@ -314,6 +351,7 @@ class RunConfig:
     train: TrainConfig = _f(TrainConfig, "Optimisation.")
     eval: EvalConfig = _f(EvalConfig, "Evaluation.")
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "Checkpoints and resume.")
+    finder: FinderConfig = _f(FinderConfig, "Learning-rate range test and token-budget finder.")
 
 
 # ------------------------------------------------------------------------------- loading logic
@@ -416,7 +454,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             continue
         value = _coerce(key, data[name], tp)
         minimum = f.metadata.get("minimum")
-        if minimum is not None and value is not None and value < minimum:
+        if minimum is not None and isinstance(value, (int, float)) and value < minimum:  # not "auto"
             raise ConfigError(f"{key}: expected a value >= {minimum}; got {value!r}")
         kwargs[name] = value
     return cls(**kwargs)
@@ -454,13 +492,14 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError("model.path: required when model.kind is hf (a local directory with config.json)")
     if m.kind == "gpt" and m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({m.n_head}); got {m.n_embd}")
-    if b.strategy == "packed" and b.seq_len > b.max_tokens_per_batch:
+    if b.strategy == "packed" and b.max_tokens_per_batch != "auto" and b.seq_len > b.max_tokens_per_batch:
         raise ConfigError(
             f"batching.max_tokens_per_batch: expected at least batching.seq_len ({b.seq_len}) so one packed row fits; got {b.max_tokens_per_batch}"
         )
     if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
         raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
     _check_schedules(cfg)
+    _check_finders(cfg)
 
 
 def _check_sources(d: DataConfig) -> None:
@@ -491,6 +530,24 @@ def _check_sources(d: DataConfig) -> None:
         raise ConfigError(f"data.sources[{i}].weight: set a weight on every source, or on none (natural shares)")
     if all(weighted) and not any(s.weight > 0 for s in d.sources):
         raise ConfigError("data.sources[0].weight: at least one source needs a weight > 0")
+
+
+def _check_finders(cfg: RunConfig) -> None:
+    """``auto`` values and the finders' ranges."""
+    b, t, f = cfg.batching, cfg.train, cfg.finder
+    if b.max_tokens_per_batch == "auto" and b.strategy not in ("token_budget", "packed"):
+        raise ConfigError(
+            f"batching.max_tokens_per_batch: auto sizes token_budget and packed batches; {b.strategy} batches hold "
+            "batching.rows_per_batch rows: set a number, or use batching.strategy token_budget or packed"
+        )
+    if not 0.0 <= t.memory_margin <= 0.9:
+        raise ConfigError(f"train.memory_margin: expected a share in [0, 0.9]; got {t.memory_margin}")
+    if not 0.0 < f.lr_start < f.lr_end:
+        raise ConfigError(f"finder.lr_start: expected 0 < lr_start < finder.lr_end ({f.lr_end}); got {f.lr_start}")
+    if not 0.0 <= f.smoothing < 1.0:
+        raise ConfigError(f"finder.smoothing: expected a weight in [0, 1); got {f.smoothing}")
+    if not 0.0 < f.throughput_share <= 1.0:
+        raise ConfigError(f"finder.throughput_share: expected a share in (0, 1]; got {f.throughput_share}")
 
 
 def _check_schedules(cfg: RunConfig) -> None:

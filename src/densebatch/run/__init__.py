@@ -38,7 +38,15 @@ def dispatch(args, overrides: list[str]) -> int:
         from densebatch.run.training import train
 
         return train(args.config, overrides, resume=args.resume, overwrite=args.overwrite)
+    if cmd in ("find-lr", "find-batch"):
+        from densebatch.run.find import find_batch_command, find_lr_command
+
+        return (find_lr_command if cmd == "find-lr" else find_batch_command)(args.config, overrides)
     cfg = resolve_config(args.config, overrides)
+    if cmd in ("analyze", "eval"):  # they plan batches: an `auto` budget is the one a run found
+        from densebatch.run.find import resolved_budget
+
+        cfg = resolved_budget(cfg)
     handlers = {
         "prepare": commands.prepare_command,
         "inspect": commands.inspect_command,

@@ -32,6 +32,7 @@ from densebatch.data.prepare import Prepared, prepare
 from densebatch.data.steps import StepSettings
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model, generate_batch, save_model
+from densebatch.run.find import keep_resolved, resolve_budget, resolve_lr, trainer_config
 from densebatch.run.resume import plan_resume
 from densebatch.train.checkpoint import CheckpointManager, latest_valid, load_checkpoint
 from densebatch.train.distributed import Distributed, wrap_model
@@ -61,7 +62,8 @@ def longest_row(cfg: RunConfig, prepared: Prepared) -> tuple[int, str]:
     if b.strategy == "packed":
         train, key = b.seq_len, "batching.seq_len"
     elif b.strategy == "token_budget" and b.long_docs == "split":
-        train, key = min(longest_doc, b.max_tokens_per_batch), "data.max_seq_len"
+        budget = longest_doc if b.max_tokens_per_batch == "auto" else b.max_tokens_per_batch  # auto: not known yet
+        train, key = min(longest_doc, budget), "data.max_seq_len"
     else:
         train, key = longest_doc, "data.max_seq_len"
     longest = max(train, int(np.max(prepared.eval.lengths)) if prepared.eval is not None else 0)
@@ -116,6 +118,7 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
         dist.barrier()
         return requested, None
     extra = load_checkpoint(path, parts=("extra",)).extra_state
+    requested = keep_resolved(requested, extra["config"])  # `auto` asked again: the value the run found
     plan = plan_resume(extra["config"], requested, overrides)
     cfg = plan.config
     saved_world = int(extra.get("world_size", 1))
@@ -189,9 +192,10 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     check_context(model, cfg, prepared)
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
     model.to(device)
+    cfg = resolve_budget(cfg, model, prepared, dist)  # batching.max_tokens_per_batch: auto, before any wrapping
     forward = wrap_model(model, cfg.train.distributed, dist)
     loader, eval_data = build_loaders(cfg, prepared, dist)
-    t = cfg.train
+    t = trainer_config(cfg)  # train.lr: auto holds a placeholder until resolve_lr below
     if t.batch_backoff_patience and eval_data is None:
         raise ConfigError("train.batch_backoff_patience: a back-off watches the eval loss, and this run has no eval split")
     trainer = Trainer(
@@ -201,6 +205,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         dist=dist, forward=forward, sinks=build_sinks(cfg, out) if dist.is_main else (),
         batch_schedule=BatchSchedule.from_config(t),
     )  # fmt: skip
+    cfg = resolve_lr(cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which it leaves as it was
     accuracy = None
     sharded = cfg.train.distributed == "fsdp" and dist.enabled  # generation would need every rank's shards
     if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main and not sharded:

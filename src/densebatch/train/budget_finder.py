@@ -1,0 +1,300 @@
+"""Token budget fitted to memory: the largest slots per batch whose worst batch runs a whole step, and where throughput levels off.
+
+``find_budget`` probes budgets from the smallest valid one upwards. A probe runs, for the worst
+batches of the plan at that budget (``worst(budget)``: the batch with the most slots and the one with
+the longest rows; they bound every other batch of the plan), a forward pass, a backward pass and an
+optimizer step, and measures the peak memory (``MemoryMeter``):
+
+- **CUDA**: ``torch.cuda.max_memory_allocated`` against the memory this process may allocate: what
+  it holds plus the device's free memory (``mem_get_info``), less ``margin``, capped by
+  ``memory_limit_gb``; a probe that raises ``OutOfMemoryError`` does not fit.
+- **CPU**: the whole process's peak resident memory (``VmHWM`` from ``/proc/self/status``, reset
+  before each probe through ``/proc/self/clear_refs``; without that, ``ru_maxrss``, which never goes
+  down, so probing upwards from small budgets stays correct) against ``memory_limit_gb`` (or resident
+  memory now plus ``MemAvailable``), less ``margin``. A CPU allocation rarely fails: the kernel kills
+  the process instead. So probes never aim past the memory: the next budget is the smaller of twice
+  the largest that fitted and a line through the last two measured peaks extrapolated to the limit
+  (97% of it); after an overrun, bisection. The search stops when the next budget would gain < 3%.
+
+Probes change nothing: the optimizer's rates are 0 during probes (AdamW then leaves every weight
+bit for bit as it was, decay included), and its state and rates are put back afterwards, gradients
+freed (memory held after the finder is what was held before), RNGs restored. A probe runs the plain model, never a
+DDP / FSDP wrapper, so it has no collectives: under torchrun each rank probes alone, then the ranks
+agree (a budget fits when it fits on every rank; the next budget is the smallest any rank predicts),
+so all settle on one budget without a hang even when one rank has less memory. (Under FSDP this
+probes a full replica: a conservative budget.) Throughput: the fastest of two more steps of the worst
+batch with the most real tokens, per probe; the report names the smallest budget reaching
+``throughput_share`` of the best measured.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from densebatch.batch import Batch
+from densebatch.errors import UserError
+from densebatch.train.distributed import Distributed
+from densebatch.train.evaluate import autocast, to_device
+from densebatch.train.oom import free_memory, is_out_of_memory
+from densebatch.train.rng import capture_rng_state, restore_rng_state
+
+GB = 1e9
+GROWTH, AIM, CONVERGED = 2.0, 0.97, 1.03  # most growth per probe; share of the predicted limit aimed at; stop gain
+TIMED = 2  # timed steps per probe, after the one that measures memory
+
+
+class MemoryMeter:
+    """Peak memory of a probe, in bytes: CUDA allocated, or the process's resident set on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.resettable = device.type == "cpu" and _reset_hwm()
+
+    def limit(self, limit_gb: float | None, margin: float) -> int:
+        """Bytes a probe's peak may reach."""
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            have = free + torch.cuda.memory_reserved(self.device)  # reserved memory is ours to reuse
+            cap = have if limit_gb is None else min(have, limit_gb * GB)
+        else:
+            cap = limit_gb * GB if limit_gb is not None else self.now() + _meminfo("MemAvailable")
+        return int(cap * (1.0 - margin))
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.resettable:
+            _reset_hwm()
+
+    def peak(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.max_memory_allocated(self.device))
+        hwm = _status("VmHWM")
+        return hwm if hwm else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def now(self) -> int:
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device))
+        return _status("VmRSS")
+
+
+def _status(key: str) -> int:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _meminfo(key: str) -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    raise UserError("train.memory_limit_gb: set it (in GB): this system does not report its available memory")
+
+
+def _reset_hwm() -> bool:
+    """Reset this process's peak resident set (Linux >= 4.0); False where that is not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Probe:
+    budget: int
+    batches: list[str]  # the worst batches probed, "rows x T"
+    peak_gb: list[float]  # per rank
+    fits: bool
+    tokens_per_s: float | None  # the fastest of TIMED steps of the worst batch with the most real tokens (rank 0)
+
+
+@dataclass
+class BudgetResult:
+    budget: int
+    peak_gb: list[float]  # per rank, at the chosen budget
+    limit_gb: list[float]  # per rank: what a probe's peak could reach (margin taken off)
+    probes: list[Probe] = field(default_factory=list)
+    efficient_budget: int | None = None  # smallest reaching throughput_share of the best throughput
+    throughput_share: float = 0.9
+    device: str = "cpu"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def report(self) -> str:
+        unit = "peak resident memory" if self.device == "cpu" else "peak allocated (CUDA)"
+        lines = [f"token budget fitted to memory ({unit}; limit per rank {', '.join(f'{x:.3f}' for x in self.limit_gb)} GB):"]
+        lines.append("  budget  worst batches            peak GB (per rank)   fits  real tok/s")
+        for p in self.probes:
+            tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-"
+            peaks = ", ".join(f"{x:.3f}" for x in p.peak_gb)
+            lines.append(f"  {p.budget:>6}  {' + '.join(p.batches):<23}  {peaks:<19}  {'yes' if p.fits else 'no':<4}  {tps}")
+        lines.append(f"chosen: batching.max_tokens_per_batch={self.budget} (peak {max(self.peak_gb):.3f} GB)")
+        if self.efficient_budget is not None:
+            lines.append(
+                f"throughput: {self.efficient_budget} slots already reach {self.throughput_share:.0%} of the best measured "
+                f"real tokens/s; larger batches buy little speed, only fewer updates"
+            )
+        return "\n".join(lines)
+
+
+def find_budget(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    worst: Callable[[int], list[Batch]],
+    snap: Callable[[int], int],
+    low: int,
+    high: int,
+    *,
+    limit_gb: float | None,
+    margin: float,
+    precision: str = "fp32",
+    dist: Distributed | None = None,
+    max_probes: int = 10,
+    throughput_share: float = 0.9,
+    log: Callable[[str], None] | None = None,
+) -> BudgetResult:
+    """The largest budget in ``[low, high]`` (``snap`` rounds a budget down to a valid one) whose
+    ``worst(budget)`` batches each run a whole step within the memory; see the module docstring."""
+    dist = dist or Distributed()
+    device = next(model.parameters()).device
+    meter = MemoryMeter(device)
+    limit = meter.limit(limit_gb, margin)
+    limits = [x / GB for x in dist.gather_object(limit)]
+    saved = {"state": _clone_state(optimizer), "lrs": [g["lr"] for g in optimizer.param_groups], "training": model.training}
+    rng = capture_rng_state()  # dropout draws in the probes: the run's random streams must not move
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0  # AdamW at rate 0 leaves every weight as it was: probes change nothing
+    model.train()
+    base = meter.now()
+    fitted: list[tuple[int, int]] = []  # (budget, this rank's peak) of probes that fit on every rank
+    probes: list[Probe] = []
+    lo, hi, budget = None, None, snap(low)
+    try:
+        while len(probes) < max_probes:
+            batches = worst(budget)
+            peak, fits, tps = _probe(model, optimizer, batches, precision, meter, limit)
+            fits, tps = not dist.agree(not fits), dist.broadcast_object(tps)  # rank 0's speed for the report
+            probes.append(
+                Probe(
+                    budget, [f"{b.num_rows}x{b.seq_len}" for b in batches], [x / GB for x in dist.gather_object(peak)], fits, tps
+                )
+            )
+            if log is not None:
+                log(f"  probe {budget} slots: peak {max(probes[-1].peak_gb):.3f} GB, {'fits' if fits else 'too large'}")
+            if fits:
+                lo = budget
+                fitted.append((budget, peak))
+            else:
+                hi = budget
+                if lo is None:
+                    break
+            nxt = _next_budget(fitted, lo, hi, limit, base, high, dist)
+            nxt = snap(nxt)
+            if nxt <= lo * CONVERGED or nxt >= (hi or math.inf) or nxt in (p.budget for p in probes):
+                break
+            budget = nxt
+    finally:
+        optimizer.load_state_dict(saved["state"])  # state and rates as before the probes
+        for g, lr in zip(optimizer.param_groups, saved["lrs"]):
+            g["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        model.train(saved["training"])
+        restore_rng_state(rng)
+        free_memory(device, collect=False)
+    if lo is None:
+        first = probes[0]
+        worst_rank = max(range(len(first.peak_gb)), key=lambda r: first.peak_gb[r] - limits[r])
+        raise UserError(
+            f"batching.max_tokens_per_batch: auto: even the smallest budget ({first.budget} slots, {' + '.join(first.batches)}) "
+            f"needs {first.peak_gb[worst_rank]:.2f} GB on rank {worst_rank}, over its {limits[worst_rank]:.2f} GB "
+            f"(train.memory_limit_gb less train.memory_margin): raise the limit, or lower data.max_seq_len / batching.seq_len"
+        )
+    chosen = next(p for p in probes if p.budget == lo)
+    best = max((p.tokens_per_s or 0.0) for p in probes if p.fits)
+    efficient = min((p.budget for p in probes if p.fits and (p.tokens_per_s or 0.0) >= throughput_share * best), default=None)
+    return BudgetResult(lo, chosen.peak_gb, limits, probes, efficient if best > 0 else None, throughput_share, device.type)
+
+
+def _next_budget(fitted: list[tuple[int, int]], lo: int | None, hi: int | None, limit: int, base: int, high: int, dist) -> int:
+    """The next budget to probe (the same on every rank): the smallest any rank predicts fits."""
+    b1, p1 = fitted[-1] if fitted else (0, base)
+    if len(fitted) >= 2:
+        b0, p0 = fitted[-2]
+    else:
+        b0, p0 = 0, base  # one point: the line through the memory held before probing (conservative)
+    slope = max((p1 - p0) / max(1, b1 - b0), 1.0)  # bytes per slot
+    predicted = b1 + (limit - p1) / slope if p1 < limit else b1
+    want = min(GROWTH * lo, AIM * predicted, high) if hi is None else min((lo + hi) / 2, max(lo, predicted))
+    return int(dist.all_reduce(torch.tensor([float(want)], dtype=torch.float64), "min").item())
+
+
+def _probe(
+    model, optimizer, batches: list[Batch], precision: str, meter: MemoryMeter, limit: int
+) -> tuple[int, bool, float | None]:
+    """(peak bytes, fits, real tokens/s) of a whole step on each of ``batches``; no collectives."""
+    device = meter.device
+    free_memory(device, collect=False)  # what earlier probes freed goes back first: the reset peak is then what is live
+    meter.reset()
+    oom = False
+    try:
+        for batch in batches:
+            _step(model, optimizer, batch, device, precision)
+    except RuntimeError as e:
+        if not is_out_of_memory(e):
+            raise
+        oom = True
+    optimizer.zero_grad(set_to_none=True)
+    free_memory(device, collect=oom)
+    peak = meter.peak()
+    fits = not oom and peak <= limit
+    if not fits:
+        return peak, False, None
+    timed = max(batches, key=lambda b: b.num_real_tokens)
+    seconds = math.inf
+    for _ in range(TIMED):  # the fastest of a few: other processes only ever slow a step down
+        t0 = time.perf_counter()
+        _step(model, optimizer, timed, device, precision)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = min(seconds, time.perf_counter() - t0)
+    optimizer.zero_grad(set_to_none=True)
+    return peak, True, timed.num_real_tokens / seconds if seconds > 0 else None
+
+
+def _step(model, optimizer, batch: Batch, device: torch.device, precision: str) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    batch = to_device(batch, device)
+    with autocast(device, precision):
+        losses = model.token_losses(batch)  # (rows, T)
+    (losses.float().sum() / max(1, batch.num_loss_tokens)).backward()
+    optimizer.step()
+
+
+def _clone_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state dict with its tensors copied (its live tensors change in place)."""
+    state = optimizer.state_dict()
+    return {
+        "state": {
+            k: {n: v.clone() if isinstance(v, torch.Tensor) else v for n, v in s.items()} for k, s in state["state"].items()
+        },
+        "param_groups": [dict(g) for g in state["param_groups"]],
+    }

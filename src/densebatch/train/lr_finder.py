@@ -1,0 +1,287 @@
+"""The learning-rate range test: train briefly at exponentially growing rates, suggest one, and leave no trace.
+
+``lr_range_test(trainer, finder)`` takes ``finder.lr_steps`` optimizer steps on the trainer's own
+data, model and optimizer, the ``k``-th at ``lr_start × (lr_end / lr_start) ** (k / (lr_steps - 1))``
+(one rate per optimizer step, however many batches a step accumulates; each parameter group at that
+rate × its ``lr_mult``). The loss is smoothed by a bias-corrected exponential moving average; the test
+stops once the smoothed loss exceeds ``diverge`` × its minimum, or a loss is not finite. Under
+torchrun every rank sees the same all-reduced loss, and the stop is agreed (``Distributed.agree``),
+so all ranks take the same steps.
+
+No trace: before the first step ``TrainerSnapshot`` copies the model's tensors and gradients, the
+optimizer's state and hyper-parameters, every named trainer part (``Trainer.parts()``: counters, data position, guard,
+clipper, scaler, ...), every RNG and the train/eval mode; afterwards all of it is put back, so the
+run that follows is bit for bit the one that would have run without the test.
+
+The suggestion (``suggest``): the **valley** rule. The longest stretch over which the smoothed loss
+keeps decreasing is the range where the rate trains well; its point 1/2 of the way down (fastai's
+``valley``) is fast yet short of where the loss turns. Two other rules are reported beside it and
+not used: the **minimum ÷ 10** (the rate at the loss minimum is already too high to train at; a
+tenth of it is the classic rule, but the minimum of a noisy curve moves by steps of half a decade)
+and the **steepest descent** (the noisiest: one step's slope decides). docs/finders.md compares
+all three with a grid of training runs. Then ``diagnose`` reads the curve for the step size: loss
+noise at small rates, where the weights barely move, is batch-to-batch noise (steps too small); a
+smooth curve that falls little before diverging suggests steps larger than needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from densebatch.atomic import write_file
+from densebatch.config import FinderConfig
+from densebatch.train.guard import clip_gradients
+from densebatch.train.rng import capture_rng_state, restore_rng_state
+
+LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
+NOISY, SLOW = 0.10, 0.25  # diagnosis thresholds: relative step-to-step noise; relative fall of the loss
+
+
+class TrainerSnapshot:
+    """Everything a training step can change, copied (tensors cloned), and ``restore`` to put it back."""
+
+    def __init__(self, trainer: Any):
+        self.model = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        self.optimizer = copy.deepcopy(trainer.optimizer.state_dict())
+        self.parts = copy.deepcopy(trainer.trainer_state())
+        self.rng = capture_rng_state()
+        self.training = trainer.model.training
+        self.grads = [None if p.grad is None else p.grad.detach().clone() for p in trainer.model.parameters()]
+        self.data_attrs = {k: getattr(trainer.data, k) for k in ("max_epochs", "fraction") if hasattr(trainer.data, k)}
+
+    def restore(self, trainer: Any) -> None:
+        with torch.no_grad():
+            trainer.model.load_state_dict(self.model)
+        trainer.optimizer.load_state_dict(self.optimizer)  # state (empty before training) and hyper-parameters
+        for p, g in zip(trainer.model.parameters(), self.grads):  # None before training: nothing copied
+            p.grad = g
+        for k, v in self.data_attrs.items():
+            setattr(trainer.data, k, v)
+        trainer.load_trainer_state(self.parts)  # every named part; the data iterator restarts from its position
+        restore_rng_state(self.rng)
+        trainer.model.train(self.training)
+
+
+@dataclass
+class LRFinderResult:
+    suggested_lr: float
+    rule: str  # how the suggestion was chosen, in words
+    lrs: list[float]
+    losses: list[float]  # per optimizer step, all ranks
+    smoothed: list[float]
+    stop: str  # why the test ended
+    candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (valley, min/10, steepest)
+    diagnosis: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"smoothed_losses": self.smoothed}
+
+    def report(self) -> str:
+        c, d = self.candidates, self.diagnosis
+        lines = [
+            f"learning-rate range test: {len(self.lrs)} steps from {self.lrs[0]:.2e} to {self.lrs[-1]:.2e}; {self.stop}",
+            f"suggested learning rate: {self.suggested_lr:.3g} ({self.rule})",
+            "  other rules (not used): "
+            + ", ".join(f"{k} {c[k]:.3g}" for k in ("min/10", "steepest") if k in c)
+            + (f"; the smoothed loss was lowest at {c['minimum']:.3g}" if "minimum" in c else ""),
+            f"batch size: {d.get('verdict', 'n/a')}",
+        ]
+        return "\n".join(lines)
+
+
+def schedule(finder: FinderConfig) -> list[float]:
+    """The rate of each optimizer step: exponential from ``lr_start`` to ``lr_end``."""
+    n = finder.lr_steps
+    return [finder.lr_start * (finder.lr_end / finder.lr_start) ** (k / (n - 1)) for k in range(n)]
+
+
+def smooth(losses: list[float], weight: float) -> list[float]:
+    """Bias-corrected exponential moving average (the first values are not pulled towards 0)."""
+    out, avg = [], 0.0
+    for k, x in enumerate(losses, start=1):
+        avg = weight * avg + (1.0 - weight) * x
+        out.append(avg / (1.0 - weight**k))
+    return out
+
+
+def centred(losses: list[float], weight: float) -> list[float]:
+    """``smooth`` forwards, then backwards: no lag. A forward average trails the curve by about
+    ``1 / (1 - weight)`` steps (half a decade of rates at 0.9 and 100 steps over 6 decades), which
+    would move every rule's rate to the right."""
+    return smooth(smooth(losses, weight)[::-1], weight)[::-1]
+
+
+def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None] | None = None) -> LRFinderResult:
+    """Run the test on ``trainer`` (see the module docstring); every rank must call it."""
+    snap = TrainerSnapshot(trainer)
+    rates, losses, lrs, smoothed = schedule(finder), [], [], []
+    stop = f"reached lr_end {finder.lr_end:g} without diverging"
+    data = trainer.data
+    if hasattr(data, "fraction"):
+        data.fraction = lambda n: 1.0  # full-size steps: a batch-size ramp would shrink the first ones
+    data.max_epochs = None  # cycle the data: the test may need more steps than an epoch holds
+    best = math.inf
+    try:
+        with contextlib.closing(iter(data)) as it:
+            trainer.model.train()
+            for lr in rates:
+                loss = _step(trainer, it, lr)
+                if loss is None:
+                    stop = "the data ended"
+                    break
+                lrs.append(lr)
+                losses.append(loss)
+                if log is not None and len(lrs) % 10 == 0:
+                    log(f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}")
+                smoothed = smooth([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
+                best, start = min(best, smoothed[-1]), smoothed[0]
+                # A clipped loss may never blow up: back above where it started (after falling) is divergence too.
+                back = best < 0.9 * start and smoothed[-1] > start
+                diverged = not math.isfinite(loss) or smoothed[-1] > finder.diverge * best or back
+                if trainer.dist.agree(diverged):
+                    stop = f"stopped at lr {lr:.2e}: the smoothed loss diverged (above {finder.diverge:g}x its minimum, or back above its start)"
+                    break
+    finally:
+        snap.restore(trainer)
+    smoothed = centred([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
+    candidates = suggest(lrs, smoothed)
+    if not candidates:
+        raise ValueError("the range test took too few steps to suggest a rate: lower finder.lr_start or raise finder.lr_steps")
+    result = LRFinderResult(
+        suggested_lr=candidates["valley"],
+        rule="valley: 1/2 of the way down the longest stretch over which the smoothed loss keeps falling",
+        lrs=lrs,
+        losses=losses,
+        smoothed=smoothed,
+        stop=stop,
+        candidates=candidates,
+        diagnosis=diagnose(losses, smoothed),
+    )
+    if log is not None:
+        log(result.report())
+    return result
+
+
+def _step(trainer: Any, it, lr: float) -> float | None:
+    """One optimizer step at ``lr`` on the next step of data; its loss (all ranks), None when data ended."""
+    for _ in range(100):  # steps without loss tokens carry no signal: take the next (no update, same rate)
+        step = next(it, None)
+        if step is None:
+            return None
+        stats = trainer.forward_backward(step.batches)
+        if stats["loss_tokens"]:
+            break
+    else:
+        return None
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = lr * group.get("lr_mult", 1.0)
+    trainer.scaler.unscale_(trainer.optimizer)
+    clip_gradients(trainer._params, max_norm=trainer.cfg.grad_clip)
+    trainer.scaler.step(trainer.optimizer)
+    trainer.scaler.update()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return float(stats["loss"])
+
+
+def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
+    """Each rule's rate: ``valley`` (the one used), ``min/10`` and ``steepest`` (see the module docstring).
+    The points after the minimum's divergence are left out (the curve there measures the blow-up)."""
+    y = np.asarray(smoothed, dtype=np.float64)
+    n = len(y)
+    if n < 5 or not np.isfinite(y).any():
+        return {}
+    y = np.where(np.isfinite(y), y, np.inf)
+    lo = int(np.argmin(y))
+    # Longest decreasing subsequence ending at each point (fastai's valley), over the finite points.
+    run = np.ones(n, dtype=np.int64)
+    for i in range(1, n):
+        prev = run[:i][y[:i] > y[i]]
+        run[i] = 1 + (prev.max() if len(prev) else 0)
+    end = int(np.argmax(run))
+    start = end - int(run[end]) + 1
+    valley = start + (end - start) // 2
+    x = np.log10(np.asarray(lrs))
+    slopes = np.gradient(y[: lo + 1], x[: lo + 1]) if lo >= 2 else np.zeros(1)
+    half = int(np.argmax(y[: lo + 1] <= y[0] - 0.5 * (y[0] - y[lo])))  # first point halfway down the fall
+    return {
+        "valley": float(lrs[valley]),
+        "min/10": float(lrs[lo]) / 10.0,
+        "steepest": float(lrs[int(np.argmin(slopes))]),
+        "half-fall": float(lrs[half]),
+        "minimum": float(lrs[lo]),
+    }
+
+
+def diagnose(losses: list[float], smoothed: list[float]) -> dict:
+    """What the curve says about the step size (see the module docstring), with the numbers."""
+    y, s = np.asarray(losses, dtype=np.float64), np.asarray(smoothed, dtype=np.float64)
+    finite = np.isfinite(y) & np.isfinite(s)
+    if finite.sum() < 5:
+        return {"verdict": "too few steps to judge"}
+    start = float(s[finite][0])
+    # The flat head: rates too small to move the weights, where the loss varies only with the batch.
+    head = np.flatnonzero(finite & (np.abs(s - start) <= 0.02 * abs(start)))
+    head = head[head < max(5, len(y) // 3)]
+    if len(head) < 5:
+        head = np.flatnonzero(finite)[: max(5, len(y) // 10)]
+    noise = float(np.std(y[head]) / max(1e-12, abs(float(np.mean(y[head])))))
+    fall = float((start - np.min(s[finite])) / max(1e-12, abs(start)))
+    if noise >= NOISY:
+        verdict = (
+            f"noisy: at small rates the loss varies {noise:.0%} from step to step, which is batch noise, not learning; "
+            "steps look too small for a steady signal (raise train.grad_accum_batches or train.loss_tokens_per_step)"
+        )
+    elif noise < 0.02 and fall < SLOW:
+        verdict = (
+            f"smooth but slow: {noise:.1%} noise at small rates and the loss fell only {fall:.0%} before diverging; "
+            "steps look larger than needed (fewer tokens per step give more updates for the same data)"
+        )
+    else:
+        verdict = f"balanced: {noise:.1%} step-to-step noise at small rates, the loss fell {fall:.0%} before diverging"
+    return {"verdict": verdict, "noise": noise, "fall": fall, "head_steps": int(len(head))}
+
+
+def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Path | None]:
+    """``lr_finder.json`` and (with matplotlib) ``lr_finder.png``: loss against the rate, log axis,
+    the suggestion marked. Returns both paths (the PNG's None without matplotlib)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    finite = lambda v: v if isinstance(v, float) and math.isfinite(v) else None  # noqa: E731 - strict JSON
+    doc = {k: ([finite(x) for x in v] if isinstance(v, list) else v) for k, v in result.as_dict().items()}
+    write_file(out / LR_FINDER_JSON, json.dumps(doc, indent=1, allow_nan=False) + "\n")
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return out / LR_FINDER_JSON, None
+    fig = Figure(figsize=(8, 4.2), dpi=100, layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(result.lrs, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (per step)")
+    ax.plot(result.lrs, result.smoothed, color="tab:blue", linewidth=1.8, label="loss (smoothed)")
+    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} (valley)")
+    for name, style in (("min/10", ":"), ("steepest", "-.")):
+        if name in result.candidates:
+            ax.axvline(
+                result.candidates[name], color="gray", linestyle=style, linewidth=1, label=f"{name} {result.candidates[name]:.2g}"
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate (log scale)")
+    ax.set_ylabel("train loss")
+    finite_s = [v for v in result.smoothed + result.losses if math.isfinite(v)]
+    if finite_s:  # the blow-up at the end would squash the curve: show up to a little above the start
+        ax.set_ylim(min(finite_s) * 0.9, max(result.smoothed[0], min(finite_s)) * 1.3)
+    ax.set_title("learning-rate range test")
+    ax.legend(loc="upper left", fontsize=8)
+    tmp = out / f".{LR_FINDER_PNG}.tmp"
+    fig.savefig(tmp, format="png")
+    tmp.replace(out / LR_FINDER_PNG)
+    return out / LR_FINDER_JSON, out / LR_FINDER_PNG

@@ -1,0 +1,276 @@
+"""The learning-rate range test (no trace, one rate per optimizer step, divergence stop, rules, outputs)
+and the token-budget finder (largest budget within the memory, agreement, memory given back)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from densebatch.config import FinderConfig, TrainConfig
+from densebatch.train.loop import Trainer
+from densebatch.train.lr_finder import diagnose, lr_range_test, schedule, smooth, suggest, write_outputs
+from densebatch.train.rng import capture_rng_state, restore_rng_state
+
+
+def _cfg(**kw) -> TrainConfig:
+    return TrainConfig(**{"lr": 1e-2, "warmup_steps": 0, "progress": False, "device": "cpu", **kw})
+
+
+def _trainer(tiny, tmp_path, model=None, **kw) -> Trainer:
+    batches = [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(6)]
+    return Trainer(model or tiny.TinyLM(), tiny.ListLoader(batches), _cfg(**kw), output_dir=tmp_path, device="cpu", console=False)
+
+
+def _state(t: Trainer) -> dict:
+    """Everything a step can change, as comparable values."""
+    return {
+        "model": {k: v.clone() for k, v in t.model.state_dict().items()},
+        "optimizer": copy.deepcopy(t.optimizer.state_dict()),  # the live tensors change in place
+        "parts": json.loads(json.dumps(t.trainer_state())),
+        "rng": capture_rng_state(),
+        "grads": [p.grad is None for p in t.model.parameters()],
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b or (isinstance(a, float) and math.isnan(a) and math.isnan(b))
+
+
+FAST = FinderConfig(lr_start=1e-4, lr_end=10.0, lr_steps=12, smoothing=0.5)
+
+
+def test_the_range_test_leaves_no_trace(tiny, tmp_path):
+    """Model, optimizer (state and rates), every trainer part (data position, counters, guard, clipper,
+    scaler), every RNG and the gradients are as before; the next step is the one it would have been."""
+
+    class Noisy(tiny.TinyLM):  # draws from the global RNG in every pass, as dropout does
+        def token_losses(self, batch):
+            return super().token_losses(batch) * (1 + 1e-3 * torch.rand(()))
+
+    ref, t = _trainer(tiny, tmp_path / "ref", Noisy()), _trainer(tiny, tmp_path / "t", Noisy())
+    rngs = []
+    for trainer in (ref, t):  # two real steps first: the optimizer has state, the data a position
+        torch.manual_seed(5)
+        for _ in range(2):
+            trainer.train_step(trainer.next_step())
+        rngs.append(capture_rng_state())
+    assert _same(_state(ref)["model"], _state(t)["model"])
+    t.next_step()  # a live iterator with prefetched data: the test must not consume from it
+    t.reset_data_iterator()
+    t.data.load_state_dict(ref.data.state_dict())
+    before = _state(t)
+    result = lr_range_test(t, FAST)
+    assert len(result.lrs) >= 5 and result.lrs[-1] > 1e-2  # it trained at rates that change the weights
+    after = _state(t)
+    for key in before:
+        assert _same(before[key], after[key]), key
+    r2 = t.train_step(t.next_step())
+    restore_rng_state(rngs[0])
+    r1 = ref.train_step(ref.next_step())
+    assert r1.record["loss"] == r2.record["loss"]
+    assert _same(ref.model.state_dict(), t.model.state_dict())
+    assert _same(ref.optimizer.state_dict(), t.optimizer.state_dict())
+
+
+def test_one_rate_per_optimizer_step_under_accumulation(tiny, tmp_path):
+    t = _trainer(tiny, tmp_path, grad_accum_batches=3)
+    used, passes = [], []
+    step = t.optimizer.step
+
+    def record(*a, **k):
+        used.append([g["lr"] / g["lr_mult"] for g in t.optimizer.param_groups])
+        return step(*a, **k)
+
+    t.optimizer.step = record
+    forward = t.forward.forward
+    t.forward.forward = lambda batch: passes.append(1) or forward(batch)
+    finder = FinderConfig(lr_start=1e-5, lr_end=1e-3, lr_steps=7, diverge=1e9)
+    result = lr_range_test(t, finder)
+    assert len(used) == len(result.lrs) == 7 and len(passes) == 3 * 7
+    assert all(len(set(rates)) == 1 for rates in used)  # every group at the step's rate x its multiplier
+    assert [r[0] for r in used] == pytest.approx(schedule(finder), rel=1e-12)
+    assert schedule(finder)[0] == pytest.approx(1e-5) and schedule(finder)[-1] == pytest.approx(1e-3)
+
+
+def test_it_stops_when_the_loss_diverges(tiny, tmp_path):
+    t = _trainer(tiny, tmp_path)
+    result = lr_range_test(t, FinderConfig(lr_start=1e-3, lr_end=1e4, lr_steps=40, smoothing=0.3, diverge=2.0))
+    assert "diverged" in result.stop and len(result.lrs) < 40
+    causal = smooth(result.losses, 0.3)  # what the test watched while it ran
+
+    def diverged(k: int) -> bool:  # above 2x the minimum so far, or back above the start after a 10% fall
+        best = min(causal[: k + 1])
+        return causal[k] > 2.0 * best or (best < 0.9 * causal[0] and causal[k] > causal[0])
+
+    assert diverged(len(causal) - 1) or not math.isfinite(result.losses[-1])
+    assert not any(diverged(k) for k in range(len(causal) - 1))  # and not earlier
+    assert result.suggested_lr < result.lrs[-1]
+
+
+def _curve(lrs: np.ndarray, noise: float = 0.0, seed: int = 0) -> list[float]:
+    """A range-test-like loss: flat at 5, falls to 1 between 1e-4 and 1e-2, blows up past 3e-2."""
+    x = np.log10(lrs)
+    fall = 4.0 / (1.0 + np.exp(-3.0 * (x + 3.0)))  # centred at 1e-3
+    blow = np.where(x > -1.5, (x + 1.5) * 30.0, 0.0)
+    return (5.0 - fall + blow + noise * np.random.default_rng(seed).standard_normal(len(x))).tolist()
+
+
+def test_the_valley_rule_lands_in_the_falling_stretch():
+    lrs = np.logspace(-6, 0, 100)
+    c = suggest(lrs.tolist(), smooth(_curve(lrs), 0.0))
+    assert 1e-4 < c["valley"] < 1e-2  # inside the fall, short of the blow-up
+    assert c["minimum"] > c["valley"] and c["min/10"] == pytest.approx(c["minimum"] / 10)
+    assert 3e-4 < c["steepest"] < 3e-3  # the slope is steepest at the centre, 1e-3
+    assert suggest(lrs[:3].tolist(), [1.0, 1.0, 1.0]) == {}
+
+
+def test_the_diagnosis_tells_noisy_from_smooth_and_slow():
+    lrs = np.logspace(-6, 0, 100)
+    noisy = _curve(lrs, noise=0.8)
+    assert diagnose(noisy, smooth(noisy, 0.9))["verdict"].startswith("noisy")
+    slow = (5.0 - 0.2 * np.clip(np.log10(lrs) + 4, 0, None) / 4).tolist()  # smooth, falls 4% only
+    assert diagnose(slow, smooth(slow, 0.9))["verdict"].startswith("smooth but slow")
+    clean = _curve(lrs, noise=0.01)
+    assert diagnose(clean, smooth(clean, 0.9))["verdict"].startswith("balanced")
+
+
+def test_outputs_are_a_png_and_json(tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    result = lr_range_test(_trainer(tiny, tmp_path), FAST)
+    js, png = write_outputs(result, tmp_path / "out")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads(js.read_text())
+    assert doc["suggested_lr"] == result.suggested_lr and len(doc["lrs"]) == len(doc["losses"]) == len(result.lrs)
+    assert {"rule", "stop", "candidates", "diagnosis", "smoothed_losses"} <= doc.keys()
+
+
+# ------------------------------------------------------------------------------ budget finder
+class FakeMeter:
+    """Peak bytes as a function of the budget probed: ``base + per_slot x budget`` (+ ``jump`` above
+    ``jump_at``), so the search can be checked exactly; the probes still run real steps."""
+
+    base, per_slot, jump_at, jump = 100_000_000, 1000, None, 0
+    budget = 0  # set by the test's ``worst``
+    overruns: list = []
+
+    def __init__(self, device):
+        self.device = device
+
+    def limit(self, limit_gb, margin):
+        return int(limit_gb * 1e9 * (1 - margin))
+
+    def reset(self):
+        pass
+
+    def peak(self):
+        extra = self.jump if self.jump_at is not None and FakeMeter.budget > self.jump_at else 0
+        return self.base + self.per_slot * FakeMeter.budget + extra
+
+    def now(self):
+        return self.base
+
+
+@pytest.fixture
+def fake_meter(monkeypatch):
+    from densebatch.train import budget_finder
+
+    class Meter(FakeMeter):
+        pass
+
+    monkeypatch.setattr(budget_finder, "MemoryMeter", Meter)
+    return Meter
+
+
+def _budget_setup(tiny, max_rows=None):
+    from densebatch.train.optim import build_optimizer
+
+    class Model(tiny.TinyLM):
+        def token_losses(self, batch):
+            if max_rows is not None and batch.num_rows > max_rows:
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+            return super().token_losses(batch)
+
+    model = Model()
+    optimizer = build_optimizer(model, _cfg())
+    docs = tiny.make_docs(64, seed=9)
+
+    def worst(budget: int):
+        FakeMeter.budget = budget
+        return [tiny.collate(docs[: max(1, min(64, budget // 1000))])]
+
+    return model, optimizer, worst, (lambda b: max(1000, min(10**7, b // 64 * 64)))
+
+
+def test_the_budget_is_the_largest_that_fits_and_no_probe_aims_past_the_limit(tiny, fake_meter):
+    from densebatch.train.budget_finder import find_budget
+
+    model, optimizer, worst, snap = _budget_setup(tiny)
+    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
+    most = (0.2e9 - FakeMeter.base) / FakeMeter.per_slot  # 100,000 slots
+    assert 0.9 * most <= result.budget <= most
+    assert all(p.fits for p in result.probes)  # a straight line is never overshot
+    assert [p.budget for p in result.probes] == sorted(p.budget for p in result.probes)
+    assert max(p.budget / q.budget for p, q in zip(result.probes[1:], result.probes)) <= 2.0
+
+
+def test_after_an_overrun_the_search_bisects_below_it(tiny, fake_meter):
+    from densebatch.train.budget_finder import find_budget
+
+    fake_meter.jump_at, fake_meter.jump = 50_000, 60_000_000  # a step the line cannot predict
+    model, optimizer, worst, snap = _budget_setup(tiny)
+    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
+    assert 50_000 / 1.1 <= result.budget <= 50_000
+    assert any(not p.fits for p in result.probes) and all(p.peak_gb[0] <= 0.2 for p in result.probes if p.fits)
+
+
+def test_an_out_of_memory_error_in_a_probe_means_too_large(tiny, fake_meter):
+    from densebatch.train.budget_finder import find_budget
+
+    model, optimizer, worst, snap = _budget_setup(tiny, max_rows=20)  # a budget of 21,000+ raises
+    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=10.0, margin=0.0, max_probes=12)
+    assert 18_000 <= result.budget < 21_000
+    assert any(not p.fits and p.tokens_per_s is None for p in result.probes)
+
+
+def test_the_finder_leaves_model_optimizer_memory_and_rngs_as_they_were(tiny, tmp_path):
+    """Real memory (no fake meter): weights bit for bit, optimizer state and rates, the bytes held by
+    parameters, gradients and optimizer state (within 1%: here exactly), every RNG."""
+    from densebatch.train.budget_finder import find_budget
+    from densebatch.train.state import rank_state_bytes
+
+    t = _trainer(tiny, tmp_path)
+    t.train_step(t.next_step())  # the optimizer has state
+    t.optimizer.zero_grad(set_to_none=True)
+    model, optimizer = t.model, t.optimizer
+    before = _state(t)
+    held = rank_state_bytes(model, optimizer)
+    docs = tiny.make_docs(32, seed=2)
+    result = find_budget(
+        model, optimizer, lambda b: [tiny.collate(docs[: b // 100])], lambda b: min(3200, b // 100 * 100), 100, 3200,
+        limit_gb=64.0, margin=0.1, max_probes=4,
+    )  # fmt: skip
+    assert len(result.probes) == 4 and result.budget == result.probes[-1].budget
+    assert abs(rank_state_bytes(model, optimizer) - held) <= 0.01 * held
+    after = _state(t)
+    for key in ("model", "optimizer", "rng", "grads"):
+        assert _same(before[key], after[key]), key
+
+
+def test_when_even_the_smallest_budget_does_not_fit_it_says_what_to_set(tiny, fake_meter):
+    from densebatch.errors import UserError
+    from densebatch.train.budget_finder import find_budget
+
+    model, optimizer, worst, snap = _budget_setup(tiny)
+    with pytest.raises(UserError, match="even the smallest budget .* raise the limit"):
+        find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.05, margin=0.0)
