@@ -331,7 +331,7 @@ class FinderConfig:
     lr_start: float = _f(1e-6, "Range test: the first learning rate.", minimum=0.0)
     lr_end: float = _f(1.0, "Range test: the last learning rate (reached only if the loss never diverges).", minimum=0.0)
     lr_steps: int = _f(100, "Range test: optimizer steps from lr_start to lr_end (rates grow exponentially).", minimum=2)
-    smoothing: float = _f(0.9, "Range test: weight of the loss's exponential moving average, in [0, 1).", minimum=0.0)
+    smoothing: float = _f(0.8, "Range test: weight of the loss's exponential moving average, in [0, 1).", minimum=0.0)
     diverge: float = _f(
         4.0, "Range test: stop when the smoothed loss exceeds this times its minimum (or, after falling, its start).", minimum=1.0
     )

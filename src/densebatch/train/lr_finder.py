@@ -4,7 +4,8 @@
 data, model and optimizer, the ``k``-th at ``lr_start × (lr_end / lr_start) ** (k / (lr_steps - 1))``
 (one rate per optimizer step, however many batches a step accumulates; each parameter group at that
 rate × its ``lr_mult``). The loss is smoothed by a bias-corrected exponential moving average; the test
-stops once the smoothed loss exceeds ``diverge`` × its minimum, or a loss is not finite. Under
+stops once the smoothed loss exceeds ``diverge`` × its minimum, climbs back above where it started
+after falling (a clipped loss may saturate instead of blowing up), or a loss is not finite. Under
 torchrun every rank sees the same all-reduced loss, and the stop is agreed (``Distributed.agree``),
 so all ranks take the same steps.
 
@@ -13,15 +14,17 @@ optimizer's state and hyper-parameters, every named trainer part (``Trainer.part
 clipper, scaler, ...), every RNG and the train/eval mode; afterwards all of it is put back, so the
 run that follows is bit for bit the one that would have run without the test.
 
-The suggestion (``suggest``): the **valley** rule. The longest stretch over which the smoothed loss
-keeps decreasing is the range where the rate trains well; its point 1/2 of the way down (fastai's
-``valley``) is fast yet short of where the loss turns. Two other rules are reported beside it and
-not used: the **minimum ÷ 10** (the rate at the loss minimum is already too high to train at; a
-tenth of it is the classic rule, but the minimum of a noisy curve moves by steps of half a decade)
-and the **steepest descent** (the noisiest: one step's slope decides). docs/finders.md compares
-all three with a grid of training runs. Then ``diagnose`` reads the curve for the step size: loss
-noise at small rates, where the weights barely move, is batch-to-batch noise (steps too small); a
-smooth curve that falls little before diverging suggests steps larger than needed.
+The suggestion (``suggest``): the **steepest descent**, measured robustly: on the curve smoothed
+forwards and backwards (``centred``: no lag), the half-decade of rates over which the loss falls the
+most; its geometric middle is suggested, capped at a third of the rate of the loss minimum. That is
+the fastest rate at which the loss still falls reliably, short of where it turns. A one-step slope
+would be the noisiest rule of all, and a lagging average shifts every point to the right. Reported
+beside it, not used: the **minimum ÷ 10** (the classic rule; the minimum of a noisy curve moves by
+half a decade with the smoothing) and fastai's **valley** (half-way down the longest falling stretch,
+which a long flat start drags to rates that barely train). docs/finders.md compares them with grids
+of training runs. ``diagnose`` reads the curve for the step size: loss noise at small rates, where
+the weights barely move, is batch-to-batch noise (steps too small); a smooth curve that falls little
+before diverging suggests steps larger than needed.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
 NOISY, SLOW = 0.10, 0.25  # diagnosis thresholds: relative step-to-step noise; relative fall of the loss
+SPAN, CAP = 0.5, 3.0  # the steepest fall is measured over half a decade of rates; at most the minimum's rate / 3
+STEEPEST = "steepest descent: the middle of the half-decade of rates over which the lag-free smoothed loss falls most"
 
 
 class TrainerSnapshot:
@@ -80,7 +85,7 @@ class LRFinderResult:
     losses: list[float]  # per optimizer step, all ranks
     smoothed: list[float]
     stop: str  # why the test ended
-    candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (valley, min/10, steepest)
+    candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (steepest, min/10, valley)
     diagnosis: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -92,7 +97,7 @@ class LRFinderResult:
             f"learning-rate range test: {len(self.lrs)} steps from {self.lrs[0]:.2e} to {self.lrs[-1]:.2e}; {self.stop}",
             f"suggested learning rate: {self.suggested_lr:.3g} ({self.rule})",
             "  other rules (not used): "
-            + ", ".join(f"{k} {c[k]:.3g}" for k in ("min/10", "steepest") if k in c)
+            + ", ".join(f"{k} {c[k]:.3g}" for k in ("min/10", "valley") if k in c)
             + (f"; the smoothed loss was lowest at {c['minimum']:.3g}" if "minimum" in c else ""),
             f"batch size: {d.get('verdict', 'n/a')}",
         ]
@@ -144,7 +149,7 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
                 if log is not None and len(lrs) % 10 == 0:
                     log(f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}")
                 smoothed = smooth([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
-                best, start = min(best, smoothed[-1]), smoothed[0]
+                best, start = min(best, smoothed[-1]), float(np.mean(losses[:5]))
                 # A clipped loss may never blow up: back above where it started (after falling) is divergence too.
                 back = best < 0.9 * start and smoothed[-1] > start
                 diverged = not math.isfinite(loss) or smoothed[-1] > finder.diverge * best or back
@@ -158,8 +163,8 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     if not candidates:
         raise ValueError("the range test took too few steps to suggest a rate: lower finder.lr_start or raise finder.lr_steps")
     result = LRFinderResult(
-        suggested_lr=candidates["valley"],
-        rule="valley: 1/2 of the way down the longest stretch over which the smoothed loss keeps falling",
+        suggested_lr=candidates["steepest"],
+        rule=STEEPEST,
         lrs=lrs,
         losses=losses,
         smoothed=smoothed,
@@ -194,8 +199,9 @@ def _step(trainer: Any, it, lr: float) -> float | None:
 
 
 def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
-    """Each rule's rate: ``valley`` (the one used), ``min/10`` and ``steepest`` (see the module docstring).
-    The points after the minimum's divergence are left out (the curve there measures the blow-up)."""
+    """Each rule's rate: ``steepest`` (the one used), ``min/10``, ``valley``, and the loss ``minimum``'s
+    rate (see the module docstring), from the lag-free smoothed curve. Only the points up to the
+    minimum count for the steepest fall (past it the curve measures the blow-up)."""
     y = np.asarray(smoothed, dtype=np.float64)
     n = len(y)
     if n < 5 or not np.isfinite(y).any():
@@ -210,14 +216,16 @@ def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
     end = int(np.argmax(run))
     start = end - int(run[end]) + 1
     valley = start + (end - start) // 2
-    x = np.log10(np.asarray(lrs))
-    slopes = np.gradient(y[: lo + 1], x[: lo + 1]) if lo >= 2 else np.zeros(1)
-    half = int(np.argmax(y[: lo + 1] <= y[0] - 0.5 * (y[0] - y[lo])))  # first point halfway down the fall
+    x = np.log10(np.asarray(lrs, dtype=np.float64))
+    k = max(1, int(round(SPAN / max(1e-12, (x[-1] - x[0]) / (n - 1)))))  # points per half decade
+    k = min(k, max(1, lo))
+    fall = y[k : lo + 1] - y[: lo + 1 - k]  # change of the loss over each half-decade window before the minimum
+    i = int(np.argmin(fall)) if len(fall) else 0
+    steepest = min(10 ** ((x[i] + x[min(n - 1, i + k)]) / 2), float(lrs[lo]) / CAP)
     return {
-        "valley": float(lrs[valley]),
+        "steepest": float(steepest),
         "min/10": float(lrs[lo]) / 10.0,
-        "steepest": float(lrs[int(np.argmin(slopes))]),
-        "half-fall": float(lrs[half]),
+        "valley": float(lrs[valley]),
         "minimum": float(lrs[lo]),
     }
 
@@ -267,8 +275,8 @@ def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Pa
     ax = fig.add_subplot(1, 1, 1)
     ax.plot(result.lrs, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (per step)")
     ax.plot(result.lrs, result.smoothed, color="tab:blue", linewidth=1.8, label="loss (smoothed)")
-    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} (valley)")
-    for name, style in (("min/10", ":"), ("steepest", "-.")):
+    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} (steepest)")
+    for name, style in (("min/10", ":"), ("valley", "-.")):
         if name in result.candidates:
             ax.axvline(
                 result.candidates[name], color="gray", linestyle=style, linewidth=1, label=f"{name} {result.candidates[name]:.2g}"
