@@ -81,3 +81,26 @@ def test_overrides_reach_one_source_and_errors_name_the_key(mixture, capsys):
         assert main(["prepare", str(mixture), arg]) == 2
         err = capsys.readouterr().err
         assert message.split(":")[0] in err and "Traceback" not in err and err.count("\n") == 1, arg
+
+
+def test_training_records_the_loss_of_each_source_and_their_token_weighted_mean_is_the_loss(mixture, tmp_path, capsys):
+    """The issue's check: weights 3 and 1, metrics.jsonl has loss_by_source with both names; the mean of the
+    per-source losses weighted by their loss tokens equals the step's loss (1e-6); eval reports per source."""
+    out = tmp_path / "run"
+    args = ["train", str(mixture), f"--output_dir={out}", "--train.max_steps=3", "--train.progress=false"]
+    args += ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=256", "--data.eval_fraction=0.1"]
+    assert main(args) == 0
+    assert "source web" in capsys.readouterr().out  # the console summary shows eval per source
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["kind"] == "train"]
+    assert len(train) == 3
+    for r in train:
+        losses, shares = r["loss_by_source"], r["loss_tokens_share_by_source"]
+        assert set(losses) == set(shares) == {"web", "code-v2"}
+        assert sum(shares.values()) == pytest.approx(1.0)
+        mean = sum(losses[n] * shares[n] for n in losses if losses[n] is not None)
+        assert mean == pytest.approx(r["loss"], rel=1e-6)
+    ev = [r for r in records if r["kind"] == "eval"][-1]
+    assert set(ev["loss_by_source"]) == {"web", "code-v2"}
+    weighted = sum(ev["loss_by_source"][n] * ev["tokens_by_source"][n] for n in ev["loss_by_source"]) / ev["tokens"]
+    assert weighted == pytest.approx(ev["loss"], rel=1e-6)

@@ -158,7 +158,12 @@ def eval_command(cfg: RunConfig, args) -> int:
     settings = full_context_settings(PlanSettings.from_config(cfg.batching), int(np.max(prepared.eval.lengths)))
     loader = StepLoader(prepared.eval, settings, collator, seed=cfg.seed, prefetch=0)
     result = evaluate_batches(
-        model.to(device), loader.iter_epoch(0), device=device, precision=cfg.train.precision, max_batches=cfg.eval.max_batches
+        model.to(device),
+        loader.iter_epoch(0),
+        device=device,
+        precision=cfg.train.precision,
+        max_batches=cfg.eval.max_batches,
+        source_names=prepared.eval.source_names,
     )
     out = result.as_dict() | {"strategy": cfg.batching.strategy, "checkpoint": str(args.checkpoint), "weights": which}
     if args.json:
@@ -168,6 +173,8 @@ def eval_command(cfg: RunConfig, args) -> int:
             f"eval loss {result.loss:.6f}  ppl {result.ppl:.4f}  over {result.tokens} loss tokens "
             f"({result.batches} batches, strategy {cfg.batching.strategy}); weights: {which}"
         )
+        for name, loss in (result.loss_by_source or {}).items():
+            print(f"  source {name}: loss {loss:.6f} over {result.tokens_by_source[name]} loss tokens")
     return 0
 
 

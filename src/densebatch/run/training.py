@@ -154,7 +154,9 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
     t = cfg.train
     steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)
     collator = collator_from_config(cfg.batching, prepared.train.meta, cfg.seed)
-    loader = StepLoader(prepared.train, settings, collator, cfg.seed, steps, prefetch=cfg.batching.prefetch)
+    loader = StepLoader(
+        prepared.train, settings, collator, cfg.seed, steps, prefetch=cfg.batching.prefetch, weights=prepared.weights
+    )
     if prepared.eval is None:
         return loader, None
     eval_settings = full_context_settings(settings, int(np.max(prepared.eval.lengths)))
@@ -180,11 +182,11 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     cfg, resume_from = resolve_run(requested, overrides, resume, overwrite, dist)
     out = Path(cfg.output_dir)
     if dist.is_main:  # rank 0 prepares (or finds the cache); the others then read what it wrote
-        prepared = prepare(cfg.data)
+        prepared = prepare(cfg.data, cfg.seed)
         print(prepared.summary, flush=True)
     dist.barrier()
     if not dist.is_main:
-        prepared = prepare(cfg.data)
+        prepared = prepare(cfg.data, cfg.seed)
     tok = prepared.tokenizer
 
     seed_everything(cfg.seed)
@@ -203,12 +205,14 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         guard=AnomalyGuard(t.spike_zscore, t.spike_window, t.max_bad_steps),
         clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
         dist=dist, forward=forward, sinks=build_sinks(cfg, out) if dist.is_main else (),
+        source_names=prepared.train.source_names,
         batch_schedule=BatchSchedule.from_config(t),
     )  # fmt: skip
     cfg = resolve_lr(cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which it leaves as it was
     accuracy = None
     sharded = cfg.train.distributed == "fsdp" and dist.enabled  # generation would need every rank's shards
-    if cfg.data.path is None and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main and not sharded:
+    demo_data = cfg.data.path is None and not cfg.data.sources  # the embedded dataset, whose answers can be checked
+    if demo_data and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main and not sharded:
         accuracy = AccuracyCheck(prepared.eval_records, cfg.data, tok, cfg.eval.accuracy_samples)
 
         def answer(model, prompts):

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from densebatch.batch import Batch
+from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.errors import ConfigError
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -53,6 +53,28 @@ def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float beyond ~709
 
 
+def source_sums(batch: Batch, losses: Tensor, num_sources: int) -> Tensor:
+    """Per-source loss sums and loss-token counts of one batch: ``(2 * num_sources,)`` float64,
+    sums first. Exact over each source's targets (positions whose label is not -100); zeros for a
+    batch without ``source_ids`` (a null batch)."""
+    out = torch.zeros(2 * num_sources, dtype=torch.float64, device=losses.device)
+    if batch.source_ids is None or num_sources == 0:
+        return out
+    keep = batch.labels != IGNORE_INDEX  # (rows, T)
+    src = batch.source_ids[keep]  # (n,)
+    out[:num_sources] = torch.bincount(src, weights=losses.detach()[keep].double(), minlength=num_sources)
+    out[num_sources:] = torch.bincount(src, minlength=num_sources).double()
+    return out
+
+
+def by_source(sums: list[float], names: list[str]) -> tuple[dict[str, float | None], dict[str, float]]:
+    """(loss per source, share of the loss tokens per source) from all-reduced ``source_sums``."""
+    k = len(names)
+    total = sum(sums[k:]) or 1.0
+    loss = {n: (sums[i] / sums[k + i] if sums[k + i] > 0 else None) for i, n in enumerate(names)}
+    return loss, {n: sums[k + i] / total for i, n in enumerate(names)}
+
+
 @dataclass
 class EvalResult:
     loss: float  # summed CE / tokens
@@ -60,9 +82,12 @@ class EvalResult:
     tokens: int  # loss tokens
     real_tokens: int
     batches: int
+    loss_by_source: dict | None = None  # source name -> loss over that source's loss tokens (2+ sources)
+    tokens_by_source: dict | None = None  # source name -> its loss tokens
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        return {k: v for k, v in out.items() if v is not None}
 
 
 @torch.no_grad()
@@ -75,13 +100,15 @@ def evaluate(
     max_batches: int | None = None,
     all_reduce_sum: Callable[[Tensor], Tensor] | None = None,
     forward: Callable[[Batch], Tensor] | None = None,
+    source_names: list[str] | None = None,
 ) -> EvalResult:
     """Evaluate ``model.token_losses`` over ``batches`` (at most ``max_batches``) in eval mode.
 
     ``all_reduce_sum`` (identity by default) sums the (loss, tokens) totals over ranks, each rank
     evaluating its own shard (every rank must pass the same number of batches: FSDP gathers weights
     in each forward). ``forward`` replaces ``model.token_losses`` (the trainer passes its DDP / FSDP
-    wrapper). The model's train/eval mode is restored afterwards.
+    wrapper). With ``source_names`` (two or more sources) the loss is also reported per source.
+    The model's train/eval mode is restored afterwards.
     """
     forward = forward or model.token_losses
     if device is None:
@@ -89,7 +116,8 @@ def evaluate(
     device = torch.device(device)
     was_training = model.training
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, loss tokens, real tokens
+    k = len(source_names) if source_names and len(source_names) > 1 else 0
+    totals = torch.zeros(3 + 2 * k, dtype=torch.float64, device=device)  # loss sum, loss tokens, real tokens, sources
     n = 0
     try:
         for batch in batches:
@@ -101,13 +129,20 @@ def evaluate(
             totals[0] += losses.double().sum()
             totals[1] += batch.num_loss_tokens
             totals[2] += batch.num_real_tokens
+            if k:
+                totals[3:] += source_sums(batch, losses, k)
             n += 1
     finally:
         model.train(was_training)
     if all_reduce_sum is not None:
         totals = all_reduce_sum(totals)
-    loss_sum, tokens, real = totals.tolist()
+    values = totals.tolist()
+    loss_sum, tokens, real = values[:3]
     loss = loss_sum / tokens if tokens > 0 else math.nan
-    return EvalResult(
+    result = EvalResult(
         loss=loss, ppl=perplexity(loss) if tokens > 0 else math.nan, tokens=int(tokens), real_tokens=int(real), batches=n
     )
+    if k:
+        result.loss_by_source = by_source(values[3:], source_names)[0]
+        result.tokens_by_source = {name: int(c) for name, c in zip(source_names, values[3 + k :])}
+    return result

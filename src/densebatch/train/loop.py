@@ -27,13 +27,13 @@ from densebatch.batch import Batch, Step
 from densebatch.config import EvalConfig, TrainConfig
 from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.distributed import Distributed, TokenLosses
-from densebatch.train.evaluate import check_precision, evaluate
+from densebatch.train.evaluate import by_source, check_precision, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
 from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
 from densebatch.train.oom import accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
 from densebatch.train.schedule import BatchSchedule
-from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes
+from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes, step_record
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -74,6 +74,7 @@ class Trainer:
         console: bool = True,
         sinks: Iterable[Any] = (),
         batch_schedule: BatchSchedule | None = None,
+        source_names: list[str] | None = None,
     ):
         self.cfg, self.eval_cfg = cfg, eval_cfg or EvalConfig()
         self.dist = dist or Distributed()
@@ -91,6 +92,9 @@ class Trainer:
         self.guard = guard if guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
         self.clipper = clipper if clipper is not None else FixedClipper(cfg.grad_clip)
         self.eval_data, self.evaluate_fn = eval_data, evaluate_fn
+        # With two or more data sources, records carry the loss per source (exact over its loss tokens).
+        self.source_names = list(source_names) if source_names and len(source_names) > 1 else None
+        self.source_sums: torch.Tensor | None = None  # per-source loss sums and loss tokens of the current step
         self.after_step: Callable[[StepResult], None] | None = None
         self.output_dir = Path(output_dir)
         self.state = TrainState(total_steps=total_steps)
@@ -156,12 +160,17 @@ class Trainer:
         total = float(self.dist.all_reduce_sum(counts.to(self.device)).item())  # the normaliser of every batch
         # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
         denom = total / self.dist.world_size if total > 0 else 1.0
+        k = len(self.source_names) if self.source_names else 0
+        self.source_sums = torch.zeros(2 * k, dtype=torch.float64, device=self.device) if k else None
         loss, splits = accumulate(self, batches, denom)
         real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
         sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=self.device)  # CE sum, real tokens, slots
         sums[0] = loss
-        loss_sum, real, slots = self.dist.all_reduce_sum(sums).tolist()
-        return {
+        if k:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
+            sums = torch.cat([sums, self.source_sums])
+        values = self.dist.all_reduce_sum(sums).tolist()
+        loss_sum, real, slots = values[:3]
+        out = {
             "loss": loss_sum / total if total > 0 else math.nan,
             "loss_tokens": int(total),
             "real_tokens": int(real),
@@ -169,6 +178,9 @@ class Trainer:
             "batches": len(batches),
             "oom_splits": splits,
         }
+        if k:
+            out["loss_by_source"], out["loss_tokens_share_by_source"] = by_source(values[3:], self.source_names)
+        return out
 
     def _sync(self, last: bool) -> contextlib.AbstractContextManager:
         """Gradients are reduced over ranks on the step's last backward only (DDP ``no_sync``)."""
@@ -215,50 +227,16 @@ class Trainer:
         st = self.state
         now = self._clock()
         seconds = now - self._step_began
-        st.step += 1
-        st.batches_seen += step.num_batches or stats["batches"]
-        st.epoch = step.epoch
-        for key in ("real_tokens", "loss_tokens", "slot_tokens"):
-            setattr(st, key, getattr(st, key) + stats[key])
-        st.skipped_steps += outcome in (StepOutcome.SKIPPED, StepOutcome.OVERFLOW, StepOutcome.ROLLBACK)
-        st.empty_steps += outcome is StepOutcome.EMPTY
+        st.count(step, stats, outcome)
         self._session_tokens += stats["real_tokens"]
         self._session_seconds += seconds
-        if outcome is StepOutcome.APPLIED:
-            st.first_loss = stats["loss"] if st.first_loss is None else st.first_loss
-            st.last_loss = stats["loss"]
         t0, t1, t2 = times
-        rec = {
-            "kind": "train",
-            "step": st.step,
-            "outcome": str(outcome),
-            "loss": stats["loss"],
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "clip_limit": limit,
-            "loss_tokens": stats["loss_tokens"],
-            "real_tokens": stats["real_tokens"],
-            "slot_tokens": stats["slot_tokens"],
-            "fill_rate": stats["real_tokens"] / max(1, stats["slot_tokens"]),
-            "tokens_per_s": stats["real_tokens"] / seconds if seconds > 0 else 0.0,
-            "batches": step.num_batches or stats["batches"],
-            "epoch": step.epoch,
-            "elapsed_s": st.elapsed_s,
-            "data_wait_s": self._data_wait,
-            "fwd_bwd_s": t1 - t0,
-            "optimizer_s": t2 - t1,
-            "step_s": seconds,
-            **resource_usage(self.device),
-            **lr_record(self.optimizer, self.cfg),
-            **(self.batch_schedule.record() if self.batch_schedule is not None else {}),
-        }
-        if outcome not in (StepOutcome.APPLIED, StepOutcome.EMPTY):
-            rec["documents"] = list(step.documents)
+        timing = {"data_wait_s": self._data_wait, "fwd_bwd_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": seconds}
+        rec = step_record(st, step, stats, outcome, lr, grad_norm, limit, timing) | resource_usage(self.device)
+        rec |= lr_record(self.optimizer, self.cfg) | (self.batch_schedule.record() if self.batch_schedule is not None else {})
         if st.step == 1 or self._first_record:  # what this rank holds: 1/N of DDP's under FSDP
             rec["rank_state_gb"] = rank_state_bytes(self.model, self.optimizer) / 1e9
             self._first_record = False
-        if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/oom.py)
-            rec["oom_splits"] = stats["oom_splits"]
         self._write(rec, always=outcome is not StepOutcome.APPLIED or "oom_splits" in rec)
         self.console.step(rec, seconds)
         result = StepResult(outcome, rec, step)
@@ -294,6 +272,7 @@ class Trainer:
                 max_batches=self.eval_cfg.max_batches,
                 all_reduce_sum=self.dist.all_reduce_sum if self.dist.enabled else None,
                 forward=self.forward,
+                source_names=self.source_names,
             )
             rec.update(result.as_dict())
         if self.evaluate_fn is not None:

@@ -243,6 +243,9 @@ def format_summary(s: dict) -> str:
         for k, v in ev.items():
             if k not in _EVAL_BASE and isinstance(v, (int, float)) and not isinstance(v, bool):
                 lines.append(f"eval {k:<11} {v if isinstance(v, int) else fmt(v)}")  # counts stay integers
+        for name, loss in (ev.get("loss_by_source") or {}).items():  # per data source (2+ sources)
+            tokens = (ev.get("tokens_by_source") or {}).get(name, 0)
+            lines.append(f"  source {name:<9} loss {fmt(loss)}  ({_fmt_tokens(tokens)} tokens)")
     if s.get("best_eval_loss") is not None and ev and s["best_eval_loss"] != ev.get("loss"):
         lines.append(f"best eval loss   {fmt(s['best_eval_loss'])}")
     tps = s["session_real_tokens"] / s["session_seconds"] if s.get("session_seconds") else 0.0

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.errors import UserError
-from densebatch.train.evaluate import autocast, to_device
+from densebatch.train.evaluate import autocast, source_sums, to_device
 
 
 class RowTooLarge(UserError):
@@ -97,6 +97,7 @@ def split_rows(batch: Batch) -> list[Batch]:
                 num_real_tokens=max(1, round(batch.num_real_tokens * (b - a) / rows)),
                 single_doc_rows=bool(batch.single_doc_rows),
                 max_position=int(batch.positions[a:b].max()),
+                source_ids=None if batch.source_ids is None else batch.source_ids[a:b],
             )
         )
     return out
@@ -143,6 +144,8 @@ def accumulate(trainer: Any, batches: list[Batch], denom: float) -> tuple[Tensor
     while True:
         trainer.optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
+        if trainer.source_sums is not None:
+            trainer.source_sums.zero_()  # a replayed step counts its sources afresh
         replay = False
         for i, parts in enumerate(pieces):
             j = 0
@@ -178,6 +181,8 @@ def _pass(trainer: Any, batch: Batch, denom: float, last: bool, stage: _Stage) -
     with trainer._sync(last), autocast(trainer.device, trainer.cfg.precision):
         losses = trainer.forward(batch)  # (rows, T) float32, 0 where label == -100
     summed = losses.float().sum()
+    if trainer.source_sums is not None:
+        trainer.source_sums += source_sums(batch, losses, len(trainer.source_names))
     stage.backward = True
     trainer.scaler.scale(summed / denom).backward()
     return summed.detach().double()

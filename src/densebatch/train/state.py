@@ -51,6 +51,20 @@ class TrainState:
     last_eval: dict | None = None
     elapsed_s: float = 0.0  # wall time over all sessions
 
+    def count(self, step: Step, stats: dict, outcome: StepOutcome) -> None:
+        """Add a finished step (its stats over all ranks) to the counters."""
+        self.step += 1
+        self.batches_seen += step.num_batches or stats["batches"]
+        self.epoch = step.epoch
+        self.real_tokens += stats["real_tokens"]
+        self.loss_tokens += stats["loss_tokens"]
+        self.slot_tokens += stats["slot_tokens"]
+        self.skipped_steps += outcome in (StepOutcome.SKIPPED, StepOutcome.OVERFLOW, StepOutcome.ROLLBACK)
+        self.empty_steps += outcome is StepOutcome.EMPTY
+        if outcome is StepOutcome.APPLIED:
+            self.first_loss = stats["loss"] if self.first_loss is None else self.first_loss
+            self.last_loss = stats["loss"]
+
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -84,3 +98,36 @@ def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters() if p.grad is not None]
     tensors += [local(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, Tensor)]
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def step_record(st: TrainState, step: Step, stats: dict, outcome: StepOutcome, lr, grad_norm, limit, timing: dict) -> dict:
+    """The ``"kind": "train"`` record of a finished step (figures over all ranks); the documents of a
+    step whose update was not applied, for a post-mortem; per-source losses and out-of-memory splits
+    when there are any."""
+    seconds = timing["step_s"]
+    rec = {
+        "kind": "train",
+        "step": st.step,
+        "outcome": str(outcome),
+        "loss": stats["loss"],
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "clip_limit": limit,
+        "loss_tokens": stats["loss_tokens"],
+        "real_tokens": stats["real_tokens"],
+        "slot_tokens": stats["slot_tokens"],
+        "fill_rate": stats["real_tokens"] / max(1, stats["slot_tokens"]),
+        "tokens_per_s": stats["real_tokens"] / seconds if seconds > 0 else 0.0,
+        "batches": step.num_batches or stats["batches"],
+        "epoch": step.epoch,
+        "elapsed_s": st.elapsed_s,
+        **timing,
+    }
+    if outcome not in (StepOutcome.APPLIED, StepOutcome.EMPTY):
+        rec["documents"] = list(step.documents)
+    for key in ("loss_by_source", "loss_tokens_share_by_source"):
+        if key in stats:
+            rec[key] = stats[key]
+    if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/oom.py)
+        rec["oom_splits"] = stats["oom_splits"]
+    return rec
