@@ -8,6 +8,7 @@
     densebatch find-batch [CONFIG]   (largest max_tokens_per_batch the memory holds, and throughput)
     densebatch eval     CONFIG --checkpoint DIR [--json]
     densebatch generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--raw]
+    densebatch export   RUN_DIR OUT
     densebatch config   [CONFIG] [--keys]
 
 With no CONFIG, the embedded default (a built-in instruction dataset and a small GPT) is used.
@@ -98,6 +99,15 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--top-k", type=int, default=None)
     sp.add_argument("--raw", action="store_true", help="send the prompt verbatim instead of through the run's template")
+
+    sp = sub.add_parser(
+        "export",
+        help="Write a trained model as a Hugging Face model directory (from_pretrained / AutoTokenizer load it).",
+        description="Write a trained model (final model, checkpoint or output_dir) as a Hugging Face model directory: "
+        "the reference GPT as GPT-2, a Hugging Face model with save_pretrained; its tokenizer beside it.",
+    )
+    sp.add_argument("checkpoint", metavar="RUN_DIR", help="an output_dir, a final model dir or a checkpoint dir")
+    sp.add_argument("out", metavar="OUT", help="directory to write (must not exist, or be empty)")
 
     sp = with_config("config", "Print the resolved configuration (or every key with its help).")
     sp.add_argument("--keys", action="store_true", help="list every key, its default and what it means")

@@ -34,6 +34,12 @@ def dispatch(args, overrides: list[str]) -> int:
 
             raise UserError("generate takes no --section.key overrides: it uses the checkpoint's configuration")
         return commands.generate_command(args)
+    if cmd == "export":
+        if overrides:
+            from densebatch.errors import UserError
+
+            raise UserError("export takes no --section.key overrides: it uses the run's configuration")
+        return commands.export_command(args)
     if cmd == "train":
         from densebatch.run.training import train
 

@@ -207,3 +207,23 @@ def generate_command(args) -> int:
         )
     print(tok.decode([i for i in new if i != tok.eos_id]))
     return 0
+
+
+def export_command(args) -> int:
+    """``densebatch export RUN_DIR OUT``: a Hugging Face model directory with the run's tokenizer."""
+    from densebatch.atomic import staged_dir
+    from densebatch.model import GPT
+    from densebatch.model.export import export_gpt_as_hf
+
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"{out}: exists and is not empty; export writes a new directory")
+    model, tok, _, which = load_trained(args.checkpoint)
+    with staged_dir(out) as tmp:
+        if isinstance(model, GPT):
+            export_gpt_as_hf(model, tmp, eos_id=tok.eos_id, pad_id=tok.pad_id)
+        else:
+            model.save(tmp)  # Hugging Face models: save_pretrained (LoRA adapters merged)
+        tok.save(tmp)
+    print(f"exported {which} to {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)")
+    return 0
