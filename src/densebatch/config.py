@@ -273,6 +273,12 @@ class TrainConfig:
     )
     grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
     loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
+    label_smoothing: float = _f(
+        0.0,
+        "Label smoothing of the training loss, in [0, 1): the target distribution is (1 - e) onehot + e / vocab "
+        "(as torch's cross_entropy); per token, so exact under any batching. Evaluation reports plain cross-entropy.",
+        minimum=0.0,
+    )
     grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
     grad_clip_mode: Literal["fixed", "adaptive"] = _f(
         "fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics)."
@@ -496,6 +502,8 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(
             f"batching.max_tokens_per_batch: expected at least batching.seq_len ({b.seq_len}) so one packed row fits; got {b.max_tokens_per_batch}"
         )
+    if not 0.0 <= cfg.train.label_smoothing < 1.0:
+        raise ConfigError(f"train.label_smoothing: expected a number in [0, 1); got {cfg.train.label_smoothing}")
     if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
         raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
     _check_schedules(cfg)

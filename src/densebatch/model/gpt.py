@@ -171,6 +171,8 @@ class GPT(nn.Module):
         the first segment of every row is padding (then plain causal attention is exact)."""
         return self.lm_head(self.hidden_states(input_ids, positions, single_doc_rows, cache))
 
+    label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
+
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
 
@@ -180,9 +182,10 @@ class GPT(nn.Module):
         """
         single = rows_hold_one_document(batch)
         h = self.hidden_states(batch.input_ids, batch.positions, single, max_position=batch.max_position)  # (rows, T, C)
+        eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         if self.cfg.loss_head == "plain":
-            return plain_head_token_losses(h, batch.labels, self.lm_head)
-        return head_token_losses(h, batch.labels, self.lm_head.weight, None, batch.num_loss_tokens)
+            return plain_head_token_losses(h, batch.labels, self.lm_head, eps)
+        return head_token_losses(h, batch.labels, self.lm_head.weight, None, batch.num_loss_tokens, label_smoothing=eps)
 
     # -------------------------------------------------------------------------------- structure
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:

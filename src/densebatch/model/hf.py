@@ -126,6 +126,8 @@ class HFCausalLM(nn.Module):
         """Logits (rows, T, vocab), each document attending only to itself."""
         return self.hf(**self._inputs(input_ids, positions, single_doc_rows)).logits
 
+    label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
+
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
 
@@ -133,14 +135,15 @@ class HFCausalLM(nn.Module):
         the fused chunked head unless ``loss_head="plain"``; others compute the model's own logits.
         """
         inputs = self._inputs(batch.input_ids, batch.positions, rows_hold_one_document(batch))
+        eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         if not self._hidden_path:
             logits = self.hf(**inputs).logits  # (rows, T, vocab)
-            return plain_head_token_losses(logits, batch.labels, nn.Identity())
+            return plain_head_token_losses(logits, batch.labels, nn.Identity(), eps)
         h = self.hf.base_model(**inputs).last_hidden_state  # (rows, T, C)
         head = self.hf.get_output_embeddings()
         if self.loss_head == "plain" or type(head) is not nn.Linear:
-            return plain_head_token_losses(h, batch.labels, head)
-        return head_token_losses(h, batch.labels, head.weight, head.bias, batch.num_loss_tokens)
+            return plain_head_token_losses(h, batch.labels, head, eps)
+        return head_token_losses(h, batch.labels, head.weight, head.bias, batch.num_loss_tokens, label_smoothing=eps)
 
     # -------------------------------------------------------------------------------- structure
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:

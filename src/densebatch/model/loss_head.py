@@ -61,14 +61,17 @@ class _FusedLinearCE(torch.autograd.Function):
     against ``targets`` (n,) at ``idx``, 0 elsewhere."""
 
     @staticmethod
-    def forward(ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk: int, dtype, need_grad):
+    def forward(
+        ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk: int, dtype, need_grad, eps
+    ):
         # h: (N, C) all positions; idx: (n,) positions with a target. ``dtype``: what autocast asked
         # for outside; autocast is switched off in here so that every cast below is explicit.
+        # ``eps``: label smoothing (the target distribution (1 - eps) onehot + eps / V, as torch's).
         with torch.autocast(h.device.type, enabled=False):
-            return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad)
+            return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad, eps)
 
     @staticmethod
-    def _forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad: bool) -> Tensor:
+    def _forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad: bool, eps: float) -> Tensor:
         n = idx.numel()
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
@@ -81,6 +84,8 @@ class _FusedLinearCE(torch.autograd.Function):
             yc = targets[a : a + chunk]  # (c,)
             z = F.linear(hc, w, b).float()  # (c, V) the only logits alive
             target_logit = z.gather(1, yc[:, None]).squeeze(1)  # (c,)
+            if eps:  # smoothed: (1 - eps) z_y + eps mean(z) is the target's share of the logits
+                target_logit = (1.0 - eps) * target_logit + eps * z.mean(dim=1)
             zmax = z.amax(dim=1, keepdim=True)  # (c, 1)
             z.sub_(zmax).exp_()  # (c, V) exp(z - max), in place
             total = z.sum(dim=1, keepdim=True)  # (c, 1)
@@ -88,7 +93,7 @@ class _FusedLinearCE(torch.autograd.Function):
             if not need_grad:
                 continue
             z.div_(total)  # softmax
-            z[torch.arange(yc.numel(), device=z.device), yc] -= 1.0  # d loss / d logits
+            _subtract_target(z, yc, eps)  # d loss / d logits
             d = z.to(dtype)  # (c, V)
             grad_h[a : a + chunk] = (d @ w).to(h.dtype)
             if dtype == torch.float32:
@@ -97,7 +102,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 grad_w += (d.t() @ hc).float()
             if grad_b is not None:
                 grad_b += d.sum(0, dtype=torch.float32)
-        ctx.chunk, ctx.dtype, ctx.has_bias = chunk, dtype, bias is not None
+        ctx.chunk, ctx.dtype, ctx.has_bias, ctx.eps = chunk, dtype, bias is not None, eps
         ctx.save_for_backward(h, weight, bias, idx, targets)
         # The forward's gradient sums are this Function's own buffers, held on ctx (not as saved
         # tensors) so that backward can scale them in place and drop them.
@@ -126,7 +131,7 @@ class _FusedLinearCE(torch.autograd.Function):
             grad_h_sel = grad_h_unit.mul_(scale.to(grad_h_unit.dtype))  # (n, C)
         else:  # recompute the weight gradient with each token's own weight (exact, one more projection)
             with torch.autocast(h.device.type, enabled=False):
-                grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, g, ctx.chunk, ctx.dtype)
+                grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, g, ctx.chunk, ctx.dtype, ctx.eps)
             grad_h_sel = grad_h_unit * g[:, None].to(grad_h_unit.dtype)
         grad_h = None
         if ctx.needs_input_grad[0]:
@@ -140,10 +145,18 @@ class _FusedLinearCE(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
-def _weighted_head_grads(h, weight, bias, idx, targets, g, chunk, dtype) -> tuple[Tensor, Tensor | None]:
+def _subtract_target(probs: Tensor, targets: Tensor, eps: float) -> None:
+    """softmax - target distribution, in place: ``(1 - eps)`` at the target, ``eps / V`` everywhere."""
+    probs[torch.arange(targets.numel(), device=probs.device), targets] -= 1.0 - eps
+    if eps:
+        probs.sub_(eps / probs.shape[1])
+
+
+def _weighted_head_grads(h, weight, bias, idx, targets, g, chunk, dtype, eps: float) -> tuple[Tensor, Tensor | None]:
     """sum_i g_i (softmax_i - onehot_i)^T [h_i, 1], recomputing each chunk's logits."""
     w = weight.to(dtype)
     b = None if bias is None else bias.to(dtype)
@@ -153,7 +166,7 @@ def _weighted_head_grads(h, weight, bias, idx, targets, g, chunk, dtype) -> tupl
         hc = h.index_select(0, idx[a : a + chunk]).to(dtype)  # (c, C)
         yc = targets[a : a + chunk]
         d = torch.softmax(F.linear(hc, w, b).float(), dim=1)  # (c, V)
-        d[torch.arange(yc.numel(), device=d.device), yc] -= 1.0
+        _subtract_target(d, yc, eps)
         d.mul_(g[a : a + chunk, None])
         grad_w += (d.to(dtype).t() @ hc).float()
         if grad_b is not None:
@@ -168,9 +181,11 @@ def head_token_losses(
     bias: Tensor | None = None,
     num_loss_tokens: int | None = None,
     chunk_tokens: int | None = None,
+    label_smoothing: float = 0.0,
 ) -> Tensor:
     """Cross-entropy per position of ``h`` (rows, T, C) through the head, float32, 0 where the
-    label is -100. (rows, T). ``num_loss_tokens`` (the batch's count) spares a host synchronisation."""
+    label is -100. (rows, T). ``num_loss_tokens`` (the batch's count) spares a host synchronisation;
+    ``label_smoothing`` as ``F.cross_entropy``'s (per token, so exact under any batching)."""
     rows, T, C = h.shape
     flat_labels = labels.reshape(-1)  # (N,)
     keep = flat_labels != IGNORE_INDEX  # (N,)
@@ -182,14 +197,16 @@ def head_token_losses(
     # Gradient work happens in the forward pass, so it must know now whether a backward will follow.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
     targets = flat_labels.index_select(0, idx)  # (n,)
-    out = _FusedLinearCE.apply(h.reshape(rows * T, C), weight, bias, idx, targets, chunk, _compute_dtype(h), need_grad)
+    out = _FusedLinearCE.apply(
+        h.reshape(rows * T, C), weight, bias, idx, targets, chunk, _compute_dtype(h), need_grad, float(label_smoothing)
+    )
     return out.view(rows, T)  # (N,) -> (rows, T)
 
 
-def plain_head_token_losses(h: Tensor, labels: Tensor, head: torch.nn.Module) -> Tensor:
+def plain_head_token_losses(h: Tensor, labels: Tensor, head: torch.nn.Module, label_smoothing: float = 0.0) -> Tensor:
     """The reference path: project the positions with a target, float32 cross-entropy. (rows, T)"""
     keep = labels != IGNORE_INDEX  # (rows, T)
     logits = head(h[keep]).float()  # (n, vocab); fp32 even under autocast
     out = torch.zeros(labels.shape, dtype=torch.float32, device=h.device)  # (rows, T)
-    out[keep] = F.cross_entropy(logits, labels[keep], reduction="none")
+    out[keep] = F.cross_entropy(logits, labels[keep], reduction="none", label_smoothing=label_smoothing)
     return out

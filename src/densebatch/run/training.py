@@ -192,6 +192,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     seed_everything(cfg.seed)
     model = build_model(cfg.model, tok.vocab_size)
     check_context(model, cfg, prepared)
+    model.label_smoothing = cfg.train.label_smoothing
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
     model.to(device)
     cfg = resolve_budget(cfg, model, prepared, dist)  # batching.max_tokens_per_batch: auto, before any wrapping
