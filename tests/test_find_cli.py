@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -120,8 +121,10 @@ def test_the_budget_keeps_the_process_under_its_memory_limit_on_a_gpt2_vocabular
             f"--output_dir={tmp_path / 'out'}", f"--data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
     r = subprocess.run([sys.executable, "-c", PEAK, *args], env=_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    peak = float(r.stdout.rsplit("PEAK_RSS_GB", 1)[1])
-    assert 0.6 * limit <= peak < limit, r.stdout[-3000:]
+    # Probes reset the kernel's high-water mark (getrusage too): the true peak includes every probe's.
+    probes = [float(x) for x in re.findall(r"probe \d+ slots: peak ([\d.]+) GB", r.stdout)]
+    peak = max([float(r.stdout.rsplit("PEAK_RSS_GB", 1)[1]), *probes])
+    assert len(probes) >= 3 and 0.6 * limit <= peak < limit, r.stdout[-3000:]
     assert isinstance(_saved(tmp_path / "out")["batching"]["max_tokens_per_batch"], int)
 
 

@@ -221,7 +221,7 @@ def test_the_budget_is_the_largest_that_fits_and_no_probe_aims_past_the_limit(ti
     model, optimizer, worst, snap = _budget_setup(tiny)
     result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
     most = (0.2e9 - FakeMeter.base) / FakeMeter.per_slot  # 100,000 slots
-    assert 0.9 * most <= result.budget <= most
+    assert 0.9 * most <= result.budget <= most and result.stop.startswith("converged")
     assert all(p.fits for p in result.probes)  # a straight line is never overshot
     assert [p.budget for p in result.probes] == sorted(p.budget for p in result.probes)
     assert max(p.budget / q.budget for p, q in zip(result.probes[1:], result.probes)) <= 2.0
@@ -263,7 +263,7 @@ def test_the_finder_leaves_model_optimizer_memory_and_rngs_as_they_were(tiny, tm
         model, optimizer, lambda b: [tiny.collate(docs[: b // 100])], lambda b: min(3200, b // 100 * 100), 100, 3200,
         limit_gb=64.0, margin=0.1, max_probes=4,
     )  # fmt: skip
-    assert len(result.probes) == 4 and result.budget == result.probes[-1].budget
+    assert len(result.probes) == 4 and result.budget == result.probes[-1].budget and "max_probes" in result.stop
     assert abs(rank_state_bytes(model, optimizer) - held) <= 0.01 * held
     after = _state(t)
     for key in ("model", "optimizer", "rng", "grads"):

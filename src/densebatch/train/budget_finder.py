@@ -1,9 +1,10 @@
 """Token budget fitted to memory: the largest slots per batch whose worst batch runs a whole step, and where throughput levels off.
 
 ``find_budget`` probes budgets from the smallest valid one upwards. A probe runs, for the worst
-batches of the plan at that budget (``worst(budget)``: the batch with the most slots and the one with
-the longest rows; they bound every other batch of the plan), a forward pass, a backward pass and an
-optimizer step, and measures the peak memory (``MemoryMeter``):
+batches at that budget (``worst(budget)``, from ``run/find.py``: the plan's batch with the most slots
+and, for token budgets, as many of the longest documents as the budget holds, which bounds every
+epoch's batches), a forward pass, a backward pass and an optimizer step, and measures the peak
+memory (``MemoryMeter``):
 
 - **CUDA**: ``torch.cuda.max_memory_allocated`` against the memory this process may allocate: what
   it holds plus the device's free memory (``mem_get_info``), less ``margin``, capped by
@@ -13,13 +14,16 @@ optimizer step, and measures the peak memory (``MemoryMeter``):
   down, so probing upwards from small budgets stays correct) against ``memory_limit_gb`` (or resident
   memory now plus ``MemAvailable``), less ``margin``. A CPU allocation rarely fails: the kernel kills
   the process instead. So probes never aim past the memory: the next budget is the smaller of twice
-  the largest that fitted and a line through the last two measured peaks extrapolated to the limit
-  (97% of it); after an overrun, bisection. The search stops when the next budget would gain < 3%.
+  the largest that fitted and the budget at which a line through the last two measured peaks uses
+  3/4 of the memory left (so the search closes in on the limit geometrically); after an overrun,
+  bisection. The search stops when the next budget would gain < 3%. Resetting the peak between
+  probes also resets what ``getrusage`` reports afterwards: the process's true peak is the larger of
+  every probe's peak (the report lists them) and the peak after the finder.
 
 Probes change nothing: the optimizer's rates are 0 during probes (AdamW then leaves every weight
 bit for bit as it was, decay included), and its state and rates are put back afterwards, gradients
-freed (memory held after the finder is what was held before), RNGs restored. A probe runs the plain model, never a
-DDP / FSDP wrapper, so it has no collectives: under torchrun each rank probes alone, then the ranks
+freed (memory held after the finder is what was held before), RNGs restored. A probe runs the plain
+model, never a DDP / FSDP wrapper, so it has no collectives: under torchrun each rank probes alone, then the ranks
 agree (a budget fits when it fits on every rank; the next budget is the smallest any rank predicts),
 so all settle on one budget without a hang even when one rank has less memory. (Under FSDP this
 probes a full replica: a conservative budget.) Throughput: the fastest of two more steps of the worst
@@ -46,7 +50,9 @@ from densebatch.train.oom import free_memory, is_out_of_memory
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 GB = 1e9
-GROWTH, AIM, CONVERGED = 2.0, 0.97, 1.03  # most growth per probe; share of the predicted limit aimed at; stop gain
+# Most growth per probe; share of the memory left that the next probe may use by the line's prediction
+# (a jump of a third more than predicted still fits: measured mispredictions reached 27%); stop gain.
+GROWTH, HEADROOM, CONVERGED = 2.0, 0.75, 1.03
 TIMED = 2  # timed steps per probe, after the one that measures memory
 
 
@@ -135,6 +141,7 @@ class BudgetResult:
     efficient_budget: int | None = None  # smallest reaching throughput_share of the best throughput
     throughput_share: float = 0.9
     device: str = "cpu"
+    stop: str = ""  # why the search ended
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -147,7 +154,8 @@ class BudgetResult:
             tps = f"{p.tokens_per_s:,.0f}" if p.tokens_per_s else "-"
             peaks = ", ".join(f"{x:.3f}" for x in p.peak_gb)
             lines.append(f"  {p.budget:>6}  {' + '.join(p.batches):<23}  {peaks:<19}  {'yes' if p.fits else 'no':<4}  {tps}")
-        lines.append(f"chosen: batching.max_tokens_per_batch={self.budget} (peak {max(self.peak_gb):.3f} GB)")
+        lines.append(f"chosen: batching.max_tokens_per_batch={self.budget} (peak {max(self.peak_gb):.3f} GB; {self.stop})")
+        lines.append(f"highest peak of any probe: {max(max(p.peak_gb) for p in self.probes):.3f} GB")
         if self.efficient_budget is not None:
             lines.append(
                 f"throughput: {self.efficient_budget} slots already reach {self.throughput_share:.0%} of the best measured "
@@ -188,6 +196,7 @@ def find_budget(
     fitted: list[tuple[int, int]] = []  # (budget, this rank's peak) of probes that fit on every rank
     probes: list[Probe] = []
     lo, hi, budget = None, None, snap(low)
+    stop = f"finder.max_probes ({max_probes}) reached while the budget still grew: a larger one may fit"
     try:
         while len(probes) < max_probes:
             batches = worst(budget)
@@ -207,9 +216,12 @@ def find_budget(
                 hi = budget
                 if lo is None:
                     break
-            nxt = _next_budget(fitted, lo, hi, limit, base, high, dist)
-            nxt = snap(nxt)
+            nxt = snap(_next_budget(fitted, lo, hi, limit, base, high, dist))
+            if lo >= high:
+                stop = "every document fits in one batch: no larger budget changes anything"
+                break
             if nxt <= lo * CONVERGED or nxt >= (hi or math.inf) or nxt in (p.budget for p in probes):
+                stop = f"converged: the next budget would gain less than {CONVERGED - 1:.0%}"
                 break
             budget = nxt
     finally:
@@ -231,7 +243,7 @@ def find_budget(
     chosen = next(p for p in probes if p.budget == lo)
     best = max((p.tokens_per_s or 0.0) for p in probes if p.fits)
     efficient = min((p.budget for p in probes if p.fits and (p.tokens_per_s or 0.0) >= throughput_share * best), default=None)
-    return BudgetResult(lo, chosen.peak_gb, limits, probes, efficient if best > 0 else None, throughput_share, device.type)
+    return BudgetResult(lo, chosen.peak_gb, limits, probes, efficient if best > 0 else None, throughput_share, device.type, stop)
 
 
 def _next_budget(fitted: list[tuple[int, int]], lo: int | None, hi: int | None, limit: int, base: int, high: int, dist) -> int:
@@ -242,8 +254,8 @@ def _next_budget(fitted: list[tuple[int, int]], lo: int | None, hi: int | None, 
     else:
         b0, p0 = 0, base  # one point: the line through the memory held before probing (conservative)
     slope = max((p1 - p0) / max(1, b1 - b0), 1.0)  # bytes per slot
-    predicted = b1 + (limit - p1) / slope if p1 < limit else b1
-    want = min(GROWTH * lo, AIM * predicted, high) if hi is None else min((lo + hi) / 2, max(lo, predicted))
+    predicted = b1 + HEADROOM * (limit - p1) / slope if p1 < limit else b1
+    want = min(GROWTH * lo, predicted, high) if hi is None else min((lo + hi) / 2, max(lo, predicted))
     return int(dist.all_reduce(torch.tensor([float(want)], dtype=torch.float64), "min").item())
 
 
