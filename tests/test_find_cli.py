@@ -21,6 +21,7 @@ from densebatch.cli import main
 sys.path.insert(0, str(Path(__file__).parent))
 from cli_args import TINY  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here runs the CLI on generated data (prepare, BPE, model)
 BIN = Path(sys.executable).parent
 # The LR test's range on the tiny model: from rates that move nothing to divergence in 20 steps.
 LR = ["--finder.lr_start=1e-4", "--finder.lr_end=10", "--finder.lr_steps=20", "--finder.smoothing=0.6"]
@@ -55,7 +56,6 @@ def auto_run(tmp_path_factory):
     return tmp, common, auto
 
 
-@pytest.mark.slow
 def test_auto_values_are_resolved_into_the_config_and_the_run_is_the_one_they_give(auto_run, capsys):
     tmp, common, auto = auto_run
     a, b = tmp / "a", tmp / "b"
@@ -71,7 +71,6 @@ def test_auto_values_are_resolved_into_the_config_and_the_run_is_the_one_they_gi
     assert _losses(a) == _losses(b) and len(_losses(a)) == 3
 
 
-@pytest.mark.slow
 def test_a_resume_reuses_the_resolved_values(auto_run, capsys):
     tmp, _, auto = auto_run
     a = tmp / "a"
@@ -84,6 +83,10 @@ def test_a_resume_reuses_the_resolved_values(auto_run, capsys):
     assert after["train"]["lr"] == before["train"]["lr"]
     assert after["batching"]["max_tokens_per_batch"] == before["batching"]["max_tokens_per_batch"]
     assert len(_losses(a)) == 5
+    # Commands that only plan take the budget the run found; with no run to ask, auto is refused.
+    assert main(["analyze", *auto, "--json", f"--output_dir={a}"]) == 0
+    assert main(["analyze", *auto, "--json", f"--output_dir={tmp / 'none'}"]) == 2
+    assert "run one of them first, or give a number" in capsys.readouterr().err
 
 
 def test_find_batch_reports_its_probes(tmp_path, capsys):
@@ -107,7 +110,6 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
 
-@pytest.mark.slow
 def test_the_budget_keeps_the_process_under_its_memory_limit_on_a_gpt2_vocabulary_model(tmp_path):
     """``train --batching.max_tokens_per_batch=auto --train.memory_limit_gb=L`` on a Hugging Face GPT-2
     with its 50,257-id vocabulary: the whole process (probes, training, evaluation, checkpoint and
@@ -141,7 +143,6 @@ def _node(port: int, args: list[str]) -> subprocess.Popen:
     return subprocess.Popen([*launcher, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow
 def test_ranks_with_different_memory_settle_on_one_budget_and_one_rate(tmp_path):
     """Two torchrun nodes (one process each, so each gets its own --train.memory_limit_gb): one rank has
     less memory. Both finish (no hang), the budget is the one that fits the smaller memory, and the range

@@ -162,6 +162,7 @@ def _setup(path: str | None, overrides: list[str]):
     dist = Distributed.from_environment(cfg.train.device)
     if dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
+        print(prepared.summary, flush=True)
     dist.barrier()
     if not dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
