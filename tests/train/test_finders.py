@@ -163,7 +163,7 @@ class FakeMeter:
     """Peak bytes as a function of the budget probed: ``base + per_slot x budget`` (+ ``jump`` above
     ``jump_at``), so the search can be checked exactly; the probes still run real steps."""
 
-    base, per_slot, jump_at, jump = 100_000_000, 1000, None, 0
+    base, per_slot, jump_at, jump, exact = 100_000_000, 1000, None, 0, True
     budget = 0  # set by the test's ``worst``
     overruns: list = []
 
@@ -221,7 +221,7 @@ def test_the_budget_is_the_largest_that_fits_and_no_probe_aims_past_the_limit(ti
     model, optimizer, worst, snap = _budget_setup(tiny)
     result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
     most = (0.2e9 - FakeMeter.base) / FakeMeter.per_slot  # 100,000 slots
-    assert 0.9 * most <= result.budget <= most and result.stop.startswith("converged")
+    assert 0.85 * most <= result.budget <= most and result.stop.startswith("converged")
     assert all(p.fits for p in result.probes)  # a straight line is never overshot
     assert [p.budget for p in result.probes] == sorted(p.budget for p in result.probes)
     assert max(p.budget / q.budget for p, q in zip(result.probes[1:], result.probes)) <= 2.0
@@ -235,6 +235,11 @@ def test_after_an_overrun_the_search_bisects_below_it(tiny, fake_meter):
     result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
     assert 50_000 / 1.1 <= result.budget <= 50_000
     assert any(not p.fits for p in result.probes) and all(p.peak_gb[0] <= 0.2 for p in result.probes if p.fits)
+    # A resident set keeps what an overrun took: on CPU the search ends there, at the last budget that fitted.
+    fake_meter.exact = False
+    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
+    assert not result.probes[-1].fits and result.budget == result.probes[-2].budget < 50_000
+    assert "no bisection" in result.stop
 
 
 def test_an_out_of_memory_error_in_a_probe_means_too_large(tiny, fake_meter):

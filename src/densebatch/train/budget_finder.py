@@ -15,10 +15,13 @@ memory (``MemoryMeter``):
   memory now plus ``MemAvailable``), less ``margin``. A CPU allocation rarely fails: the kernel kills
   the process instead. So probes never aim past the memory: the next budget is the smaller of twice
   the largest that fitted and the budget at which a line through the last two measured peaks uses
-  3/4 of the memory left (so the search closes in on the limit geometrically); after an overrun,
-  bisection. The search stops when the next budget would gain < 3%. Resetting the peak between
-  probes also resets what ``getrusage`` reports afterwards: the process's true peak is the larger of
-  every probe's peak (the report lists them) and the peak after the finder.
+  3/4 of the memory left (so the search closes in on the limit geometrically), until less than 5%
+  of the limit is left (the resident set moves in jumps no line predicts). A CPU probe that does not
+  fit ends the search (the memory it took stays with the process, so later peaks would read it); on
+  CUDA (``MemoryMeter.exact``) the cache is emptied and the search bisects. It stops when the next
+  budget would gain < 3%. Resetting the peak between probes also resets what ``getrusage`` reports
+  afterwards: the process's true peak is the larger of every probe's peak (the report lists them)
+  and the peak after the finder.
 
 Probes change nothing: the optimizer's rates are 0 during probes (AdamW then leaves every weight
 bit for bit as it was, decay included), and its state and rates are put back afterwards, gradients
@@ -53,6 +56,9 @@ GB = 1e9
 # Most growth per probe; share of the memory left that the next probe may use by the line's prediction
 # (a jump of a third more than predicted still fits: measured mispredictions reached 27%); stop gain.
 GROWTH, HEADROOM, CONVERGED = 2.0, 0.75, 1.03
+# Memory left (share of the limit) below which no further probe is made, on CPU and on CUDA: the
+# resident set moves in jumps of ~0.1 GB (glibc arenas, a new large mapping) that no line predicts.
+NOISE = (0.05, 0.02)
 TIMED = 2  # timed steps per probe, after the one that measures memory
 
 
@@ -61,6 +67,7 @@ class MemoryMeter:
 
     def __init__(self, device: torch.device):
         self.device = device
+        self.exact = device.type == "cuda"  # allocated bytes, given back by empty_cache (not a resident set)
         self.resettable = device.type == "cpu" and _reset_hwm()
 
     def limit(self, limit_gb: float | None, margin: float) -> int:
@@ -216,7 +223,10 @@ def find_budget(
                 hi = budget
                 if lo is None:
                     break
-            nxt = snap(_next_budget(fitted, lo, hi, limit, base, high, dist))
+                if not meter.exact:  # the allocator keeps what the overrun took: later peaks would read it
+                    stop = "the last probe did not fit; on CPU the memory it took stays with the process, so no bisection"
+                    break
+            nxt = snap(_next_budget(fitted, lo, hi, limit, base, high, dist, NOISE[meter.exact]))
             if lo >= high:
                 stop = "every document fits in one batch: no larger budget changes anything"
                 break
@@ -246,15 +256,16 @@ def find_budget(
     return BudgetResult(lo, chosen.peak_gb, limits, probes, efficient if best > 0 else None, throughput_share, device.type, stop)
 
 
-def _next_budget(fitted: list[tuple[int, int]], lo: int | None, hi: int | None, limit: int, base: int, high: int, dist) -> int:
-    """The next budget to probe (the same on every rank): the smallest any rank predicts fits."""
+def _next_budget(fitted, lo: int | None, hi: int | None, limit: int, base: int, high: int, dist, noise: float) -> int:
+    """The next budget to probe (the same on every rank): the smallest any rank predicts fits; ``lo``
+    (stop) when less than ``noise`` of the limit is left, below what a prediction can resolve."""
     b1, p1 = fitted[-1] if fitted else (0, base)
     if len(fitted) >= 2:
         b0, p0 = fitted[-2]
     else:
         b0, p0 = 0, base  # one point: the line through the memory held before probing (conservative)
     slope = max((p1 - p0) / max(1, b1 - b0), 1.0)  # bytes per slot
-    predicted = b1 + HEADROOM * (limit - p1) / slope if p1 < limit else b1
+    predicted = b1 + HEADROOM * (limit - p1) / slope if p1 < (1.0 - noise) * limit else b1
     want = min(GROWTH * lo, predicted, high) if hi is None else min((lo + hi) / 2, max(lo, predicted))
     return int(dist.all_reduce(torch.tensor([float(want)], dtype=torch.float64), "min").item())
 
