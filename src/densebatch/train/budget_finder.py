@@ -260,11 +260,11 @@ def _next_budget(fitted, lo: int | None, hi: int | None, limit: int, base: int, 
     """The next budget to probe (the same on every rank): the smallest any rank predicts fits; ``lo``
     (stop) when less than ``noise`` of the limit is left, below what a prediction can resolve."""
     b1, p1 = fitted[-1] if fitted else (0, base)
-    if len(fitted) >= 2:
-        b0, p0 = fitted[-2]
-    else:
-        b0, p0 = 0, base  # one point: the line through the memory held before probing (conservative)
-    slope = max((p1 - p0) / max(1, b1 - b0), 1.0)  # bytes per slot
+    # Bytes per slot: the steeper of the last two probes' line and the line from the first probe (a
+    # short span can read flat when one peak happened to be high); with one probe, the line from the
+    # memory held before probing (which then includes the optimizer state: conservative).
+    pairs = [fitted[-2], fitted[0]] if len(fitted) >= 2 else [(0, base)]
+    slope = max([(p1 - p0) / max(1, b1 - b0) for b0, p0 in pairs] + [1.0])
     predicted = b1 + HEADROOM * (limit - p1) / slope if p1 < (1.0 - noise) * limit else b1
     want = min(GROWTH * lo, predicted, high) if hi is None else min((lo + hi) / 2, max(lo, predicted))
     return int(dist.all_reduce(torch.tensor([float(want)], dtype=torch.float64), "min").item())
