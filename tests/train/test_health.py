@@ -109,7 +109,7 @@ def test_fill_rate_drop_warns_but_not_during_warmup():
 
 
 def test_clipping_on_most_steps_warns():
-    monitor = HealthMonitor(warmup_steps=0, window=20)
+    monitor = HealthMonitor(warmup_steps=0, clip_warmup_steps=0, window=20)
     recs = [_rec(s, grad_norm=2.0 if s % 3 else 0.5) for s in range(1, 60)]  # 2 of 3 steps clipped
     got = _feed(monitor, recs)
     assert [w.key for w in got] == ["clipping"] and got[0].step == 20
@@ -117,10 +117,20 @@ def test_clipping_on_most_steps_warns():
 
 
 def test_clipping_uses_the_fixed_limit_when_records_carry_none_and_is_off_without_one():
-    recs = [{k: v for k, v in _rec(s, grad_norm=5.0).items() if k != "clip_limit"} for s in range(1, 200)]
+    recs = [{k: v for k, v in _rec(s, grad_norm=5.0).items() if k != "clip_limit"} for s in range(1, 400)]
     assert [w.key for w in _feed(HealthMonitor(clip_limit=1.0), recs)] == ["clipping"]
     assert _feed(HealthMonitor(clip_limit=None), recs) == []
     assert _feed(HealthMonitor(clip_limit=0.0), recs) == []  # grad_clip 0 = clipping off
+
+
+def test_clipping_the_first_steps_of_a_run_is_what_the_limit_is_for():
+    """As the demo: every step clipped at first, fewer and fewer until step 200, then almost none."""
+    rng = random.Random(0)
+    recs = [_rec(s, grad_norm=8.0 if s <= 100 else (2.0 if rng.random() < 0.5 else 0.5)) for s in range(1, 201)]
+    recs += [_rec(s, grad_norm=2.0 if rng.random() < 0.1 else 0.5) for s in range(201, 600)]
+    assert _feed(HealthMonitor(), recs) == []
+    late = recs[:200] + [_rec(s, grad_norm=2.0) for s in range(201, 300)]  # still clipping after 200 steps
+    assert [(w.key, w.step) for w in _feed(HealthMonitor(), late)] == [("clipping", 250)]
 
 
 def test_clipping_on_a_minority_of_steps_is_fine():
@@ -129,7 +139,7 @@ def test_clipping_on_a_minority_of_steps_is_fine():
 
 
 def test_every_cause_once_in_one_run_and_summary_lists_them():
-    monitor = HealthMonitor(memory_limit_gb=2.0, warmup_steps=5, window=20)
+    monitor = HealthMonitor(memory_limit_gb=2.0, warmup_steps=5, clip_warmup_steps=5, window=20)
     bad = dict(data_wait_s=0.2, step_s=0.3, tokens_per_s=1000.0, fill_rate=0.2, grad_norm=3.0, mem_peak_rss_gb=1.95)
     recs = [_rec(s) for s in range(1, 60)] + [_rec(s, **bad) for s in range(60, 400)]
     got = _feed(monitor, recs)
