@@ -185,6 +185,20 @@ class BatchingConfig:
 
 # -------------------------------------------------------------------------------------- model
 @dataclass
+class LoraConfig:
+    """LoRA adapters for model.kind hf (through peft: pip install 'densebatch[lora]'); only they train."""
+
+    r: int = _f(0, "Rank of the adapters; 0 = off (every weight trains).", minimum=0)
+    alpha: float = _f(16.0, "Scale of the adapters' update: alpha / r x B A.", minimum=0.0)
+    dropout: float = _f(0.0, "Dropout on the adapters' input, in [0, 1).", minimum=0.0)
+    target_modules: list[str] = _f(
+        list,
+        "Modules to adapt, by name (e.g. q_proj,v_proj), or all-linear; empty = the architecture's attention "
+        "projections (peft's default). See docs/hf-models.md.",
+    )
+
+
+@dataclass
 class ModelConfig:
     kind: Literal["gpt", "hf"] = _f("gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM.")
     path: str | None = _f(None, "hf: a local directory with config.json (weights optional: random init when absent).")
@@ -200,6 +214,17 @@ class ModelConfig:
         "causal SDPA per document, any device), masked (SDPA with a block mask).",
     )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    attn_implementation: Literal["sdpa", "eager"] = _f(
+        "sdpa",
+        "hf: transformers' attention; eager for architectures SDPA cannot compute (Gemma 2's soft-capping). Both "
+        "isolate packed documents (flash, flex and paged are refused). See docs/hf-models.md.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32",
+        "hf: dtype the weights are loaded and trained in (the optimizer's master weights too): bfloat16 halves "
+        "their memory, but updates below its precision are lost (best with LoRA); float16 only with LoRA.",
+    )
+    lora: LoraConfig = _f(LoraConfig, "hf: LoRA adapters (off while r is 0).")
 
 
 # -------------------------------------------------------------------------------------- train
@@ -498,6 +523,7 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError("model.path: required when model.kind is hf (a local directory with config.json)")
     if m.kind == "gpt" and m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({m.n_head}); got {m.n_embd}")
+    _check_hf_model(m)
     if b.strategy == "packed" and b.max_tokens_per_batch != "auto" and b.seq_len > b.max_tokens_per_batch:
         raise ConfigError(
             f"batching.max_tokens_per_batch: expected at least batching.seq_len ({b.seq_len}) so one packed row fits; got {b.max_tokens_per_batch}"
@@ -508,6 +534,27 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
     _check_schedules(cfg)
     _check_finders(cfg)
+
+
+def _check_hf_model(m: ModelConfig) -> None:
+    """Keys that only Hugging Face models read, and what LoRA and the weights' dtype allow."""
+    if m.kind == "gpt":
+        for key, value, default in (("attn_implementation", m.attn_implementation, "sdpa"), ("dtype", m.dtype, "float32")):
+            if value != default:
+                raise ConfigError(
+                    f"model.{key}: applies to model.kind hf; the reference GPT takes {default} (see model.attention)"
+                )
+        if m.lora.r:
+            raise ConfigError("model.lora.r: LoRA adapts Hugging Face models (model.kind hf); set it to 0 for the reference GPT")
+    if not 0.0 <= m.lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout: expected a probability in [0, 1); got {m.lora.dropout}")
+    if m.lora.r and m.lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha: expected a positive scale; got {m.lora.alpha}")
+    if m.dtype == "float16" and not m.lora.r:
+        raise ConfigError(
+            "model.dtype: float16 weights cannot be trained themselves (loss scaling refuses float16 gradients); "
+            "use bfloat16, or LoRA (model.lora.r > 0: the adapters train in float32)"
+        )
 
 
 def _check_sources(d: DataConfig) -> None:

@@ -1,9 +1,10 @@
 """Models that map a Batch to per-token losses, with attention that never crosses documents.
 
-Public API: ``build_model(cfg, vocab_size)``, ``load_model(dir)``, ``save_model(model, dir)``,
-``generate(model, prompt_ids, ...)``, ``generate_batch(model, prompts, ...)``, and the classes
-``GPT`` / ``GPTConfig`` (reference decoder) and ``HFCausalLM`` (Hugging Face adapter, imported
-lazily so that transformers is needed only for ``model.kind: hf``).
+Public API: ``build_model(cfg, vocab_size, base_vocab_size)``, ``load_model(dir)``, ``save_model(model, dir)``,
+``load_adapter(dir, cfg, vocab_size)`` (a LoRA run's final model), ``generate(model, prompt_ids, ...)``,
+``generate_batch(model, prompts, ...)``, and the classes ``GPT`` / ``GPTConfig`` (reference decoder)
+and ``HFCausalLM`` (Hugging Face adapter, imported lazily so that transformers is needed only for
+``model.kind: hf``; peft only for ``model.lora``).
 """
 
 from __future__ import annotations
@@ -17,11 +18,19 @@ from densebatch.model.generate import generate, generate_batch
 from densebatch.model.gpt import GPT, GPTConfig
 from densebatch.model.io import load_model, save_model
 
-__all__ = ["GPT", "GPTConfig", "HFCausalLM", "build_model", "generate", "generate_batch", "load_model", "save_model"]
+__all__ = [
+    "GPT", "GPTConfig", "HFCausalLM", "build_model", "generate", "generate_batch", "load_adapter", "load_model", "save_model",
+]  # fmt: skip
 
 
-def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
-    """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt)."""
+def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None = None) -> nn.Module:
+    """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt).
+
+    ``base_vocab_size``: the tokenizer's size before the tokens densebatch added (``tok.base_vocab_size``);
+    a Hugging Face model gives those new ids rows set to the mean of the rows it had
+    (``HFCausalLM.resize_vocab``), and under LoRA trains them. None: only rows past the model's own
+    table are new. The reference GPT is built for the whole vocabulary at random, so it needs none.
+    """
     if cfg.kind == "gpt":
         resolve_backend(cfg.attention, "cpu", training=False)  # a ModelConfig built by hand: name check
         vocab = cfg.vocab_size or vocab_size
@@ -49,8 +58,17 @@ def build_model(cfg: ModelConfig, vocab_size: int) -> nn.Module:
             )
         from densebatch.model.hf import HFCausalLM
 
-        model = HFCausalLM(cfg.path, attn_implementation="sdpa", gradient_checkpointing=cfg.gradient_checkpointing)
-        model.resize_vocab(vocab_size)
+        model = HFCausalLM(
+            cfg.path,
+            attn_implementation=cfg.attn_implementation,
+            gradient_checkpointing=cfg.gradient_checkpointing,
+            dtype=cfg.dtype,
+        )
+        new_ids = model.resize_vocab(vocab_size, base_vocab_size)
+        if cfg.lora.r:
+            from densebatch.model.lora import apply_lora
+
+            apply_lora(model, cfg.lora, new_ids)
         return model
     raise ConfigError(f"model.kind: expected gpt or hf; got {cfg.kind!r}")
 
@@ -60,4 +78,8 @@ def __getattr__(name: str):
         from densebatch.model.hf import HFCausalLM
 
         return HFCausalLM
+    if name == "load_adapter":
+        from densebatch.model.lora import load_adapter
+
+        return load_adapter
     raise AttributeError(name)

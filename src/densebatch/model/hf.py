@@ -19,6 +19,15 @@ So ``ALLOWED`` is {sdpa, eager}; anything else raises ``ConfigError``. When ever
 document followed by padding (``Batch.single_doc_rows``), neither mask nor positions are passed:
 plain causal attention is exact for the real tokens because the padding comes after them, and
 without ``position_ids`` transformers sees no packing and runs SDPA's causal kernel (no 4-D mask).
+
+A 4-D mask is used by transformers as given, for every layer: a sliding-window architecture
+(Mistral, Phi-3, Starcoder2; Gemma 2 and Qwen2 on some layers) would silently lose its window. So
+the window is drawn into the mask here (``q - k < sliding_window`` within a document), and models
+whose layers differ get one mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``,
+which transformers' Gemma 2 and Qwen2/3 accept in place of a tensor). Architectures that cannot be
+isolated are refused when built (``REFUSED``: ALiBi models), and soft-capped attention (Gemma 2),
+which SDPA cannot compute, needs ``eager``. docs/hf-models.md has the table for every architecture,
+measured by ``benchmarks/hf_isolation_table.py`` and checked by tests/model/test_hf_architectures.py.
 """
 
 from __future__ import annotations
@@ -39,7 +48,19 @@ ALLOWED = {"sdpa": "bool", "eager": "additive"}
 # Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state) (no soft-capping,
 # no logit scale), so token_losses may project only the positions that carry a target, through the
 # fused chunked head (model/loss_head.py) when lm_head is a plain nn.Linear.
-_HIDDEN_PATH_TYPES = {"gpt2", "llama", "mistral", "qwen2", "qwen3"}
+# (tests/model/test_hf_architectures.py checks each against the model's own logits.)
+_HIDDEN_PATH_TYPES = {
+    "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "olmo", "stablelm", "starcoder2",
+    "opt", "gpt_bigcode", "falcon",
+}  # fmt: skip
+# model.dtype -> the dtype weights are loaded in (and trained in: see docs/hf-models.md).
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Architectures that cannot keep packed documents apart, and why (refused when built).
+_ALIBI = (
+    "uses ALiBi position biases, which it derives from a 2-D padding mask and not from position_ids, and accepts "
+    "no 4-D document mask: packed documents cannot be isolated"
+)
+REFUSED = {"bloom": _ALIBI, "mpt": _ALIBI}
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
 
@@ -56,6 +77,7 @@ class HFCausalLM(nn.Module):
         attn_implementation: str = "sdpa",
         gradient_checkpointing: bool = False,
         loss_head: str = "fused",
+        dtype: str = "float32",
     ) -> None:
         super().__init__()
         if loss_head not in LOSS_HEADS:
@@ -69,20 +91,40 @@ class HFCausalLM(nn.Module):
         path = Path(path)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path: '{path}' has no config.json (expected a local Hugging Face model directory)")
+        if dtype not in DTYPES:
+            raise ConfigError(f"model.dtype: expected one of {', '.join(DTYPES)}; got {dtype!r}")
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
         except ImportError:
             raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
-        if has_weights(path):
-            # fp32 master weights whatever the checkpoint dtype: autocast does the low precision.
-            self.hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation=attn_implementation, dtype=torch.float32)
-        else:
-            config = AutoConfig.from_pretrained(path)
-            self.hf = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+        config = AutoConfig.from_pretrained(path)
+        check_architecture(config, attn_implementation)
+        # model.dtype: the weights as loaded and trained (float32 master weights by default, whatever
+        # the checkpoint's dtype; autocast does the low precision). See docs/hf-models.md.
+        kw = dict(attn_implementation=attn_implementation, dtype=DTYPES[dtype])
+        try:
+            if has_weights(path):
+                self.hf = AutoModelForCausalLM.from_pretrained(path, **kw)
+            else:
+                self.hf = AutoModelForCausalLM.from_config(config, **kw)
+        except ValueError as e:  # "X does not support an attention implementation through ..."
+            if "attention implementation" not in str(e):
+                raise
+            raise ConfigError(
+                f"model.attn_implementation: {config.model_type} cannot run {attn_implementation!r} "
+                f"(transformers: {str(e).splitlines()[0][:120]}); try the other of {', '.join(ALLOWED)}"
+            ) from None
         actual = getattr(self.hf.config, "_attn_implementation", attn_implementation)
         if actual != attn_implementation:
-            raise ConfigError(f"transformers chose attn_implementation {actual!r} instead of {attn_implementation!r}; use sdpa")
+            raise ConfigError(
+                f"model.attn_implementation: transformers chose {actual!r} instead of {attn_implementation!r} "
+                f"for {config.model_type}; set one of {', '.join(ALLOWED)} that it supports"
+            )
         self.attn_implementation = attn_implementation
+        self.path = path.resolve()  # the base model a LoRA adapter names
+        self.dtype = DTYPES[dtype]
+        self.lora = False  # set by model/lora.py's apply_lora
+        self._windows = layer_windows(self.hf.config)
         if gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(self.hf, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -92,20 +134,39 @@ class HFCausalLM(nn.Module):
         self._hidden_path = getattr(self.hf.config, "model_type", None) in _HIDDEN_PATH_TYPES
 
     @property
+    def lm(self) -> nn.Module:
+        """The transformers model itself (``self.hf`` is a ``PeftModel`` around it when LoRA is on;
+        its adapters are injected into this model's layers, so calling it runs them)."""
+        return self.hf.get_base_model() if self.lora else self.hf
+
+    @property
     def vocab_size(self) -> int:
-        return int(self.hf.get_input_embeddings().weight.shape[0])
+        return int(input_embedding_weight(self.lm).shape[0])
 
     @property
     def max_positions(self) -> int | None:
-        c = self.hf.config
+        c = self.lm.config
         return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
     # ---------------------------------------------------------------------------------- forward
-    def _mask(self, positions: Tensor) -> Tensor:
+    def _mask(self, positions: Tensor) -> Tensor | dict[str, Tensor]:
+        """The document mask in the form the attention implementation needs; with a sliding window,
+        the window drawn in, and one mask per layer type when the layers differ."""
         mask = document_mask(positions)  # (rows, 1, T, T) bool
+        T = positions.shape[-1]
+        out = {}
+        for layer_type, window in self._windows.items():
+            m = mask
+            if window is not None and window < T:
+                q = torch.arange(T, device=mask.device)
+                m = mask & (q[:, None] - q[None, :] < window)  # (rows, 1, T, T) within a document, distance = columns
+            out[layer_type] = self._expressed(m)
+        return out if len(out) > 1 else next(iter(out.values()))
+
+    def _expressed(self, mask: Tensor) -> Tensor:
         if ALLOWED[self.attn_implementation] == "bool":
             return mask
-        dtype = next(self.hf.parameters()).dtype
+        dtype = self.dtype  # the hidden states' dtype outside autocast (eager adds the mask to the scores)
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
     def _inputs(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool) -> dict:
@@ -124,7 +185,7 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False) -> Tensor:
         """Logits (rows, T, vocab), each document attending only to itself."""
-        return self.hf(**self._inputs(input_ids, positions, single_doc_rows)).logits
+        return self.lm(**self._inputs(input_ids, positions, single_doc_rows)).logits
 
     label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
 
@@ -137,10 +198,10 @@ class HFCausalLM(nn.Module):
         inputs = self._inputs(batch.input_ids, batch.positions, rows_hold_one_document(batch))
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         if not self._hidden_path:
-            logits = self.hf(**inputs).logits  # (rows, T, vocab)
+            logits = self.lm(**inputs).logits  # (rows, T, vocab)
             return plain_head_token_losses(logits, batch.labels, nn.Identity(), eps)
-        h = self.hf.base_model(**inputs).last_hidden_state  # (rows, T, C)
-        head = self.hf.get_output_embeddings()
+        h = self.lm.base_model(**inputs).last_hidden_state  # (rows, T, C)
+        head = self.lm.get_output_embeddings()  # a frozen nn.Linear under LoRA, or PEFT's wrapper (trainable tokens)
         if self.loss_head == "plain" or type(head) is not nn.Linear:
             return plain_head_token_losses(h, batch.labels, head, eps)
         return head_token_losses(h, batch.labels, head.weight, head.bias, batch.num_loss_tokens, label_smoothing=eps)
@@ -149,7 +210,8 @@ class HFCausalLM(nn.Module):
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:
         """embeddings: input/output embedding matrices and any other nn.Embedding (e.g. GPT-2's
         position table); blocks: the largest ModuleList (the repeated layers); head: the rest
-        (final norm, an untied output matrix). Each parameter exactly once."""
+        (final norm, an untied output matrix). Each parameter exactly once, frozen ones included (the
+        optimizer leaves out those that do not require a gradient: all but the adapters under LoRA)."""
         seen: set[int] = set()
 
         def take(params) -> list[nn.Parameter]:
@@ -161,15 +223,15 @@ class HFCausalLM(nn.Module):
             return out
 
         layers = max(
-            (m for m in self.hf.modules() if isinstance(m, nn.ModuleList)),
+            (m for m in self.lm.modules() if isinstance(m, nn.ModuleList)),
             key=lambda m: sum(p.numel() for p in m.parameters()),
             default=None,
         )
-        embeddings = take(self.hf.get_input_embeddings().parameters())
+        embeddings = take(self.lm.get_input_embeddings().parameters())
         blocks = take(layers.parameters()) if layers is not None else []
-        embeddings += take(p for m in self.hf.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
-        out_emb = self.hf.get_output_embeddings()
-        head = take(p for p in self.hf.parameters() if out_emb is None or all(p is not q for q in out_emb.parameters()))
+        embeddings += take(p for m in self.lm.modules() if isinstance(m, nn.Embedding) for p in m.parameters())
+        out_emb = self.lm.get_output_embeddings()
+        head = take(p for p in self.lm.parameters() if out_emb is None or all(p is not q for q in out_emb.parameters()))
         if out_emb is not None:
             head += take(out_emb.parameters())
         return {"embeddings": embeddings, "blocks": blocks, "head": head}
@@ -177,15 +239,98 @@ class HFCausalLM(nn.Module):
     def output_embeddings(self) -> list[nn.Parameter]:
         """The output embedding matrix (an untied lm_head, or the input embeddings when tied): the
         optimizer treats it as an embedding (no weight decay unless ``decay_all``)."""
-        head = self.hf.get_output_embeddings()
+        head = self.lm.get_output_embeddings()
         return [] if head is None else [p for p in head.parameters() if p.ndim >= 2]
 
-    def resize_vocab(self, vocab_size: int) -> None:
-        """Grow the embedding matrices to ``vocab_size`` (a tokenizer larger than the config)."""
-        if vocab_size > self.vocab_size:
-            self.hf.resize_token_embeddings(vocab_size)
+    def resize_vocab(self, vocab_size: int, known: int | None = None) -> list[int]:
+        """Make room for a tokenizer of ``vocab_size`` ids; the ids from ``known`` on (the tokens the
+        tokenizer added to the one the model was trained with: ``tok.base_vocab_size``) get rows set
+        to the mean of the rows before them, in the input and output embeddings (tied or not) and
+        an output bias. Returns those new ids.
+
+        The tables grow when the tokenizer is larger (``resize_token_embeddings``; ``config.vocab_size``
+        follows, so the saved model and tokenizer agree). A table already padded past the tokenizer
+        (Qwen's) keeps its size, but the rows of the new ids, never trained, are set all the same.
+        The mean (transformers' ``mean_resizing`` without its random jitter) keeps a new token's
+        logit near the average at the start, so the loss does not jump, and needs no random numbers:
+        the same base model and tokenizer always give the same rows.
+        """
+        if self.lora:
+            raise AssertionError("resize the vocabulary before adding LoRA adapters")
+        rows = self.vocab_size
+        if vocab_size > rows:
+            self.hf.resize_token_embeddings(vocab_size, mean_resizing=False)
+        start = min(rows, known if known is not None else rows)
+        if start >= vocab_size:
+            return []
+        if start < 1:
+            raise ConfigError(f"data.tokenizer: no base vocabulary to initialise {vocab_size} new token rows from")
+        with torch.no_grad():
+            tables = [input_embedding_weight(self.hf)]
+            head = self.hf.get_output_embeddings()
+            if head is not None and head.weight is not tables[0]:
+                tables.append(head.weight)
+            if head is not None and getattr(head, "bias", None) is not None:
+                tables.append(head.bias)
+            for t in tables:
+                t[start:vocab_size] = t[:start].float().mean(0).to(t.dtype)  # (new, C) or (new,)
+        return list(range(start, vocab_size))
 
     # ------------------------------------------------------------------------------------- I/O
     def save(self, path: str | Path) -> None:
-        """``save_pretrained`` (safetensors): ``AutoModelForCausalLM.from_pretrained(path)`` loads it."""
+        """``save_pretrained`` (safetensors): ``AutoModelForCausalLM.from_pretrained(path)`` loads it.
+        Under LoRA, the adapter alone (PEFT's ``save_pretrained``: adapter_config.json and
+        adapter_model.safetensors, naming this base model by its absolute path; PEFT also saves the
+        embedding tables there when they grew); ``save_merged`` writes the plain model."""
+        if self.lora:
+            for config in self.hf.peft_config.values():
+                config.base_model_name_or_path = str(self.path)
         self.hf.save_pretrained(path)
+
+    def save_merged(self, path: str | Path) -> None:
+        """A plain Hugging Face model (``from_pretrained`` loads it): LoRA adapters merged into the
+        weights they adapt (``merge_and_unload``, in place: this model is spent afterwards)."""
+        model = self.hf.merge_and_unload() if self.lora else self.hf
+        model.save_pretrained(path)
+
+
+def input_embedding_weight(model: nn.Module) -> Tensor:
+    """The input embedding matrix (under PEFT's trainable tokens, the frozen table it wraps)."""
+    emb = model.get_input_embeddings()
+    base = getattr(emb, "get_base_layer", None)
+    return (base() if base is not None else emb).weight
+
+
+def layer_windows(config) -> dict[str, int | None]:
+    """Layer type -> sliding window (None: full causal attention), the types of the model's layers.
+
+    ``config.layer_types`` names each layer's type when they differ (Gemma 2, Qwen2 with
+    ``use_sliding_window``); without it a ``sliding_window`` applies to every layer (Mistral, Phi-3,
+    Starcoder2). Only these two types are known; another (e.g. chunked attention) is refused.
+    """
+    window = getattr(config, "sliding_window", None) or None
+    types = set(getattr(config, "layer_types", None) or ())
+    unknown = types - {"full_attention", "sliding_attention"}
+    if unknown:
+        raise ConfigError(
+            f"model.path: {config.model_type} has layers of type {sorted(unknown)[0]!r}, whose mask densebatch "
+            "cannot draw: packed documents would not be isolated"
+        )
+    if window is None or types == {"full_attention"}:
+        return {"full_attention": None}
+    if not types or types == {"sliding_attention"}:
+        return {"sliding_attention": window}
+    return {"full_attention": None, "sliding_attention": window}
+
+
+def check_architecture(config, attn_implementation: str) -> None:
+    """``ConfigError`` for an architecture that cannot keep packed documents apart under this
+    attention implementation (see ``REFUSED``; soft-capped attention logits need eager)."""
+    kind = getattr(config, "model_type", "?")
+    if kind in REFUSED or (kind == "falcon" and getattr(config, "alibi", False)):
+        raise ConfigError(f"model.path: {kind} is not supported: it {REFUSED.get(kind, _ALIBI)}")
+    if getattr(config, "attn_logit_softcapping", None) and attn_implementation != "eager":
+        raise ConfigError(
+            f"model.attn_implementation: {kind} soft-caps its attention scores, which only eager computes "
+            f"(SDPA would give other logits); set model.attn_implementation: eager"
+        )

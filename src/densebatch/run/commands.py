@@ -20,6 +20,7 @@ from densebatch.data.tokenizers import load_data_tokenizer, load_tokenizer
 from densebatch.errors import UserError
 from densebatch.model import build_model, load_model
 from densebatch.model import generate as generate_ids
+from densebatch.model.lora import is_adapter_dir, load_adapter
 from densebatch.run.training import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
 from densebatch.train.checkpoint import checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
@@ -96,6 +97,11 @@ def _final_step(final: Path) -> int | None:
         return None
 
 
+def is_saved_model(d: Path) -> bool:
+    """A final model: config.json (a whole model), or a LoRA run's adapter_config.json."""
+    return (d / "config.json").is_file() or is_adapter_dir(d)
+
+
 def find_model_dir(path: str | Path) -> tuple[str, Path, str]:
     """What ``--checkpoint DIR`` names: ("final" | "checkpoint", dir, a note saying which weights).
 
@@ -107,9 +113,9 @@ def find_model_dir(path: str | Path) -> tuple[str, Path, str]:
         raise UserError(f"--checkpoint {path}: no such directory")
     if (p / "manifest.json").is_file():
         return "checkpoint", p, f"checkpoint {p}"
-    if (p / "config.json").is_file():
+    if is_saved_model(p):
         return "final", p, f"saved model {p}"
-    final = p / FINAL_DIR if (p / FINAL_DIR / "config.json").is_file() else None
+    final = p / FINAL_DIR if is_saved_model(p / FINAL_DIR) else None
     ckpt = latest_valid(p / CHECKPOINT_DIR) if (p / CHECKPOINT_DIR).is_dir() else None
     if final is not None and ckpt is not None:
         final_step, ckpt_step = _final_step(final), checkpoint_step(ckpt)
@@ -129,10 +135,13 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
     """(model, tokenizer, run config, which weights) from a final model dir, a checkpoint or an output_dir."""
     kind, d, which = find_model_dir(path)
     if kind == "final":
-        model = load_model(d)
         tokenizer = load_tokenizer(d)
-        run_cfg = cfg or (load_config(d / "config.yaml") if (d / "config.yaml").is_file() else None)
-        return model, tokenizer, run_cfg, which
+        saved_cfg = load_config(d / "config.yaml") if (d / "config.yaml").is_file() else None
+        if is_adapter_dir(d):  # a LoRA run's final: the adapter, on the base model its run trained
+            model = load_adapter(d, (saved_cfg or cfg or RunConfig()).model, tokenizer.vocab_size)
+        else:
+            model = load_model(d)
+        return model, tokenizer, cfg or saved_cfg, which
     ckpt = load_checkpoint(d)
     saved = (ckpt.extra_state or {}).get("config")
     run_cfg = cfg or (config_from_dict(saved) if saved else None)
@@ -223,7 +232,7 @@ def export_command(args) -> int:
         if isinstance(model, GPT):
             export_gpt_as_hf(model, tmp, eos_id=tok.eos_id, pad_id=tok.pad_id)
         else:
-            model.save(tmp)  # Hugging Face models: save_pretrained (LoRA adapters merged)
+            model.save_merged(tmp)  # Hugging Face models: save_pretrained (LoRA adapters merged)
         tok.save(tmp)
     print(f"exported {which} to {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)")
     return 0

@@ -190,7 +190,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     tok = prepared.tokenizer
 
     seed_everything(cfg.seed)
-    model = build_model(cfg.model, tok.vocab_size)
+    model = build_model(cfg.model, tok.vocab_size, tok.base_vocab_size)  # added tokens' rows: the mean of the others
     check_context(model, cfg, prepared)
     model.label_smoothing = cfg.train.label_smoothing
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
