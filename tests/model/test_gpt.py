@@ -81,7 +81,7 @@ def test_segmented_under_bf16_autocast_trains(gen):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.token_losses(batch)
     assert out.dtype == torch.float32
-    assert torch.allclose(out, model.token_losses(batch), atol=0.1)
+    assert torch.allclose(out, model.token_losses(batch), atol=5e-3)  # measured <= 1.5e-3 over 20 seeds
     out.sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -122,7 +122,7 @@ def test_token_losses_are_float32_under_autocast(gen):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.token_losses(pack(docs))
     assert out.dtype == torch.float32
-    assert torch.allclose(out, model.token_losses(pack(docs)), atol=0.1)
+    assert torch.allclose(out, model.token_losses(pack(docs)), atol=5e-3)  # measured <= 1.5e-3 over 20 seeds
 
 
 def test_layer_groups_cover_every_parameter_once():
