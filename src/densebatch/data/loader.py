@@ -255,9 +255,6 @@ def with_settings(loader: StepLoader, **changes) -> StepLoader:
     )
 
 
-BatchLoader = StepLoader  # the name before steps were planned globally (benchmarks still use it)
-
-
 def full_context_settings(settings: PlanSettings, longest: int) -> PlanSettings:
     """Plan settings for evaluation: rows long enough that no document is ever split or truncated.
 
