@@ -1,7 +1,9 @@
 """Loading: stream this rank's share of every optimizer step, epoch after epoch, resumably.
 
 ``StepLoader`` plans each epoch once for all ranks (``plan_epoch``, a pure function of lengths,
-settings, seed and epoch), cuts it into steps and shares each step out (``data/steps.py``), collates
+settings, seed and epoch; above ``shard_docs`` documents shard by shard, holding an index of the
+batches and building a step's pieces from its shard, so no rank ever holds the epoch's pieces), cuts
+it into steps and shares each step out (``data/steps.py``), collates
 this rank's batches in a background thread (``prefetch`` steps ahead) and pins memory when a GPU is
 present. Every rank computes the same boundaries from the same plan, so all ranks take the same
 steps; a rank with nothing to do in a step gets null batches (``Batch.null``) and still joins every
@@ -27,8 +29,9 @@ import numpy as np
 import torch
 
 from densebatch.batch import Batch, Step
-from densebatch.data.mixing import plan_store_epoch
+from densebatch.data.mixing import epoch_rows
 from densebatch.data.plan import Plan, PlanSettings
+from densebatch.data.shards import EpochRows
 from densebatch.data.steps import StepSettings, cumulative_row_loss_tokens, rows_of, share, step_documents, step_stop
 from densebatch.errors import DataError
 
@@ -61,21 +64,22 @@ class StepLoader:
         self.weights = weights  # data.sources' weights (store order); None: every document once an epoch
         self.fraction: Callable[[int], float] = lambda step: 1.0  # noqa: E731 - the ramp's hook
         self.epoch, self.row, self.steps_done = 0, 0, 0
-        self._plans: dict[int, Plan] = {}
+        self._plans: dict[int, Plan | EpochRows] = {}
         self._cum: dict[int, np.ndarray] = {}
         self._cum_mask: np.ndarray | None = None
         self._lock = threading.Lock()  # the prefetch thread plans too
         self._generation = 0
 
     # ------------------------------------------------------------------------- plans and state
-    def plan(self, epoch: int) -> Plan:
+    def plan(self, epoch: int) -> Plan | EpochRows:
         """The global plan of ``epoch`` (all ranks; sources mixed by ``weights``), cached for the current
-        and next epoch only."""
+        and next epoch only: a ``Plan``, or above ``shard_docs`` documents (or for a weighted mixture)
+        an ``EpochRows`` that builds the pieces of the rows asked for from their shard."""
         with self._lock:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
                 self._cum = {e: c for e, c in self._cum.items() if e in self._plans}
-                self._plans[epoch] = plan_store_epoch(self.store, self.settings, self.seed, epoch, self.weights, self.lengths)
+                self._plans[epoch] = epoch_rows(self.store, self.settings, self.seed, epoch, self.weights, self.lengths)
             return self._plans[epoch]
 
     def _cum_tokens(self, epoch: int) -> np.ndarray | None:
@@ -159,7 +163,7 @@ class StepLoader:
             num_batches=sum(len(x) for x in everyone),
         )
 
-    def _collate(self, plan: Plan, epoch: int, rows: np.ndarray) -> Batch:
+    def _collate(self, plan: Plan | EpochRows, epoch: int, rows: np.ndarray) -> Batch:
         pieces = rows_of(plan, rows)
         try:
             batch = self.collator(self.store, pieces, step=(epoch, int(rows[0])))

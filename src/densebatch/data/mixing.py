@@ -17,7 +17,7 @@ import numpy as np
 from densebatch.config import DataConfig, SourceConfig
 from densebatch.data.mixture import Selection, select_mixture
 from densebatch.data.plan import Plan, PlanSettings, plan_epoch
-from densebatch.data.shards import ShardedPlan, plan_epoch_sharded
+from densebatch.data.shards import EpochRows, ShardedPlan, plan_epoch_sharded
 from densebatch.errors import DataError
 
 
@@ -86,6 +86,16 @@ def plan_store_epoch(store, settings: PlanSettings, seed: int, epoch: int, weigh
         return plan_epoch(lengths, settings, seed, epoch)  # one shard: the sharded plan is this one
     # Large corpora are planned shard by shard (bounded planning memory, the plan `analyze` reports).
     return materialise(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
+
+
+def epoch_rows(store, settings: PlanSettings, seed: int, epoch: int, weights=None, lengths=None) -> Plan | EpochRows:
+    """The rows of ``plan_store_epoch`` as the loader reads them: the ``Plan`` itself for a corpus of one
+    shard, else an ``EpochRows`` that holds the shards' index, not their pieces (bounded memory)."""
+    lengths = np.asarray(store.lengths, np.int64) if lengths is None else lengths
+    selection = epoch_selection(store, weights, seed, epoch, lengths)
+    if selection is None and len(lengths) <= settings.shard_docs:
+        return plan_epoch(lengths, settings, seed, epoch)
+    return EpochRows(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
 
 
 def materialise(sharded: ShardedPlan) -> Plan:

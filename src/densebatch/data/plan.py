@@ -125,6 +125,12 @@ class Plan:
         bounds = (self.row_ptr[r0 : r1 + 1] - p0).tolist()
         return [pieces[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
+    def rows(self, a: int, b: int) -> Plan:
+        """Rows ``[a, b)`` as a plan of their own (views, no copy): row 0 is row ``a``; one batch."""
+        p0, p1 = int(self.row_ptr[a]), int(self.row_ptr[b])
+        ptr = self.row_ptr[a : b + 1] - p0
+        return Plan(self.doc[p0:p1], self.start[p0:p1], self.stop[p0:p1], ptr, np.array([0, b - a]), self.pad_to_multiple_of)
+
     def batch_docs(self, i: int) -> list[int]:
         """Sorted document indices in batch ``i`` (for error messages)."""
         p0, p1 = int(self.row_ptr[self.batch_ptr[i]]), int(self.row_ptr[self.batch_ptr[i + 1]])

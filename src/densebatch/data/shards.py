@@ -224,3 +224,62 @@ def _checked(lengths) -> np.ndarray:
     if len(x) and int(x.min()) < 1:
         raise ValueError(f"lengths: every document needs at least one token; document {int(np.argmin(x))} has {int(x.min())}")
     return x
+
+
+class EpochRows:
+    """A ``ShardedPlan`` read row by row, as the step planner and the loader read a ``Plan``, without the
+    epoch's pieces ever being held at once.
+
+    ``batch_ptr`` (rows before each batch: 8 bytes per batch) is global; ``rows(a, b)`` assembles the
+    pieces of rows ``[a, b)`` from the shards that hold them (the shard plan's two-entry cache makes
+    a forward pass through the epoch build each shard once). The rows and their order are those of
+    ``mixing.materialise(sharded)``, so a loader position means the same with either.
+    """
+
+    def __init__(self, sharded: ShardedPlan):
+        self.sharded = sharded
+        self.pad_to_multiple_of = sharded.pad_to_multiple_of
+        self.batch_ptr = np.concatenate([[0], np.cumsum(sharded.batch_rows(), dtype=np.int64)])
+        self.shard_rows = self.batch_ptr[sharded.batch_offsets]  # (shards + 1,) first row of each shard
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.batch_ptr) - 1
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.batch_ptr[-1])
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def shard_plans(self):
+        """Each shard's ``Plan`` in order (rows end to end make the epoch)."""
+        return (self.sharded.shard(k) for k in range(self.sharded.num_shards))
+
+    def rows(self, a: int, b: int) -> Plan:
+        """Rows ``[a, b)`` as one small ``Plan`` (row 0 is row ``a``; one batch)."""
+        if not 0 <= a <= b <= self.num_rows:
+            raise IndexError(f"rows [{a}, {b}) out of range (0 .. {self.num_rows})")
+        k = max(0, int(np.searchsorted(self.shard_rows, a, side="right")) - 1)
+        parts = []
+        while k < self.sharded.num_shards and self.shard_rows[k] < b:
+            lo, hi = int(self.shard_rows[k]), int(self.shard_rows[k + 1])
+            if min(b, hi) > max(a, lo):
+                parts.append(self.sharded.shard(k).rows(max(a, lo) - lo, min(b, hi) - lo))
+            k += 1
+        if len(parts) == 1:
+            return parts[0]
+        pieces = np.cumsum([0] + [len(p.doc) for p in parts])
+        cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
+        return Plan(
+            doc=cat([p.doc for p in parts]),
+            start=cat([p.start for p in parts]),
+            stop=cat([p.stop for p in parts]),
+            row_ptr=cat([p.row_ptr[:-1] + pieces[i] for i, p in enumerate(parts)] + [[pieces[-1]]]),
+            batch_ptr=np.array([0, b - a], np.int64),
+            pad_to_multiple_of=self.pad_to_multiple_of,
+        )
+
+    def stats(self) -> dict:
+        return self.sharded.stats()

@@ -68,6 +68,13 @@ def cumulative_row_loss_tokens(plan: Plan, offsets: np.ndarray, cum_mask: np.nda
     last one only when the document continues past the piece), each counted where the loss mask is 1,
     exactly as the causal collator labels them.
     """
+    if hasattr(plan, "shard_plans"):  # an ``EpochRows``: shard by shard, never every piece at once
+        out, total = [np.zeros(1, np.int64)], 0
+        for part in plan.shard_plans():
+            c = cumulative_row_loss_tokens(part, offsets, cum_mask)
+            out.append(c[1:] + total)
+            total += int(c[-1])
+        return np.concatenate(out)
     doc_len = offsets[plan.doc + 1] - offsets[plan.doc]
     first = offsets[plan.doc] + plan.start + 1
     last = offsets[plan.doc] + np.minimum(plan.stop + 1, doc_len)  # exclusive
@@ -167,21 +174,23 @@ def _segment_sum(x: np.ndarray, ptr: np.ndarray) -> np.ndarray:
 
 def _row_lengths(plan: Plan, a: int, b: int) -> np.ndarray:
     """Real tokens of rows ``[a, b)``."""
-    p = plan.row_ptr[a : b + 1]
-    piece_len = plan.stop[p[0] : p[-1]] - plan.start[p[0] : p[-1]]
-    return _segment_sum(piece_len, p - p[0])
+    seg = plan.rows(a, b)
+    return _segment_sum(seg.stop - seg.start, seg.row_ptr)
 
 
 def step_documents(plan: Plan, start: int, stop: int) -> np.ndarray:
     """Sorted unique document indices of the step's rows (all ranks)."""
-    p0, p1 = int(plan.row_ptr[start]), int(plan.row_ptr[stop])
-    return np.unique(plan.doc[p0:p1])
+    return np.unique(plan.rows(start, stop).doc)
 
 
 def rows_of(plan: Plan, rows: np.ndarray) -> list[list[tuple[int, int, int]]]:
-    """The pieces ``(doc, start, stop)`` of each of ``rows``, as the collators take them."""
+    """The pieces ``(doc, start, stop)`` of each of ``rows`` (ascending), as the collators take them."""
+    if len(rows) == 0:
+        return []
+    first = int(rows[0])
+    seg = plan.rows(first, int(rows[-1]) + 1)  # a ``Plan`` or an ``EpochRows``: only these rows' pieces
     out = []
-    for r in rows.tolist():
-        p0, p1 = int(plan.row_ptr[r]), int(plan.row_ptr[r + 1])
-        out.append(list(zip(plan.doc[p0:p1].tolist(), plan.start[p0:p1].tolist(), plan.stop[p0:p1].tolist())))
+    for r in (rows - first).tolist():
+        p0, p1 = int(seg.row_ptr[r]), int(seg.row_ptr[r + 1])
+        out.append(list(zip(seg.doc[p0:p1].tolist(), seg.start[p0:p1].tolist(), seg.stop[p0:p1].tolist())))
     return out
