@@ -3,16 +3,22 @@
 Shared by tests/model/test_hf_architectures.py and benchmarks/hf_isolation_table.py. Each config is
 small enough to build and run in milliseconds (1-2 layers, width 32, vocabulary ``VOCAB``); where an
 architecture has a sliding window it is set to ``WINDOW`` tokens, shorter than the documents, so
-that a mask which forgot the window shows up as a difference.
+that a mask which forgot the window shows up as a difference. ``packed_vs_alone`` is the measure
+both report: each packed document against itself alone, through the adapter's own paths.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 VOCAB = 100
 WIDTH = 32
 WINDOW = 6  # sliding-window attention span, shorter than the longer test documents
+# Rows of documents (lengths) packed for the comparison: several longer than WINDOW, so a forgotten window shows.
+LENGTHS = [[9, 14, 5], [20], [3, 11, 1, 7]]
+SEQ_LEN = 32
 # (model_type, attn_implementation): what the isolation table and test cover.
 ARCHITECTURES = [
     ("gpt2", "sdpa"),
@@ -87,3 +93,24 @@ def write_config_dir(root: Path, model_type: str, **overrides) -> Path:
     out = Path(root) / model_type
     tiny_config(model_type, **overrides).save_pretrained(out)
     return out
+
+
+def packed_vs_alone(model, docs_by_row: list[list[list[int]]]) -> tuple[float, float]:
+    """(max |loss difference|, max |logit difference|) between each document packed in its row (the
+    4-D document mask) and the same document alone in a row (no mask: the model's causal attention)."""
+    from conftest import pack
+
+    packed = pack(docs_by_row, seq_len=SEQ_LEN)
+    worst_loss = worst_logit = 0.0
+    with torch.no_grad():
+        losses = model.token_losses(packed)  # (rows, T)
+        logits = model(packed.input_ids, packed.positions)  # (rows, T, vocab)
+        for r, docs in enumerate(docs_by_row):
+            t = 0
+            for d in docs:
+                alone = pack([[d]])
+                worst_loss = max(worst_loss, (losses[r, t : t + len(d)] - model.token_losses(alone)[0]).abs().max().item())
+                alone_logits = model(alone.input_ids, alone.positions, single_doc_rows=True)[0]  # (len(d), vocab)
+                worst_logit = max(worst_logit, (logits[r, t : t + len(d)] - alone_logits).abs().max().item())
+                t += len(d)
+    return worst_loss, worst_logit

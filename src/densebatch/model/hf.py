@@ -280,12 +280,19 @@ class HFCausalLM(nn.Module):
     def save(self, path: str | Path) -> None:
         """``save_pretrained`` (safetensors): ``AutoModelForCausalLM.from_pretrained(path)`` loads it.
         Under LoRA, the adapter alone (PEFT's ``save_pretrained``: adapter_config.json and
-        adapter_model.safetensors, naming this base model by its absolute path; PEFT also saves the
-        embedding tables there when they grew); ``save_merged`` writes the plain model."""
-        if self.lora:
-            for config in self.hf.peft_config.values():
-                config.base_model_name_or_path = str(self.path)
-        self.hf.save_pretrained(path)
+        adapter_model.safetensors, naming this base model by its absolute path); ``save_merged``
+        writes the plain model.
+
+        PEFT would also save both whole embedding tables once they grew (``save_embedding_layers``
+        "auto"): vocabulary x width each, the size of a small model. They carry nothing new: the base
+        rows are the base model's, and the added tokens' rows are the adapter's trainable tokens
+        (``load_adapter`` rebuilds the grown tables from the base), so they are left out."""
+        if not self.lora:
+            self.hf.save_pretrained(path)
+            return
+        for config in self.hf.peft_config.values():
+            config.base_model_name_or_path = str(self.path)
+        self.hf.save_pretrained(path, save_embedding_layers=False)
 
     def save_merged(self, path: str | Path) -> None:
         """A plain Hugging Face model (``from_pretrained`` loads it): LoRA adapters merged into the

@@ -70,9 +70,17 @@ def trainable_tokens(lm, new_ids: list[int]) -> list[int] | dict[str, list[int]]
 
 def apply_lora(model, settings, new_ids: list[int] = ()) -> None:
     """Wrap ``model.hf`` (an ``HFCausalLM``) in LoRA adapters per ``settings`` (``config.LoraConfig``)."""
+    from densebatch.model.hf import has_weights
+
     peft = _peft()
     if model.lora:
         raise AssertionError("LoRA adapters are already applied")
+    if not has_weights(model.path):
+        # The frozen base would be random, and load_adapter could not rebuild it: the adapter alone is saved.
+        raise ConfigError(
+            f"model.lora: {model.path} holds no weights (config.json only); LoRA adapts a trained model: "
+            "give model.path a directory with its weights, or set model.lora.r: 0"
+        )
     lm = model.hf
     kind = getattr(lm.config, "model_type", "?")
     config = peft.LoraConfig(
@@ -100,9 +108,14 @@ def load_adapter(path: str | Path, model_cfg, vocab_size: int):
     peft = _peft()
     path = Path(path)
     saved = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-    base = saved.get("base_model_name_or_path") or model_cfg.path
-    if not base or not (Path(base) / "config.json").is_file():
-        raise ConfigError(f"{path}: a LoRA adapter whose base model is not found at {base!r} (model.path of the run)")
+    # The path the adapter names first; the run's model.path when the base was moved and the config says where.
+    tried = [b for b in (saved.get("base_model_name_or_path"), model_cfg.path) if b]
+    base = next((b for b in tried if (Path(b) / "config.json").is_file()), None)
+    if base is None:
+        raise ConfigError(
+            f"{path}: a LoRA adapter whose base model is not found (tried {', '.join(map(repr, tried)) or 'nothing'}); "
+            "put the base model back there or set model.path to it"
+        )
     model = HFCausalLM(base, attn_implementation=model_cfg.attn_implementation, dtype=model_cfg.dtype)
     model.resize_vocab(vocab_size)  # the added tokens' rows come from the adapter
     model.hf = peft.PeftModel.from_pretrained(model.hf, str(path))

@@ -151,7 +151,8 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
         tokenizer = prepare_data(run_cfg.data).tokenizer
     else:
         tokenizer = load_data_tokenizer(run_cfg.data)  # with the tokens the run added (chatml's markers, add_tokens)
-    model = build_model(run_cfg.model, tokenizer.vocab_size)
+    # base_vocab_size: under LoRA the added tokens' rows are modules of their own (their state's keys)
+    model = build_model(run_cfg.model, tokenizer.vocab_size, tokenizer.base_vocab_size)
     model.load_state_dict(ckpt.model_state)
     return model, tokenizer, run_cfg, which
 
