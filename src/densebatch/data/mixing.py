@@ -16,7 +16,7 @@ import numpy as np
 
 from densebatch.config import DataConfig, SourceConfig
 from densebatch.data.mixture import Selection, select_mixture
-from densebatch.data.plan import Plan, PlanSettings, plan_epoch
+from densebatch.data.plan import Plan, PlanSettings, join_plans, plan_epoch
 from densebatch.data.shards import EpochRows, ShardedPlan, plan_epoch_sharded
 from densebatch.errors import DataError
 
@@ -100,21 +100,7 @@ def epoch_rows(store, settings: PlanSettings, seed: int, epoch: int, weights=Non
 
 def materialise(sharded: ShardedPlan) -> Plan:
     """A ``ShardedPlan`` as one ``Plan``: its shards' pieces, rows and batches end to end (same batch order)."""
-    parts = [sharded.shard(k) for k in range(sharded.num_shards)]
-    pieces = np.cumsum([0] + [len(p.doc) for p in parts])
-    rows = np.cumsum([0] + [p.num_rows for p in parts])
-    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
-    return Plan(
-        doc=cat([p.doc for p in parts]),
-        start=cat([p.start for p in parts]),
-        stop=cat([p.stop for p in parts]),
-        row_ptr=cat([p.row_ptr[:-1] + pieces[k] for k, p in enumerate(parts)] + [[pieces[-1]]]),
-        batch_ptr=cat([p.batch_ptr[:-1] + rows[k] for k, p in enumerate(parts)] + [[rows[-1]]]),
-        pad_to_multiple_of=sharded.pad_to_multiple_of,
-        split=cat([p.split for p in parts]),
-        truncated=cat([p.truncated for p in parts]),
-        dropped=cat([p.dropped for p in parts]),
-    )
+    return join_plans([sharded.shard(k) for k in range(sharded.num_shards)], sharded.pad_to_multiple_of)
 
 
 def epoch_shares(store, weights, seed: int, epoch: int = 0) -> dict[str, dict]:

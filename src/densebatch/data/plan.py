@@ -163,17 +163,40 @@ class Plan:
 
     def stats(self) -> dict:
         real, slots = self.batch_stats()
-        return {
-            "fill_rate": float(real.sum() / max(1, slots.sum())),
-            "batches": self.num_batches,
-            "rows": self.num_rows,
-            "mean_real_tokens": float(real.mean()) if len(real) else 0.0,
-            "max_real_tokens": int(real.max(initial=0)),
-            "max_slots": int(slots.max(initial=0)),
-            "split": len(self.split),
-            "truncated": len(self.truncated),
-            "dropped": len(self.dropped),
-        }
+        return plan_stats(real, slots, self.num_rows, len(self.split), len(self.truncated), len(self.dropped))
+
+
+def plan_stats(real: np.ndarray, slots: np.ndarray, rows: int, split: int, truncated: int, dropped: int) -> dict:
+    """A plan's report from its real tokens and slots per batch (whole or sharded plans alike)."""
+    return {
+        "fill_rate": float(real.sum() / max(1, slots.sum())),
+        "batches": len(real),
+        "rows": int(rows),
+        "mean_real_tokens": float(real.mean()) if len(real) else 0.0,
+        "max_real_tokens": int(real.max(initial=0)),
+        "max_slots": int(slots.max(initial=0)),
+        "split": int(split),
+        "truncated": int(truncated),
+        "dropped": int(dropped),
+    }
+
+
+def join_plans(parts: list[Plan], pad_to_multiple_of: int = 1) -> Plan:
+    """Plans laid end to end: their pieces, rows and batches in order (document ids as they are)."""
+    pieces = np.cumsum([0] + [len(p.doc) for p in parts])
+    rows = np.cumsum([0] + [p.num_rows for p in parts])
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
+    return Plan(
+        doc=cat([p.doc for p in parts]),
+        start=cat([p.start for p in parts]),
+        stop=cat([p.stop for p in parts]),
+        row_ptr=cat([p.row_ptr[:-1] + pieces[k] for k, p in enumerate(parts)] + [[pieces[-1]]]),
+        batch_ptr=cat([p.batch_ptr[:-1] + rows[k] for k, p in enumerate(parts)] + [[rows[-1]]]),
+        pad_to_multiple_of=pad_to_multiple_of,
+        split=cat([p.split for p in parts]),
+        truncated=cat([p.truncated for p in parts]),
+        dropped=cat([p.dropped for p in parts]),
+    )
 
 
 def plan_epoch(lengths, settings: PlanSettings, seed: int, epoch: int, rank: int = 0, world_size: int = 1) -> Plan:

@@ -35,7 +35,7 @@ import numpy as np
 from densebatch.data.bijection import Bijection
 from densebatch.data.mixture import Selection
 from densebatch.data.packing import ranges
-from densebatch.data.plan import STRATEGIES, Plan, PlanSettings, plan_documents, plan_epoch
+from densebatch.data.plan import STRATEGIES, Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
 
 _SHARD_TAG = 0x534844  # keeps the shard order's stream apart from the planners' streams of the same seed
 _MAX_BLOCK = 64  # documents kept together when dealt into shards: contiguous reads of the lengths
@@ -194,19 +194,8 @@ class ShardedPlan:
         return [[[d for d, _, _ in row] for row in b] for b in self.iter_batches()]
 
     def stats(self) -> dict:
-        real, slots = self._real, self._slots
-        return {
-            "fill_rate": float(real.sum() / max(1, slots.sum())),
-            "batches": self.num_batches,
-            "rows": self.num_rows,
-            "mean_real_tokens": float(real.mean()) if len(real) else 0.0,
-            "max_real_tokens": int(real.max(initial=0)),
-            "max_slots": int(slots.max(initial=0)),
-            "split": self.num_split,
-            "truncated": self.num_truncated,
-            "dropped": self.num_dropped,
-            "shards": self.num_shards,
-        }
+        report = plan_stats(self._real, self._slots, self.num_rows, self.num_split, self.num_truncated, self.num_dropped)
+        return {**report, "shards": self.num_shards}
 
 
 def _narrow(x: np.ndarray) -> np.ndarray:
@@ -270,16 +259,7 @@ class EpochRows:
             k += 1
         if len(parts) == 1:
             return parts[0]
-        pieces = np.cumsum([0] + [len(p.doc) for p in parts])
-        cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)
-        return Plan(
-            doc=cat([p.doc for p in parts]),
-            start=cat([p.start for p in parts]),
-            stop=cat([p.stop for p in parts]),
-            row_ptr=cat([p.row_ptr[:-1] + pieces[i] for i, p in enumerate(parts)] + [[pieces[-1]]]),
-            batch_ptr=np.array([0, b - a], np.int64),
-            pad_to_multiple_of=self.pad_to_multiple_of,
-        )
+        return dataclasses.replace(join_plans(parts, self.pad_to_multiple_of), batch_ptr=np.array([0, b - a], np.int64))
 
     def stats(self) -> dict:
         return self.sharded.stats()
