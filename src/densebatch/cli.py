@@ -9,6 +9,7 @@
     densebatch eval     CONFIG --checkpoint DIR [--json]
     densebatch generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--raw]
     densebatch export   RUN_DIR OUT
+    densebatch plot     RUN_DIR      (PNGs of loss, lr, gradient norm, throughput, memory: RUN_DIR/plots)
     densebatch config   [CONFIG] [--keys]
 
 With no CONFIG, the embedded default (a built-in instruction dataset and a small GPT) is used.
@@ -108,6 +109,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     sp.add_argument("checkpoint", metavar="RUN_DIR", help="an output_dir, a final model dir or a checkpoint dir")
     sp.add_argument("out", metavar="OUT", help="directory to write (must not exist, or be empty)")
+
+    sp = sub.add_parser(
+        "plot",
+        help="Draw a run's plots from its metrics.jsonl into RUN_DIR/plots (needs matplotlib).",
+        description="Draw PNGs of a run from RUN_DIR/metrics.jsonl into RUN_DIR/plots: loss (train, smoothed, eval; "
+        "skipped steps and rollbacks marked), learning rate, gradient norm and clip limit, throughput and fill rate, "
+        "memory, time per step.",
+    )
+    sp.add_argument("run_dir", metavar="RUN_DIR", help="the output_dir of a training run")
 
     sp = with_config("config", "Print the resolved configuration (or every key with its help).")
     sp.add_argument("--keys", action="store_true", help="list every key, its default and what it means")

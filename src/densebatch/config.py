@@ -242,6 +242,35 @@ class GroupScheduleConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Thresholds of the run's health warnings (train/health.py, docs/observability.md); each cause warns once."""
+
+    enabled: bool = _f(
+        True, "Warn (console, metrics.jsonl, summary) when the data wait, memory, throughput, fill rate or clipping look wrong."
+    )
+    warmup_steps: int = _f(20, "Steps not judged at the start (memory excepted).", minimum=0)
+    data_wait_share: float = _f(
+        0.2, "Warn when steps wait on data for more than this share of their time (last 50 steps).", minimum=0.0
+    )
+    memory_margin: float = _f(
+        0.05,
+        "Warn when a step's peak memory comes within this share of train.memory_limit_gb (none: the CUDA device's memory, "
+        "or on CPU the machine's or container's).",
+        minimum=0.0,
+    )
+    slow_ratio: float = _f(
+        0.5, "Warn when the median tokens/s of the last 20 steps falls below this share of the run's median.", minimum=0.0
+    )
+    fill_ratio: float = _f(
+        0.7, "Warn when the median fill rate of the last 20 steps falls below this share of the run's median.", minimum=0.0
+    )
+    clip_share: float = _f(
+        0.5, "Warn when the gradient norm is clipped on more than this share of the last 50 steps.", minimum=0.0
+    )
+    clip_warmup_steps: int = _f(200, "Steps before the clipping check starts (early gradients are large by nature).", minimum=0)
+
+
+@dataclass
 class TrainConfig:
     max_steps: int | None = _f(None, "Stop after this many optimizer steps.", minimum=1)
     max_epochs: float | None = _f(None, "Stop after this many epochs (fractions allowed).", minimum=0.0)
@@ -325,6 +354,8 @@ class TrainConfig:
     report_to: list[Literal["tensorboard", "csv"]] = _f(
         list, "Metric sinks besides metrics.jsonl: tensorboard (event files under output_dir/tensorboard), csv."
     )
+    plots: bool = _f(True, "At the end of the run, draw its plots into output_dir/plots (when matplotlib is installed).")
+    health: HealthConfig = _f(HealthConfig, "Health warnings: their thresholds.")
     memory_limit_gb: float | None = _f(
         None,
         "Memory a budget of max_tokens_per_batch: auto may use, in GB: on CPU the whole process's peak resident "

@@ -8,7 +8,10 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.train.health import HealthMonitor, HealthWarning
+from densebatch.config import TrainConfig
+from densebatch.train.health import HealthMonitor, HealthWarning, default_memory_limit_gb
+from densebatch.train.loop import Trainer
+from densebatch.train.monitor import read_metrics
 
 
 def _rec(step: int, rng: random.Random | None = None, **over) -> dict:
@@ -161,3 +164,43 @@ def test_state_round_trip_keeps_causes_already_given():
     resumed = HealthMonitor(memory_limit_gb=1.0)
     resumed.load_state_dict(monitor.state_dict())
     assert resumed.observe(_rec(2, mem_peak_rss_gb=0.99)) == [] and resumed.summary() == [w]
+
+
+# ------------------------------------------------------------------- wired into the loop
+def _run_with_health(tiny, tmp_path, health, steps=4, log_every=2):
+    cfg = TrainConfig(lr=1e-2, warmup_steps=0, progress=False, device="cpu", max_steps=steps, log_every=log_every)
+    batches = [tiny.collate(tiny.make_docs(4, seed=i)) for i in range(steps)]
+    trainer = Trainer(tiny.TinyLM(), batches, cfg, output_dir=tmp_path, device="cpu", health=health)
+    return trainer, trainer.run()
+
+
+def test_the_loop_writes_each_warning_once_to_console_metrics_and_summary(tiny, tmp_path, capsys):
+    # Any process is above 1 kB of memory: the memory cause fires at step 1, which log_every=2 does not log.
+    _, result = _run_with_health(tiny, tmp_path, HealthMonitor(memory_limit_gb=1e-6))
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    warnings = [r for r in records if r["kind"] == "warning"]
+    assert [(w["key"], w["step"]) for w in warnings] == [("memory", 1)]
+    assert warnings[0]["value"] > warnings[0]["threshold"] > 0  # the figure and what it crossed
+    assert [r["step"] for r in records if r["kind"] == "train"] == [2, 4]
+    out = capsys.readouterr().out
+    assert out.count("warning: step 1: memory") == 1
+    assert [w["key"] for w in result.summary["warnings"]] == ["memory"]
+    assert "warning          step 1: memory" in result.text
+
+
+def test_a_healthy_loop_run_and_a_resumed_one_warn_about_nothing_new(tiny, tmp_path):
+    trainer, result = _run_with_health(tiny, tmp_path / "a", HealthMonitor(memory_limit_gb=1e-6))
+    state = trainer.trainer_state()
+    assert [w["key"] for w in state["health"]["warnings"]] == ["memory"]
+    resumed = HealthMonitor(memory_limit_gb=1e-6)
+    resumed.load_state_dict(state["health"])
+    assert resumed.observe({"kind": "train", "step": 5, "mem_rss_gb": 1.0}) == []  # given before: not again
+
+    _, result = _run_with_health(tiny, tmp_path / "b", HealthMonitor(memory_limit_gb=1e6))
+    assert result.summary["warnings"] == [] and "warning" not in result.text
+    assert not [r for r in read_metrics(tmp_path / "b" / "metrics.jsonl") if r["kind"] == "warning"]
+
+
+def test_default_memory_limit_is_the_machine_or_container_memory():
+    limit = default_memory_limit_gb("cpu")
+    assert limit is not None and 0.1 < limit < 1e5  # GB: a machine, not bytes or kilobytes

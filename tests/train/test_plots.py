@@ -10,7 +10,7 @@ import pytest
 
 from densebatch.errors import ConfigError
 from densebatch.train.monitor import METRICS_FILE, MetricsWriter
-from densebatch.train.plots import PLOTS_DIR, extract, main, plot_run, smooth
+from densebatch.train.plots import PLOTS_DIR, extract, plot_run, smooth
 
 pytest.importorskip("matplotlib")
 
@@ -124,20 +124,6 @@ def test_nan_and_null_values_everywhere(tmp_path):
     assert "throughput.png" in {p.name for p in paths}  # whatever is finite is drawn
     for p in paths:
         _png_size(p)
-
-
-def test_main_prints_where_the_plots_went(tmp_path, capsys):
-    run = _run(tmp_path, [_train(1, 2.0), _train(2, 1.0)])
-    assert main(run) == 0
-    out = capsys.readouterr().out
-    assert str(run / PLOTS_DIR) in out and "loss.png" in out
-
-
-def test_main_on_an_empty_or_missing_metrics_file(tmp_path, capsys):
-    with pytest.raises(ConfigError, match="no metrics.jsonl"):
-        main(tmp_path / "nowhere")
-    run = _run(tmp_path, [{"kind": "note", "step": 1, "text": "hi"}])
-    assert main(run) == 2 and not (run / PLOTS_DIR).exists()
 
 
 def test_missing_matplotlib_is_a_one_line_config_error(tmp_path, monkeypatch):

@@ -40,6 +40,14 @@ def dispatch(args, overrides: list[str]) -> int:
 
             raise UserError("export takes no --section.key overrides: it uses the run's configuration")
         return commands.export_command(args)
+    if cmd == "plot":
+        if overrides:
+            from densebatch.errors import UserError
+
+            raise UserError("plot takes no --section.key overrides: it reads the run's metrics.jsonl")
+        from densebatch.run.plot import plot_command
+
+        return plot_command(args)
     if cmd == "train":
         from densebatch.run.training import train
 

@@ -37,6 +37,7 @@ from densebatch.run.resume import plan_resume
 from densebatch.train.checkpoint import CheckpointManager, latest_valid, load_checkpoint
 from densebatch.train.distributed import Distributed, wrap_model
 from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
+from densebatch.train.health import HealthMonitor, default_memory_limit_gb
 from densebatch.train.loop import Trainer, resolve_device
 from densebatch.train.monitor import METRICS_FILE, truncate_metrics
 from densebatch.train.portable import is_sharded, model_state
@@ -207,7 +208,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
         dist=dist, forward=forward, sinks=build_sinks(cfg, out) if dist.is_main else (),
         source_names=prepared.train.source_names,
-        batch_schedule=BatchSchedule.from_config(t),
+        batch_schedule=BatchSchedule.from_config(t), health=build_health(cfg, device),
     )  # fmt: skip
     cfg = resolve_lr(cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which it leaves as it was
     accuracy = None
@@ -251,7 +252,36 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
             acc = (trainer.state.last_eval or {}).get("accuracy", math.nan)
             print(f"exact-match accuracy on {len(accuracy.samples)} held-out prompts: {acc:.3f}\n{accuracy.show()}")
         print(f"model, tokenizer and config: {final}", flush=True)
+        if cfg.train.plots:
+            write_plots(out)
     return 0
+
+
+def build_health(cfg: RunConfig, device) -> HealthMonitor | None:
+    """The health warnings' monitor from ``train.health``; memory is judged against ``train.memory_limit_gb``,
+    or the device's (CUDA) or machine's (CPU) memory."""
+    h = cfg.train.health
+    if not h.enabled:
+        return None
+    limit = cfg.train.memory_limit_gb or default_memory_limit_gb(torch.device(device))
+    return HealthMonitor(
+        memory_limit_gb=limit, clip_limit=cfg.train.grad_clip, warmup_steps=h.warmup_steps,
+        data_wait_share=h.data_wait_share, memory_margin=h.memory_margin, slow_ratio=h.slow_ratio,
+        fill_ratio=h.fill_ratio, clip_share=h.clip_share, clip_warmup_steps=h.clip_warmup_steps,
+    )  # fmt: skip
+
+
+def write_plots(out: Path) -> None:
+    """The run's plots (train/plots.py) into ``out/plots``, and where they went; without matplotlib, a hint."""
+    from densebatch.train.plots import PLOTS_DIR, plot_run
+
+    try:
+        paths = plot_run(out)
+    except ConfigError:  # matplotlib is missing: plots are optional
+        print("plots: not drawn (they need matplotlib: pip install 'densebatch[plot]')", flush=True)
+        return
+    if paths:
+        print(f"plots: {out / PLOTS_DIR}/ ({', '.join(p.name for p in paths)})", flush=True)
 
 
 def build_sinks(cfg: RunConfig, out: Path) -> list:

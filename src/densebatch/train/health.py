@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import bisect
 import math
+import os
 from collections import deque
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 CUDA_MEMORY_KEYS = ("cuda_max_reserved_gb", "cuda_max_allocated_gb")
 CPU_MEMORY_KEYS = ("mem_peak_rss_gb", "mem_rss_gb")
@@ -114,7 +116,7 @@ class HealthMonitor:
     def __init__(
         self,
         *,
-        memory_limit_gb: float | None = None,  # CUDA: the device's total memory; CPU: a user setting; None: unchecked
+        memory_limit_gb: float | None = None,  # see default_memory_limit_gb; None: unchecked
         clip_limit: float | None = None,  # fixed clip limit when records carry no ``clip_limit`` (0 / inf / None: off)
         warmup_steps: int = 20,
         window: int = 50,  # steps of data-wait and clipping history; reference window of the medians
@@ -269,3 +271,24 @@ class HealthMonitor:
     def load_state_dict(self, state: dict) -> None:
         self.warnings = [HealthWarning(**w) for w in state.get("warnings", [])]
         self._given = {w.key for w in self.warnings}
+
+
+def default_memory_limit_gb(device) -> float | None:
+    """The memory a run cannot exceed, in GB, when no limit is set: the CUDA device's total memory, or on
+    CPU the machine's physical memory, lowered to the cgroup's limit when a container sets one (cgroup v2
+    ``memory.max``). None when it cannot be read (the memory check is then off)."""
+    if getattr(device, "type", device) == "cuda":
+        import torch
+
+        return torch.cuda.get_device_properties(device).total_memory / 1e9
+    try:
+        limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+    try:
+        cgroup = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if cgroup.isdigit():
+            limit = min(limit, int(cgroup))
+    except OSError:
+        pass
+    return limit / 1e9

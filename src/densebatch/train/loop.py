@@ -29,6 +29,7 @@ from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.evaluate import by_source, check_precision, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
+from densebatch.train.health import HealthMonitor
 from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
 from densebatch.train.oom import accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
@@ -52,6 +53,8 @@ class Trainer:
     is the module training passes go through (``TokenLosses(model)``, or its DDP / FSDP wrapper).
     ``evaluate_fn(model) -> dict`` adds entries (e.g. accuracy) to each eval record; ``after_step(result)``
     runs after every step (the session: checkpoints, rollbacks); ``sinks`` receive every record.
+    ``health`` (``HealthMonitor``) reads every train record, logged or not; its warnings go to the console,
+    to the records (``"kind": "warning"``) and to the end-of-run summary.
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class Trainer:
         sinks: Iterable[Any] = (),
         batch_schedule: BatchSchedule | None = None,
         source_names: list[str] | None = None,
+        health: HealthMonitor | None = None,
     ):
         self.cfg, self.eval_cfg = cfg, eval_cfg or EvalConfig()
         self.dist = dist or Distributed()
@@ -101,6 +105,7 @@ class Trainer:
         self.should_stop = False  # set from a signal handler: finish the current step, then stop
         self.metrics: MetricsWriter | None = None  # open during run(); the session writes its events here
         self.sinks = list(sinks)
+        self.health = health
         self.console = Console(None, 0, enabled=False)
         self._show_console = console and self.dist.is_main
         self._it: Iterator[Step] | None = None  # created lazily so that load_state_dict can reposition data
@@ -111,7 +116,8 @@ class Trainer:
     def parts(self) -> dict[str, Any]:
         """The JSON-able stateful parts a checkpoint stores beside model and optimizer, by name."""
         parts = {"counters": self.state, "scaler": self.scaler, "data": self.data, "guard": self.guard, "clipper": self.clipper}
-        return parts | ({"batch_schedule": self.batch_schedule} if self.batch_schedule is not None else {})
+        parts |= {"batch_schedule": self.batch_schedule} if self.batch_schedule is not None else {}
+        return parts | ({"health": self.health} if self.health is not None else {})
 
     def trainer_state(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts().items()}
@@ -120,6 +126,8 @@ class Trainer:
         for name, part in self.parts().items():
             if only is not None and name not in only:
                 continue
+            if name == "health" and name not in d:
+                continue  # the warnings already given: a checkpoint saved without them only warns again
             if name not in d:
                 raise KeyError(f"the saved trainer state has no part '{name}' (saved: {sorted(d)})")
             if name == "scaler" and not d[name]:
@@ -239,6 +247,9 @@ class Trainer:
             self._first_record = False
         self._write(rec, always=outcome is not StepOutcome.APPLIED or "oom_splits" in rec)
         self.console.step(rec, seconds)
+        for warning in self.health.observe(rec) if self.health is not None else ():
+            self._write(warning.as_record())
+            self.console.message(f"warning: {warning}")
         result = StepResult(outcome, rec, step)
         if self.eval_cfg.every_steps and st.step % self.eval_cfg.every_steps == 0:
             self.evaluate_now()
@@ -356,6 +367,8 @@ class Trainer:
                 self.metrics = None
         summary = self.summary(reason)
         text = format_summary(summary)
+        if self.health is not None and self.health.warnings:
+            text += "\n" + self.health.format_summary()
         if self._show_console:
             print(text, flush=True)
         return TrainResult(stop_reason=reason, summary=summary, text=text)
@@ -373,4 +386,5 @@ class Trainer:
             "session_seconds": self._session_seconds,
             "session_real_tokens": self._session_tokens,
             "output_dir": str(self.output_dir),
+            "warnings": [w.as_record() for w in self.health.summary()] if self.health is not None else [],
         }

@@ -109,8 +109,10 @@ def resource_usage(device: torch.device) -> dict[str, float]:
     except (OSError, ValueError, IndexError):
         pass
     if resource is not None:  # ru_maxrss: kilobytes on Linux, bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        out["mem_peak_rss_gb"] = peak * (1 if sys.platform == "darwin" else 1024) / 1e9
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024) / 1e9
+        # The kernel's RSS counters are approximate (per-CPU batches): the peak may read a few hundred kB
+        # below the resident figure read just before; a peak is never below the present.
+        out["mem_peak_rss_gb"] = max(peak, out.get("mem_rss_gb", 0.0))
     if device.type == "cuda":
         out["cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         out["cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9

@@ -295,16 +295,3 @@ def plot_run(run_dir: str | Path) -> list[Path]:
             out.mkdir(parents=True, exist_ok=True)
             drawn.append(draw(data, out / f"{name}.png"))
     return drawn
-
-
-def main(run_dir: str | Path) -> int:
-    """``densebatch plot RUN_DIR``: write the plots, print where they went. 2 when there is nothing to plot."""
-    run_dir = Path(run_dir)
-    if not (run_dir / METRICS_FILE).exists():
-        raise ConfigError(f"{run_dir}: no {METRICS_FILE} here; give the output_dir of a training run")
-    paths = plot_run(run_dir)
-    if not paths:
-        print(f"{run_dir / METRICS_FILE}: no train or eval records to plot")
-        return 2
-    print(f"plots: {run_dir / PLOTS_DIR}/ ({', '.join(p.name for p in paths)})")
-    return 0
