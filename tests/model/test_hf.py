@@ -206,10 +206,79 @@ def test_token_losses_float32_under_autocast(config_dirs, gen):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model.token_losses(batch)
     assert out.dtype == torch.float32
-    assert torch.allclose(out, model.token_losses(batch), atol=0.1)
+    # bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per operation); on losses near 5.7 the
+    # worst |difference| from fp32 over 20 seeds of this test's models was 1.3e-3 (Llama) and 2.1e-3
+    # (GPT-2) (benchmarks/hf_bf16_tolerance.py, docs/hf-models.md): 5e-3 keeps a 2.4x margin.
+    diff = (out - model.token_losses(batch)).abs().max().item()
+    assert 0 < diff <= 5e-3  # > 0: autocast did compute in bf16
     assert (out[batch.labels == -100] == 0).all()
 
 
 def test_load_model_needs_a_saved_model(tmp_path):
     with pytest.raises(ConfigError, match="no config.json"):
         load_model(tmp_path)
+
+
+# ------------------------------------------------------------------- model.dtype and attn_implementation
+@pytest.fixture(scope="module")
+def weights_dir(tmp_path_factory):
+    """A tiny Llama saved with its weights (fp32), so that dtypes can be compared on the same weights."""
+    out = tmp_path_factory.mktemp("llama_weights")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(out)
+    return out
+
+
+def train_steps(model, batch, steps: int) -> list[float]:
+    """Losses of ``steps`` optimizer steps on one batch with the trainer's optimizer."""
+    from densebatch.config import TrainConfig
+    from densebatch.train.optim import build_optimizer
+
+    opt = build_optimizer(model.train(), TrainConfig(lr=1e-2))
+    out = []
+    for _ in range(steps):
+        loss = model.token_losses(batch).sum() / batch.num_loss_tokens
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("impl", sorted(ALLOWED))
+def test_bfloat16_weights_load_and_train(weights_dir, impl, gen):
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS], seq_len=24)
+    ref = HFCausalLM(weights_dir, attn_implementation=impl).eval().token_losses(batch)
+    model = HFCausalLM(weights_dir, attn_implementation=impl, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    with torch.no_grad():
+        low = model.eval().token_losses(batch)
+    assert low.dtype == torch.float32
+    # weights rounded to bf16 (relative 2^-9) and every operation in bf16: the worst |difference| over 10
+    # seeds of weights and documents was 2.0e-3 (sdpa and eager alike) on losses near 5.7
+    assert 0 < (low - ref).abs().max().item() <= 5e-3
+    losses = train_steps(model, batch, 5)
+    assert losses[-1] < losses[0] - 0.1  # it trains (lr 1e-2 on one batch)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_eager_trains_like_sdpa(config_dirs, gen):
+    """Eager (the additive mask) computes the same losses and gradients as sdpa on packed rows, and trains."""
+    batch = pack([random_docs(gen, row, V) for row in LENGTHS], seq_len=24)
+    grads, losses = [], []
+    for impl in ("sdpa", "eager"):
+        model = adapter(config_dirs["llama"], impl).train()
+        loss = model.token_losses(batch)
+        loss.sum().backward()
+        losses.append(loss.detach())
+        grads.append([p.grad for p in model.parameters()])
+    assert torch.allclose(*losses, atol=1e-5)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+    steps = train_steps(adapter(config_dirs["llama"], "eager"), batch, 5)
+    assert steps[-1] < steps[0] - 0.1
+
+
+def test_unknown_dtype_is_refused(config_dirs):
+    with pytest.raises(ConfigError, match="model.dtype: expected one of float32, bfloat16, float16; got 'float64'"):
+        HFCausalLM(config_dirs["llama"], dtype="float64")
