@@ -150,3 +150,17 @@ def test_reference_gpt_with_added_tokens_exports_a_matching_model(root, tmp_path
     tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert model.config.vocab_size == len(tok) == BYTE_VOCAB + 2
     assert tok.convert_tokens_to_ids("<|user|>") == BYTE_VOCAB
+
+
+def test_an_eager_only_architecture_trains_and_its_final_model_loads(root, capsys):
+    """Gemma 2 soft-caps its attention scores, which only eager computes: trained with
+    model.attn_implementation eager, its final/ is read back the same way by generate and eval."""
+    torch.manual_seed(0)
+    config = tiny_config("gemma2", vocab_size=BYTE_VOCAB, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "gemma2_base")
+    run = train(root, root / "gemma2_base", "gemma2", "--model.attn_implementation=eager", "--train.max_steps=2")
+    assert main(["generate", "--checkpoint", str(run), "--prompt", "Is 12 even?", "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run / "config.yaml"), "--checkpoint", str(run / "final"), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert abs(got["loss"] - records(run, "eval")[-1]["loss"]) <= 1e-5

@@ -85,7 +85,7 @@ class HFCausalLM(nn.Module):
         self.loss_head = loss_head
         if attn_implementation not in ALLOWED:
             raise ConfigError(
-                f"Hugging Face attn_implementation {attn_implementation!r} cannot keep packed documents "
+                f"model.attn_implementation: {attn_implementation!r} cannot keep packed documents "
                 f"isolated (tests show it leaks or crashes); use one of: {', '.join(ALLOWED)}"
             )
         path = Path(path)

@@ -137,10 +137,11 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
     if kind == "final":
         tokenizer = load_tokenizer(d)
         saved_cfg = load_config(d / "config.yaml") if (d / "config.yaml").is_file() else None
+        model_cfg = (saved_cfg or cfg or RunConfig()).model  # how the run loaded it (Gemma 2: eager attention)
         if is_adapter_dir(d):  # a LoRA run's final: the adapter, on the base model its run trained
-            model = load_adapter(d, (saved_cfg or cfg or RunConfig()).model, tokenizer.vocab_size)
+            model = load_adapter(d, model_cfg, tokenizer.vocab_size)
         else:
-            model = load_model(d)
+            model = load_model(d, attn_implementation=model_cfg.attn_implementation)
         return model, tokenizer, cfg or saved_cfg, which
     ckpt = load_checkpoint(d)
     saved = (ckpt.extra_state or {}).get("config")
