@@ -9,11 +9,16 @@ trained by ``densebatch train`` on the embedded dataset with two added special t
   and a vocabulary matching ``AutoTokenizer``'s; stopped at step 2 and resumed to step 4, it logs the
   same losses and saves the same adapter as the run that was not stopped.
 - every weight training (no LoRA), and the reference GPT: final/ and export agree with the tokenizer.
+- docs/hf-models.md's walkthrough runs as written and prints what the page says.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -164,3 +169,30 @@ def test_an_eager_only_architecture_trains_and_its_final_model_loads(root, capsy
     assert main(["eval", str(run / "config.yaml"), "--checkpoint", str(run / "final"), "--json"]) == 0
     got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert abs(got["loss"] - records(run, "eval")[-1]["loss"]) <= 1e-5
+
+
+def test_the_docs_walkthrough_runs_as_written(tmp_path, monkeypatch, capsys):
+    """Shell lines run in bash; the densebatch lines through the CLI's own main() in this process (the
+    same command, without five more interpreter start-ups), in order, in an empty directory."""
+    text = (Path(__file__).parents[1] / "docs" / "hf-models.md").read_text(encoding="utf-8")
+    block = re.search(r"```bash\n(.*?)```", text.split("## Walkthrough", 1)[1], re.S).group(1)
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.chdir(tmp_path)
+    shell: list[str] = []
+
+    def run_shell() -> str:
+        r = subprocess.run(["bash", "-e", "-c", "\n".join(shell)], env=env, capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr[-2000:]
+        shell.clear()
+        return r.stdout
+
+    for line in block.splitlines():
+        if line.startswith("densebatch "):
+            if shell:
+                run_shell()
+            assert main(shlex.split(line)[1:]) == 0, line
+        else:
+            shell.append(line)
+    printed = run_shell()
+    assert printed.strip().splitlines()[-1] == "261 261 [259, 104, 105]"  # what the page says it prints
+    assert "resumed from runs/hf-lora/checkpoints/step-000004 (step 4)" in capsys.readouterr().out
