@@ -239,7 +239,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     if is_sharded(trainer.model):  # FSDP: gather the full weights (every rank takes part) into a plain copy
         state = model_state(trainer.model)
         if dist.is_main:
-            final_model = build_model(cfg.model, tok.vocab_size)
+            final_model = build_model(cfg.model, tok.vocab_size, tok.base_vocab_size)  # LoRA: the same modules
             final_model.load_state_dict(state)
     if dist.is_main:
         final = out / FINAL_DIR
