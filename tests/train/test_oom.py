@@ -153,6 +153,33 @@ def test_under_torchrun_a_rank_refuses_to_split_alone(tiny, tmp_path, monkeypatc
     assert inject.refused == 1
 
 
+def test_out_of_memory_in_evaluation_never_changes_the_training_budget(tiny, tmp_path):
+    """Evaluation is not split: its error reaches the caller; the training steps around it keep their
+    batches whole (no split carried over), and the configuration (the budget) is untouched."""
+
+    class EvalOOM(ForwardOOM):  # only passes without gradients (evaluation) run out of memory
+        def forward(self, batch):
+            if torch.is_grad_enabled():
+                return self.inner(batch)
+            return super().forward(batch)
+
+    batches = [tiny.collate(tiny.make_docs(6, seed=s)) for s in range(2)]
+    inject = EvalOOM(tiny.TinyLM(), max_rows=3)
+    cfg = _cfg(max_steps=2)
+    trainer = Trainer(
+        inject.inner.model, batches, cfg, output_dir=tmp_path, device="cpu", console=False, forward=inject,
+        eval_data=[tiny.collate(tiny.make_docs(6, seed=9))],
+    )  # fmt: skip
+    first = trainer.train_step(trainer.next_step())
+    with pytest.raises(torch.OutOfMemoryError):
+        trainer.evaluate_now()
+    assert inject.refused == 1  # raised once, not retried on halves
+    second = trainer.train_step(trainer.next_step())
+    for result, batch in zip((first, second), batches):
+        assert "oom_splits" not in result.record and result.record["slot_tokens"] == batch.num_slots
+    assert trainer.cfg == _cfg(max_steps=2) and trainer.cfg is cfg
+
+
 def test_split_rows_keeps_exact_counts(tiny):
     batch = tiny.collate(tiny.make_docs(5, seed=7, max_len=30))
     a, b = split_rows(batch)
