@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput_baselines import build_hf_trainer, dense_rows, hf_features  # noqa: E402
 from throughput_common import find_shared_data  # noqa: E402
 from throughput_densebatch import build_trainer  # noqa: E402
-from train_throughput import prepare_setup  # noqa: E402
+from train_throughput import match_hf_window, prepare_setup  # noqa: E402
 
 PHASES = ("data", "collate", "h2d", "body fwd", "head fwd", "head bwd", "body bwd", "clip", "optimizer")
 PHASES += ("zero_grad", "schedule", "logging", "other")
@@ -265,7 +265,7 @@ def profile_plain(setup, clock: Clock):
         with clock.phase("zero_grad"):
             opt.zero_grad(set_to_none=True)
         with clock.phase("logging"):
-            float(loss)  # what any loop prints
+            float(loss.detach())  # what any loop prints
         clock.end_step()
 
 
@@ -309,8 +309,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmpd:
         setup = prepare_setup(args.set, ns, find_shared_data(None), Path(tmpd))
         features = hf_features(setup.store)
+        match_hf_window(setup, ns, features)  # the same real tokens per step as HF's timed steps
         print(
-            f"{args.set}: {setup.tokens_per_step} real tokens/step, {torch.get_num_threads()} threads, "
+            f"{args.set}: {setup.tokens_per_step} real tokens/step (HF window fill {setup.notes['hf_window_fill']:.3f}), "
+            f"{torch.get_num_threads()} threads, "
             f"load average {os.getloadavg()[0]:.1f}",
             flush=True,
         )
