@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
 import transformers  # noqa: E402
-from conftest import random_docs  # noqa: E402
+from conftest import pack, random_docs  # noqa: E402
 from hf_tiny import ARCHITECTURES, LENGTHS, VOCAB, packed_vs_alone, write_config_dir  # noqa: E402
 
 from densebatch.errors import ConfigError  # noqa: E402
@@ -40,7 +40,7 @@ def main() -> None:
                 print(f"| {kind} | {impl} | refused: {e} | |")
                 continue
             docs = [random_docs(torch.Generator().manual_seed(0), row, VOCAB) for row in LENGTHS]
-            loss_diff, logit_diff = packed_vs_alone(model, docs)
+            loss_diff, logit_diff = packed_vs_alone(model, docs, pack)
             print(f"| {kind} | {impl} | {logit_diff:.1e} | {loss_diff:.1e} |")
 
 

@@ -95,11 +95,11 @@ def write_config_dir(root: Path, model_type: str, **overrides) -> Path:
     return out
 
 
-def packed_vs_alone(model, docs_by_row: list[list[list[int]]]) -> tuple[float, float]:
+def packed_vs_alone(model, docs_by_row: list[list[list[int]]], pack) -> tuple[float, float]:
     """(max |loss difference|, max |logit difference|) between each document packed in its row (the
-    4-D document mask) and the same document alone in a row (no mask: the model's causal attention)."""
-    from conftest import pack
-
+    4-D document mask) and the same document alone in a row (no mask: the model's causal attention).
+    ``pack``: tests/model/conftest.py's (passed in: a bare ``import conftest`` here could find another
+    directory's conftest once the whole suite is collected)."""
     packed = pack(docs_by_row, seq_len=SEQ_LEN)
     worst_loss = worst_logit = 0.0
     with torch.no_grad():

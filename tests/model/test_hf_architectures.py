@@ -37,7 +37,7 @@ def build(root, kind: str, impl: str) -> HFCausalLM:
 @pytest.mark.parametrize(("kind", "impl"), SUPPORTED, ids=[k for k, _ in SUPPORTED])
 def test_packed_documents_equal_each_document_alone(config_root, kind, impl, gen):
     model = build(config_root, kind, impl)
-    loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS])
+    loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS], pack)
     assert loss_diff <= 1e-5 and logit_diff <= 1e-5, f"{kind}/{impl}: losses {loss_diff:.2e}, logits {logit_diff:.2e}"
 
 
@@ -65,7 +65,7 @@ def test_negative_control_a_forgotten_window_shows(config_root, kind, gen):
     model = build(config_root, kind, dict(ARCHITECTURES)[kind])
     assert any(w == WINDOW for w in model._windows.values())
     model._windows = {name: None for name in model._windows}
-    loss_diff, _ = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS])
+    loss_diff, _ = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS], pack)
     assert loss_diff > 1e-4
 
 

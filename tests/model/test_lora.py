@@ -102,7 +102,7 @@ def test_only_adapters_and_added_rows_train(bases, kind, gen):
 def test_trained_adapters_keep_packed_documents_isolated(bases, kind, gen):
     model = lora_model(bases[kind])
     train(model, gen)
-    loss_diff, logit_diff = packed_vs_alone(model.eval(), docs_with_added_tokens(gen))
+    loss_diff, logit_diff = packed_vs_alone(model.eval(), docs_with_added_tokens(gen), pack)
     assert loss_diff <= 1e-5 and logit_diff <= 1e-5
 
 
@@ -168,6 +168,24 @@ def test_a_checkpointed_lora_model_loads_into_a_fresh_one(bases, gen):
     ids = torch.tensor([[1, VOCAB, 5, VOCAB + 1]])
     with torch.no_grad():
         assert torch.equal(fresh.eval()(ids, torch.arange(4)[None]), model.eval()(ids, torch.arange(4)[None]))
+
+
+def test_gradient_checkpointing_gives_the_same_adapter_gradients(bases, gen):
+    batch = pack(docs_with_added_tokens(gen), seq_len=32)
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        cfg = ModelConfig(kind="hf", path=str(bases["llama"]), lora=LORA, gradient_checkpointing=ckpt)
+        model = build_model(cfg, VOCAB + ADDED, VOCAB).train()
+        with torch.no_grad():  # nonzero B: gradients reach A and the layers below
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        model.token_losses(batch).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert grads[0][n] is not None and torch.allclose(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5), n
 
 
 def test_bfloat16_base_keeps_float32_adapters(bases, gen):
