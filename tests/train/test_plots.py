@@ -10,7 +10,7 @@ import pytest
 
 from densebatch.errors import ConfigError
 from densebatch.train.monitor import METRICS_FILE, MetricsWriter
-from densebatch.train.plots import PLOTS_DIR, extract, plot_run, smooth
+from densebatch.train.plots import PLOTS_DIR, extract, plot_run, smooth, smooth_on
 
 pytest.importorskip("matplotlib")
 
@@ -132,3 +132,12 @@ def test_missing_matplotlib_is_a_one_line_config_error(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as e:
         plot_run(run)
     assert "pip install 'densebatch[plot]'" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_on_a_log_axis_a_loss_falling_by_decades_is_smoothed_on_that_axis():
+    loss = [10 * 0.98**i for i in range(300)]  # a straight line on a log axis
+    on_log, linear = smooth_on(loss, log=True), smooth_on(loss, log=False)
+    # A straight line stays where it is, away from the ends (where only one side is there to average).
+    assert on_log[80:220] == pytest.approx(loss[80:220], rel=1e-3)
+    assert all(s > v * 1.02 for s, v in zip(linear[50:250], loss[50:250]))  # an arithmetic mean sits above it
+    assert smooth_on([2.0, 0.0, math.nan, 2.0], log=True)[::3] == pytest.approx([2.0, 2.0])  # no log(0) error

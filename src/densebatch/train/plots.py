@@ -38,7 +38,7 @@ MEMORY_KEYS = {  # record field -> legend
     "cuda_max_allocated_gb": "CUDA peak allocated in the step",
     "cuda_max_reserved_gb": "CUDA peak reserved in the step",
 }
-TIME_KEYS = ("data_wait_s", "fwd_bwd_s", "optimizer_s")
+TIME_KEYS = {"data_wait_s": "data wait", "fwd_bwd_s": "forward + backward", "optimizer_s": "optimizer"}  # field -> legend
 APPLIED = ("ok", "applied", None)  # outcomes of a step whose update was applied
 
 
@@ -146,6 +146,15 @@ def smooth(values: list[float], span: float | None = None) -> list[float]:
     return out
 
 
+def smooth_on(values: list[float], log: bool) -> list[float]:
+    """``smooth`` on the axis the values are drawn on: on a log axis, of their logarithms (a geometric
+    mean; an arithmetic one sits above a loss falling by decades, where the larger values dominate)."""
+    if not log:
+        return smooth(values)
+    logs = [math.log(v) if math.isfinite(v) and v > 0 else math.nan for v in values]
+    return [math.exp(v) if math.isfinite(v) else math.nan for v in smooth(logs)]
+
+
 def _wide_range(values: list[float], decades: float = 1.0) -> bool:
     """Positive values spanning more than ``decades`` powers of ten: a log axis shows them better."""
     pos = [v for v in values if v > 0]
@@ -175,12 +184,13 @@ def _save(fig, path: Path) -> Path:
 def _loss(data: RunData, path: Path) -> Path:
     fig, (ax,) = _figure()
     train = data.series("loss")
+    log = _wide_range(train.finite() + data.eval_loss.finite())
     if train:
         ax.plot(train.steps, train.values, color="tab:blue", alpha=0.3, linewidth=0.8, label="train (per step)")
-        ax.plot(train.steps, smooth(train.values), color="tab:blue", linewidth=1.8, label="train (smoothed)")
+        ax.plot(train.steps, smooth_on(train.values, log), color="tab:blue", linewidth=1.8, label="train (smoothed)")
     if data.eval_loss:
         ax.plot(data.eval_loss.steps, data.eval_loss.values, "o", color="tab:orange", markersize=6, label="eval")
-    if _wide_range(train.finite() + data.eval_loss.finite()):
+    if log:
         ax.set_yscale("log")
     top = ax.get_xaxis_transform()  # x in steps, y in axes fraction: markers sit along the top edge
     if data.skipped:
@@ -258,7 +268,7 @@ def _step_time(data: RunData, path: Path) -> Path:
     for _, series in parts:
         by_step = dict(zip(series.steps, series.values))
         ys.append([v if math.isfinite(v) else 0.0 for v in smooth([by_step.get(s, math.nan) for s in steps])])
-    ax.stackplot(steps, ys, labels=[k.removesuffix("_s").replace("_", " ") for k, _ in parts], alpha=0.8)
+    ax.stackplot(steps, ys, labels=[TIME_KEYS[k] for k, _ in parts], alpha=0.8)
     if total := data.series("step_s"):
         ax.plot(total.steps, smooth(total.values), color="black", linewidth=1, label="whole step")
     ax.set(title=f"{data.name}: time per step (smoothed)", xlabel=STEP_LABEL, ylabel="seconds")
