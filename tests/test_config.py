@@ -97,3 +97,18 @@ def test_configuration_doc_is_current():
 
     doc = (REPO / "docs" / "configuration.md").read_text(encoding="utf-8")
     assert doc == config_markdown(), "regenerate: densebatch config --keys --markdown > docs/configuration.md"
+
+
+@pytest.mark.parametrize(
+    "arg, want",
+    [
+        ('--data.add_special_tokens=["<|im_start|>", "<|im_end|>"]', ["<|im_start|>", "<|im_end|>"]),
+        ("--data.add_special_tokens=<|im_start|>,<|im_end|>", ["<|im_start|>", "<|im_end|>"]),
+        ("--data.add_special_tokens=[a, b]", ["a", "b"]),
+        ("--data.add_special_tokens=[<|x|>]", ["<|x|>"]),  # not YAML: the comma-separated reading
+    ],
+)
+def test_list_overrides_read_like_the_file(arg, want):
+    """A list in YAML flow syntax on the command line means what it means in a file (no quotes kept)."""
+    assert load_config(None, [arg]).data.add_special_tokens == want
+    assert load_config(None, ["--train.report_to=tensorboard,csv"]).train.report_to == ["tensorboard", "csv"]

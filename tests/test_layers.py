@@ -39,3 +39,11 @@ def test_layers_do_not_reach_across():
 def test_planning_imports_no_torch():
     mods = _imports(PKG / "data" / "plan.py")
     assert not any(m == "torch" or m.startswith("torch.") for m in mods)
+
+
+def test_no_module_over_400_lines():
+    """Modules stay small enough to read whole: split by responsibility past 400 lines."""
+    long = [
+        f"{p.relative_to(PKG)}: {n}" for p in PKG.rglob("*.py") if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400
+    ]
+    assert not long, "\n".join(long)

@@ -60,7 +60,7 @@ def analyze_command(cfg: RunConfig, args) -> int:
 
 CONFIG_DOC_HEADER = """# Configuration
 
-One YAML file per run maps onto nested dataclasses (`src/densebatch/config.py`, each field documented
+One YAML file per run maps onto nested dataclasses (`src/densebatch/config/`, each field documented
 in place). Any key can be overridden on the command line as `--section.key=value`; unknown keys,
 wrong types and invalid values stop the run with a message naming the key (exit code 2).
 `densebatch config --keys` prints this table; `densebatch config CONFIG` prints a resolved configuration.

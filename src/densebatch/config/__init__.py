@@ -1,0 +1,74 @@
+"""Run configuration: one YAML file mapped onto nested, documented dataclasses, plus CLI overrides.
+
+Every field carries its documentation in ``metadata["help"]`` (shown by ``densebatch config``); a
+field whose value is one of a fixed set is typed ``Literal[...]``, the one place its choices live. ``load_config`` reads a YAML file,
+applies ``--section.key=value`` overrides and validates everything; any mistake raises
+``ConfigError`` naming the key and what was expected. No ``exec``, no class names in strings.
+
+Modules: ``field`` (the documented field), ``data_sections`` (data, batching, model),
+``run_sections`` (train, eval, checkpoint, finder, ``RunConfig``), ``checks`` (cross-field rules),
+``loading`` (YAML and overrides onto the sections; the key table ``densebatch config --keys`` prints).
+Import from ``densebatch.config``: the names below are its interface.
+"""
+
+from __future__ import annotations
+
+from densebatch.config.checks import prompt_fields
+from densebatch.config.data_sections import (
+    BatchingConfig,
+    CleanConfig,
+    DataConfig,
+    DefaultDataConfig,
+    FieldsConfig,
+    LoraConfig,
+    ModelConfig,
+    SourceConfig,
+)
+from densebatch.config.loading import (
+    choices_of,
+    config_fingerprint,
+    config_from_dict,
+    describe,
+    load_config,
+    parse_override,
+    save_config,
+    to_dict,
+)
+from densebatch.config.run_sections import (
+    CheckpointConfig,
+    EvalConfig,
+    FinderConfig,
+    GroupScheduleConfig,
+    HealthConfig,
+    RunConfig,
+    TrainConfig,
+)
+from densebatch.errors import ConfigError
+
+__all__ = [
+    "BatchingConfig",
+    "CheckpointConfig",
+    "CleanConfig",
+    "ConfigError",
+    "DataConfig",
+    "DefaultDataConfig",
+    "EvalConfig",
+    "FieldsConfig",
+    "FinderConfig",
+    "GroupScheduleConfig",
+    "HealthConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "RunConfig",
+    "SourceConfig",
+    "TrainConfig",
+    "choices_of",
+    "config_fingerprint",
+    "config_from_dict",
+    "describe",
+    "load_config",
+    "parse_override",
+    "prompt_fields",
+    "save_config",
+    "to_dict",
+]

@@ -1,0 +1,141 @@
+"""Cross-field rules of a run configuration, each in one place (one field alone is checked by its type)."""
+
+from __future__ import annotations
+
+import string
+
+from densebatch.config.data_sections import DataConfig, ModelConfig
+from densebatch.config.run_sections import RunConfig
+from densebatch.errors import ConfigError
+
+
+def prompt_fields(prompt_format: str) -> list[str]:
+    """The record fields a custom prompt format names; ConfigError for positional or malformed ones."""
+    try:
+        names = [name for _, name, _, _ in string.Formatter().parse(prompt_format) if name is not None]
+    except ValueError as e:
+        raise ConfigError(f"data.prompt_format: {e} (write literal braces as {{{{ and }}}})") from None
+    if any(not n or not n.isidentifier() for n in names):
+        raise ConfigError(f"data.prompt_format: every placeholder must name a record field, like {{question}}; got {names}")
+    return names
+
+
+def _check(cfg: RunConfig) -> None:
+    """Cross-field rules that one field alone cannot express."""
+    d, b, m = cfg.data, cfg.batching, cfg.model
+    if d.template == "custom" and not d.sources:
+        if not d.prompt_format:
+            raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
+        prompt_fields(d.prompt_format)
+    _check_sources(d)
+    if m.kind == "hf" and m.attention not in ("auto", "masked"):
+        raise ConfigError(
+            f"model.attention: {m.attention!r} is not available for Hugging Face models; use auto or masked "
+            "(SDPA with a 4-D document mask, the backend tests show isolates packed documents)"
+        )
+    if not 0.0 <= d.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction: expected a number in [0, 1); got {d.eval_fraction}")
+    if not 0.0 < b.mlm_probability < 1.0:
+        raise ConfigError(f"batching.mlm_probability: expected a number in (0, 1); got {b.mlm_probability}")
+    if m.kind == "hf" and not m.path:
+        raise ConfigError("model.path: required when model.kind is hf (a local directory with config.json)")
+    if m.kind == "gpt" and m.n_embd % m.n_head:
+        raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({m.n_head}); got {m.n_embd}")
+    _check_hf_model(m)
+    if b.strategy == "packed" and b.max_tokens_per_batch != "auto" and b.seq_len > b.max_tokens_per_batch:
+        raise ConfigError(
+            f"batching.max_tokens_per_batch: expected at least batching.seq_len ({b.seq_len}) so one packed row fits; got {b.max_tokens_per_batch}"
+        )
+    if not 0.0 <= cfg.train.label_smoothing < 1.0:
+        raise ConfigError(f"train.label_smoothing: expected a number in [0, 1); got {cfg.train.label_smoothing}")
+    if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
+        raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
+    _check_schedules(cfg)
+    _check_finders(cfg)
+
+
+def _check_hf_model(m: ModelConfig) -> None:
+    """Keys that only Hugging Face models read, and what LoRA and the weights' dtype allow."""
+    if m.kind == "gpt":
+        for key, value, default in (("attn_implementation", m.attn_implementation, "sdpa"), ("dtype", m.dtype, "float32")):
+            if value != default:
+                raise ConfigError(
+                    f"model.{key}: applies to model.kind hf; the reference GPT takes {default} (see model.attention)"
+                )
+        if m.lora.r:
+            raise ConfigError("model.lora.r: LoRA adapts Hugging Face models (model.kind hf); set it to 0 for the reference GPT")
+    if not 0.0 <= m.lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout: expected a probability in [0, 1); got {m.lora.dropout}")
+    if m.lora.r and m.lora.alpha <= 0:
+        raise ConfigError(f"model.lora.alpha: expected a positive scale; got {m.lora.alpha}")
+    if m.dtype == "float16" and not m.lora.r:
+        raise ConfigError(
+            "model.dtype: float16 weights cannot be trained themselves (loss scaling refuses float16 gradients); "
+            "use bfloat16, or LoRA (model.lora.r > 0: the adapters train in float32)"
+        )
+
+
+def _check_sources(d: DataConfig) -> None:
+    """A mixture: paths set, names unique, weights on every source or on none, a custom prompt where needed."""
+    if not d.sources:
+        return
+    if d.path is not None or d.eval_path is not None:
+        which = "data.path" if d.path is not None else "data.eval_path"
+        raise ConfigError(f"{which}: unset it when data.sources is set (give each source its path and eval_path)")
+    seen: dict[str, int] = {}
+    for i, s in enumerate(d.sources):
+        key = f"data.sources[{i}]"
+        if not s.path:
+            raise ConfigError(f"{key}.path: required (the source's file or directory)")
+        if s.label in seen:
+            raise ConfigError(
+                f"{key}.name: {s.label!r} already names data.sources[{seen[s.label]}]; give each source its own name"
+            )
+        seen[s.label] = i
+        if (s.template or d.template) == "custom":
+            fmt = s.prompt_format or d.prompt_format
+            if not fmt:
+                raise ConfigError(f"{key}.prompt_format: required when the source's template is custom")
+            prompt_fields(fmt)
+    weighted = [s.weight is not None for s in d.sources]
+    if any(weighted) and not all(weighted):
+        i = weighted.index(False)
+        raise ConfigError(f"data.sources[{i}].weight: set a weight on every source, or on none (natural shares)")
+    if all(weighted) and not any(s.weight > 0 for s in d.sources):
+        raise ConfigError("data.sources[0].weight: at least one source needs a weight > 0")
+
+
+def _check_finders(cfg: RunConfig) -> None:
+    """``auto`` values and the finders' ranges."""
+    b, t, f = cfg.batching, cfg.train, cfg.finder
+    if b.max_tokens_per_batch == "auto" and b.strategy not in ("token_budget", "packed"):
+        raise ConfigError(
+            f"batching.max_tokens_per_batch: auto sizes token_budget and packed batches; {b.strategy} batches hold "
+            "batching.rows_per_batch rows: set a number, or use batching.strategy token_budget or packed"
+        )
+    if not 0.0 <= t.memory_margin <= 0.9:
+        raise ConfigError(f"train.memory_margin: expected a share in [0, 0.9]; got {t.memory_margin}")
+    if not 0.0 < f.lr_start < f.lr_end:
+        raise ConfigError(f"finder.lr_start: expected 0 < lr_start < finder.lr_end ({f.lr_end}); got {f.lr_start}")
+    if not 0.0 <= f.smoothing < 1.0:
+        raise ConfigError(f"finder.smoothing: expected a weight in [0, 1); got {f.smoothing}")
+    if not 0.0 < f.throughput_share <= 1.0:
+        raise ConfigError(f"finder.throughput_share: expected a share in (0, 1]; got {f.throughput_share}")
+
+
+def _check_schedules(cfg: RunConfig) -> None:
+    """Batch-size schedule and layer-wise rates: ranges that depend on whether the feature is on."""
+    t = cfg.train
+    if not 0.0 < t.layer_lr_decay <= 1.0:
+        raise ConfigError(f"train.layer_lr_decay: expected a number in (0, 1]; got {t.layer_lr_decay}")
+    if t.ramp_steps and not 0.0 < t.ramp_start <= 1.0:
+        raise ConfigError(f"train.ramp_start: expected a fraction of the target step in (0, 1]; got {t.ramp_start}")
+    if t.batch_backoff_patience:
+        if t.batch_backoff_factor <= 0.0 or t.batch_backoff_factor == 1.0:
+            raise ConfigError(
+                f"train.batch_backoff_factor: expected a positive number other than 1; got {t.batch_backoff_factor}"
+            )
+        if not 0.0 < t.batch_backoff_floor <= 1.0:
+            raise ConfigError(f"train.batch_backoff_floor: expected a number in (0, 1]; got {t.batch_backoff_floor}")
+        if not cfg.eval.every_steps:
+            raise ConfigError("train.batch_backoff_patience: a back-off watches evaluations; set eval.every_steps too")

@@ -1,0 +1,205 @@
+"""Configuration sections of what a run reads and computes: data (and its sources), batching, model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from densebatch.config.field import _f
+
+
+# --------------------------------------------------------------------------------------- data
+@dataclass
+class FieldsConfig:
+    """Which record fields hold what. Only the fields the template needs must exist."""
+
+    instruction: str = _f("instruction", "Field with the instruction (alpaca template).")
+    input: str = _f("input", "Field with the optional input (alpaca); empty or absent means none.")
+    output: str = _f("output", "Field with the response (alpaca and custom templates).")
+    messages: str = _f("messages", "Field with a list of chat messages (chatml template).")
+    role: str = _f("role", "Key of a chat message's role (user / assistant / system).")
+    content: str = _f("content", "Key of a chat message's text.")
+    text: str = _f("text", "Field with plain text (raw template).")
+    input_ids: str = _f(
+        "input_ids", "Field with pre-tokenised ids (any format): a record that has it is used as is, its ids from data.tokenizer."
+    )
+    labels: str = _f("labels", "Optional field with per-token labels of pre-tokenised records (-100 = no loss).")
+
+
+@dataclass
+class CleanConfig:
+    """Text cleaning; each step is opt-in and reports how many records it changed or dropped."""
+
+    strip_html: bool = _f(False, "Remove HTML tags and decode HTML entities.")
+    nfkc: bool = _f(False, "Unicode NFKC normalisation.")
+    control_chars: bool = _f(False, "Remove control characters (keeps newline and tab).")
+    collapse_whitespace: bool = _f(False, "Collapse runs of spaces/tabs; at most one blank line.")
+    dedupe: bool = _f(False, "Drop records whose rendered text exactly repeats an earlier one.")
+    min_chars: int = _f(0, "Drop records whose rendered text is shorter than this (0 = off).", minimum=0)
+    max_chars: int = _f(0, "Drop records whose rendered text is longer than this (0 = off).", minimum=0)
+
+
+@dataclass
+class DefaultDataConfig:
+    """The embedded default dataset, generated from a seed with no files."""
+
+    num_records: int = _f(6000, "Records to generate (train + eval).", minimum=10)
+    seed: int = _f(1234, "Seed of the generator (independent of the run seed).")
+
+
+Format = Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"]
+Template = Literal["alpaca", "chatml", "chat_template", "raw", "custom"]
+
+
+@dataclass
+class SourceConfig:
+    """One source of a mixture (``data.sources``); a field left unset follows the same ``data.*`` key."""
+
+    path: str = _f("", "Input file or directory of this source (required).")
+    name: str | None = _f(None, "Name in reports and metrics; none = the file (or directory) name without its suffix.")
+    weight: float | None = _f(
+        None,
+        "Relative share of an epoch's tokens (up- or down-sampled from the seed); none on every source = natural "
+        "shares (each document once per epoch). See docs/data.md.",
+        minimum=0.0,
+    )
+    format: Format | None = _f(None, "Input format; none = data.format.")
+    template: Template | None = _f(None, "Prompt template; none = data.template.")
+    fields: FieldsConfig | None = _f(None, "Field mapping; none = data.fields.")
+    prompt_format: str | None = _f(None, "custom template's prompt; none = data.prompt_format.")
+    loss_on: Literal["all", "response"] | None = _f(None, "Tokens carrying loss; none = data.loss_on.")
+    eval_path: str | None = _f(None, "This source's evaluation file; none = hold out data.eval_fraction of its records.")
+
+    @property
+    def label(self) -> str:
+        """The source's name: ``name``, else the file name without its suffix."""
+        return self.name or Path(self.path).stem or Path(self.path).name
+
+
+@dataclass
+class DataConfig:
+    path: str | None = _f(None, "Input file or directory; none = the embedded default dataset (or data.sources).")
+    sources: list[SourceConfig] = _f(
+        list,
+        "A mixture instead of data.path: a list of sources, each {path, name, weight, format, template, fields, "
+        "prompt_format, loss_on, eval_path} (unset keys follow data.*); one tokenizer for all. See docs/data.md.",
+    )
+    format: Format = _f(
+        "auto",
+        "Input format; auto = from the file name (a directory = Hugging Face save_to_disk).",
+    )
+    eval_path: str | None = _f(None, "Separate evaluation file; none = hold out eval_fraction of records.")
+    eval_fraction: float = _f(0.05, "Share of records held out for evaluation when eval_path is unset.", minimum=0.0)
+    fields: FieldsConfig = _f(FieldsConfig, "Field mapping.")
+    template: Template = _f(
+        "alpaca",
+        "Prompt template: alpaca, chatml (chat messages), chat_template (messages rendered with the tokenizer's own "
+        "Jinja chat template), raw (plain text) or custom (prompt_format).",
+    )
+    prompt_format: str | None = _f(None, "custom template: prompt with {named} record fields; the response is fields.output.")
+    loss_on: Literal["all", "response"] = _f("response", "Tokens carrying loss: all, or only the response / assistant turns.")
+    text_split: Literal["blank_lines", "chunks"] = _f(
+        "blank_lines",
+        "format text: split the file into documents on blank lines or fixed-size chunks.",
+    )
+    chunk_tokens: int = _f(1024, "format text with text_split=chunks: tokens per chunk.", minimum=1)
+    clean: CleanConfig = _f(CleanConfig, "Text cleaning.")
+    tokenizer: str = _f(
+        "auto",
+        "auto (model.kind hf: the model directory's tokenizer when it has one; else default), default "
+        "(self-contained byte-level), bpe:N (learned from the training text), a tokenizer.json file, a local "
+        "Hugging Face model directory, or a directory with GPT-2 vocab.json + merges.txt.",
+    )
+    add_tokens: list[str] = _f(
+        list, "Strings that become single new ids of the tokenizer (the model's embeddings grow to match)."
+    )
+    add_special_tokens: list[str] = _f(
+        list,
+        "As add_tokens, as special tokens (template chatml adds its <|im_start|> and <|im_end|> itself).",
+    )
+    pad_id: int | None = _f(None, "Padding id; none = the end-of-text id.")
+    max_seq_len: int = _f(1024, "Longest document in tokens (end-of-text included).", minimum=2)
+    overlong: Literal["truncate", "drop"] = _f(
+        "truncate", "Documents over max_seq_len: truncate (keeping a final target) or drop."
+    )
+    on_bad_record: Literal["error", "skip"] = _f(
+        "error", "A malformed record stops the run (error) or is counted and skipped (skip)."
+    )
+    cache_dir: str = _f(".densebatch-cache", "Where tokenised documents are cached (keyed by content hash).")
+    default: DefaultDataConfig = _f(DefaultDataConfig, "The embedded default dataset.")
+
+
+# ----------------------------------------------------------------------------------- batching
+@dataclass
+class BatchingConfig:
+    strategy: Literal["random", "length_grouped", "token_budget", "packed"] = _f(
+        "packed",
+        "random: fixed rows per batch; length_grouped: HF-style mega-batches sorted by length; "
+        "token_budget: rows x longest <= max_tokens_per_batch; packed: documents packed into rows of seq_len.",
+    )
+    mode: Literal["causal", "mlm"] = _f("causal", "causal language modelling, or mlm (masked-LM labels).")
+    rows_per_batch: int = _f(8, "Rows per batch for random and length_grouped.", minimum=1)
+    max_tokens_per_batch: int | Literal["auto"] = _f(
+        8192,
+        "Token slots (rows x T) per batch for token_budget and packed; auto = the largest budget whose worst batch "
+        "fits the memory (train.memory_limit_gb, or the GPU's free memory), found before training (densebatch find-batch).",
+        minimum=1,
+    )
+    seq_len: int = _f(1024, "Row length of packed rows.", minimum=2)
+    long_docs: Literal["split", "truncate"] = _f("split", "packed: documents longer than seq_len are split or truncated.")
+    pad_to_multiple_of: int = _f(1, "Pad the row length up to a multiple of this (8, 64, ...).", minimum=1)
+    mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch (as Hugging Face).", minimum=1)
+    drop_last: bool = _f(False, "random / length_grouped: drop the last incomplete batch.")
+    mlm_probability: float = _f(0.15, "mlm: share of non-special tokens selected, in (0, 1): 0 and 1 are refused.", minimum=0.0)
+    prefetch: int = _f(2, "Steps collated ahead in a background thread (0 = none).", minimum=0)
+    shard_docs: int = _f(
+        1 << 20,
+        "Plan an epoch in shards of this many documents (a seeded random sample each), interleaved: planning "
+        "memory stays bounded for corpora of any size; one shard (the whole corpus) below it.",
+        minimum=1,
+    )
+
+
+# -------------------------------------------------------------------------------------- model
+@dataclass
+class LoraConfig:
+    """LoRA adapters for model.kind hf (through peft: pip install 'densebatch[lora]'); only they train."""
+
+    r: int = _f(0, "Rank of the adapters; 0 = off (every weight trains).", minimum=0)
+    alpha: float = _f(16.0, "Scale of the adapters' update: alpha / r x B A.", minimum=0.0)
+    dropout: float = _f(0.0, "Dropout on the adapters' input, in [0, 1).", minimum=0.0)
+    target_modules: list[str] = _f(
+        list,
+        "Modules to adapt, by name (e.g. q_proj,v_proj), or all-linear; empty = the architecture's attention "
+        "projections (peft's default). See docs/hf-models.md.",
+    )
+
+
+@dataclass
+class ModelConfig:
+    kind: Literal["gpt", "hf"] = _f("gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM.")
+    path: str | None = _f(None, "hf: a local directory with config.json (weights optional: random init when absent).")
+    n_layer: int = _f(4, "gpt: transformer blocks.", minimum=1)
+    n_head: int = _f(4, "gpt: attention heads.", minimum=1)
+    n_embd: int = _f(128, "gpt: width.", minimum=1)
+    block_size: int = _f(1024, "gpt: context length (largest position + 1).", minimum=2)
+    dropout: float = _f(0.0, "gpt: dropout probability.", minimum=0.0)
+    vocab_size: int | None = _f(None, "gpt: vocabulary size; none = the tokenizer's.")
+    attention: Literal["auto", "flex", "varlen", "segmented", "masked"] = _f(
+        "auto",
+        "Document-isolating attention: auto (fastest that isolates here), flex, varlen, segmented (length-bucketed "
+        "causal SDPA per document, any device), masked (SDPA with a block mask).",
+    )
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    attn_implementation: Literal["sdpa", "eager"] = _f(
+        "sdpa",
+        "hf: transformers' attention; eager for architectures SDPA cannot compute (Gemma 2's soft-capping). Both "
+        "isolate packed documents (flash, flex and paged are refused). See docs/hf-models.md.",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32",
+        "hf: dtype the weights are loaded and trained in (the optimizer's master weights too): bfloat16 halves "
+        "their memory, but updates below its precision are lost (best with LoRA); float16 only with LoRA.",
+    )
+    lora: LoraConfig = _f(LoraConfig, "hf: LoRA adapters (off while r is 0).")

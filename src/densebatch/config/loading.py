@@ -1,0 +1,231 @@
+"""Loading a run configuration: YAML and ``--section.key=value`` overrides onto the sections, type by type, then the checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from densebatch.config.checks import _check
+from densebatch.config.run_sections import RunConfig
+from densebatch.errors import ConfigError
+
+
+# ------------------------------------------------------------------------------- loading logic
+def choices_of(tp: Any) -> tuple | None:
+    """The allowed values of a ``Literal[...]`` field (or ``Literal[...] | None``); None otherwise."""
+    if typing.get_origin(tp) is Literal:
+        return typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for a in typing.get_args(tp):
+            if typing.get_origin(a) is Literal:
+                return typing.get_args(a)
+    return None
+
+
+def _type_name(tp: Any) -> str:
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(str, args))
+    if typing.get_origin(tp) is list:
+        return f"a list (each {_type_name(args[0])})"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in args)
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; ints are accepted where floats are expected."""
+    if dataclasses.is_dataclass(tp):  # a section inside a list or an optional one: data.sources[1].fields
+        return _build(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{key}: expected one of {', '.join(map(str, typing.get_args(tp)))}; got {value!r}")
+    if origin is list:
+        if isinstance(value, str):  # from the command line: --train.report_to=tensorboard,csv (or [a, b])
+            value = _list_from_text(value)
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+        return [_coerce(f"{key}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value)]
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if dataclasses.is_dataclass(a) and isinstance(value, dict):
+                return _build(a, value, key)  # its own errors name the key inside it
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+
+
+def _list_from_text(text: str) -> list:
+    """A list given on the command line: YAML flow syntax (``["<|im_start|>", "x"]``, quotes removed as in a
+    file) when it parses as a list, else comma-separated items (``tensorboard,csv``, ``[a, b]``)."""
+    text = text.strip()
+    if text.startswith("[") and text.endswith("]"):
+        try:
+            parsed = yaml.safe_load(text)
+        except yaml.YAMLError:
+            parsed = None
+        if isinstance(parsed, list):
+            return parsed
+    return [v.strip() for v in text.strip("[]").split(",") if v.strip()]
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"in section '{prefix}'" if prefix else "at the top level"
+        raise ConfigError(
+            f"unknown key '{prefix + '.' if prefix else ''}{unknown[0]}' {where}; expected one of: {', '.join(fields)}"
+        )
+    kwargs = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, data[name], key)
+            continue
+        value = _coerce(key, data[name], tp)
+        minimum = f.metadata.get("minimum")
+        if minimum is not None and isinstance(value, (int, float)) and value < minimum:  # not "auto"
+            raise ConfigError(f"{key}: expected a value >= {minimum}; got {value!r}")
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def parse_override(arg: str) -> tuple[list[str], Any]:
+    """``--train.lr=3e-4`` → (["train", "lr"], 0.0003). Values are read as YAML scalars."""
+    body = arg[2:] if arg.startswith("--") else arg
+    if "=" not in body:
+        raise ConfigError(f"override '{arg}': expected --section.key=value")
+    key, raw = body.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, (dict, list)):
+        value = raw  # a bare string like "[x]" is not a structure here
+    return key.split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read ``path`` (YAML; None = defaults), apply overrides, validate. Raises ``ConfigError``."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' not found")
+        try:
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    for arg in overrides:
+        keys, value = parse_override(arg)
+        node = data
+        for i, k in enumerate(keys):
+            if isinstance(node, list):  # --data.sources.1.weight=3: an item of a list of sections
+                if not k.isdigit() or int(k) >= len(node):
+                    raise ConfigError(f"override '{arg}': '{k}' is not an index of '{keys[i - 1]}' (0 .. {len(node) - 1})")
+                k = int(k)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"override '{arg}': '{keys[i - 1]}' is not a section")
+            if i == len(keys) - 1:
+                node[k] = value
+                break
+            nxt = node[k] if isinstance(node, list) else node.get(k)
+            if nxt is None:
+                nxt = node[k] = {}
+            node = nxt
+    return config_from_dict(data)
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    """Validate a plain dict (a parsed YAML file, or a config stored in a checkpoint)."""
+    cfg = _build(RunConfig, data, "")
+    _check(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: RunConfig, path: str | Path) -> None:
+    """Write the resolved configuration as YAML (re-loadable with ``load_config``)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False), encoding="utf-8")
+
+
+def config_fingerprint(section: Any) -> str:
+    """Stable JSON of a config section, for cache keys."""
+    return json.dumps(dataclasses.asdict(section), sort_keys=True)
+
+
+def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, help) for every field, for ``densebatch config --help-keys`` and the docs."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(describe(tp, key))
+            continue
+        item = typing.get_args(tp)[0] if typing.get_origin(tp) is list else None
+        if dataclasses.is_dataclass(item):  # a list of sections: the list, then each item's keys
+            rows.append((key, "[]", f.metadata.get("help", "")))
+            rows.extend(describe(item, f"{key}[i]"))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.default_factory is not dataclasses.MISSING:  # a list: show its empty default, not null
+            default = f.default_factory()
+        help_ = f.metadata.get("help", "")
+        if (choices := choices_of(tp)) is not None:
+            help_ += f" [{' | '.join(map(str, choices))}]"
+        rows.append((key, json.dumps(default), help_))
+    return rows

@@ -1,0 +1,198 @@
+"""Configuration sections of how a run trains: train (health, group schedules), eval, checkpoint, finder, and the whole ``RunConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from densebatch.config.data_sections import BatchingConfig, DataConfig, ModelConfig
+from densebatch.config.field import _f
+
+
+# -------------------------------------------------------------------------------------- train
+@dataclass
+class GroupScheduleConfig:
+    """One layer group's own learning-rate schedule; every field left at its default follows train.*."""
+
+    schedule: Literal["same", "cosine", "linear", "constant"] = _f(
+        "same", "This group's schedule after its warm-up; same = train.schedule."
+    )
+    warmup_steps: int | None = _f(None, "This group's linear warm-up steps; none = train.warmup_steps.", minimum=0)
+    min_lr_ratio: float | None = _f(
+        None, "This group's final learning rate as a share of its peak; none = train.min_lr_ratio.", minimum=0.0
+    )
+
+
+@dataclass
+class HealthConfig:
+    """Thresholds of the run's health warnings (train/health.py, docs/observability.md); each cause warns once."""
+
+    enabled: bool = _f(
+        True, "Warn (console, metrics.jsonl, summary) when the data wait, memory, throughput, fill rate or clipping look wrong."
+    )
+    warmup_steps: int = _f(20, "Steps not judged at the start (memory excepted).", minimum=0)
+    data_wait_share: float = _f(
+        0.2, "Warn when steps wait on data for more than this share of their time (last 50 steps).", minimum=0.0
+    )
+    memory_margin: float = _f(
+        0.05,
+        "Warn when a step's peak memory comes within this share of train.memory_limit_gb (none: the CUDA device's memory, "
+        "or on CPU the machine's or container's).",
+        minimum=0.0,
+    )
+    slow_ratio: float = _f(
+        0.5, "Warn when the median tokens/s of the last 20 steps falls below this share of the run's median.", minimum=0.0
+    )
+    fill_ratio: float = _f(
+        0.7, "Warn when the median fill rate of the last 20 steps falls below this share of the run's median.", minimum=0.0
+    )
+    clip_share: float = _f(
+        0.5, "Warn when the gradient norm is clipped on more than this share of the last 50 steps.", minimum=0.0
+    )
+    clip_warmup_steps: int = _f(200, "Steps before the clipping check starts (early gradients are large by nature).", minimum=0)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int | None = _f(None, "Stop after this many optimizer steps.", minimum=1)
+    max_epochs: float | None = _f(None, "Stop after this many epochs (fractions allowed).", minimum=0.0)
+    max_tokens: int | None = _f(None, "Stop after this many real tokens.", minimum=1)
+    lr: float | Literal["auto"] = _f(
+        3e-4,
+        "Peak learning rate; auto = the learning-rate range test's suggestion (densebatch find-lr), run before training.",
+        minimum=0.0,
+    )
+    min_lr_ratio: float = _f(0.1, "Final learning rate as a share of lr (cosine / linear).", minimum=0.0)
+    schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate schedule after warm-up.")
+    warmup_steps: int = _f(0, "Linear warm-up steps.", minimum=0)
+    weight_decay: float = _f(0.1, "AdamW weight decay (not on norms, biases or embeddings unless decay_all).", minimum=0.0)
+    decay_all: bool = _f(False, "Apply weight decay to every parameter.")
+    beta1: float = _f(0.9, "AdamW beta1.", minimum=0.0)
+    beta2: float = _f(0.95, "AdamW beta2.", minimum=0.0)
+    eps: float = _f(1e-8, "AdamW epsilon.", minimum=0.0)
+    lr_mult_embeddings: float = _f(1.0, "Learning-rate multiplier of the embedding layers.", minimum=0.0)
+    lr_mult_blocks: float = _f(1.0, "Learning-rate multiplier of the transformer blocks.", minimum=0.0)
+    lr_mult_head: float = _f(1.0, "Learning-rate multiplier of the final norm and output head.", minimum=0.0)
+    layer_lr_decay: float = _f(
+        1.0,
+        "Layer-wise decay, in (0, 1]: the block at depth d from the top learns at lr x lr_mult_blocks x this^d (1 = off).",
+        minimum=0.0,
+    )
+    embeddings: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the embeddings group.")
+    blocks: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the transformer blocks.")
+    head: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the final norm and output head.")
+    ramp_steps: int = _f(
+        0,
+        "Batch-size ramp: tokens per step grow linearly from ramp_start x the target to the target over this many "
+        "steps (0 = off); with ramp_unit tokens, over as many tokens as this many full steps hold.",
+        minimum=0,
+    )
+    ramp_start: float = _f(0.25, "Batch-size ramp: the first step's size as a fraction of the target, in (0, 1].", minimum=0.0)
+    ramp_unit: Literal["steps", "tokens"] = _f("steps", "Batch-size ramp: linear in steps, or in the tokens consumed.")
+    batch_backoff_patience: int = _f(
+        0,
+        "Batch-size back-off: evaluations without a new best eval loss before tokens per step are multiplied by "
+        "batch_backoff_factor (0 = off; needs eval.every_steps).",
+        minimum=0,
+    )
+    batch_backoff_factor: float = _f(0.5, "Batch-size back-off: the factor per plateau (above 1: grow instead).", minimum=0.0)
+    batch_backoff_floor: float = _f(
+        0.125, "Batch-size back-off: the smallest step it reaches, as a fraction of the target, in (0, 1].", minimum=0.0
+    )
+    batch_backoff_cap: float = _f(
+        4.0, "Batch-size growth (factor above 1): the largest step, as a fraction of the target.", minimum=1.0
+    )
+    batch_backoff_max: int = _f(3, "Batch-size back-off: the most changes in a run.", minimum=1)
+    lr_batch_scaling: Literal["none", "sqrt", "linear"] = _f(
+        "none",
+        "Learning rate under a batch-size ramp or back-off: none (unchanged), sqrt (x fraction^0.5) or linear (x fraction).",
+    )
+    grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
+    loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
+    label_smoothing: float = _f(
+        0.0,
+        "Label smoothing of the training loss, in [0, 1): the target distribution is (1 - e) onehot + e / vocab "
+        "(as torch's cross_entropy); per token, so exact under any batching. Evaluation reports plain cross-entropy.",
+        minimum=0.0,
+    )
+    grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
+    grad_clip_mode: Literal["fixed", "adaptive"] = _f(
+        "fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics)."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling).")
+    compile: bool = _f(False, "torch.compile the model.")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present), cpu or cuda.")
+    log_every: int = _f(1, "Write metrics every this many steps.", minimum=1)
+    progress: bool = _f(True, "Show a progress bar.")
+    spike_zscore: float = _f(6.0, "Loss spike: robust z-score over the window above this rolls back (0 = off).", minimum=0.0)
+    spike_window: int = _f(50, "Steps in the moving window of the spike detector.", minimum=5)
+    max_bad_steps: int = _f(3, "Consecutive non-finite steps that trigger a rollback.", minimum=1)
+    rollback_lr_factor: float = _f(0.5, "Multiply the learning rate by this after a rollback.", minimum=0.0)
+    distributed: Literal["auto", "ddp", "fsdp"] = _f(
+        "auto",
+        "Under torchrun: ddp (replicated model, gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, "
+        "gradients and optimizer state sharded over ranks); auto = ddp when launched by torchrun.",
+    )
+    report_to: list[Literal["tensorboard", "csv"]] = _f(
+        list, "Metric sinks besides metrics.jsonl: tensorboard (event files under output_dir/tensorboard), csv."
+    )
+    plots: bool = _f(True, "At the end of the run, draw its plots into output_dir/plots (when matplotlib is installed).")
+    health: HealthConfig = _f(HealthConfig, "Health warnings: their thresholds.")
+    memory_limit_gb: float | None = _f(
+        None,
+        "Memory a budget of max_tokens_per_batch: auto may use, in GB: on CPU the whole process's peak resident "
+        "memory (none = resident now + MemAvailable), on CUDA a cap on the device memory (none = its free memory).",
+        minimum=0.0,
+    )
+    memory_margin: float = _f(
+        0.1,
+        "Share of the memory limit the budget finder keeps free (fragmentation, evaluation, checkpoint copies), in [0, 0.9].",
+        minimum=0.0,
+    )
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = _f(0, "Evaluate every this many steps (0 = only at the end).", minimum=0)
+    max_batches: int | None = _f(None, "Cap on evaluation batches (none = the whole split).", minimum=1)
+    patience: int = _f(0, "Early stopping: evaluations without improvement before stopping (0 = off).", minimum=0)
+    accuracy_samples: int = _f(200, "Embedded default: held-out prompts answered greedily for exact-match accuracy.", minimum=0)
+    max_new_tokens: int = _f(64, "Longest generated answer in the accuracy check.", minimum=1)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = _f(0, "Save every this many steps (0 = only at the end and on SIGTERM/SIGINT).", minimum=0)
+    keep_last: int = _f(3, "Keep the newest this many checkpoints.", minimum=1)
+    mirror_dir: str | None = _f(None, "Second location that receives a verified copy of every checkpoint.")
+    resume: Literal["never", "auto"] = _f("never", "auto: continue from the newest verified checkpoint; never: start fresh.")
+
+
+@dataclass
+class FinderConfig:
+    """The learning-rate range test (densebatch find-lr, train.lr: auto) and the budget finder (find-batch)."""
+
+    lr_start: float = _f(1e-6, "Range test: the first learning rate.", minimum=0.0)
+    lr_end: float = _f(1.0, "Range test: the last learning rate (reached only if the loss never diverges).", minimum=0.0)
+    lr_steps: int = _f(100, "Range test: optimizer steps from lr_start to lr_end (rates grow exponentially).", minimum=2)
+    smoothing: float = _f(0.8, "Range test: weight of the loss's exponential moving average, in [0, 1).", minimum=0.0)
+    diverge: float = _f(
+        4.0, "Range test: stop when the smoothed loss exceeds this times its minimum (or, after falling, its start).", minimum=1.0
+    )
+    max_probes: int = _f(10, "Budget finder: most probe steps (each a forward, backward and optimizer step).", minimum=2)
+    throughput_share: float = _f(
+        0.9, "Budget finder: report the smallest budget reaching this share of the best measured throughput.", minimum=0.0
+    )
+
+
+@dataclass
+class RunConfig:
+    output_dir: str = _f("runs/default", "Where metrics, checkpoints and the final model go.")
+    seed: int = _f(0, "Seed of everything random in the run.")
+    data: DataConfig = _f(DataConfig, "Data preparation.")
+    batching: BatchingConfig = _f(BatchingConfig, "Batch planning and collation.")
+    model: ModelConfig = _f(ModelConfig, "Model.")
+    train: TrainConfig = _f(TrainConfig, "Optimisation.")
+    eval: EvalConfig = _f(EvalConfig, "Evaluation.")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig, "Checkpoints and resume.")
+    finder: FinderConfig = _f(FinderConfig, "Learning-rate range test and token-budget finder.")
