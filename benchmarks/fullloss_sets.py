@@ -8,8 +8,9 @@ pre-training, or ``loss_on: all``). Documents are cut at ``MAX_LEN`` tokens (the
 - held out (never tuned on): ``instruction`` (instruction-data.json, Alpaca template, whole text),
   ``oasst`` (oasst-threads.jsonl rendered chatml-style), ``shakespeare`` (tinyshakespeare.txt split
   on blank lines), ``lognormal`` (median 300, sigma 1) and ``pareto`` (alpha 1.5 from 50 tokens: the
-  heaviest tail, where HF group_by_length batches of 8 fill ~0.78 of their slots), GPT-2 ids for the
-  shared sets (``../shared/data``), random ids for the synthetic ones.
+  heaviest tail), GPT-2 ids for the shared sets (``../shared/data``), random ids for the synthetic
+  ones. HF group_by_length batches of 8 fill 0.88 (shakespeare) to 0.99 (instruction) of their slots
+  over a whole epoch (pareto 0.94; docs/benchmarks.md lists every set).
 
     .venv/bin/python benchmarks/fullloss_sets.py          # summary of every set
 """

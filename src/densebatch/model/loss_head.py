@@ -33,9 +33,11 @@ from torch import Tensor
 from densebatch.batch import IGNORE_INDEX
 
 # Logits of at most this many bytes (float32) exist at once: the chunk is CHUNK_BYTES / (4 * vocab)
-# positions (163 at vocabulary 50,257). Large enough for efficient matrix products, small enough to
-# stay near the last-level cache; see docs/benchmarks.md ("Loss head") for the measurement.
-CHUNK_BYTES = 32 * 2**20
+# positions (652 at vocabulary 50,257). Every chunk reads the head's weight twice and adds into its
+# (vocab, width) gradient once, so small chunks pay that traffic many times: on CPU, 163-position
+# chunks (32 MiB) made the head 11% slower than the plain one, 652 make it 16% faster, and larger
+# chunks gain little more (docs/benchmarks.md, "Loss head: speed and memory").
+CHUNK_BYTES = 128 * 2**20
 LOSS_HEADS = ("fused", "plain")
 
 
