@@ -39,7 +39,7 @@ def test_find_lr_writes_the_plot_and_the_json(tmp_path, capsys):
     out = tmp_path / "lr"
     assert main(["find-lr", *TINY, *LR, f"--output_dir={out}", f"--data.cache_dir={tmp_path / 'cache'}"]) == 0
     text = capsys.readouterr().out
-    assert "suggested learning rate:" in text and "(steepest descent:" in text and "batch size:" in text
+    assert "suggested learning rate:" in text and "(most of the fall:" in text and "batch size:" in text
     doc = json.loads((out / "lr_finder.json").read_text())
     assert doc["lrs"][0] <= doc["suggested_lr"] <= doc["lrs"][-1]
     assert len(doc["lrs"]) == len(doc["losses"]) <= 20 and doc["lrs"][0] == pytest.approx(1e-4)

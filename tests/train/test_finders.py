@@ -126,7 +126,27 @@ def _curve(lrs: np.ndarray, noise: float = 0.0, seed: int = 0) -> list[float]:
     return (5.0 - fall + blow + noise * np.random.default_rng(seed).standard_normal(len(x))).tolist()
 
 
-def test_the_suggestion_is_the_steepest_half_decade_short_of_the_minimum():
+def test_the_suggestion_is_where_the_loss_has_made_most_of_its_fall():
+    """On the synthetic curve 90% of the fall to the minimum is made at 10 ** -2.3 = 5e-3 (the steepest
+    point, 1e-3, is where the rate starts to matter: too low for training, as the grids showed)."""
+    lrs = np.logspace(-6, 0, 100)
+    x = np.log10(lrs)
+    gentle = 5.0 - 4.0 / (1.0 + np.exp(-3.0 * (x + 3.0))) + np.where(x > -1.0, (x + 1.0) * 6.0, 0.0)  # turns at 1e-1
+    for seed in range(3):
+        noisy = gentle + 0.3 * np.random.default_rng(seed).standard_normal(len(x))
+        c = suggest(lrs.tolist(), centred(noisy.tolist(), 0.8))
+        assert 3.5e-3 < c["fall"] < 7e-3 and c["fall"] < c["minimum"] / 3  # not the cap: the 90% point
+        assert c["steepest"] < c["fall"] / 2.5 and c["min/10"] < c["fall"]
+    # A sharp turn drags the smoothed minimum to the left: then the cap, a third of its rate, decides.
+    c = suggest(lrs.tolist(), centred(_curve(lrs, noise=0.3), 0.8))
+    assert c["fall"] == pytest.approx(c["minimum"] / 3)
+    # A curve that falls all the way to its last rate: 90% of the fall, capped at a third of that rate.
+    falling = (5.0 - 4.0 / (1.0 + np.exp(-3.0 * (np.log10(lrs) + 1.0)))).tolist()  # centred at 1e-1
+    c = suggest(lrs.tolist(), centred(falling, 0.8))
+    assert c["fall"] == pytest.approx(c["minimum"] / 3) and c["minimum"] == lrs[-1]
+
+
+def test_the_steepest_half_decade_short_of_the_minimum_is_reported():
     lrs = np.logspace(-6, 0, 100)
     c = suggest(lrs.tolist(), centred(_curve(lrs, noise=0.3), 0.8))
     assert 5e-4 < c["steepest"] < 2e-3  # the fall is steepest at its centre, 1e-3, whatever the noise

@@ -14,15 +14,16 @@ optimizer's state and hyper-parameters, every named trainer part (``Trainer.part
 clipper, scaler, ...), every RNG and the train/eval mode; afterwards all of it is put back, so the
 run that follows is bit for bit the one that would have run without the test.
 
-The suggestion (``suggest``): the **steepest descent**, measured robustly: on the curve smoothed
-forwards and backwards (``centred``: no lag), the half-decade of rates over which the loss falls the
-most; its geometric middle is suggested, capped at a third of the rate of the loss minimum. That is
-the fastest rate at which the loss still falls reliably, short of where it turns. A one-step slope
-would be the noisiest rule of all, and a lagging average shifts every point to the right. Reported
-beside it, not used: the **minimum ÷ 10** (the classic rule; the minimum of a noisy curve moves by
-half a decade with the smoothing) and fastai's **valley** (half-way down the longest falling stretch,
-which a long flat start drags to rates that barely train). docs/finders.md compares them with grids
-of training runs. ``diagnose`` reads the curve for the step size: loss noise at small rates, where
+The suggestion (``suggest``): **most of the fall**: on the curve smoothed forwards and backwards
+(``centred``: no lag; a lagging average shifts every point to the right), the lowest rate at which
+the loss has made 90% of its fall from its start to its minimum, capped at a third of the minimum's
+rate. Past it a higher rate buys little more descent before the curve turns. Reported beside it, not
+used: the **steepest descent** (the middle of the half-decade over which the loss falls most: the
+rule this module first used; on a fine-tuning grid its rate trained to six times the best eval loss:
+the fall is steepest where the rate first starts to matter, not where training is fastest), the
+**minimum ÷ 10** (the classic rule; too low on the same grid) and fastai's **valley** (half-way down
+the longest falling stretch, which a long flat start drags to rates that barely train).
+docs/finders.md compares them with grids of training runs. ``diagnose`` reads the curve for the step size: loss noise at small rates, where
 the weights barely move, is batch-to-batch noise (steps too small); a smooth curve that falls little
 before diverging suggests steps larger than needed.
 """
@@ -49,7 +50,13 @@ from densebatch.train.rng import capture_rng_state, restore_rng_state
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
 NOISY, SLOW = 0.10, 0.25  # diagnosis thresholds: relative step-to-step noise; relative fall of the loss
 SPAN, CAP = 0.5, 3.0  # the steepest fall is measured over half a decade of rates; at most the minimum's rate / 3
-STEEPEST = "steepest descent: the middle of the half-decade of rates over which the lag-free smoothed loss falls most"
+FALL = 0.9  # the suggestion: where the smoothed loss has made this share of its fall to its minimum
+RULES = {  # every rule suggest() computes, in words; USED is the one suggested
+    "fall": "most of the fall: the lowest rate at which the lag-free smoothed loss has made 90% of its fall to its minimum",
+    "steepest": "steepest descent: the middle of the half-decade of rates over which the lag-free smoothed loss falls most",
+}
+USED = "fall"
+OTHERS = tuple(k for k in ("fall", "steepest", "min/10", "valley") if k != USED)  # reported, not used
 
 
 class TrainerSnapshot:
@@ -85,7 +92,7 @@ class LRFinderResult:
     losses: list[float]  # per optimizer step, all ranks
     smoothed: list[float]
     stop: str  # why the test ended
-    candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (steepest, min/10, valley)
+    candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (fall, steepest, min/10, valley)
     diagnosis: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -97,7 +104,7 @@ class LRFinderResult:
             f"learning-rate range test: {len(self.lrs)} steps from {self.lrs[0]:.2e} to {self.lrs[-1]:.2e}; {self.stop}",
             f"suggested learning rate: {self.suggested_lr:.3g} ({self.rule})",
             "  other rules (not used): "
-            + ", ".join(f"{k} {c[k]:.3g}" for k in ("min/10", "valley") if k in c)
+            + ", ".join(f"{k} {c[k]:.3g}" for k in OTHERS if k in c)
             + (f"; the smoothed loss was lowest at {c['minimum']:.3g}" if "minimum" in c else ""),
             f"batch size: {d.get('verdict', 'n/a')}",
         ]
@@ -163,8 +170,8 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     if not candidates:
         raise ValueError("the range test took too few steps to suggest a rate: lower finder.lr_start or raise finder.lr_steps")
     result = LRFinderResult(
-        suggested_lr=candidates["steepest"],
-        rule=STEEPEST,
+        suggested_lr=candidates[USED],
+        rule=RULES[USED],
         lrs=lrs,
         losses=losses,
         smoothed=smoothed,
@@ -199,9 +206,9 @@ def _step(trainer: Any, it, lr: float) -> float | None:
 
 
 def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
-    """Each rule's rate: ``steepest`` (the one used), ``min/10``, ``valley``, and the loss ``minimum``'s
-    rate (see the module docstring), from the lag-free smoothed curve. Only the points up to the
-    minimum count for the steepest fall (past it the curve measures the blow-up)."""
+    """Each rule's rate: ``fall``, ``steepest``, ``min/10``, ``valley`` (``USED`` is suggested), and the loss
+    ``minimum``'s rate (see the module docstring), from the lag-free smoothed curve. Only the points up
+    to the minimum count for the fall (past it the curve measures the blow-up)."""
     y = np.asarray(smoothed, dtype=np.float64)
     n = len(y)
     if n < 5 or not np.isfinite(y).any():
@@ -222,7 +229,15 @@ def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
     fall = y[k : lo + 1] - y[: lo + 1 - k]  # change of the loss over each half-decade window before the minimum
     i = int(np.argmin(fall)) if len(fall) else 0
     steepest = min(10 ** ((x[i] + x[min(n - 1, i + k)]) / 2), float(lrs[lo]) / CAP)
+    done = (y[0] - y[: lo + 1]) / max(1e-12, y[0] - y[lo])  # share of the fall made at each rate, 1 at the minimum
+    j = int(np.argmax(done >= FALL))  # the first rate past FALL (the minimum itself when the curve never fell)
+    if j > 0:  # log-linear between the two rates around FALL: a point, not a grid step
+        t = (FALL - done[j - 1]) / max(1e-12, done[j] - done[j - 1])
+        at = 10 ** (x[j - 1] + min(1.0, max(0.0, t)) * (x[j] - x[j - 1]))
+    else:
+        at = float(lrs[0])
     return {
+        "fall": float(min(at, float(lrs[lo]) / CAP)),
         "steepest": float(steepest),
         "min/10": float(lrs[lo]) / 10.0,
         "valley": float(lrs[valley]),
@@ -275,8 +290,9 @@ def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Pa
     ax = fig.add_subplot(1, 1, 1)
     ax.plot(result.lrs, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (per step)")
     ax.plot(result.lrs, result.smoothed, color="tab:blue", linewidth=1.8, label="loss (smoothed)")
-    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} (steepest)")
-    for name, style in (("min/10", ":"), ("valley", "-.")):
+    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} ({USED})")
+    styles = {"fall": (0, (5, 2, 1, 2)), "steepest": (0, (5, 2, 1, 2)), "min/10": ":", "valley": "-."}
+    for name, style in ((k, styles[k]) for k in OTHERS):
         if name in result.candidates:
             ax.axvline(
                 result.candidates[name], color="gray", linestyle=style, linewidth=1, label=f"{name} {result.candidates[name]:.2g}"
