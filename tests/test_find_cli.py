@@ -186,4 +186,8 @@ def test_ranks_with_different_memory_settle_on_one_budget_and_one_rate(tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = json.loads((one / "lr_finder.json").read_text())
     assert len(ref["losses"]) == len(lr_doc["losses"]) and ref["suggested_lr"] == lr_doc["suggested_lr"]
-    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(lr_doc["losses"], ref["losses"]))
+    # Equal up to summation order while the loss falls; past its minimum the rates blow the model up and
+    # differences of 1e-7 grow (seen once in a full-suite run), so only the falling part is compared.
+    lowest = min(range(len(ref["smoothed_losses"])), key=lambda k: ref["smoothed_losses"][k])
+    assert lowest >= 5
+    assert all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(lr_doc["losses"][:lowest], ref["losses"][:lowest]))
