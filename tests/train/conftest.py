@@ -82,7 +82,8 @@ def batch_with_loss_tokens(n: int, seed: int = 0) -> Batch:
 
 
 class ListLoader:
-    """Like the real BatchLoader: cycles over its batches forever, with epoch / position state."""
+    """A stand-in for a loader of single batches (the trainer groups them into steps): cycles over its
+    batches forever, with epoch / position state."""
 
     def __init__(self, batches: list[Batch]):
         self.items = list(batches)
