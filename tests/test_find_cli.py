@@ -74,6 +74,8 @@ def test_auto_values_are_resolved_into_the_config_and_the_run_is_the_one_they_gi
 def test_a_resume_reuses_the_resolved_values(auto_run, capsys):
     tmp, _, auto = auto_run
     a = tmp / "a"
+    if not (a / "config.yaml").exists():  # under pytest-xdist the run above may be on another worker
+        assert main(["train", *auto, "--finder.max_probes=3", "--train.max_steps=3", f"--output_dir={a}"]) == 0
     before = _saved(a)
     capsys.readouterr()
     assert main(["train", *auto, "--resume", "--train.max_steps=5", f"--output_dir={a}"]) == 0
@@ -185,7 +187,8 @@ def test_ranks_with_different_memory_settle_on_one_budget_and_one_rate(tmp_path)
     r = subprocess.run([str(BIN / "densebatch"), *args], env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = json.loads((one / "lr_finder.json").read_text())
-    assert len(ref["losses"]) == len(lr_doc["losses"]) and ref["suggested_lr"] == lr_doc["suggested_lr"]
+    # The suggestion is interpolated between two rates: summation order moves it by ~1e-7.
+    assert len(ref["losses"]) == len(lr_doc["losses"]) and ref["suggested_lr"] == pytest.approx(lr_doc["suggested_lr"], rel=1e-5)
     # Equal up to summation order while the loss falls; past its minimum the rates blow the model up and
     # differences of 1e-7 grow (seen once in a full-suite run), so only the falling part is compared.
     lowest = min(range(len(ref["smoothed_losses"])), key=lambda k: ref["smoothed_losses"][k])
