@@ -66,6 +66,20 @@ def test_fused_head_matches_plain_losses_and_gradients(rows, T, chunk, bias, uni
         assert rel(a, b) <= 1e-6 or b.norm() == 0 and a.norm() == 0
 
 
+def test_weights_equal_on_the_targets_but_not_elsewhere_scale_by_the_targets_weight():
+    """Found by the property test above (rows 1, T 2, the first position without a target): a weight that is
+    uniform over the targets is taken from a target's position, not from position 0."""
+    h = torch.randn(1, 3, 16, requires_grad=True)
+    head = torch.nn.Linear(16, V)
+    labels = torch.tensor([[IGNORE_INDEX, 5, 7]])
+    weights = torch.tensor([[0.0, 0.5, 0.5]])  # e.g. a mask times a mean: 0 where nothing is predicted
+    ref, ref_grads = run_head(lambda: plain_head_token_losses(h, labels, head), h, labels, head, weights)
+    got, got_grads = run_head(lambda: head_token_losses(h, labels, head.weight, head.bias, 2), h, labels, head, weights)
+    assert torch.allclose(got, ref, atol=1e-6)
+    for a, b in zip(got_grads, ref_grads):
+        assert rel(a, b) <= 1e-6
+
+
 def test_backward_needs_no_host_read_for_the_trainers_sum(monkeypatch):
     # As on an accelerator: no equality check on the host. The trainer's sum / count reaches the head
     # as one value expanded over all positions, so the forward's sums only get scaled...

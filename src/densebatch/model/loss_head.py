@@ -127,7 +127,9 @@ class _FusedLinearCE(torch.autograd.Function):
             if grad_out.device.type in _CHECK_UNIFORM_ON_HOST:
                 uniform = g.numel() == 0 or bool((g == g[0]).all())
         if uniform:
-            scale = grad_out.reshape(-1)[:1].float()  # (1,) the common weight, still on the device
+            # (1,) the common weight, still on the device: the targets' own (g) when it was checked, since
+            # positions without a target may carry any weight (grad_out[0] is often one of them)
+            scale = grad_out.reshape(-1)[:1].float() if g is None else g[:1]
             grad_w = grad_w_unit.mul_(scale)
             grad_b = grad_b_unit.mul_(scale) if grad_b_unit is not None else None
             grad_h_sel = grad_h_unit.mul_(scale.to(grad_h_unit.dtype))  # (n, C)
