@@ -132,3 +132,13 @@ def test_a_model_whose_context_is_shorter_than_the_rows_is_refused_up_front(tmp_
     err = capsys.readouterr().err
     assert "batching.seq_len: rows of up to 256 tokens exceed the model's context" in err and "64 positions" in err
     assert "Traceback" not in err and not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_finished_run_leaves_no_prefetch_thread(tmp_path):
+    """The loader's prefetch thread stops with the run: left to interpreter shutdown it was killed inside
+    a torch op, which aborted a torchrun worker after a successful run (SIGABRT, exit -6)."""
+    import threading
+
+    args = ["train", *TINY, f"--output_dir={tmp_path / 'o'}", f"--data.cache_dir={tmp_path / 'c'}", "--train.max_steps=2"]
+    assert main([*args, "--batching.prefetch=2"]) == 0
+    assert not [t.name for t in threading.enumerate() if t.name == "densebatch-prefetch" and t.is_alive()]

@@ -361,6 +361,10 @@ class Trainer:
             if reason != "interrupted" and self.state.last_eval_step != self.state.step:
                 self.evaluate_now()
         finally:
+            # Stop the loader's prefetch thread now: left to interpreter shutdown, a daemon thread inside
+            # a torch op is killed mid-call ("terminate called without an active exception", SIGABRT).
+            # The loader's position is that of the last step taken, so a later run() resumes exactly.
+            self.reset_data_iterator()
             self.console.close()
             if self.metrics is not None:
                 self.metrics.close()
