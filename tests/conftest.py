@@ -6,8 +6,16 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 REPO = Path(__file__).resolve().parents[1]
+
+# Property tests draw the same examples on every run by default, so a CI run is reproducible (its
+# .hypothesis/ database is never kept); HYPOTHESIS_PROFILE=explore draws new ones (run it when changing
+# an invariant: it found the fused head's scale bugs).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 def shared_data_dir() -> Path | None:

@@ -129,7 +129,7 @@ class _FusedLinearCE(torch.autograd.Function):
         if uniform:
             # (1,) the common weight, still on the device: the targets' own (g) when it was checked, since
             # positions without a target may carry any weight (grad_out[0] is often one of them)
-            scale = grad_out.reshape(-1)[:1].float() if g is None else g[:1]
+            scale = g[:1] if g is not None and g.numel() else grad_out.reshape(-1)[:1].float()
             grad_w = grad_w_unit.mul_(scale)
             grad_b = grad_b_unit.mul_(scale) if grad_b_unit is not None else None
             grad_h_sel = grad_h_unit.mul_(scale.to(grad_h_unit.dtype))  # (n, C)
