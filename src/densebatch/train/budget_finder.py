@@ -98,25 +98,26 @@ class MemoryMeter:
         return _status("VmRSS")
 
 
-def _status(key: str) -> int:
+def _proc_bytes(path: str, key: str) -> int | None:
+    """A ``key: N kB`` field of a /proc file, in bytes (None where the system does not report it)."""
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
+        with open(path, encoding="ascii") as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return None
+
+
+def _status(key: str) -> int:
+    return _proc_bytes("/proc/self/status", key) or 0
 
 
 def _meminfo(key: str) -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    value = _proc_bytes("/proc/meminfo", key)
+    if value is not None:
+        return value
     raise UserError("train.memory_limit_gb: set it (in GB): this system does not report its available memory")
 
 
