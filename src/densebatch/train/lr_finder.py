@@ -5,7 +5,8 @@ data, model and optimizer, the ``k``-th at ``lr_start × (lr_end / lr_start) ** 
 (one rate per optimizer step, however many batches a step accumulates; each parameter group at that
 rate × its ``lr_mult``). The loss is smoothed by a bias-corrected exponential moving average; the test
 stops once the smoothed loss exceeds ``diverge`` × its minimum, climbs back above where it started
-after falling (a clipped loss may saturate instead of blowing up), or a loss is not finite. Under
+after falling by a quarter (a clipped loss may saturate instead of blowing up), or a loss is not finite; only the
+last is judged during the first tenth of the steps (``baseline_steps``), where batch noise rules. Under
 torchrun every rank sees the same all-reduced loss, and the stop is agreed (``Distributed.agree``),
 so all ranks take the same steps.
 
@@ -14,18 +15,24 @@ optimizer's state and hyper-parameters, every named trainer part (``Trainer.part
 clipper, scaler, ...), every RNG and the train/eval mode; afterwards all of it is put back, so the
 run that follows is bit for bit the one that would have run without the test.
 
-The suggestion (``suggest``): **most of the fall**: on the curve smoothed forwards and backwards
-(``centred``: no lag; a lagging average shifts every point to the right), the lowest rate at which
-the loss has made 90% of its fall from its start to its minimum, capped at a third of the minimum's
-rate. Past it a higher rate buys little more descent before the curve turns. Reported beside it, not
-used: the **steepest descent** (the middle of the half-decade over which the loss falls most: the
-rule this module first used; on a fine-tuning grid its rate trained to six times the best eval loss:
-the fall is steepest where the rate first starts to matter, not where training is fastest), the
-**minimum ÷ 10** (the classic rule; too low on the same grid) and fastai's **valley** (half-way down
-the longest falling stretch, which a long flat start drags to rates that barely train).
-docs/finders.md compares them with grids of training runs. ``diagnose`` reads the curve for the step size: loss noise at small rates, where
-the weights barely move, is batch-to-batch noise (steps too small); a smooth curve that falls little
-before diverging suggests steps larger than needed.
+The suggestion (``suggest``, ``choose_rule``): **most of the fall**: on the curve smoothed forwards and
+backwards (``centred``: no lag; a lagging average shifts every point to the right), the lowest rate at
+which the loss has made 90% of its fall from its start to its minimum, capped at a third of the
+minimum's rate. Past it a higher rate buys little more descent before the curve turns. Unless the
+model is **near its task**: when the smoothed loss falls by less than twice the step-to-step noise at
+the smallest rates, what fell is noise and the minimum sits wherever the noise put it; the
+suggestion is then a third of the rate at which the loss starts to climb (**climb**: from it on, the
+smoothed loss stays more than one noise sd above its level before the minimum): a margin below the rates that start to undo what the
+model knows. Reported beside them, not used: the **steepest descent** (the middle of the half-decade over
+which the loss falls most: the rule this module first used; on a fine-tuning grid its rate trained to
+six times the best eval loss: the fall is steepest where the rate first starts to matter, not where
+training is fastest), the **minimum ÷ 10** (the classic rule; too low on the same grid) and fastai's
+**valley** (half-way down the longest falling stretch, which a long flat start drags to rates that
+barely train). docs/finders.md compares them with grids of training runs.
+
+``diagnose`` reads the curve for the step size: loss noise at small rates, where the weights barely
+move, is batch-to-batch noise (steps too small); a smooth curve that falls little before diverging
+suggests steps larger than needed.
 """
 
 from __future__ import annotations
@@ -44,19 +51,30 @@ import torch
 
 from densebatch.atomic import write_file
 from densebatch.config import FinderConfig
+from densebatch.errors import UserError
 from densebatch.train.guard import clip_gradients
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
 NOISY, SLOW = 0.10, 0.25  # diagnosis thresholds: relative step-to-step noise; relative fall of the loss
 SPAN, CAP = 0.5, 3.0  # the steepest fall is measured over half a decade of rates; at most the minimum's rate / 3
+FELL = 0.25  # the range test stops when the loss is back above its start after falling by this share
 FALL = 0.9  # the suggestion: where the smoothed loss has made this share of its fall to its minimum
-RULES = {  # every rule suggest() computes, in words; USED is the one suggested
+NEAR = 2.0  # a fall of less than this many step-to-step noise sds is noise: the model is near its task
+RULES = {  # the rules choose_rule() picks from, in words
     "fall": "most of the fall: the lowest rate at which the lag-free smoothed loss has made 90% of its fall to its minimum",
-    "steepest": "steepest descent: the middle of the half-decade of rates over which the lag-free smoothed loss falls most",
+    "climb": (
+        "near its task: the loss fell by less than twice its step-to-step noise, so a third of the rate "
+        "at which it starts to climb (one noise sd above its level so far)"
+    ),
 }
-USED = "fall"
-OTHERS = tuple(k for k in ("fall", "steepest", "min/10", "valley") if k != USED)  # reported, not used
+REPORTED = ("fall", "climb", "steepest", "min/10", "valley")  # every rate suggest() computes
+
+
+def shown(used: str) -> tuple[str, ...]:
+    """The rules reported beside the one used; ``climb`` only when used (after a real fall it
+    measures the blow-up, not a rate to train at)."""
+    return tuple(k for k in REPORTED if k != used and k != "climb")
 
 
 class TrainerSnapshot:
@@ -88,11 +106,12 @@ class TrainerSnapshot:
 class LRFinderResult:
     suggested_lr: float
     rule: str  # how the suggestion was chosen, in words
+    used: str  # which rule: a key of RULES and of candidates
     lrs: list[float]
     losses: list[float]  # per optimizer step, all ranks
     smoothed: list[float]
     stop: str  # why the test ended
-    candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (fall, steepest, min/10, valley)
+    candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (REPORTED) and the minimum's
     diagnosis: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -104,7 +123,7 @@ class LRFinderResult:
             f"learning-rate range test: {len(self.lrs)} steps from {self.lrs[0]:.2e} to {self.lrs[-1]:.2e}; {self.stop}",
             f"suggested learning rate: {self.suggested_lr:.3g} ({self.rule})",
             "  other rules (not used): "
-            + ", ".join(f"{k} {c[k]:.3g}" for k in OTHERS if k in c)
+            + ", ".join(f"{k} {c[k]:.3g}" for k in shown(self.used) if k in c)
             + (f"; the smoothed loss was lowest at {c['minimum']:.3g}" if "minimum" in c else ""),
             f"batch size: {d.get('verdict', 'n/a')}",
         ]
@@ -142,7 +161,6 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     if hasattr(data, "fraction"):
         data.fraction = lambda n: 1.0  # full-size steps: a batch-size ramp would shrink the first ones
     data.max_epochs = None  # cycle the data: the test may need more steps than an epoch holds
-    best = math.inf
     try:
         with contextlib.closing(iter(data)) as it:
             trainer.model.train()
@@ -155,23 +173,24 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
                 losses.append(loss)
                 if log is not None and len(lrs) % 10 == 0:
                     log(f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}")
-                smoothed = smooth([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
-                best, start = min(best, smoothed[-1]), float(np.mean(losses[:5]))
-                # A clipped loss may never blow up: back above where it started (after falling) is divergence too.
-                back = best < 0.9 * start and smoothed[-1] > start
-                diverged = not math.isfinite(loss) or smoothed[-1] > finder.diverge * best or back
-                if trainer.dist.agree(diverged):
+                if trainer.dist.agree(diverged(losses, finder)):
                     stop = f"stopped at lr {lr:.2e}: the smoothed loss diverged (above {finder.diverge:g}x its minimum, or back above its start)"
                     break
     finally:
         snap.restore(trainer)
     smoothed = centred([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
-    candidates = suggest(lrs, smoothed)
+    head = [x for x in losses[: baseline_steps(finder)] if math.isfinite(x)]
+    noise = float(np.std(head)) if len(head) > 1 else 0.0  # the batch noise: rates too small to move the weights
+    candidates = suggest(lrs, smoothed, noise)
     if not candidates:
-        raise ValueError("the range test took too few steps to suggest a rate: lower finder.lr_start or raise finder.lr_steps")
+        raise UserError(
+            f"the range test took {len(lrs)} steps ({stop}), too few to suggest a rate: lower finder.lr_start or raise finder.lr_steps"
+        )
+    used = choose_rule(smoothed, noise)
     result = LRFinderResult(
-        suggested_lr=candidates[USED],
-        rule=RULES[USED],
+        suggested_lr=candidates[used],
+        rule=RULES[used],
+        used=used,
         lrs=lrs,
         losses=losses,
         smoothed=smoothed,
@@ -182,6 +201,28 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     if log is not None:
         log(result.report())
     return result
+
+
+def baseline_steps(finder: FinderConfig) -> int:
+    """Steps before any divergence is judged (a non-finite loss aside); their mean loss is the start.
+    At the smallest rates one step's loss may be half or twice the next one's (a model already near
+    its task, few loss tokens a step): judged from the first steps, that noise read as a blow-up."""
+    return max(5, finder.lr_steps // 10)
+
+
+def diverged(losses: list[float], finder: FinderConfig) -> bool:
+    """Whether the test stops after ``losses``: the last is not finite, or (past the baseline steps)
+    the smoothed loss is above ``diverge`` x its minimum, or back above the start after falling by a
+    quarter (a clipped loss may saturate near ln(vocabulary) instead of blowing up). The minimum is
+    taken from the end of the baseline on: before it the average holds too few steps to be one."""
+    if not math.isfinite(losses[-1]):
+        return True
+    warm = baseline_steps(finder)
+    if len(losses) <= warm:
+        return False
+    smoothed = smooth(losses, finder.smoothing)
+    best, start = min(smoothed[warm - 1 :]), float(np.mean(losses[:warm]))
+    return smoothed[-1] > finder.diverge * best or (best < (1 - FELL) * start and smoothed[-1] > start)
 
 
 def _step(trainer: Any, it, lr: float) -> float | None:
@@ -205,10 +246,21 @@ def _step(trainer: Any, it, lr: float) -> float | None:
     return float(stats["loss"])
 
 
-def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
-    """Each rule's rate: ``fall``, ``steepest``, ``min/10``, ``valley`` (``USED`` is suggested), and the loss
-    ``minimum``'s rate (see the module docstring), from the lag-free smoothed curve. Only the points up
-    to the minimum count for the fall (past it the curve measures the blow-up)."""
+def choose_rule(smoothed: list[float], noise: float) -> str:
+    """``fall``, unless the smoothed loss fell from its start to its minimum by less than ``NEAR`` x the
+    step-to-step ``noise`` at the smallest rates: then what fell was noise (a model already near its
+    task), the minimum is wherever the noise put it, and ``climb`` is used."""
+    y = np.asarray(smoothed, dtype=np.float64)
+    y = np.where(np.isfinite(y), y, np.inf)
+    return "climb" if y[0] - y.min() < NEAR * noise else "fall"
+
+
+def suggest(lrs: list[float], smoothed: list[float], noise: float = 0.0) -> dict[str, float]:
+    """Each rule's rate: ``fall``, ``climb``, ``steepest``, ``min/10``, ``valley`` (``choose_rule`` picks
+    the one suggested), and the loss ``minimum``'s rate (see the module docstring), from the lag-free
+    smoothed curve. Only the points up to the minimum count for the fall (past it the curve measures
+    the blow-up); ``climb`` is a third of the rate from which on the smoothed loss stays more than
+    ``noise`` above its mean level up to the minimum (the last rate when it ends below)."""
     y = np.asarray(smoothed, dtype=np.float64)
     n = len(y)
     if n < 5 or not np.isfinite(y).any():
@@ -236,8 +288,15 @@ def suggest(lrs: list[float], smoothed: list[float]) -> dict[str, float]:
         at = 10 ** (x[j - 1] + min(1.0, max(0.0, t)) * (x[j] - x[j - 1]))
     else:
         at = float(lrs[0])
+    # The climb: the first rate of the last stretch that stays more than the noise above the level of
+    # the curve up to its minimum. Not above the minimum itself: on a flat curve the minimum is a
+    # noise dip, and the first wiggle above it moved the climb up to half a decade early.
+    level = float(np.mean(y[: lo + 1]))
+    below = np.flatnonzero(y[lo:] <= level + noise)  # never empty: the minimum itself
+    climb = float(lrs[min(n - 1, lo + int(below[-1]) + 1)])
     return {
         "fall": float(min(at, float(lrs[lo]) / CAP)),
+        "climb": climb / CAP,
         "steepest": float(steepest),
         "min/10": float(lrs[lo]) / 10.0,
         "valley": float(lrs[valley]),
@@ -290,9 +349,9 @@ def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Pa
     ax = fig.add_subplot(1, 1, 1)
     ax.plot(result.lrs, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (per step)")
     ax.plot(result.lrs, result.smoothed, color="tab:blue", linewidth=1.8, label="loss (smoothed)")
-    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} ({USED})")
-    styles = {"fall": (0, (5, 2, 1, 2)), "steepest": (0, (5, 2, 1, 2)), "min/10": ":", "valley": "-."}
-    for name, style in ((k, styles[k]) for k in OTHERS):
+    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} ({result.used})")
+    styles = {"fall": (0, (5, 2, 1, 2)), "climb": (0, (1, 1)), "steepest": (0, (5, 2, 1, 2)), "min/10": ":", "valley": "-."}
+    for name, style in ((k, styles[k]) for k in shown(result.used)):
         if name in result.candidates:
             ax.axvline(
                 result.candidates[name], color="gray", linestyle=style, linewidth=1, label=f"{name} {result.candidates[name]:.2g}"
