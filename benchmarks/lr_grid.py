@@ -1,0 +1,197 @@
+"""Validate the learning-rate finder against grids of whole training runs, from one command.
+
+Each grid point is a ``densebatch train`` run from the same initial weights at one peak rate, scored
+by its final held-out loss; the range test's suggestion (``densebatch find-lr`` on the same
+settings) passes when its own run ends within 10% of the grid's best. Every run is a subprocess of
+the installed CLI, so what is measured is what a user runs; a run whose ``metrics.jsonl`` already
+ends with its final eval is read, not run again (the grid can be stopped and continued).
+
+Setups (``--setup``):
+
+- ``default``: the embedded default (the demo's data, model and batches), shortened to ``--steps``.
+- ``finetune``: a model pre-trained on three of the embedded tasks (key, color, upper: the demo's
+  settings, ``--pretrain-steps``, loss on the answers), exported to a Hugging Face GPT-2
+  (``densebatch export``), then fine-tuned on the fourth task, parity, which it has never answered:
+  new records, loss on the answers, ``--steps`` steps. The model already reads the prompt format and
+  the passages; only the new mapping is learned.
+- ``sft``: a language model of the embedded records (all four tasks, every token carries loss,
+  ``--pretrain-steps``), exported, then instruction-tuned on new records of the same tasks (loss
+  on the answers): a model already near its task, where range tests are known to suggest rates far
+  too high.
+
+With several ``--seeds`` (data order and dropout; the pre-trained weights are the same) each rate
+is scored by its mean, and each seed's range test suggests its own rate, whose runs make the
+"suggested" row.
+
+    .venv/bin/python benchmarks/lr_grid.py --setup finetune --work /tmp/lrgrid --rates 1e-4,3e-4,1e-3,3e-3,1e-2
+    .venv/bin/python benchmarks/lr_grid.py --setup sft --work /tmp/lrgrid --seeds 0,1,2
+    .venv/bin/python benchmarks/lr_grid.py --setup default --work /tmp/lrgrid --steps 150 --seeds 0,1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from densebatch.data.default_dataset import generate_records
+
+PRETRAIN_TASKS = ("key", "color", "upper")
+FINETUNE_TASK = "parity"
+SUGGESTED = "suggested"
+BATCHES = (
+    "--data.tokenizer=bpe:1024",
+    "--data.max_seq_len=512",
+    "--batching.strategy=packed",
+    "--batching.seq_len=512",
+    "--batching.max_tokens_per_batch=4096",
+    "--train.spike_zscore=0",
+    "--train.plots=false",
+)
+
+
+def densebatch(args: list[str], log: Path) -> float:
+    """Run the CLI with ``args``, its output into ``log``; the wall seconds, or exit on failure."""
+    exe = Path(sys.executable).with_name("densebatch")
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.call([str(exe), *args], stdout=f, stderr=subprocess.STDOUT)
+    if rc != 0:
+        sys.exit(f"densebatch {' '.join(args[:1])} failed (exit {rc}): see {log}")
+    return time.perf_counter() - t0
+
+
+def final_eval(run_dir: Path, steps: int) -> float | None:
+    """The held-out loss of the eval at step ``steps``, None when the run has not got there."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    evals = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "eval" and r.get("step") == steps]
+    return float(evals[-1]["loss"]) if evals else None
+
+
+def write_jsonl(records: list[dict], path: Path) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def finetune_records(setup: str) -> tuple[list[dict], list[dict], list[dict], str]:
+    """(pre-training records, fine-tuning records, held-out fine-tuning records, pre-training loss_on)."""
+    if setup == "finetune":  # a new task for a model instruction-tuned on three others
+        pre = [r for r in generate_records(20000, seed=1234) if r["task"] in PRETRAIN_TASKS]
+        new = [r for r in generate_records(12000, seed=4321) if r["task"] == FINETUNE_TASK]
+        return pre, new[500:], new[:500], "response"
+    # sft: a language model of the rendered records (every token carries loss), then instruction-tuned
+    # on new records of the same tasks (loss on the answers)
+    new = generate_records(6000, seed=4321)
+    return generate_records(20000, seed=1234), new[500:], new[:500], "all"
+
+
+def prepare_finetune(work: Path, setup: str, pretrain_steps: int) -> list[str]:
+    """Data files, the pre-trained model exported to HF; the fine-tuning overrides (without rate)."""
+    data = work / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    pre, train, held_out, loss_on = finetune_records(setup)
+    if not (data / "ft_eval.jsonl").exists():
+        write_jsonl(pre, data / "pretrain.jsonl")
+        write_jsonl(held_out, data / "ft_eval.jsonl")
+        write_jsonl(train, data / "ft_train.jsonl")
+    pre_run, model = work / "pretrain", work / "pretrained-hf"
+    if final_eval(pre_run, pretrain_steps) is None:
+        args = [
+            "train",
+            f"--data.path={data / 'pretrain.jsonl'}",
+            f"--data.loss_on={loss_on}",
+            *BATCHES,
+            "--model.block_size=512",
+        ]
+        args += [f"--train.max_steps={pretrain_steps}", "--train.lr=1e-3", "--train.warmup_steps=50"]
+        secs = densebatch([*args, f"--output_dir={pre_run}", "--overwrite"], work / "pretrain.log")
+        print(f"pre-trained {pretrain_steps} steps in {secs:.0f} s: eval loss {final_eval(pre_run, pretrain_steps):.4f}")
+    if not (model / "config.json").exists():
+        densebatch(["export", str(pre_run), str(model)], work / "export.log")
+    return [
+        f"--data.path={data / 'ft_train.jsonl'}",
+        f"--data.eval_path={data / 'ft_eval.jsonl'}",
+        *BATCHES,
+        "--model.kind=hf",
+        f"--model.path={model}",
+        f"--data.tokenizer={model}",
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setup", choices=("default", "finetune", "sft"), required=True)
+    ap.add_argument("--work", required=True, help="directory for data, runs and logs (reused when present)")
+    ap.add_argument("--rates", default="1e-4,3e-4,1e-3,3e-3,1e-2", help="comma list of peak learning rates")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default: 150 default, 100 finetune)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps (default: 50 default, 10 finetune)")
+    ap.add_argument("--pretrain-steps", type=int, default=500)
+    ap.add_argument("--seeds", default="0", help="comma list: each rate runs on each seed; the score is the mean")
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every run")
+    args = ap.parse_args(argv)
+    if args.threads:
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    work = Path(args.work) / args.setup
+    work.mkdir(parents=True, exist_ok=True)
+    steps = args.steps or (150 if args.setup == "default" else 100)
+    warmup = args.warmup if args.warmup is not None else (50 if args.setup == "default" else 10)
+    common = prepare_finetune(work, args.setup, args.pretrain_steps) if args.setup != "default" else []
+    common += [f"--train.max_steps={steps}", f"--train.warmup_steps={warmup}", "--eval.accuracy_samples=0"]
+    seeds = [int(s) for s in args.seeds.split(",")]
+
+    rates = [float(r) for r in args.rates.split(",")]
+    scores: dict[float | str, list[float]] = {}  # a rate, or SUGGESTED: each seed's run at its own suggestion
+    suggested: dict[int, float] = {}
+    for seed in seeds:
+        finder = work / f"finder-seed{seed}"
+        if not (finder / "lr_finder.json").exists():
+            secs = densebatch(["find-lr", *common, f"--seed={seed}", f"--output_dir={finder}"], work / f"finder-seed{seed}.log")
+            print(f"seed {seed}: range test in {secs:.0f} s")
+        doc = json.loads((finder / "lr_finder.json").read_text())
+        suggested[seed] = float(doc["suggested_lr"])
+        others = ", ".join(f"{k} {v:.3g}" for k, v in doc.get("candidates", {}).items())
+        print(f"seed {seed}: suggested {suggested[seed]:.4g} ({doc.get('rule')}); {others}")
+        for lr in [*rates, SUGGESTED]:
+            rate = suggested[seed] if lr == SUGGESTED else lr
+            run = work / f"seed{seed}" / f"lr-{rate:.4g}"
+            loss = final_eval(run, steps)
+            if loss is None:
+                run.parent.mkdir(parents=True, exist_ok=True)
+                cmd = ["train", *common, f"--seed={seed}", f"--train.lr={rate!r}", f"--output_dir={run}", "--overwrite"]
+                secs = densebatch(cmd, run.parent / f"{run.name}.log")
+                loss = final_eval(run, steps)
+                print(f"seed {seed}: lr {rate:.4g}: eval loss {loss:.4f} ({secs:.0f} s)")
+            scores.setdefault(lr, []).append(loss)
+
+    mean = {k: statistics.fmean(v) for k, v in scores.items()}
+    best_lr = min(rates, key=mean.__getitem__)
+    ratio = mean[SUGGESTED] / mean[best_lr]
+    print(
+        f"\n{args.setup}: {steps} steps, warm-up {warmup}, seeds {args.seeds}; suggested "
+        + ", ".join(f"{v:.3g}" for v in suggested.values())
+    )
+    each_col = " (each seed)" if len(seeds) > 1 else ""
+    print(f"| peak learning rate | final eval loss{each_col} | against the grid's best |\n|---|---|---|")
+    for k in sorted(scores, key=lambda k: suggested[seeds[0]] if k == SUGGESTED else k):
+        label = "suggested (" + ", ".join(f"{v:.3g}" for v in suggested.values()) + ")" if k == SUGGESTED else f"{k:.3g}"
+        each = f" ({' / '.join(f'{v:.3f}' for v in scores[k])})" if len(seeds) > 1 else ""
+        r = mean[k] / mean[best_lr]
+        vs = "the best" if k == best_lr else (f"{r - 1:+.0%}" if r < 2 else f"{r:.1f}x")
+        print(f"| {label} | {mean[k]:.3f}{each} | {vs} |")
+    print(
+        f"the suggestion's runs end at {ratio:.2f}x the grid's best ({best_lr:.3g}): {'passes' if ratio <= 1.10 else 'fails'} (within 10%)"
+    )
+    result = {"setup": args.setup, "steps": steps, "warmup": warmup, "seeds": seeds, "suggested": suggested}
+    result["scores"] = {str(k): v for k, v in scores.items()}
+    (work / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if ratio <= 1.10 else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
