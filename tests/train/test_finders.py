@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from densebatch.config import FinderConfig, TrainConfig
+from densebatch.errors import UserError
 from densebatch.train.loop import Trainer
 from densebatch.train.lr_finder import (
     centred,
@@ -146,6 +147,11 @@ def test_batch_noise_at_the_smallest_rates_is_not_a_divergence():
     saturated = [6.9] * 10 + [3.0] * 10 + [7.2] * 30  # fell, then back above the start (a clipped loss)
     first = next(k for k in range(len(saturated)) if diverged(saturated[: k + 1], finder))
     assert first > 20 and smooth(saturated[: first + 1], 0.8)[-1] > 6.9 > smooth(saturated[:first], 0.8)[-1]
+
+
+def test_too_few_steps_to_suggest_a_rate_is_a_one_line_error(tiny, tmp_path):
+    with pytest.raises(UserError, match="too few to suggest a rate: lower finder.lr_start or raise finder.lr_steps"):
+        lr_range_test(_trainer(tiny, tmp_path), FinderConfig(lr_start=1e-4, lr_end=1e-3, lr_steps=3))
 
 
 def _curve(lrs: np.ndarray, noise: float = 0.0, seed: int = 0) -> list[float]:
