@@ -177,7 +177,10 @@ class FinderConfig:
     lr_steps: int = _f(100, "Range test: optimizer steps from lr_start to lr_end (rates grow exponentially).", minimum=2)
     smoothing: float = _f(0.8, "Range test: weight of the loss's exponential moving average, in [0, 1).", minimum=0.0)
     diverge: float = _f(
-        4.0, "Range test: stop when the smoothed loss exceeds this times its minimum (or, after falling, its start).", minimum=1.0
+        4.0,
+        "Range test: stop when the smoothed loss exceeds this times its minimum (or, after falling by a quarter, its start); "
+        "not judged in the first tenth of the steps.",
+        minimum=1.0,
     )
     max_probes: int = _f(10, "Budget finder: most probe steps (each a forward, backward and optimizer step).", minimum=2)
     throughput_share: float = _f(
