@@ -21,11 +21,12 @@ which the loss has made 90% of its fall from its start to its minimum, capped at
 minimum's rate. Past it a higher rate buys little more descent before the curve turns. Unless the
 model is **near its task**: when the smoothed loss falls by less than twice the step-to-step noise at
 the smallest rates, what fell is noise and the minimum sits wherever the noise put it; the
-suggestion is then a third of the rate at which the loss starts to climb (**climb**: from it on, the
-smoothed loss stays more than one noise sd above its level before the minimum): a margin below the rates that start to undo what the
-model knows. Reported beside them, not used: the **steepest descent** (the middle of the half-decade over
-which the loss falls most: the rule this module first used; on a fine-tuning grid its rate trained to
-six times the best eval loss: the fall is steepest where the rate first starts to matter, not where
+suggestion is then the rate at which the loss starts to climb (**climb**: from it on, the smoothed
+loss stays more than one noise sd above its level at the smallest rates), the edge of the rates the
+model takes without losing what it knows: the grids in docs/finders.md put the best runs there.
+Reported beside them, not used: the **steepest descent** (the middle of the half-decade over which
+the loss falls most: the rule this module first used; on a fine-tuning grid its rate trained to six
+times the best eval loss: the fall is steepest where the rate first starts to matter, not where
 training is fastest), the **minimum ÷ 10** (the classic rule; too low on the same grid) and fastai's
 **valley** (half-way down the longest falling stretch, which a long flat start drags to rates that
 barely train). docs/finders.md compares them with grids of training runs.
@@ -64,8 +65,8 @@ NEAR = 2.0  # a fall of less than this many step-to-step noise sds is noise: the
 RULES = {  # the rules choose_rule() picks from, in words
     "fall": "most of the fall: the lowest rate at which the lag-free smoothed loss has made 90% of its fall to its minimum",
     "climb": (
-        "near its task: the loss fell by less than twice its step-to-step noise, so a third of the rate "
-        "at which it starts to climb (one noise sd above its level so far)"
+        "near its task: the loss fell by less than twice its step-to-step noise, so the rate at which it "
+        "starts to climb (from there on one noise sd above its level at the smallest rates)"
     ),
 }
 REPORTED = ("fall", "climb", "steepest", "min/10", "valley")  # every rate suggest() computes
@@ -181,7 +182,7 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     smoothed = centred([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
     head = [x for x in losses[: baseline_steps(finder)] if math.isfinite(x)]
     noise = float(np.std(head)) if len(head) > 1 else 0.0  # the batch noise: rates too small to move the weights
-    candidates = suggest(lrs, smoothed, noise)
+    candidates = suggest(lrs, smoothed, noise, baseline_steps(finder))
     if not candidates:
         raise UserError(
             f"the range test took {len(lrs)} steps ({stop}), too few to suggest a rate: lower finder.lr_start or raise finder.lr_steps"
@@ -255,12 +256,12 @@ def choose_rule(smoothed: list[float], noise: float) -> str:
     return "climb" if y[0] - y.min() < NEAR * noise else "fall"
 
 
-def suggest(lrs: list[float], smoothed: list[float], noise: float = 0.0) -> dict[str, float]:
+def suggest(lrs: list[float], smoothed: list[float], noise: float = 0.0, baseline: int = 5) -> dict[str, float]:
     """Each rule's rate: ``fall``, ``climb``, ``steepest``, ``min/10``, ``valley`` (``choose_rule`` picks
     the one suggested), and the loss ``minimum``'s rate (see the module docstring), from the lag-free
     smoothed curve. Only the points up to the minimum count for the fall (past it the curve measures
-    the blow-up); ``climb`` is a third of the rate from which on the smoothed loss stays more than
-    ``noise`` above its mean level up to the minimum (the last rate when it ends below)."""
+    the blow-up); ``climb`` is the rate from which on the smoothed loss stays more than ``noise`` above
+    its level over the first ``baseline`` steps (the last rate when it ends below)."""
     y = np.asarray(smoothed, dtype=np.float64)
     n = len(y)
     if n < 5 or not np.isfinite(y).any():
@@ -288,15 +289,15 @@ def suggest(lrs: list[float], smoothed: list[float], noise: float = 0.0) -> dict
         at = 10 ** (x[j - 1] + min(1.0, max(0.0, t)) * (x[j] - x[j - 1]))
     else:
         at = float(lrs[0])
-    # The climb: the first rate of the last stretch that stays more than the noise above the level of
-    # the curve up to its minimum. Not above the minimum itself: on a flat curve the minimum is a
-    # noise dip, and the first wiggle above it moved the climb up to half a decade early.
-    level = float(np.mean(y[: lo + 1]))
-    below = np.flatnonzero(y[lo:] <= level + noise)  # never empty: the minimum itself
+    # The climb: the first rate of the last stretch that stays more than the noise above the level at
+    # the smallest rates. Not above the minimum: on a flat curve that is a noise dip (or the curve's
+    # first point), and the first wiggle above it put the climb up to a decade early.
+    level = float(np.mean(y[:baseline]))
+    below = np.flatnonzero(y[lo:] <= level + noise)  # never empty: the minimum is at most the level
     climb = float(lrs[min(n - 1, lo + int(below[-1]) + 1)])
     return {
         "fall": float(min(at, float(lrs[lo]) / CAP)),
-        "climb": climb / CAP,
+        "climb": climb,
         "steepest": float(steepest),
         "min/10": float(lrs[lo]) / 10.0,
         "valley": float(lrs[valley]),
