@@ -363,8 +363,11 @@ def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Pa
     ax.set_xlabel("learning rate (log scale)")
     ax.set_ylabel("train loss")
     finite_s = [v for v in result.smoothed + result.losses if math.isfinite(v)]
-    if finite_s:  # the blow-up at the end would squash the curve: show up to a little above the start
-        ax.set_ylim(min(finite_s) * 0.9, max(result.smoothed[0], min(finite_s)) * 1.3)
+    if finite_s:  # the blow-up at the end would squash the curve: show up to a little above the start,
+        # and above the smoothed loss at the suggestion (near its task that is where the climb begins)
+        at = result.smoothed[int(np.argmin(np.abs(np.log(np.asarray(result.lrs) / result.suggested_lr))))]
+        top = max(result.smoothed[0], min(finite_s), at if math.isfinite(at) else 0.0) * 1.3
+        ax.set_ylim(min(finite_s) * 0.9, top)
     ax.set_title("learning-rate range test")
     ax.legend(loc="upper left", fontsize=8)
     tmp = out / f".{LR_FINDER_PNG}.tmp"
