@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 from densebatch.data.default_dataset import generate_records
+from densebatch.train.monitor import read_metrics
 
 PRETRAIN_TASKS = ("key", "color", "upper")
 FINETUNE_TASK = "parity"
@@ -71,10 +72,7 @@ def densebatch(args: list[str], log: Path) -> float:
 
 def final_eval(run_dir: Path, steps: int) -> float | None:
     """The held-out loss of the eval at step ``steps``, None when the run has not got there."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return None
-    evals = [r for r in map(json.loads, path.read_text().splitlines()) if r.get("kind") == "eval" and r.get("step") == steps]
+    evals = [r for r in read_metrics(run_dir / "metrics.jsonl") if r.get("kind") == "eval" and r.get("step") == steps]
     return float(evals[-1]["loss"]) if evals else None
 
 

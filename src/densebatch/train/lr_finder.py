@@ -182,9 +182,10 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     finally:
         snap.restore(trainer)
     smoothed = centred([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
-    head = [x for x in losses[: baseline_steps(finder)] if math.isfinite(x)]
+    warm = baseline_steps(finder)
+    head = [x for x in losses[:warm] if math.isfinite(x)]
     noise = float(np.std(head)) if len(head) > 1 else 0.0  # the batch noise: rates too small to move the weights
-    candidates = suggest(lrs, smoothed, noise, baseline_steps(finder))
+    candidates = suggest(lrs, smoothed, noise, warm)
     if not candidates:
         raise UserError(
             f"the range test took {len(lrs)} steps ({stop}), too few to suggest a rate: lower finder.lr_start or raise finder.lr_steps"
