@@ -106,7 +106,7 @@ def test_one_rate_per_optimizer_step_under_accumulation(tiny, tmp_path):
     t.optimizer.step = record
     forward = t.forward.forward
     t.forward.forward = lambda batch: passes.append(1) or forward(batch)
-    finder = FinderConfig(lr_start=1e-5, lr_end=1e-3, lr_steps=7, diverge=1e9)
+    finder = FinderConfig(lr_start=1e-5, lr_end=1e-3, lr_steps=7, diverge=1e9, heldout_batches=0)
     result = lr_range_test(t, finder)
     assert len(used) == len(result.lrs) == 7 and len(passes) == 3 * 7
     assert all(len(set(rates)) == 1 for rates in used)  # every group at the step's rate x its multiplier
@@ -203,6 +203,60 @@ def test_near_its_task_the_suggestion_is_where_the_loss_starts_to_climb():
     assert choose_rule(centred(falling, 0.8), float(np.std(falling[:10]))) == "fall"
 
 
+def test_near_its_task_the_held_out_loss_places_the_suggestion():
+    """The train loss as above (noise, then a climb), and the held-out loss measured after every step:
+    smooth (no batch noise), 0.50 falling to 0.42 at 2e-3, then climbing. Near its task the suggestion
+    is half the rate of its lowest point; after a real fall of the train loss the fall rule stays."""
+    lrs = np.logspace(-6, -2, 65)
+    x = np.log10(lrs)
+    held = 0.5 - 0.08 * np.exp(-(((x + 2.7) / 0.5) ** 2)) + np.where(x > -2.7, (x + 2.7) * 0.6, 0.0)
+    at = int(np.argmin(held))
+    assert 1.5e-3 < lrs[at] < 2.5e-3
+    for seed in range(3):
+        raw = 0.34 + 0.1 * np.random.default_rng(seed).standard_normal(len(x)) + np.where(x > -3.0, (x + 3.0) * 0.5, 0.0)
+        noise, smoothed = float(np.std(raw[:10])), centred(raw.tolist(), 0.8)
+        c = suggest(lrs.tolist(), smoothed, noise, baseline=10, heldout=held.tolist())
+        assert choose_rule(smoothed, noise, held.tolist()) == "held-out"
+        assert c["held-out"] == pytest.approx(lrs[at] / 2)
+        assert choose_rule(smoothed, noise) == "climb"  # without held-out losses
+        fell = raw - np.where(x > -4.0, 0.5, 0.0)
+        assert choose_rule(centred(fell.tolist(), 0.8), noise, held.tolist()) == "fall"
+    # A non-finite held-out loss (a blow-up) is never the lowest; none finite: no held-out rule.
+    assert suggest(lrs.tolist(), smoothed, noise, 10, [*held[:-1].tolist(), math.nan])["held-out"] == pytest.approx(lrs[at] / 2)
+    assert "held-out" not in suggest(lrs.tolist(), smoothed, noise, 10, [math.nan] * len(lrs))
+
+
+def test_held_out_batches_are_measured_after_every_step_and_never_trained_on(tiny, tmp_path):
+    """Without eval data the held-out batches are the first training step's, which the test then skips;
+    with eval data they are its first batches (``finder.heldout_batches`` of them). They are measured in
+    eval mode after every optimizer step, and the test leaves no trace either way."""
+    batches = [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(6)]
+    key = lambda b: hash(b.input_ids.numpy().tobytes())  # noqa: E731 - tells the batches apart
+    finder = FinderConfig(lr_start=1e-4, lr_end=1e-1, lr_steps=8, diverge=1e9, heldout_batches=2)
+    for eval_data in (None, [tiny.collate(tiny.make_docs(4, seed=100 + s)) for s in range(3)]):
+        t = Trainer(
+            tiny.TinyLM(), tiny.ListLoader(batches), _cfg(), output_dir=tmp_path, device="cpu", console=False, eval_data=eval_data
+        )
+        seen = []
+
+        def record(batch, t=t, seen=seen, forward=t.forward.forward):
+            seen.append((t.model.training, key(batch)))
+            return forward(batch)
+
+        t.forward.forward = record
+        before = _state(t)
+        result = lr_range_test(t, finder)
+        assert all(_same(before[k], v) for k, v in _state(t).items())
+        trained = [k for training, k in seen if training]
+        measured = [k for training, k in seen if not training]
+        held = [key(batches[0])] if eval_data is None else [key(b) for b in eval_data[:2]]  # one batch a step here
+        assert len(result.heldout_losses) == len(result.lrs) == 8 and all(math.isfinite(v) for v in result.heldout_losses)
+        assert measured == held * 8
+        first = 1 if eval_data is None else 0  # the step held out is not trained on
+        assert trained == [key(batches[(first + i) % 6]) for i in range(8)]
+        assert not set(trained[: 6 - first]) & set(held)
+
+
 def test_the_steepest_half_decade_short_of_the_minimum_is_reported():
     lrs = np.logspace(-6, 0, 100)
     c = suggest(lrs.tolist(), centred(_curve(lrs, noise=0.3), 0.8))
@@ -233,6 +287,7 @@ def test_outputs_are_a_png_and_json(tiny, tmp_path):
     doc = json.loads(js.read_text())
     assert doc["suggested_lr"] == result.suggested_lr and len(doc["lrs"]) == len(doc["losses"]) == len(result.lrs)
     assert {"rule", "stop", "candidates", "diagnosis", "smoothed_losses"} <= doc.keys()
+    assert len(doc["heldout_losses"]) == len(doc["lrs"])  # the first training step's batch, measured after each step
 
 
 # ------------------------------------------------------------------------------ budget finder

@@ -182,6 +182,13 @@ class FinderConfig:
         "not judged in the first tenth of the steps.",
         minimum=1.0,
     )
+    heldout_batches: int = _f(
+        2,
+        "Range test: batches whose loss is measured after every step, to read the curve free of batch noise (from the "
+        "eval data, else the first training step's, which the test then leaves out); a model near its task gets its "
+        "suggestion from this curve; 0 = off.",
+        minimum=0,
+    )
     max_probes: int = _f(10, "Budget finder: most probe steps (each a forward, backward and optimizer step).", minimum=2)
     throughput_share: float = _f(
         0.9, "Budget finder: report the smallest budget reaching this share of the best measured throughput.", minimum=0.0

@@ -180,10 +180,10 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
     try:
         cfg = resolve_budget(cfg, model, prepared, dist)
         forward = wrap_model(model, cfg.train.distributed, dist)
-        loader, _ = build_loaders(cfg, prepared, dist)
+        loader, eval_data = build_loaders(cfg, prepared, dist)  # the eval data give the held-out batches
         trainer = Trainer(
             model, loader, trainer_config(cfg), cfg.eval, output_dir=cfg.output_dir, device=device, dist=dist,
-            forward=forward, console=False,
+            forward=forward, console=False, eval_data=eval_data,
         )  # fmt: skip
         result = lr_range_test(trainer, cfg.finder, log=(lambda s: _say(dist, s)))
         if dist.is_main:

@@ -15,33 +15,14 @@ optimizer's state and hyper-parameters, every named trainer part (``Trainer.part
 clipper, scaler, ...), every RNG and the train/eval mode; afterwards all of it is put back, so the
 run that follows is bit for bit the one that would have run without the test.
 
-The suggestion (``suggest``, ``choose_rule``): **most of the fall**: on the curve smoothed forwards and
-backwards (``centred``: no lag; a lagging average shifts every point to the right), the lowest rate at
-which the loss has made 90% of its fall from its start to its minimum, capped at a third of the
-minimum's rate. Past it a higher rate buys little more descent before the curve turns. Unless the
-model is **near its task**: when the smoothed loss falls by less than twice the step-to-step noise at
-the smallest rates, what fell is noise and the minimum sits wherever the noise put it; the
-suggestion is then the rate at which the loss starts to climb (**climb**: from it on, the smoothed
-loss stays more than one noise sd above its level at the smallest rates), the edge of the rates the
-model takes without losing what it knows. On the instruction-tuning grid it was chosen on
-(docs/finders.md) the best runs sat there; on a held-out one the best rate was lower (1e-3 against
-1.6e-3 and 4.3e-3): read it as the top of a range to try.
-Reported beside them, not used: the **steepest descent** (the middle of the half-decade over which
-the loss falls most: the rule this module first used; on a fine-tuning grid its rate trained to six
-times the best eval loss: the fall is steepest where the rate first starts to matter, not where
-training is fastest), the **minimum ÷ 10** (the classic rule; too low on the same grid) and fastai's
-**valley** (half-way down the longest falling stretch, which a long flat start drags to rates that
-barely train). docs/finders.md compares them with grids of training runs.
-
-``diagnose`` reads the curve for the step size: loss noise at small rates, where the weights barely
-move, is batch-to-batch noise (steps too small); a smooth curve that falls little before diverging
-suggests steps larger than needed.
+The suggestion and the step-size diagnosis read the curve: ``train/lr_curve.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import json
 import math
 from collections.abc import Callable
@@ -55,29 +36,13 @@ import torch
 from densebatch.atomic import write_file
 from densebatch.config import FinderConfig
 from densebatch.errors import UserError
+from densebatch.train.evaluate import evaluate
 from densebatch.train.guard import clip_gradients
+from densebatch.train.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
-NOISY, SLOW = 0.10, 0.25  # diagnosis thresholds: relative step-to-step noise; relative fall of the loss
-SPAN, CAP = 0.5, 3.0  # the steepest fall is measured over half a decade of rates; at most the minimum's rate / 3
 FELL = 0.25  # the range test stops when the loss is back above its start after falling by this share
-FALL = 0.9  # the suggestion: where the smoothed loss has made this share of its fall to its minimum
-NEAR = 2.0  # a fall of less than this many step-to-step noise sds is noise: the model is near its task
-RULES = {  # the rules choose_rule() picks from, in words
-    "fall": "most of the fall: the lowest rate at which the lag-free smoothed loss has made 90% of its fall to its minimum",
-    "climb": (
-        "near its task: the loss fell by less than twice its step-to-step noise, so the rate at which it "
-        "starts to climb (from there on one noise sd above its level at the smallest rates)"
-    ),
-}
-REPORTED = ("fall", "climb", "steepest", "min/10", "valley")  # every rate suggest() computes
-
-
-def shown(used: str) -> tuple[str, ...]:
-    """The rules reported beside the one used; ``climb`` only when used (after a real fall it
-    measures the blow-up, not a rate to train at)."""
-    return tuple(k for k in REPORTED if k != used and k != "climb")
 
 
 class TrainerSnapshot:
@@ -116,6 +81,7 @@ class LRFinderResult:
     stop: str  # why the test ended
     candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (REPORTED) and the minimum's
     diagnosis: dict = field(default_factory=dict)
+    heldout_losses: list[float] = field(default_factory=list)  # after every step, on finder.heldout_batches batches
 
     def as_dict(self) -> dict:
         return asdict(self) | {"smoothed_losses": self.smoothed}
@@ -130,6 +96,8 @@ class LRFinderResult:
             + (f"; the smoothed loss was lowest at {c['minimum']:.3g}" if "minimum" in c else ""),
             f"batch size: {d.get('verdict', 'n/a')}",
         ]
+        if (at := lowest(h := self.heldout_losses)) is not None:
+            lines.insert(3, f"  held-out loss: {h[0]:.4g} at the first rate, lowest {h[at]:.4g} at {self.lrs[at]:.3g}")
         return "\n".join(lines)
 
 
@@ -139,26 +107,10 @@ def schedule(finder: FinderConfig) -> list[float]:
     return [finder.lr_start * (finder.lr_end / finder.lr_start) ** (k / (n - 1)) for k in range(n)]
 
 
-def smooth(losses: list[float], weight: float) -> list[float]:
-    """Bias-corrected exponential moving average (the first values are not pulled towards 0)."""
-    out, avg = [], 0.0
-    for k, x in enumerate(losses, start=1):
-        avg = weight * avg + (1.0 - weight) * x
-        out.append(avg / (1.0 - weight**k))
-    return out
-
-
-def centred(losses: list[float], weight: float) -> list[float]:
-    """``smooth`` forwards, then backwards: no lag. A forward average trails the curve by about
-    ``1 / (1 - weight)`` steps (half a decade of rates at 0.9 and 100 steps over 6 decades), which
-    would move every rule's rate to the right."""
-    return smooth(smooth(losses, weight)[::-1], weight)[::-1]
-
-
 def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None] | None = None) -> LRFinderResult:
     """Run the test on ``trainer`` (see the module docstring); every rank must call it."""
     snap = TrainerSnapshot(trainer)
-    rates, losses, lrs, smoothed = schedule(finder), [], [], []
+    rates, losses, lrs, smoothed, held = schedule(finder), [], [], [], []
     stop = f"reached lr_end {finder.lr_end:g} without diverging"
     data = trainer.data
     if hasattr(data, "fraction"):
@@ -166,6 +118,7 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     data.max_epochs = None  # cycle the data: the test may need more steps than an epoch holds
     try:
         with contextlib.closing(iter(data)) as it:
+            heldout = heldout_batches(trainer, finder.heldout_batches, it)
             trainer.model.train()
             for lr in rates:
                 loss = _step(trainer, it, lr)
@@ -174,6 +127,8 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
                     break
                 lrs.append(lr)
                 losses.append(loss)
+                if heldout:
+                    held.append(_heldout_loss(trainer, heldout))
                 if log is not None and len(lrs) % 10 == 0:
                     log(f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}")
                 if trainer.dist.agree(diverged(losses, finder)):
@@ -185,12 +140,12 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     warm = baseline_steps(finder)
     head = [x for x in losses[:warm] if math.isfinite(x)]
     noise = float(np.std(head)) if len(head) > 1 else 0.0  # the batch noise: rates too small to move the weights
-    candidates = suggest(lrs, smoothed, noise, warm)
+    candidates = suggest(lrs, smoothed, noise, warm, held)
     if not candidates:
         raise UserError(
             f"the range test took {len(lrs)} steps ({stop}), too few to suggest a rate: lower finder.lr_start or raise finder.lr_steps"
         )
-    used = choose_rule(smoothed, noise)
+    used = choose_rule(smoothed, noise, held)
     result = LRFinderResult(
         suggested_lr=candidates[used],
         rule=RULES[used],
@@ -201,10 +156,35 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
         stop=stop,
         candidates=candidates,
         diagnosis=diagnose(losses, smoothed),
+        heldout_losses=held,
     )
     if log is not None:
         log(result.report())
     return result
+
+
+def heldout_batches(trainer: Any, k: int, it) -> list:
+    """The first ``k`` batches of the eval data (this rank's share of them under torchrun, the same
+    number on every rank), else of the first training step, which the test then does not train on."""
+    if k <= 0:
+        return []
+    per_rank = -(-k // trainer.dist.world_size)
+    if trainer.eval_data is not None:
+        source = trainer.eval_data() if callable(trainer.eval_data) else trainer.eval_data
+        batches = list(itertools.islice(source, per_rank))
+    else:
+        step = next(it, None)
+        batches = [] if step is None else list(step.batches)[:per_rank]
+    n = int(trainer.dist.all_reduce(torch.tensor(len(batches)), "min").item())  # FSDP: every rank the same forwards
+    return batches[:n]
+
+
+def _heldout_loss(trainer: Any, batches: list) -> float:
+    """The loss over ``batches`` (all ranks') in eval mode: no dropout, no RNG drawn, no gradient."""
+    dist = trainer.dist
+    all_reduce = dist.all_reduce_sum if dist.enabled else None
+    kw = {"device": trainer.device, "precision": trainer.cfg.precision, "forward": trainer.forward}
+    return float(evaluate(trainer.model, batches, all_reduce_sum=all_reduce, **kw).loss)
 
 
 def baseline_steps(finder: FinderConfig) -> int:
@@ -250,93 +230,6 @@ def _step(trainer: Any, it, lr: float) -> float | None:
     return float(stats["loss"])
 
 
-def choose_rule(smoothed: list[float], noise: float) -> str:
-    """``fall``, unless the smoothed loss fell from its start to its minimum by less than ``NEAR`` x the
-    step-to-step ``noise`` at the smallest rates: then what fell was noise (a model already near its
-    task), the minimum is wherever the noise put it, and ``climb`` is used."""
-    y = np.asarray(smoothed, dtype=np.float64)
-    y = np.where(np.isfinite(y), y, np.inf)
-    return "climb" if y[0] - y.min() < NEAR * noise else "fall"
-
-
-def suggest(lrs: list[float], smoothed: list[float], noise: float = 0.0, baseline: int = 5) -> dict[str, float]:
-    """Each rule's rate: ``fall``, ``climb``, ``steepest``, ``min/10``, ``valley`` (``choose_rule`` picks
-    the one suggested), and the loss ``minimum``'s rate (see the module docstring), from the lag-free
-    smoothed curve. Only the points up to the minimum count for the fall (past it the curve measures
-    the blow-up); ``climb`` is the rate from which on the smoothed loss stays more than ``noise`` above
-    its level over the first ``baseline`` steps (the last rate when it ends below)."""
-    y = np.asarray(smoothed, dtype=np.float64)
-    n = len(y)
-    if n < 5 or not np.isfinite(y).any():
-        return {}
-    y = np.where(np.isfinite(y), y, np.inf)
-    lo = int(np.argmin(y))
-    # Longest decreasing subsequence ending at each point (fastai's valley), over the finite points.
-    run = np.ones(n, dtype=np.int64)
-    for i in range(1, n):
-        prev = run[:i][y[:i] > y[i]]
-        run[i] = 1 + (prev.max() if len(prev) else 0)
-    end = int(np.argmax(run))
-    start = end - int(run[end]) + 1
-    valley = start + (end - start) // 2
-    x = np.log10(np.asarray(lrs, dtype=np.float64))
-    k = max(1, int(round(SPAN / max(1e-12, (x[-1] - x[0]) / (n - 1)))))  # points per half decade
-    k = min(k, max(1, lo))
-    fall = y[k : lo + 1] - y[: lo + 1 - k]  # change of the loss over each half-decade window before the minimum
-    i = int(np.argmin(fall)) if len(fall) else 0
-    steepest = min(10 ** ((x[i] + x[min(n - 1, i + k)]) / 2), float(lrs[lo]) / CAP)
-    done = (y[0] - y[: lo + 1]) / max(1e-12, y[0] - y[lo])  # share of the fall made at each rate, 1 at the minimum
-    j = int(np.argmax(done >= FALL))  # the first rate past FALL (the minimum itself when the curve never fell)
-    if j > 0:  # log-linear between the two rates around FALL: a point, not a grid step
-        t = (FALL - done[j - 1]) / max(1e-12, done[j] - done[j - 1])
-        at = 10 ** (x[j - 1] + min(1.0, max(0.0, t)) * (x[j] - x[j - 1]))
-    else:
-        at = float(lrs[0])
-    # The climb: the first rate of the last stretch that stays more than the noise above the level at
-    # the smallest rates. Not above the minimum: on a flat curve that is a noise dip (or the curve's
-    # first point), and the first wiggle above it put the climb up to a decade early.
-    level = float(np.mean(y[:baseline]))
-    below = np.flatnonzero(y[lo:] <= level + noise)  # never empty: the minimum is at most the level
-    climb = float(lrs[min(n - 1, lo + int(below[-1]) + 1)])
-    return {
-        "fall": float(min(at, float(lrs[lo]) / CAP)),
-        "climb": climb,
-        "steepest": float(steepest),
-        "min/10": float(lrs[lo]) / 10.0,
-        "valley": float(lrs[valley]),
-        "minimum": float(lrs[lo]),
-    }
-
-
-def diagnose(losses: list[float], smoothed: list[float]) -> dict:
-    """What the curve says about the step size (see the module docstring), with the numbers."""
-    y, s = np.asarray(losses, dtype=np.float64), np.asarray(smoothed, dtype=np.float64)
-    finite = np.isfinite(y) & np.isfinite(s)
-    if finite.sum() < 5:
-        return {"verdict": "too few steps to judge"}
-    start = float(s[finite][0])
-    # The flat head: rates too small to move the weights, where the loss varies only with the batch.
-    head = np.flatnonzero(finite & (np.abs(s - start) <= 0.02 * abs(start)))
-    head = head[head < max(5, len(y) // 3)]
-    if len(head) < 5:
-        head = np.flatnonzero(finite)[: max(5, len(y) // 10)]
-    noise = float(np.std(y[head]) / max(1e-12, abs(float(np.mean(y[head])))))
-    fall = float((start - np.min(s[finite])) / max(1e-12, abs(start)))
-    if noise >= NOISY:
-        verdict = (
-            f"noisy: at small rates the loss varies {noise:.0%} from step to step, which is batch noise, not learning; "
-            "steps look too small for a steady signal (raise train.grad_accum_batches or train.loss_tokens_per_step)"
-        )
-    elif noise < 0.02 and fall < SLOW:
-        verdict = (
-            f"smooth but slow: {noise:.1%} noise at small rates and the loss fell only {fall:.0%} before diverging; "
-            "steps look larger than needed (fewer tokens per step give more updates for the same data)"
-        )
-    else:
-        verdict = f"balanced: {noise:.1%} step-to-step noise at small rates, the loss fell {fall:.0%} before diverging"
-    return {"verdict": verdict, "noise": noise, "fall": fall, "head_steps": int(len(head))}
-
-
 def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Path | None]:
     """``lr_finder.json`` and (with matplotlib) ``lr_finder.png``: loss against the rate, log axis,
     the suggestion marked. Returns both paths (the PNG's None without matplotlib)."""
@@ -346,32 +239,12 @@ def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Pa
     doc = {k: ([finite(x) for x in v] if isinstance(v, list) else v) for k, v in result.as_dict().items()}
     write_file(out / LR_FINDER_JSON, json.dumps(doc, indent=1, allow_nan=False) + "\n")
     try:
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401
     except ImportError:
         return out / LR_FINDER_JSON, None
-    fig = Figure(figsize=(8, 4.2), dpi=100, layout="constrained")
-    ax = fig.add_subplot(1, 1, 1)
-    ax.plot(result.lrs, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="loss (per step)")
-    ax.plot(result.lrs, result.smoothed, color="tab:blue", linewidth=1.8, label="loss (smoothed)")
-    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} ({result.used})")
-    styles = {"fall": (0, (5, 2, 1, 2)), "climb": (0, (1, 1)), "steepest": (0, (5, 2, 1, 2)), "min/10": ":", "valley": "-."}
-    for name, style in ((k, styles[k]) for k in shown(result.used)):
-        if name in result.candidates:
-            ax.axvline(
-                result.candidates[name], color="gray", linestyle=style, linewidth=1, label=f"{name} {result.candidates[name]:.2g}"
-            )
-    ax.set_xscale("log")
-    ax.set_xlabel("learning rate (log scale)")
-    ax.set_ylabel("train loss")
-    finite_s = [v for v in result.smoothed + result.losses if math.isfinite(v)]
-    if finite_s:  # the blow-up at the end would squash the curve: show up to a little above the start,
-        # and above the smoothed loss at the suggestion (near its task that is where the climb begins)
-        at = result.smoothed[int(np.argmin(np.abs(np.log(np.asarray(result.lrs) / result.suggested_lr))))]
-        top = max(result.smoothed[0], min(finite_s), at if math.isfinite(at) else 0.0) * 1.3
-        ax.set_ylim(min(finite_s) * 0.9, top)
-    ax.set_title("learning-rate range test")
-    ax.legend(loc="upper left", fontsize=8)
+    from densebatch.train.plots import plot_lr_finder
+
     tmp = out / f".{LR_FINDER_PNG}.tmp"
-    fig.savefig(tmp, format="png")
+    plot_lr_finder(result, tmp, shown(result.used))
     tmp.replace(out / LR_FINDER_PNG)
     return out / LR_FINDER_JSON, out / LR_FINDER_PNG

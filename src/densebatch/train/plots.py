@@ -277,6 +277,39 @@ def _step_time(data: RunData, path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_lr_finder(result, path: Path, others: tuple[str, ...]) -> Path:
+    """The range test (an ``LRFinderResult``): the train loss per step and smoothed, the held-out loss
+    when measured, against the rate (log axis); the suggestion and the ``others`` rules' rates marked."""
+    import numpy as np
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 4.2), dpi=100, layout="constrained")
+    ax = fig.add_subplot(1, 1, 1)
+    ax.plot(result.lrs, result.losses, color="tab:blue", alpha=0.3, linewidth=0.8, label="train loss (per step)")
+    ax.plot(result.lrs, result.smoothed, color="tab:blue", linewidth=1.8, label="train loss (smoothed)")
+    held = result.heldout_losses
+    if held:
+        ax.plot(result.lrs[: len(held)], held, color="tab:orange", linewidth=1.4, label="held-out loss (after each step)")
+    ax.axvline(result.suggested_lr, color="tab:red", linestyle="--", label=f"suggested {result.suggested_lr:.2g} ({result.used})")
+    styles = {"fall": (0, (5, 2, 1, 2)), "steepest": (0, (5, 2, 1, 2)), "min/10": ":", "valley": "-."}
+    for name in (k for k in others if k in result.candidates):
+        rate = result.candidates[name]
+        ax.axvline(rate, color="gray", linestyle=styles.get(name, ":"), linewidth=1, label=f"{name} {rate:.2g}")
+    ax.set_xscale("log")
+    ax.set_xlabel("learning rate (log scale)")
+    ax.set_ylabel("loss")
+    finite = [v for v in result.smoothed + result.losses + held if math.isfinite(v)]
+    if finite:  # the blow-up at the end would squash the curve: show up to a little above the start,
+        # and above the losses at the suggestion (near its task the climb begins there)
+        at = int(np.argmin(np.abs(np.log(np.asarray(result.lrs) / result.suggested_lr))))
+        near = [v for v in (result.smoothed[at], held[at] if at < len(held) else math.nan) if math.isfinite(v)]
+        top = max([result.smoothed[0], min(finite), *near]) * 1.3
+        ax.set_ylim(min(finite) * 0.9, top)
+    ax.set_title("learning-rate range test")
+    ax.legend(loc="upper left", fontsize=8)
+    return _save(fig, path)
+
+
 def _require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
