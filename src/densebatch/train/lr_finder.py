@@ -130,7 +130,10 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
                 if heldout:
                     held.append(_heldout_loss(trainer, heldout))
                 if log is not None and len(lrs) % 10 == 0:
-                    log(f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}")
+                    log(
+                        f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}"
+                        + (f", held-out {held[-1]:.4f}" if held else "")
+                    )
                 if trainer.dist.agree(diverged(losses, finder)):
                     stop = f"stopped at lr {lr:.2e}: the smoothed loss diverged (above {finder.diverge:g}x its minimum, or back above its start)"
                     break
