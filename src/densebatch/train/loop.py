@@ -27,7 +27,7 @@ from densebatch.batch import Batch, Step
 from densebatch.config import EvalConfig, TrainConfig
 from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.distributed import Distributed, TokenLosses
-from densebatch.train.evaluate import by_source, check_precision, evaluate
+from densebatch.train.evaluate import EvalResult, by_source, check_precision, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
 from densebatch.train.health import HealthMonitor
 from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
@@ -267,6 +267,14 @@ class Trainer:
                 sink.write(rec)
 
     # ------------------------------------------------------------------------------------- eval
+    def evaluate_batches(self, batches: Iterable[Batch], max_batches: int | None = None) -> EvalResult:
+        """``evaluate`` on ``batches`` through this trainer's model wrapper, device, precision and ranks."""
+        return evaluate(
+            self.model, batches, device=self.device, precision=self.cfg.precision, max_batches=max_batches,
+            all_reduce_sum=self.dist.all_reduce_sum if self.dist.enabled else None, forward=self.forward,
+            source_names=self.source_names,
+        )  # fmt: skip
+
     def evaluate_now(self) -> dict | None:
         """Evaluate, record (metrics + console), and update early stopping. None when there is no eval."""
         if self.eval_data is None and self.evaluate_fn is None:
@@ -275,17 +283,7 @@ class Trainer:
         rec: dict = {"kind": "eval", "step": st.step}
         if self.eval_data is not None:
             source = self.eval_data() if callable(self.eval_data) else self.eval_data
-            result = evaluate(
-                self.model,
-                source,
-                device=self.device,
-                precision=self.cfg.precision,
-                max_batches=self.eval_cfg.max_batches,
-                all_reduce_sum=self.dist.all_reduce_sum if self.dist.enabled else None,
-                forward=self.forward,
-                source_names=self.source_names,
-            )
-            rec.update(result.as_dict())
+            rec.update(self.evaluate_batches(source, self.eval_cfg.max_batches).as_dict())
         if self.evaluate_fn is not None:
             was_training = self.model.training
             self.model.eval()

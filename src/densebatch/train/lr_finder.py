@@ -36,7 +36,6 @@ import torch
 from densebatch.atomic import write_file
 from densebatch.config import FinderConfig
 from densebatch.errors import UserError
-from densebatch.train.evaluate import evaluate
 from densebatch.train.guard import clip_gradients
 from densebatch.train.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
 from densebatch.train.rng import capture_rng_state, restore_rng_state
@@ -110,7 +109,7 @@ def schedule(finder: FinderConfig) -> list[float]:
 def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None] | None = None) -> LRFinderResult:
     """Run the test on ``trainer`` (see the module docstring); every rank must call it."""
     snap = TrainerSnapshot(trainer)
-    rates, losses, lrs, smoothed, held = schedule(finder), [], [], [], []
+    rates, losses, lrs, held = schedule(finder), [], [], []
     stop = f"reached lr_end {finder.lr_end:g} without diverging"
     data = trainer.data
     if hasattr(data, "fraction"):
@@ -128,7 +127,7 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
                 lrs.append(lr)
                 losses.append(loss)
                 if heldout:
-                    held.append(_heldout_loss(trainer, heldout))
+                    held.append(float(trainer.evaluate_batches(heldout).loss))  # eval mode: no dropout, no RNG drawn
                 if log is not None and len(lrs) % 10 == 0:
                     log(
                         f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}"
@@ -180,14 +179,6 @@ def heldout_batches(trainer: Any, k: int, it) -> list:
         batches = [] if step is None else list(step.batches)[:per_rank]
     n = int(trainer.dist.all_reduce(torch.tensor(len(batches)), "min").item())  # FSDP: every rank the same forwards
     return batches[:n]
-
-
-def _heldout_loss(trainer: Any, batches: list) -> float:
-    """The loss over ``batches`` (all ranks') in eval mode: no dropout, no RNG drawn, no gradient."""
-    dist = trainer.dist
-    all_reduce = dist.all_reduce_sum if dist.enabled else None
-    kw = {"device": trainer.device, "precision": trainer.cfg.precision, "forward": trainer.forward}
-    return float(evaluate(trainer.model, batches, all_reduce_sum=all_reduce, **kw).loss)
 
 
 def baseline_steps(finder: FinderConfig) -> int:
