@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared_lengths import book_collate, chatml_text, gpt2_tokenizer, shared_data_dir  # noqa: E402
 
-from densebatch.data.collate import CausalCollator  # noqa: E402
-from densebatch.data.plan import PlanSettings, plan_epoch  # noqa: E402
+from densebatch.data.load.collate import CausalCollator  # noqa: E402
+from densebatch.data.plan.planner import PlanSettings, plan_epoch  # noqa: E402
 
 EOS = 50256
 

@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shared_lengths import shared_lengths  # noqa: E402
 
-from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch  # noqa: E402
+from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch  # noqa: E402
 
 
 def synthetic(name: str, n: int = 20000, seed: int = 0) -> np.ndarray:

@@ -160,7 +160,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    from densebatch.data.store import DocumentStore
+    from densebatch.data.prepare.store import DocumentStore
 
     lengths, source = oasst_lengths(a.shared_data)
     need = int(1.5 * (a.steps + a.warmup_steps) * a.slots)

@@ -48,9 +48,9 @@ def _peak_mem(device) -> float:
 # -------------------------------------------------------------------------------------- runners
 def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
     from densebatch.config import BatchingConfig, EvalConfig, ModelConfig, TrainConfig
-    from densebatch.data.collate import collator_from_config
-    from densebatch.data.loader import StepLoader
-    from densebatch.data.plan import PlanSettings
+    from densebatch.data.load.collate import collator_from_config
+    from densebatch.data.load.loader import StepLoader
+    from densebatch.data.plan.planner import PlanSettings
     from densebatch.model import build_model
     from densebatch.train.loop import Trainer
 

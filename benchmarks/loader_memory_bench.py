@@ -43,11 +43,11 @@ class LengthsStore:
 
 
 def run_one(mode: str, n: int, strategy: str) -> dict:
-    from densebatch.data.collate import CausalCollator
-    from densebatch.data.loader import StepLoader
-    from densebatch.data.mixing import materialise
-    from densebatch.data.plan import PlanSettings
-    from densebatch.data.shards import EpochRows
+    from densebatch.data.load.collate import CausalCollator
+    from densebatch.data.load.loader import StepLoader
+    from densebatch.data.plan.planner import PlanSettings
+    from densebatch.data.plan.shards import EpochRows
+    from densebatch.data.plan.store_epochs import materialise
 
     lengths = np.clip(np.random.default_rng(0).lognormal(5.8, 0.9, n), 1, 8192).astype(np.int64)
     store = LengthsStore(lengths)

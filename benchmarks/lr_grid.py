@@ -43,8 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-from densebatch.data.default_dataset import generate_records
-from densebatch.train.monitor import read_metrics
+from densebatch.data.prepare.default_dataset import generate_records
+from densebatch.train.observe.monitor import read_metrics
 
 PRETRAIN_TASKS = ("key", "color", "upper")
 FINETUNE_TASK = "parity"

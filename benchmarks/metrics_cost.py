@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 
 from densebatch.cli import main as cli
-from densebatch.train.health import HealthMonitor
-from densebatch.train.monitor import METRICS_FILE, MetricsWriter, read_metrics, resource_usage
-from densebatch.train.sinks import CSVSink, TensorBoardSink
+from densebatch.train.observe.health import HealthMonitor
+from densebatch.train.observe.monitor import METRICS_FILE, MetricsWriter, read_metrics, resource_usage
+from densebatch.train.observe.sinks import CSVSink, TensorBoardSink
 
 NEW_FIELDS = ("data_wait_s", "fwd_bwd_s", "optimizer_s", "step_s", "mem_rss_gb", "mem_peak_rss_gb")
 

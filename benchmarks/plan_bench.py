@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
 
 
 def lognormal(n: int, seed: int = 0) -> np.ndarray:

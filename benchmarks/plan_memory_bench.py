@@ -46,8 +46,8 @@ def lengths_file(n: int) -> Path:
 
 
 def child(path: str, strategy: str, mode: str, shard_docs: int, seq_len: int, max_tokens: int) -> None:
-    from densebatch.data.plan import PlanSettings, plan_epoch
-    from densebatch.data.shards import plan_epoch_sharded
+    from densebatch.data.plan.planner import PlanSettings, plan_epoch
+    from densebatch.data.plan.shards import plan_epoch_sharded
 
     x = np.load(path)
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -66,7 +66,7 @@ def child(path: str, strategy: str, mode: str, shard_docs: int, seq_len: int, ma
 
 def random_breakdown(n: int) -> None:
     """CPU seconds of each step of the whole-corpus random planner (why it grows faster than n)."""
-    from densebatch.data.plan import PlanSettings, _one_doc_per_row
+    from densebatch.data.plan.planner import PlanSettings, _one_doc_per_row
 
     x = np.load(lengths_file(n))
     rng = np.random.default_rng(0)

@@ -134,7 +134,7 @@ class Clock:
 
 # ---------------------------------------------------------------------------------- densebatch
 def profile_densebatch(setup, clock: Clock, steps: int):
-    from densebatch.train.monitor import Console
+    from densebatch.train.observe.monitor import Console
 
     out = tempfile.mkdtemp()
     trainer = build_trainer(setup, "token_budget", out, steps)

@@ -1,4 +1,4 @@
-"""GPT-2 token lengths of the ../shared/data sets, computed here (not via data/prepare.py) and cached;
+"""GPT-2 token lengths of the ../shared/data sets, computed here (not via data/prepare/pipeline.py) and cached;
 plus the book's reference collate, shared by the collate benchmark and the equivalence test.
 
 Each length counts one appended end-of-text, as prepare stores documents. Cached as

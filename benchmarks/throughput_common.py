@@ -96,7 +96,7 @@ def build_hf_model(setup: Setup, attn: str = "sdpa"):
 
 def token_budget_for(store, target: int, seq_len_cap: int, seed: int) -> tuple[int, float]:
     """Slot budget whose token_budget plan has a mean of ``target`` real tokens per batch (epoch 0)."""
-    from densebatch.data.plan import PlanSettings, plan_epoch
+    from densebatch.data.plan.planner import PlanSettings, plan_epoch
 
     lengths = np.asarray(store.lengths, np.int64)
     budget = max(target, int(lengths.max()))

@@ -24,10 +24,10 @@ def build_trainer(setup: Setup, strategy: str, out: str, steps: int, prefetch: i
     ``before``: the model path and optimizer as they were before issue 10, inside today's loop (see
     ``as_before``)."""
     from densebatch.config import BatchingConfig, EvalConfig, TrainConfig
-    from densebatch.data.collate import collator_from_config
-    from densebatch.data.loader import StepLoader
-    from densebatch.data.plan import PlanSettings
-    from densebatch.data.steps import StepSettings
+    from densebatch.data.load.collate import collator_from_config
+    from densebatch.data.load.loader import StepLoader
+    from densebatch.data.plan.planner import PlanSettings
+    from densebatch.data.plan.steps import StepSettings
     from densebatch.model import HFCausalLM
     from densebatch.train.loop import Trainer
 
@@ -104,9 +104,9 @@ def attention_cost(setup: Setup, repeats: int) -> None:
     import dataclasses
 
     from densebatch.config import BatchingConfig
-    from densebatch.data.collate import collator_from_config
-    from densebatch.data.loader import StepLoader
-    from densebatch.data.plan import PlanSettings
+    from densebatch.data.load.collate import collator_from_config
+    from densebatch.data.load.loader import StepLoader
+    from densebatch.data.plan.planner import PlanSettings
     from densebatch.model import HFCausalLM
     from densebatch.model.attention import document_mask
 

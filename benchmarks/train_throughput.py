@@ -1,7 +1,7 @@
 """Training throughput, side by side: densebatch vs Hugging Face ``Trainer`` vs plain dense loops.
 
 One process, one model (a Hugging Face GPT-2 config: 4 layers, width 256, 4 heads, vocabulary 50,257,
-random init, dropout 0, fp32), one dataset (documents prepared once by ``densebatch.data.prepare``:
+random init, dropout 0, fp32), one dataset (documents prepared once by ``densebatch.data.prepare.pipeline``:
 the same token ids and loss mask for every method), the same number of steps. Two modes:
 
 - default (``--dataset``): instruction / oasst records with their templates, loss on the responses
@@ -74,7 +74,7 @@ from throughput_densebatch import attention_cost, run_densebatch  # noqa: E402
 # ------------------------------------------------------------------------------------ driver
 def prepare_setup(name: str, args, data_dir: Path, tmp: Path) -> Setup:
     from densebatch.config import DataConfig
-    from densebatch.data.prepare import prepare
+    from densebatch.data.prepare.pipeline import prepare
 
     full = bool(args.full_loss)
     if full:  # pre-tokenised records, every token a target

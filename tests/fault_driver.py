@@ -89,7 +89,7 @@ def install_faults(faults: dict) -> None:
 
         GPT.token_losses = token_losses
     if faults.get("skip_batch_on_restore"):
-        from densebatch.data.loader import StepLoader
+        from densebatch.data.load.loader import StepLoader
 
         orig_load = StepLoader.load_state_dict
 

@@ -19,7 +19,7 @@ def test_every_shipped_config_loads(path):
 
 def test_default_yaml_is_the_embedded_default():
     """configs/default.yaml writes out exactly what `densebatch train` runs with no config."""
-    from densebatch.run import resolve_config
+    from densebatch.run.build import resolve_config
 
     assert load_config(REPO / "configs" / "default.yaml") == resolve_config(None, [])
 

@@ -10,7 +10,7 @@ import torch
 from cli_args import TINY
 
 from densebatch.cli import main
-from densebatch.data.tokenizers import load_tokenizer
+from densebatch.data.prepare.tokenizers import load_tokenizer
 from densebatch.model import load_model
 
 transformers = pytest.importorskip("transformers")

@@ -9,12 +9,12 @@ import torch
 from cli_args import TINY as BASE_TINY
 
 from densebatch.cli import main
-from densebatch.data.tokenizers import load_tokenizer
+from densebatch.data.prepare.tokenizers import load_tokenizer
 from densebatch.model import generate, load_model
 
 TINY = [*BASE_TINY, "--train.lr=3e-3"]
 PROMPT = "What is 7 plus 5?"
-# The alpaca template (data/templates.py), written out: what the model sees without --raw.
+# The alpaca template (data/prepare/templates.py), written out: what the model sees without --raw.
 ALPACA = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request."
     "\n\n### Instruction:\n{}\n\n### Response:\n"

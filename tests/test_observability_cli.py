@@ -8,7 +8,7 @@ import pytest
 from cli_args import TINY
 
 from densebatch.cli import main
-from densebatch.train.monitor import read_metrics
+from densebatch.train.observe.monitor import read_metrics
 
 pytest.importorskip("matplotlib")
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -17,7 +17,7 @@ def tiny_hf_model_with_tokenizer(d: Path) -> tuple[int, object]:
     """A random 1-layer GPT-2 in ``d`` with a learned 300-id BPE beside it (tokenizer.json +
     tokenizer_config.json, as a Hugging Face model directory holds them). Returns (vocab, tokenizer)."""
     transformers = pytest.importorskip("transformers")
-    from densebatch.data.tokenizers import train_bpe
+    from densebatch.data.prepare.tokenizers import train_bpe
 
     tok = train_bpe(TEXTS, 300)
     d.mkdir(parents=True)

@@ -22,7 +22,7 @@ import fault_driver as fd
 import pytest
 
 import densebatch.train.session as session
-from densebatch.data.loader import StepLoader
+from densebatch.data.load.loader import StepLoader
 from densebatch.train.checkpoint import list_checkpoints, verify
 
 STEPS = 16

@@ -15,10 +15,10 @@ from cli_args import TINY as BASE_TINY
 
 from densebatch.cli import main
 from densebatch.config import load_config
-from densebatch.data.collate import collator_from_config
-from densebatch.data.loader import StepLoader
-from densebatch.data.plan import PlanSettings
-from densebatch.data.prepare import prepare
+from densebatch.data.load.collate import collator_from_config
+from densebatch.data.load.loader import StepLoader
+from densebatch.data.plan.planner import PlanSettings
+from densebatch.data.prepare.pipeline import prepare
 from densebatch.model import load_model
 from densebatch.train.evaluate import evaluate
 

@@ -6,7 +6,7 @@ also write one strategy's plan as JSON and a PNG histogram of the lengths. ``rea
 lengths file (one integer per line, or ``.npy``). The CLI parses arguments and prints the result.
 For prepared documents (``analyze_prepared``), each strategy also reports, per source, the records,
 documents and tokens prepared and the documents, tokens and share of the tokens its epoch-0 plan
-holds (a mixture's weights applied: ``data/mixing.py``).
+holds (a mixture's weights applied: ``data/plan/store_epochs.py``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from densebatch.data.mixing import materialise, select
-from densebatch.data.mixture import Selection, plan_source_stats
-from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
-from densebatch.data.shards import plan_epoch_sharded
+from densebatch.data.plan.mixture import Selection, plan_source_stats
+from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.shards import plan_epoch_sharded
+from densebatch.data.plan.store_epochs import materialise, select
 from densebatch.errors import ConfigError, DataError, UserError
 
 

@@ -93,7 +93,7 @@ def gpt2_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def gpt2(gpt2_dir):
-    from densebatch.data.tokenizers import load_tokenizer
+    from densebatch.data.prepare.tokenizers import load_tokenizer
 
     return load_tokenizer(str(gpt2_dir))
 

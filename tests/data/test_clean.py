@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densebatch.config import CleanConfig
-from densebatch.data.clean import Cleaner, collapse_whitespace, remove_control_chars, strip_html
+from densebatch.data.prepare.clean import Cleaner, collapse_whitespace, remove_control_chars, strip_html
 
 
 def test_strip_html():

@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densebatch.batch import IGNORE_INDEX
-from densebatch.data.collate import CausalCollator, MaskedLMCollator, collator_from_config
-from densebatch.data.plan import PlanSettings, plan_epoch
+from densebatch.data.load.collate import CausalCollator, MaskedLMCollator, collator_from_config
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.errors import ConfigError, DataError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -358,7 +358,7 @@ def test_mlm_probability_zero_is_refused_at_load():
 
 
 def test_source_ids_follow_the_batch_to_a_device():
-    from densebatch.data.store import DocumentStore
+    from densebatch.data.prepare.store import DocumentStore
 
     store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1])], {"sources": ["x", "y"]}, source=[0, 1])
     batch = CausalCollator(0)(store, [[(0, 0, 3), (1, 0, 2)], [(1, 0, 2)]])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import densebatch.data.default_dataset as dd
-from densebatch.data.default_dataset import TASKS, check_answer, generate_records
-from densebatch.data.prepare import prepare
-from densebatch.data.templates import alpaca_prompt
+import densebatch.data.prepare.default_dataset as dd
+from densebatch.data.prepare.default_dataset import TASKS, check_answer, generate_records
+from densebatch.data.prepare.pipeline import prepare
+from densebatch.data.prepare.templates import alpaca_prompt
 from densebatch.errors import ConfigError
 
 COLORS = ("red", "green", "blue", "yellow", "black", "white")  # black and white: no longer answers, never in passages

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from densebatch.config import DataConfig
-from densebatch.data.chat_template import ChatTemplate
-from densebatch.data.prepare import prepare
-from densebatch.data.sources import iter_records
-from densebatch.data.templates import RecordError, render, render_text
-from densebatch.data.tokenizer_files import byte_level_tokenizer
-from densebatch.data.tokenizers import ByteTokenizer, load_data_tokenizer, load_tokenizer, train_bpe
+from densebatch.data.prepare.chat_template import ChatTemplate
+from densebatch.data.prepare.pipeline import prepare
+from densebatch.data.prepare.sources import iter_records
+from densebatch.data.prepare.templates import RecordError, render, render_text
+from densebatch.data.prepare.tokenizer_files import byte_level_tokenizer
+from densebatch.data.prepare.tokenizers import ByteTokenizer, load_data_tokenizer, load_tokenizer, train_bpe
 from densebatch.errors import ConfigError, DataError
 
 transformers = pytest.importorskip("transformers")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from densebatch.data.inspect import render_documents
-from densebatch.data.prepare import prepare
-from densebatch.data.store import DocumentStore
-from densebatch.data.tokenizers import load_tokenizer
+from densebatch.data.prepare.pipeline import prepare
+from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.prepare.tokenizers import load_tokenizer
 from densebatch.errors import DataError
 
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from densebatch.data.collate import CausalCollator
-from densebatch.data.loader import StepLoader
-from densebatch.data.plan import PlanSettings
-from densebatch.data.steps import StepSettings
+from densebatch.data.load.collate import CausalCollator
+from densebatch.data.load.loader import StepLoader
+from densebatch.data.plan.planner import PlanSettings
+from densebatch.data.plan.steps import StepSettings
 from densebatch.errors import DataError
 
 

@@ -13,12 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_loader import MemStore
 
-from densebatch.data.collate import CausalCollator
-from densebatch.data.loader import StepLoader
-from densebatch.data.mixing import materialise
-from densebatch.data.plan import Plan, PlanSettings
-from densebatch.data.shards import EpochRows, plan_epoch_sharded
-from densebatch.data.steps import StepSettings
+from densebatch.data.load.collate import CausalCollator
+from densebatch.data.load.loader import StepLoader
+from densebatch.data.plan.planner import Plan, PlanSettings
+from densebatch.data.plan.shards import EpochRows, plan_epoch_sharded
+from densebatch.data.plan.steps import StepSettings
+from densebatch.data.plan.store_epochs import materialise
 
 
 class MaterialisedLoader(StepLoader):
@@ -36,7 +36,7 @@ def _pair(strategy, store, shard_docs=16, fraction=1.0, **steps):
     out = []
     for cls in (StepLoader, MaterialisedLoader):
         ld = cls(store, s, CausalCollator(pad_id=0), seed=5, steps=StepSettings(**steps), prefetch=0)
-        ld.fraction = lambda step, f=fraction: f if step < 3 else 1.0  # a ramp: the first steps are partial
+        ld.set_step_fraction(lambda step, f=fraction: f if step < 3 else 1.0)  # a ramp: the first steps are partial
         out.append(ld)
     return out
 

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.data.mixture import mixture_epoch, plan_source_stats, select_mixture
-from densebatch.data.plan import STRATEGIES, PlanSettings
-from densebatch.data.shards import plan_epoch_sharded
+from densebatch.data.plan.mixture import mixture_epoch, plan_source_stats, select_mixture
+from densebatch.data.plan.planner import STRATEGIES, PlanSettings
+from densebatch.data.plan.shards import plan_epoch_sharded
 
 
 def sources(n: int = 2000, k: int = 2, seed: int = 0, cap: int = 700) -> list[np.ndarray]:

@@ -11,13 +11,14 @@ import torch
 
 from densebatch.batch import IGNORE_INDEX
 from densebatch.config import DataConfig, SourceConfig
-from densebatch.data import documents
-from densebatch.data.collate import CausalCollator
-from densebatch.data.mixing import epoch_selection, mixture_weights, plan_store_epoch, source_configs
-from densebatch.data.mixture import plan_source_stats
-from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
-from densebatch.data.prepare import prepare
-from densebatch.data.steps import rows_of
+from densebatch.data.load.collate import CausalCollator
+from densebatch.data.plan.mixture import plan_source_stats
+from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.steps import rows_of
+from densebatch.data.plan.store_epochs import epoch_selection, plan_store_epoch
+from densebatch.data.prepare import documents
+from densebatch.data.prepare.pipeline import prepare
+from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.errors import DataError
 
 SETTINGS = PlanSettings(seq_len=256, max_tokens_per_batch=1024, rows_per_batch=4)

@@ -11,9 +11,9 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from densebatch.data.packing import exact_cuts as _exact_cuts
-from densebatch.data.packing import greedy_cuts as _greedy_cuts
-from densebatch.data.plan import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.packing import exact_cuts as _exact_cuts
+from densebatch.data.plan.packing import greedy_cuts as _greedy_cuts
+from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
 
 lengths_st = st.lists(st.integers(1, 300), min_size=0, max_size=120).map(lambda x: np.array(x, np.int64))
 settings_st = st.builds(

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from densebatch.config import CleanConfig
-from densebatch.data.prepare import prepare
-from densebatch.data.store import MARKER
-from densebatch.data.templates import alpaca_prompt
+from densebatch.data.prepare.pipeline import prepare
+from densebatch.data.prepare.store import MARKER
+from densebatch.data.prepare.templates import alpaca_prompt
 from densebatch.errors import DataError
 
 

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_plan import check_budget, check_coverage, lengths_st, settings_st
 
-from densebatch.data.bijection import Bijection
-from densebatch.data.mixture import select_mixture
-from densebatch.data.plan import STRATEGIES, Plan, PlanSettings, plan_epoch
-from densebatch.data.shards import ShardedPlan, plan_epoch_sharded
+from densebatch.data.plan.bijection import Bijection
+from densebatch.data.plan.mixture import select_mixture
+from densebatch.data.plan.planner import STRATEGIES, Plan, PlanSettings, plan_epoch
+from densebatch.data.plan.shards import ShardedPlan, plan_epoch_sharded
 
 FEW = settings(max_examples=50, deadline=None)
 

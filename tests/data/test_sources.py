@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from densebatch.data.sources import BadRecord, detect_format, iter_records
+from densebatch.data.prepare.sources import BadRecord, detect_format, iter_records
 from densebatch.errors import DataError
 
 

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from densebatch.data.plan import PlanSettings, plan_epoch
-from densebatch.data.steps import StepSettings, cumulative_row_loss_tokens, micro_batches, share, step_stop
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.steps import StepSettings, cumulative_row_loss_tokens, micro_batches, share, step_stop
 
 
 def _plan(lengths, strategy="token_budget", seed=0, **kw):

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.data.store import MARKER, DocumentStore
+from densebatch.data.prepare.store import MARKER, DocumentStore
 from densebatch.errors import DataError
 
 docs_strategy = st.lists(st.lists(st.tuples(st.integers(0, 50_000), st.integers(0, 1)), min_size=1, max_size=30), max_size=20)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from densebatch.config import DataConfig, FieldsConfig
-from densebatch.data.templates import RecordError, prompt_text, render, render_text
+from densebatch.data.prepare.templates import RecordError, prompt_text, render, render_text
 from densebatch.errors import ConfigError
 
 PREAMBLE = "Below is an instruction that describes a task. Write a response that appropriately completes the request."

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.data.tokenizers import ByteTokenizer, load_tokenizer
+from densebatch.data.prepare.tokenizers import ByteTokenizer, load_tokenizer
 from densebatch.errors import ConfigError
 
 
@@ -102,7 +102,7 @@ def test_tokenizer_json_without_eos_is_a_config_error(tmp_path):
 
 # ----------------------------------------------------------------------------- bpe:N (learned)
 def test_learned_bpe_is_deterministic_and_round_trips(tmp_path):
-    from densebatch.data.tokenizers import train_bpe
+    from densebatch.data.prepare.tokenizers import train_bpe
 
     texts = [f"Below is an instruction number {i}. Write a response." for i in range(300)]
     a, b = train_bpe(texts, 400), train_bpe(texts, 400)
@@ -126,7 +126,7 @@ def test_learned_bpe_spec_errors():
 
 def test_prepare_learns_and_caches_bpe(tmp_path):
     from densebatch.config import load_config
-    from densebatch.data.prepare import prepare
+    from densebatch.data.prepare.pipeline import prepare
 
     cfg = load_config(None, ["--data.tokenizer=bpe:600", f"--data.cache_dir={tmp_path}", "--data.default.num_records=300"]).data
     first = prepare(cfg)
@@ -140,7 +140,7 @@ def test_prepare_learns_and_caches_bpe(tmp_path):
 
 
 def test_auto_resolves_to_the_model_directory_tokenizer(tmp_path):
-    from densebatch.data.tokenizers import has_tokenizer_files, resolve_tokenizer_spec
+    from densebatch.data.prepare.tokenizers import has_tokenizer_files, resolve_tokenizer_spec
 
     model = tmp_path / "model"
     model.mkdir()

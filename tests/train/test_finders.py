@@ -14,8 +14,8 @@ import torch
 
 from densebatch.config import FinderConfig, TrainConfig
 from densebatch.errors import UserError
+from densebatch.train.finders.lr_finder import diverged, lr_range_test, schedule, smooth, write_outputs
 from densebatch.train.loop import Trainer
-from densebatch.train.lr_finder import diverged, lr_range_test, schedule, smooth, write_outputs
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 
@@ -215,7 +215,7 @@ class FakeMeter:
 
 @pytest.fixture
 def fake_meter(monkeypatch):
-    from densebatch.train import budget_finder
+    from densebatch.train.finders import budget_finder
 
     class Meter(FakeMeter):
         pass
@@ -245,7 +245,7 @@ def _budget_setup(tiny, max_rows=None):
 
 
 def test_the_budget_is_the_largest_that_fits_and_no_probe_aims_past_the_limit(tiny, fake_meter):
-    from densebatch.train.budget_finder import find_budget
+    from densebatch.train.finders.budget_finder import find_budget
 
     model, optimizer, worst, snap = _budget_setup(tiny)
     result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
@@ -257,7 +257,7 @@ def test_the_budget_is_the_largest_that_fits_and_no_probe_aims_past_the_limit(ti
 
 
 def test_after_an_overrun_the_search_bisects_below_it(tiny, fake_meter):
-    from densebatch.train.budget_finder import find_budget
+    from densebatch.train.finders.budget_finder import find_budget
 
     fake_meter.jump_at, fake_meter.jump = 50_000, 60_000_000  # a step the line cannot predict
     model, optimizer, worst, snap = _budget_setup(tiny)
@@ -272,7 +272,7 @@ def test_after_an_overrun_the_search_bisects_below_it(tiny, fake_meter):
 
 
 def test_an_out_of_memory_error_in_a_probe_means_too_large(tiny, fake_meter):
-    from densebatch.train.budget_finder import find_budget
+    from densebatch.train.finders.budget_finder import find_budget
 
     model, optimizer, worst, snap = _budget_setup(tiny, max_rows=20)  # a budget of 21,000+ raises
     result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=10.0, margin=0.0, max_probes=12)
@@ -283,7 +283,7 @@ def test_an_out_of_memory_error_in_a_probe_means_too_large(tiny, fake_meter):
 def test_the_finder_leaves_model_optimizer_memory_and_rngs_as_they_were(tiny, tmp_path):
     """Real memory (no fake meter): weights bit for bit, optimizer state and rates, the bytes held by
     parameters, gradients and optimizer state (within 1%: here exactly), every RNG."""
-    from densebatch.train.budget_finder import find_budget
+    from densebatch.train.finders.budget_finder import find_budget
     from densebatch.train.state import rank_state_bytes
 
     t = _trainer(tiny, tmp_path)
@@ -306,7 +306,7 @@ def test_the_finder_leaves_model_optimizer_memory_and_rngs_as_they_were(tiny, tm
 
 def test_when_even_the_smallest_budget_does_not_fit_it_says_what_to_set(tiny, fake_meter):
     from densebatch.errors import UserError
-    from densebatch.train.budget_finder import find_budget
+    from densebatch.train.finders.budget_finder import find_budget
 
     model, optimizer, worst, snap = _budget_setup(tiny)
     with pytest.raises(UserError, match="even the smallest budget .* raise the limit"):

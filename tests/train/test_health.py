@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densebatch.config import TrainConfig
-from densebatch.train.health import HealthMonitor, HealthWarning, default_memory_limit_gb
 from densebatch.train.loop import Trainer
-from densebatch.train.monitor import read_metrics
+from densebatch.train.observe.health import HealthMonitor, HealthWarning, default_memory_limit_gb
+from densebatch.train.observe.monitor import read_metrics
 
 
 def _rec(step: int, rng: random.Random | None = None, **over) -> dict:

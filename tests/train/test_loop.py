@@ -13,7 +13,7 @@ from densebatch.errors import ConfigError
 from densebatch.train.distributed import Distributed
 from densebatch.train.guard import Verdict
 from densebatch.train.loop import StepOutcome, Trainer
-from densebatch.train.monitor import read_metrics
+from densebatch.train.observe.monitor import read_metrics
 
 
 def _cfg(**kw) -> TrainConfig:

@@ -1,4 +1,4 @@
-"""Reading the range test's curve (``train/lr_curve.py``): the suggested rate and the rule chosen, the
+"""Reading the range test's curve (``train/finders/lr_curve.py``): the suggested rate and the rule chosen, the
 rates reported beside it, and the step-size diagnosis, on synthetic curves shaped like measured ones."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from densebatch.train.lr_curve import centred, choose_rule, diagnose, smooth, suggest
+from densebatch.train.finders.lr_curve import centred, choose_rule, diagnose, smooth, suggest
 
 
 def _curve(lrs: np.ndarray, noise: float = 0.0, seed: int = 0) -> list[float]:

@@ -6,7 +6,7 @@ import io
 import json
 import math
 
-from densebatch.train.monitor import Console, MetricsWriter, format_summary, read_metrics, truncate_metrics
+from densebatch.train.observe.monitor import Console, MetricsWriter, format_summary, read_metrics, truncate_metrics
 
 
 def test_writer_flushes_each_line_and_writes_strict_json(tmp_path):

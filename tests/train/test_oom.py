@@ -12,7 +12,7 @@ from densebatch.config import TrainConfig
 from densebatch.errors import UserError
 from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.loop import Trainer
-from densebatch.train.monitor import read_metrics
+from densebatch.train.observe.monitor import read_metrics
 from densebatch.train.oom import is_out_of_memory, split_rows
 
 

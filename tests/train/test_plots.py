@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from densebatch.errors import ConfigError
-from densebatch.train.monitor import METRICS_FILE, MetricsWriter
-from densebatch.train.plots import PLOTS_DIR, extract, plot_run, smooth, smooth_on
+from densebatch.train.observe.monitor import METRICS_FILE, MetricsWriter
+from densebatch.train.observe.plots import PLOTS_DIR, extract, plot_run, smooth, smooth_on
 
 pytest.importorskip("matplotlib")
 

@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from densebatch.config import ConfigError, EvalConfig, GroupScheduleConfig, ModelConfig, TrainConfig, load_config
-from densebatch.data.collate import CausalCollator
-from densebatch.data.loader import StepLoader
-from densebatch.data.plan import PlanSettings
-from densebatch.data.steps import StepSettings
+from densebatch.data.load.collate import CausalCollator
+from densebatch.data.load.loader import StepLoader
+from densebatch.data.plan.planner import PlanSettings
+from densebatch.data.plan.steps import StepSettings
 from densebatch.model import build_model
 from densebatch.train.checkpoint import CheckpointManager
 from densebatch.train.guard import Verdict
 from densebatch.train.loop import Trainer
-from densebatch.train.monitor import read_metrics
+from densebatch.train.observe.monitor import read_metrics
 from densebatch.train.optim import estimate_total_steps, group_lr_at, lr_at, param_groups
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.session import Session

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from densebatch.errors import ConfigError
-from densebatch.train.sinks import CSV_DIR, TENSORBOARD_DIR, build_sinks, flatten, numeric_scalars
+from densebatch.train.observe.sinks import CSV_DIR, TENSORBOARD_DIR, build_sinks, flatten, numeric_scalars
 
 
 def _train(step: int, loss: float, **extra) -> dict:

@@ -42,10 +42,6 @@ def _check(cfg: RunConfig) -> None:
     if m.kind == "gpt" and m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({m.n_head}); got {m.n_embd}")
     _check_hf_model(m)
-    if b.strategy == "packed" and b.max_tokens_per_batch != "auto" and b.seq_len > b.max_tokens_per_batch:
-        raise ConfigError(
-            f"batching.max_tokens_per_batch: expected at least batching.seq_len ({b.seq_len}) so one packed row fits; got {b.max_tokens_per_batch}"
-        )
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing: expected a number in [0, 1); got {cfg.train.label_smoothing}")
     if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
@@ -107,12 +103,7 @@ def _check_sources(d: DataConfig) -> None:
 
 def _check_finders(cfg: RunConfig) -> None:
     """``auto`` values and the finders' ranges."""
-    b, t, f = cfg.batching, cfg.train, cfg.finder
-    if b.max_tokens_per_batch == "auto" and b.strategy not in ("token_budget", "packed"):
-        raise ConfigError(
-            f"batching.max_tokens_per_batch: auto sizes token_budget and packed batches; {b.strategy} batches hold "
-            "batching.rows_per_batch rows: set a number, or use batching.strategy token_budget or packed"
-        )
+    t, f = cfg.train, cfg.finder
     if not 0.0 <= t.memory_margin <= 0.9:
         raise ConfigError(f"train.memory_margin: expected a share in [0, 0.9]; got {t.memory_margin}")
     if not 0.0 < f.lr_start < f.lr_end:

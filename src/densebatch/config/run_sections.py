@@ -25,7 +25,7 @@ class GroupScheduleConfig:
 
 @dataclass
 class HealthConfig:
-    """Thresholds of the run's health warnings (train/health.py, docs/observability.md); each cause warns once."""
+    """Thresholds of the run's health warnings (train/observe/health.py, docs/observability.md); each cause warns once."""
 
     enabled: bool = _f(
         True, "Warn (console, metrics.jsonl, summary) when the data wait, memory, throughput, fill rate or clipping look wrong."

@@ -1,5 +1,5 @@
 """The data layer: records → tokenised documents (prepare) → planned batches (plan, collate, loader).
 
 Imports nothing from ``densebatch.model`` or ``densebatch.train``. Import submodules directly,
-e.g. ``from densebatch.data.prepare import prepare``.
+e.g. ``from densebatch.data.prepare.pipeline import prepare``.
 """

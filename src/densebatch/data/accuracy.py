@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from densebatch.data.default_dataset import check_answer
-from densebatch.data.templates import prompt_text
+from densebatch.data.prepare.default_dataset import check_answer
+from densebatch.data.prepare.templates import prompt_text
 
 Generate = Callable[[list[list[int]]], list[list[int]]]
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from densebatch.data.store import DocumentStore
-from densebatch.data.tokenizers import Tokenizer
+from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.prepare.tokenizers import Tokenizer
 from densebatch.errors import DataError
 
 LOSS_OPEN, LOSS_CLOSE = "[[", "]]"

@@ -1,65 +1,41 @@
 """Wiring: the only place that knows data, model and train; one function per CLI command.
 
-``dispatch(args, overrides)`` is called by ``cli.main`` with the parsed arguments and the
-``--section.key=value`` overrides. With no config file and no data of the user's own, the demo
-runs: the dataclass defaults plus ``run/demo.py``'s ``DEMO_OVERRIDES`` (written out in
-``configs/default.yaml``).
+``dispatch(args, overrides)`` is called by ``cli.main`` (which imports this package late, so that
+``--help`` stays fast) with the parsed arguments and the ``--section.key=value`` overrides. Every
+command that trains or probes a model builds it through ``run/build.py``; ``auto`` values resolve in
+``run/auto.py``. With no config file and no data of the user's own, the demo runs: the dataclass
+defaults plus ``run/demo.py``'s ``DEMO_OVERRIDES`` (written out in ``configs/default.yaml``).
 """
 
 from __future__ import annotations
 
-from densebatch.config import RunConfig, load_config
-from densebatch.data.tokenizers import resolve_tokenizer_spec
-from densebatch.run.demo import DEMO_OVERRIDES, is_demo
+from densebatch.errors import UserError
+from densebatch.run import commands
+from densebatch.run.auto import resolved_budget
+from densebatch.run.build import resolve_config
+from densebatch.run.find import find_batch_command, find_lr_command
+from densebatch.run.plot import plot_command
+from densebatch.run.training import train
 
-
-def resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
-    """The run configuration: ``path`` (or, with neither a file nor data of one's own, the demo's
-    settings) plus overrides. Without a file but with ``--data.path``, the dataclass defaults apply."""
-    base = list(DEMO_OVERRIDES) if is_demo(path, overrides) else []
-    cfg = load_config(path, base + list(overrides))
-    # data.tokenizer auto: a Hugging Face model's own tokenizer when its directory has one (resolved
-    # here, so the saved config names the tokenizer actually used).
-    cfg.data.tokenizer = resolve_tokenizer_spec(cfg.data.tokenizer, cfg.model.path if cfg.model.kind == "hf" else None)
-    return cfg
+NO_OVERRIDES = {
+    "generate": "it uses the checkpoint's configuration",
+    "export": "it uses the run's configuration",
+    "plot": "it reads the run's metrics.jsonl",
+}
 
 
 def dispatch(args, overrides: list[str]) -> int:
-    from densebatch.run import commands
-
     cmd = args.command
-    if cmd == "generate":
+    if cmd in NO_OVERRIDES:
         if overrides:
-            from densebatch.errors import UserError
-
-            raise UserError("generate takes no --section.key overrides: it uses the checkpoint's configuration")
-        return commands.generate_command(args)
-    if cmd == "export":
-        if overrides:
-            from densebatch.errors import UserError
-
-            raise UserError("export takes no --section.key overrides: it uses the run's configuration")
-        return commands.export_command(args)
-    if cmd == "plot":
-        if overrides:
-            from densebatch.errors import UserError
-
-            raise UserError("plot takes no --section.key overrides: it reads the run's metrics.jsonl")
-        from densebatch.run.plot import plot_command
-
-        return plot_command(args)
+            raise UserError(f"{cmd} takes no --section.key overrides: {NO_OVERRIDES[cmd]}")
+        return {"generate": commands.generate_command, "export": commands.export_command, "plot": plot_command}[cmd](args)
     if cmd == "train":
-        from densebatch.run.training import train
-
         return train(args.config, overrides, resume=args.resume, overwrite=args.overwrite)
     if cmd in ("find-lr", "find-batch"):
-        from densebatch.run.find import find_batch_command, find_lr_command
-
         return (find_lr_command if cmd == "find-lr" else find_batch_command)(args.config, overrides)
     cfg = resolve_config(args.config, overrides)
     if cmd in ("analyze", "eval"):  # they plan batches: an `auto` budget is the one a run found
-        from densebatch.run.find import resolved_budget
-
         cfg = resolved_budget(cfg)
     handlers = {
         "prepare": commands.prepare_command,

@@ -6,22 +6,24 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 import yaml
 
+from densebatch.analyze import analyze_main, analyze_prepared, read_lengths
+from densebatch.atomic import staged_dir
 from densebatch.config import RunConfig, config_from_dict, describe, load_config, to_dict
-from densebatch.data.collate import collator_from_config
-from densebatch.data.loader import StepLoader, full_context_settings
-from densebatch.data.plan import PlanSettings
-from densebatch.data.prepare import prepare as prepare_data
-from densebatch.data.templates import prompt_text
-from densebatch.data.tokenizers import load_data_tokenizer, load_tokenizer
+from densebatch.data.inspect import render_documents
+from densebatch.data.plan.planner import PlanSettings
+from densebatch.data.prepare.pipeline import prepare as prepare_data
+from densebatch.data.prepare.templates import prompt_text
+from densebatch.data.prepare.tokenizers import load_data_tokenizer, load_tokenizer
 from densebatch.errors import UserError
-from densebatch.model import build_model, load_model
+from densebatch.model import GPT, build_model, load_model
 from densebatch.model import generate as generate_ids
+from densebatch.model.export import export_gpt_as_hf
 from densebatch.model.lora import is_adapter_dir, load_adapter
-from densebatch.run.training import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
+from densebatch.run.build import eval_loader
+from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
 from densebatch.train.checkpoint import checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
 from densebatch.train.loop import resolve_device
@@ -35,8 +37,6 @@ def prepare_command(cfg: RunConfig, args) -> int:
 
 
 def inspect_command(cfg: RunConfig, args) -> int:
-    from densebatch.data.inspect import render_documents
-
     prepared = prepare_data(cfg.data)
     store = prepared.train if args.split == "train" else prepared.eval
     if store is None:
@@ -47,8 +47,6 @@ def inspect_command(cfg: RunConfig, args) -> int:
 
 
 def analyze_command(cfg: RunConfig, args) -> int:
-    from densebatch.analyze import analyze_main, analyze_prepared, read_lengths
-
     settings = PlanSettings.from_config(cfg.batching)
     kw = dict(json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy, plot=args.plot)
     if args.lengths:
@@ -164,10 +162,7 @@ def eval_command(cfg: RunConfig, args) -> int:
         raise UserError("there is no evaluation split: set data.eval_path or data.eval_fraction > 0")
     model, _tok, _, which = load_trained(args.checkpoint, cfg)
     device = resolve_device(cfg.train.device)
-    collator = collator_from_config(cfg.batching, prepared.eval.meta, cfg.seed)
-    # Full-context rows: no document is cut, so every strategy and seq_len gives the same loss.
-    settings = full_context_settings(PlanSettings.from_config(cfg.batching), int(np.max(prepared.eval.lengths)))
-    loader = StepLoader(prepared.eval, settings, collator, seed=cfg.seed, prefetch=0)
+    loader = eval_loader(cfg, prepared.eval)  # full-context rows, as the evaluations of a run (run/build.py)
     result = evaluate_batches(
         model.to(device),
         loader.iter_epoch(0),
@@ -222,10 +217,6 @@ def generate_command(args) -> int:
 
 def export_command(args) -> int:
     """``densebatch export RUN_DIR OUT``: a Hugging Face model directory with the run's tokenizer."""
-    from densebatch.atomic import staged_dir
-    from densebatch.model import GPT
-    from densebatch.model.export import export_gpt_as_hf
-
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out}: exists and is not empty; export writes a new directory")

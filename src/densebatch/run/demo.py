@@ -11,7 +11,7 @@ from __future__ import annotations
 # The generated instruction dataset (20,000 records) with a BPE of 1,024 ids learned from it, a
 # 4-layer GPT of width 128, packed 512-token rows of 4,096 slots per step, 500 steps at a peak
 # learning rate of 1e-3: every task answered on held-out prompts in under 3 minutes of training on
-# 2 CPU cores (see data/default_dataset.py for what was tried and why).
+# 2 CPU cores (see data/prepare/default_dataset.py for what was tried and why).
 DEMO_OVERRIDES: tuple[str, ...] = (
     "--output_dir=runs/default",
     # Each record is seen ~1.3 times: with 6,000 records seen 5+ times the model memorised the

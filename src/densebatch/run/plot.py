@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from densebatch.errors import UserError
-from densebatch.train.monitor import METRICS_FILE
-from densebatch.train.plots import PLOTS_DIR, plot_run
+from densebatch.train.observe.monitor import METRICS_FILE
+from densebatch.train.observe.plots import PLOTS_DIR, plot_run
 
 
 def plot_command(args) -> int:

@@ -1,29 +1,43 @@
-"""What a resume continues: the saved run's configuration, with only the changes that keep it exact.
+"""What a resume continues: the saved run, its configuration, and only the changes that keep it exact.
 
-A resume continues *the saved run*. The configuration comes from the checkpoint; of what the command
-line (a config file plus ``--section.key=value`` overrides) asks for:
+``resolve_run`` decides where a ``train`` command starts: a fresh run refuses an ``output_dir`` that
+already holds one unless ``--overwrite`` (which deletes it); ``--resume`` (or ``checkpoint.resume:
+auto``) continues the newest verified checkpoint with the configuration it carries. Of what the
+command asks for (``plan_resume``):
 
-- keys in ``RESUMABLE`` (step limits, logging, checkpoint and evaluation cadence, prefetch, sinks)
-  are taken and each change is reported: they change when the run stops or what it records, never
-  the updates it computes up to there;
-- any other key named explicitly on the command line that differs from the saved run (data,
-  batching, model, seed, optimizer, schedule, precision, ...) is refused, listing every one;
-- other differences that only the config file carries are ignored (reported): the README's
-  ``densebatch train CONFIG --resume`` after ``densebatch train CONFIG --batching.strategy=packed``
-  continues the packed run.
+- a key **named on the command line** (``--section.key=value``) that is in ``RESUMABLE`` (step
+  limits, logging, checkpoint cadence, prefetch, sinks) changes the resumed run, reported as
+  ``changed``: these keys decide when the run stops or what it records, never the updates it
+  computes up to there. Evaluation cadence and size (``EVALUATION_KEYS``) are resumable only while
+  nothing acts on evaluations: a batch-size back-off or early stopping reads every eval loss, so
+  moving or resizing evaluations would move their decisions and the updates after them;
+- any other key named on the command line that differs (data, batching, model, seed, optimizer,
+  schedule, precision, ...) is refused, listing every one;
+- differences that only the config file carries are ignored, reported as ``ignored``, resumable keys
+  included: ``densebatch train CONFIG --resume`` after ``densebatch train CONFIG --train.max_steps=40
+  --batching.strategy=packed`` continues the packed run and stops at 40, whatever CONFIG says.
+
+``output_dir`` is where the run is found, so it is always the one asked for. A resume on another
+number of processes keeps the global batch by changing ``train.grad_accum_batches`` (reported).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import shutil
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from densebatch.config import RunConfig, config_from_dict, parse_override, to_dict
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, UserError
+from densebatch.run.auto import keep_resolved
+from densebatch.run.layout import CHECKPOINT_DIR, RUN_OUTPUTS, holds_a_run
+from densebatch.train.checkpoint import latest_valid, load_checkpoint
+from densebatch.train.distributed import Distributed
 
 RESUMABLE = frozenset(
     {
-        "output_dir",
         "train.max_steps",
         "train.max_epochs",
         "train.max_tokens",
@@ -43,6 +57,7 @@ RESUMABLE = frozenset(
         "train.distributed",  # ddp and fsdp compute the same updates (≤ 1e-5): a resume may switch
     }
 )
+EVALUATION_KEYS = frozenset({"eval.every_steps", "eval.max_batches"})  # move what back-offs / early stopping see
 
 
 @dataclass
@@ -74,29 +89,101 @@ def explicit_keys(overrides: list[str]) -> set[str]:
     return {".".join(parse_override(o)[0]) for o in overrides}
 
 
+def evaluations_steer(cfg: RunConfig) -> str | None:
+    """What acts on the evaluations' losses (a key), or None when they are only recorded."""
+    if cfg.train.batch_backoff_patience:
+        return "train.batch_backoff_patience"
+    if cfg.eval.patience:
+        return "eval.patience"
+    return None
+
+
 def plan_resume(saved: dict, requested: RunConfig, overrides: list[str]) -> ResumePlan:
     """The configuration a resume runs with (see the module docstring); ``ConfigError`` listing every
-    explicitly requested change that would make the resumed run differ from the saved one."""
+    change named on the command line that would make the resumed run differ from the saved one."""
     base = config_from_dict(saved)  # validates, and fills keys a newer version added
     old, new = flatten(to_dict(base)), flatten(to_dict(requested))
     named = explicit_keys(overrides)
     merged = to_dict(base)
+    _set(merged, "output_dir", requested.output_dir)  # where the run was found
     plan = ResumePlan(base)
-    refused = []
-    for key in sorted(k for k in new if old.get(k) != new[k]):
-        if key in RESUMABLE:
-            _set(merged, key, new[key])
-            if key != "output_dir":
-                plan.changed.append(f"{key}: {old.get(key)!r} → {new[key]!r}")
-        elif key in named:
-            refused.append(f"{key} (saved {old.get(key)!r}, asked {new[key]!r})")
-        else:
+    refused, applied = [], []
+    for key in sorted(k for k in new if k != "output_dir" and old.get(k) != new[k]):
+        if key not in named:
             plan.ignored.append(f"{key}: {new[key]!r} (the saved run has {old.get(key)!r})")
+        elif key in RESUMABLE:
+            _set(merged, key, new[key])
+            applied.append(key)
+            plan.changed.append(f"{key}: {old.get(key)!r} → {new[key]!r}")
+        else:
+            refused.append(f"{key} (saved {old.get(key)!r}, asked {new[key]!r})")
+    plan.config = config_from_dict(merged)
+    steer = evaluations_steer(plan.config)
+    if steer is not None:
+        refused += [
+            f"{key} (saved {old.get(key)!r}, asked {new[key]!r}: {steer} acts on every evaluation)"
+            for key in applied
+            if key in EVALUATION_KEYS
+        ]
     if refused:
         raise ConfigError(
             "--resume continues the saved run and cannot change what it computes: "
             + "; ".join(refused)
             + ". Drop these overrides, or start a new run in another output_dir (or with --overwrite)"
         )
-    plan.config = config_from_dict(merged)
     return plan
+
+
+def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed):
+    """(configuration to run, checkpoint to resume from or None), after the resume / overwrite rules."""
+    out = Path(requested.output_dir)
+    ck = requested.checkpoint
+    path = None
+    if resume or ck.resume == "auto":
+        path = latest_valid(
+            out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=lambda p, why: _warn(dist, f"checkpoint {p}: {why} — skipped")
+        )
+        if path is None and resume:
+            _warn(dist, f"no valid checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
+    if path is None:
+        found = holds_a_run(out)
+        if found and not overwrite and not resume:
+            raise UserError(
+                f"{out} already holds a run ({', '.join(found)}); continue it with --resume, "
+                f"or start over with --overwrite (deletes it), or set --output_dir"
+            )
+        if found and dist.is_main:
+            for name in RUN_OUTPUTS:
+                target = out / name
+                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+        dist.barrier()
+        return requested, None
+    extra = load_checkpoint(path, parts=("extra",)).extra_state
+    requested = keep_resolved(requested, extra["config"])  # `auto` asked again: the value the run found
+    plan = plan_resume(extra["config"], requested, overrides)
+    cfg = plan.config
+    saved_world = int(extra.get("world_size", 1))
+    if saved_world != dist.world_size:  # elastic: keep the global batch by changing the accumulation
+        total = saved_world * cfg.train.grad_accum_batches
+        if cfg.train.loss_tokens_per_step is None and total % dist.world_size:
+            raise UserError(
+                f"--resume: the run took {total} batches per step over {saved_world} processes; "
+                f"{dist.world_size} processes cannot split that evenly: use a world size that divides {total}"
+            )
+        k = max(1, total // dist.world_size)
+        plan.changed.append(
+            f"train.grad_accum_batches: {cfg.train.grad_accum_batches} → {k} ({saved_world} → {dist.world_size} processes, same batches per step)"
+        )
+        cfg = replace(cfg, train=replace(cfg.train, grad_accum_batches=k))
+    if dist.is_main:
+        print(f"resuming the run saved in {path} with its configuration", flush=True)
+        for line in plan.changed:
+            print(f"  changed: {line}", flush=True)
+        for line in plan.ignored:
+            print(f"  ignored: {line}", flush=True)
+    return cfg, path
+
+
+def _warn(dist: Distributed, text: str) -> None:
+    if dist.is_main:
+        print(f"warning: {text}", file=sys.stderr, flush=True)

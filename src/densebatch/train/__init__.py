@@ -8,7 +8,7 @@ checkpoints, resume, rollbacks and signals; ``train/distributed.py`` the ranks a
 
 from densebatch.train.evaluate import EvalResult, evaluate
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult, TrainState, resolve_device
-from densebatch.train.monitor import METRICS_FILE, MetricsWriter, read_metrics, truncate_metrics
+from densebatch.train.observe.monitor import METRICS_FILE, MetricsWriter, read_metrics, truncate_metrics
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_at, param_groups
 
 __all__ = [

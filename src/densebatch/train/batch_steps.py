@@ -33,6 +33,19 @@ class BatchSteps:
         if hasattr(self.batches, "load_state_dict"):
             self.batches.load_state_dict(state["inner"])
 
+    step_fraction = None  # steps are always full size
+
+    def set_step_fraction(self, fraction) -> None:
+        if fraction is not None:
+            raise ValueError("a batch-size schedule needs a StepLoader: a plain iterable of batches cannot cut its steps")
+
+    @property
+    def loss_tokens_per_step(self) -> int | None:
+        return self.cfg.loss_tokens_per_step
+
+    def invalidate(self) -> None:
+        """Nothing is prepared ahead."""
+
     def steps_per_epoch(self) -> int | None:
         if not self.per_epoch or self.cfg.loss_tokens_per_step is not None:
             return None

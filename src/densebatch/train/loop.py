@@ -26,15 +26,17 @@ from torch import nn
 from densebatch.batch import Batch, Step
 from densebatch.config import EvalConfig, TrainConfig
 from densebatch.train.batch_steps import BatchSteps
+from densebatch.train.contracts import StepSource
 from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.evaluate import EvalResult, by_source, check_precision, evaluate
-from densebatch.train.guard import AnomalyGuard, FixedClipper, Verdict, clip_gradients
-from densebatch.train.health import HealthMonitor
-from densebatch.train.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
-from densebatch.train.oom import accumulate
+from densebatch.train.guard import AnomalyGuard, FixedClipper
+from densebatch.train.observe.health import HealthMonitor
+from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
+from densebatch.train.oom import OOMLog, Passes, accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes, step_record
+from densebatch.train.update import apply_update
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -89,9 +91,9 @@ class Trainer:
             self.model.compile()  # in place: forward is compiled, state_dict keys stay unprefixed
         self.forward = forward if forward is not None else TokenLosses(self.model)
         self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model, cfg)
-        self._params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        self.params = [p for g in self.optimizer.param_groups for p in g["params"]]  # what the optimizer updates
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
-        self.data = data if hasattr(data, "steps_per_epoch") else BatchSteps(data, cfg)
+        self.data: StepSource = data if isinstance(data, StepSource) else BatchSteps(data, cfg)
         self.batch_schedule = batch_schedule.attach(self.data) if batch_schedule is not None else None  # train/schedule.py
         self.guard = guard if guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
         self.clipper = clipper if clipper is not None else FixedClipper(cfg.grad_clip)
@@ -111,6 +113,11 @@ class Trainer:
         self._it: Iterator[Step] | None = None  # created lazily so that load_state_dict can reposition data
         self._mark = time.perf_counter()
         self._session_tokens, self._session_seconds = 0, 0.0
+        self.oom = OOMLog()  # the first out-of-memory split of the run is printed once (train/oom.py)
+
+    def set_lr(self, lr: float) -> None:
+        """The base learning rate from the next step on (``train.lr: auto``, once the range test found it)."""
+        self.cfg = dataclasses.replace(self.cfg, lr=lr)
 
     # ------------------------------------------------------------------------------------ state
     def parts(self) -> dict[str, Any]:
@@ -170,7 +177,7 @@ class Trainer:
         denom = total / self.dist.world_size if total > 0 else 1.0
         k = len(self.source_names) if self.source_names else 0
         self.source_sums = torch.zeros(2 * k, dtype=torch.float64, device=self.device) if k else None
-        loss, splits = accumulate(self, batches, denom)
+        loss, splits = accumulate(self.passes(), batches, denom)
         real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
         sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=self.device)  # CE sum, real tokens, slots
         sums[0] = loss
@@ -190,7 +197,15 @@ class Trainer:
             out["loss_by_source"], out["loss_tokens_share_by_source"] = by_source(values[3:], self.source_names)
         return out
 
-    def _sync(self, last: bool) -> contextlib.AbstractContextManager:
+    def passes(self) -> Passes:
+        """What the step's forward and backward passes use (``train/oom.py``)."""
+        return Passes(
+            forward=self.forward, optimizer=self.optimizer, scaler=self.scaler, device=self.device,
+            precision=self.cfg.precision, dist=self.dist, sync=self.sync_gradients, source_sums=self.source_sums,
+            num_sources=len(self.source_names) if self.source_names else 0, console=self.console, oom=self.oom,
+        )  # fmt: skip
+
+    def sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
         """Gradients are reduced over ranks on the step's last backward only (DDP ``no_sync``)."""
         no_sync = getattr(self.forward, "no_sync", None)
         return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
@@ -211,25 +226,15 @@ class Trainer:
         lr = self._set_lr(step)
         stats = self.forward_backward(step.batches)
         t1 = time.perf_counter()
-        grad_norm, limit = math.nan, math.nan
-        if stats["loss_tokens"] == 0:
-            outcome = StepOutcome.EMPTY  # nothing to learn from: no update, no verdict
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
-            self.scaler.unscale_(self.optimizer)  # clip and judge the true gradient, not the fp16-scaled one
-            grad_norm, limit = clip_gradients(self._params, clipper=self.clipper)  # norm before clipping
-            if self.scaler.is_enabled() and math.isfinite(stats["loss"]) and not math.isfinite(grad_norm):
-                outcome = StepOutcome.OVERFLOW
-            else:
-                verdict = self.guard.check(stats["loss"], grad_norm)
-                outcome = {Verdict.OK: StepOutcome.APPLIED, Verdict.SKIP: StepOutcome.SKIPPED}.get(verdict, StepOutcome.ROLLBACK)
-            if outcome in (StepOutcome.APPLIED, StepOutcome.OVERFLOW):
-                self.scaler.step(self.optimizer)  # with fp16 it skips an update whose gradient overflowed
-            else:
-                self.optimizer.zero_grad(set_to_none=True)
-            self.scaler.update()
+        outcome, grad_norm, limit = self.apply_update(stats)
         t2 = time.perf_counter()
         return self._finish_step(step, stats, outcome, lr, grad_norm, limit, (t0, t1, t2))
+
+    def apply_update(self, stats: dict, clipper=None, judge: bool = True) -> tuple[StepOutcome, float, float]:
+        """``train/update.py``'s update on this trainer's optimizer, scaler and parameters (clipper: the trainer's
+        unless given; ``judge``: ask the guard). Returns (outcome, norm before clipping, clip limit)."""
+        clipper = clipper if clipper is not None else self.clipper
+        return apply_update(self.optimizer, self.scaler, self.params, stats, clipper, self.guard if judge else None)
 
     def _finish_step(self, step: Step, stats: dict, outcome: StepOutcome, lr, grad_norm, limit, times) -> StepResult:
         st = self.state
@@ -245,10 +250,10 @@ class Trainer:
         if st.step == 1 or self._first_record:  # what this rank holds: 1/N of DDP's under FSDP
             rec["rank_state_gb"] = rank_state_bytes(self.model, self.optimizer) / 1e9
             self._first_record = False
-        self._write(rec, always=outcome is not StepOutcome.APPLIED or "oom_splits" in rec)
+        self.write_record(rec, always=outcome is not StepOutcome.APPLIED or "oom_splits" in rec)
         self.console.step(rec, seconds)
         for warning in self.health.observe(rec) if self.health is not None else ():
-            self._write(warning.as_record())
+            self.write_record(warning.as_record())
             self.console.message(f"warning: {warning}")
         result = StepResult(outcome, rec, step)
         if self.eval_cfg.every_steps and st.step % self.eval_cfg.every_steps == 0:
@@ -259,7 +264,8 @@ class Trainer:
             self.after_step(result)
         return result
 
-    def _write(self, rec: dict, always: bool = False) -> None:
+    def write_record(self, rec: dict, always: bool = False) -> None:
+        """Write ``rec`` to metrics.jsonl and the sinks (a train record only every ``log_every`` steps unless ``always``)."""
         if rec.get("kind") != "train" or always or rec["step"] % self.cfg.log_every == 0:
             if self.metrics is not None:
                 self.metrics.write(rec)
@@ -301,7 +307,7 @@ class Trainer:
                 st.evals_without_improvement += 1
                 if self.eval_cfg.patience and st.evals_without_improvement >= self.eval_cfg.patience:
                     st.early_stopped = True
-        self._write(rec)
+        self.write_record(rec)
         self.console.eval(rec)
         return rec
 
@@ -337,7 +343,6 @@ class Trainer:
     _data_wait = 0.0
     _step_began = 0.0
     _first_record = True
-    _oom_logged = False  # the first out-of-memory split of the run is printed (train/oom.py)
 
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""

@@ -13,12 +13,14 @@ What can be caught: on CUDA (and MPS) the caching allocator raises ``torch.OutOf
 anything is written, reliably. On CPU the allocator raises a ``RuntimeError`` ("can't allocate
 memory") only when ``malloc`` itself fails, which under Linux's default overcommit happens for
 absurd sizes or under ``ulimit -v``; an ordinary overrun is met by the kernel's OOM killer, which no
-process can catch. That is why CPU runs size their budget beforehand (``train/budget_finder.py``).
+process can catch. That is why CPU runs size their budget beforehand (``train/finders/budget_finder.py``).
 """
 
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.errors import UserError
+from densebatch.train.distributed import Distributed
 from densebatch.train.evaluate import autocast, source_sums, to_device
 
 
@@ -134,36 +137,60 @@ class _Stage:
     backward: bool = False  # the pass reached backward: an error from here may leave partial gradients
 
 
-def accumulate(trainer: Any, batches: list[Batch], denom: float) -> tuple[Tensor, int]:
+@dataclass
+class OOMLog:
+    """Whether the run already printed its first out-of-memory split (it is printed once)."""
+
+    printed: bool = False
+
+
+@dataclass
+class Passes:
+    """What the forward and backward passes of one step use, handed over by the trainer."""
+
+    forward: Callable[[Batch], Tensor]  # the training module: TokenLosses(model) or its DDP / FSDP wrapper
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    device: torch.device
+    precision: str
+    dist: Distributed
+    sync: Callable[[bool], AbstractContextManager]  # gradients reduced over ranks on the last pass only
+    source_sums: Tensor | None  # per-source loss sums and loss tokens of the step, accumulated here
+    num_sources: int
+    console: Any  # .message(text)
+    oom: OOMLog
+
+
+def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, int]:
     """Zero the gradients, then back-propagate ``sum(token losses) / denom`` of every batch through
-    ``trainer.forward`` (DDP's reduction on the step's last pass only). Returns (the summed loss of
+    ``p.forward`` (DDP's reduction on the step's last pass only). Returns (the summed loss of
     the step on this rank, a float64 scalar; how many splits out-of-memory errors caused). The first
     split of a run is printed once on the trainer's console; the step's record counts them."""
     pieces = [[b] for b in batches]  # each batch as the parts it runs in
     splits = 0
     while True:
-        trainer.optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros((), dtype=torch.float64, device=trainer.device)
-        if trainer.source_sums is not None:
-            trainer.source_sums.zero_()  # a replayed step counts its sources afresh
+        p.optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros((), dtype=torch.float64, device=p.device)
+        if p.source_sums is not None:
+            p.source_sums.zero_()  # a replayed step counts its sources afresh
         replay = False
         for i, parts in enumerate(pieces):
             j = 0
             while j < len(parts) and not replay:
                 stage = _Stage()
                 try:
-                    loss += _pass(trainer, parts[j], denom, i == len(pieces) - 1 and j == len(parts) - 1, stage)
+                    loss += _pass(p, parts[j], denom, i == len(pieces) - 1 and j == len(parts) - 1, stage)
                     j += 1
                     continue
                 except RuntimeError as e:
                     if not is_out_of_memory(e):
                         raise
-                    if trainer.dist.enabled:
-                        raise refuse_distributed(parts[j], trainer.dist.rank) from None
-                free_memory(trainer.device)  # outside the handler: the failed pass's tensors are gone
-                if not trainer._oom_logged:
-                    trainer._oom_logged = True
-                    trainer.console.message(
+                    if p.dist.enabled:
+                        raise refuse_distributed(parts[j], p.dist.rank) from None
+                free_memory(p.device)  # outside the handler: the failed pass's tensors are gone
+                if not p.oom.printed:
+                    p.oom.printed = True
+                    p.console.message(
                         f"out of memory on a batch of {parts[j].num_rows} rows x {parts[j].seq_len} tokens: split by rows "
                         "and retried within the step (each step's record counts oom_splits; printed once)"
                     )
@@ -176,13 +203,13 @@ def accumulate(trainer: Any, batches: list[Batch], denom: float) -> tuple[Tensor
             return loss, splits
 
 
-def _pass(trainer: Any, batch: Batch, denom: float, last: bool, stage: _Stage) -> Tensor:
-    batch = to_device(batch, trainer.device)
-    with trainer._sync(last), autocast(trainer.device, trainer.cfg.precision):
-        losses = trainer.forward(batch)  # (rows, T) float32, 0 where label == -100
+def _pass(p: Passes, batch: Batch, denom: float, last: bool, stage: _Stage) -> Tensor:
+    batch = to_device(batch, p.device)
+    with p.sync(last), autocast(p.device, p.precision):
+        losses = p.forward(batch)  # (rows, T) float32, 0 where label == -100
     summed = losses.float().sum()
-    if trainer.source_sums is not None:
-        trainer.source_sums += source_sums(batch, losses, len(trainer.source_names))
+    if p.source_sums is not None:
+        p.source_sums += source_sums(batch, losses, p.num_sources)
     stage.backward = True
-    trainer.scaler.scale(summed / denom).backward()
+    p.scaler.scale(summed / denom).backward()
     return summed.detach().double()

@@ -2,7 +2,7 @@
 
 A step's size is ``fraction(n)`` times the target (``world_size × grad_accum_batches`` planned
 batches, or ``loss_tokens_per_step``), where ``n`` is the loader's own step count
-(``StepLoader.fraction``; ``data/steps.py`` cuts steps of any size, below one batch in rows)::
+(``StepLoader.set_step_fraction``; ``data/plan/steps.py`` cuts steps of any size, below one batch in rows)::
 
     fraction(n) = ramp(n) × scale(n)
 
@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
 
 from densebatch.config import TrainConfig
+from densebatch.train.contracts import StepSource, TrainerHost
 
 LR_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
 
@@ -129,7 +129,7 @@ class BatchSchedule:
         return self._ramp(float(n) if self.ramp_unit == "steps" else self._progress_at(n))
 
     def fraction(self, n: int) -> float:
-        """Size of loader step ``n`` as a fraction of the target (> 0); ``StepLoader.fraction``."""
+        """Size of loader step ``n`` as a fraction of the target (> 0); ``StepSource.set_step_fraction``."""
         return self.ramp_at(n) * self.scale_at(n)
 
     def lr_factor(self, n: int) -> float:
@@ -179,15 +179,13 @@ class BatchSchedule:
         self.best_loss, self.bad_evals = d["best_loss"], int(d["bad_evals"])
 
     # --------------------------------------------------------------------------- trainer hooks
-    def attach(self, data: Any) -> BatchSchedule:
+    def attach(self, data: StepSource) -> BatchSchedule:
         """Make ``data`` (a ``StepLoader``) cut its steps by ``fraction``."""
-        if not hasattr(data, "fraction") or not hasattr(data, "invalidate"):
-            raise ValueError("a batch-size schedule needs a StepLoader: its steps are cut by StepLoader.fraction")
-        data.fraction = self.fraction
-        self._loss_target = getattr(getattr(data, "step_settings", None), "loss_tokens_per_step", None)
+        data.set_step_fraction(self.fraction)  # a source that cannot cut its steps refuses (ValueError)
+        self._loss_target = data.loss_tokens_per_step
         return self
 
-    def before_step(self, trainer: Any) -> float:
+    def before_step(self, trainer: TrainerHost) -> float:
         """As a step begins (``Trainer._set_lr``): note its loader step number, announce the ramp at the
         first step; returns the step's learning-rate factor."""
         self._current = int(trainer.data.state_dict()["steps"]) - 1  # the loader counts the step just handed out
@@ -201,7 +199,7 @@ class BatchSchedule:
         f = self.fraction(self._current)
         return {"batch_fraction": f} | ({"target_loss_tokens": f * self._loss_target} if self._loss_target else {})
 
-    def after_step(self, trainer: Any) -> None:
+    def after_step(self, trainer: TrainerHost) -> None:
         """After the step's record and evaluation, before the session's checkpoint (which must hold any
         change): announce the ramp's end, act on a plateau of this step's evaluation."""
         st, nxt = trainer.state, self._current + 1
@@ -213,9 +211,9 @@ class BatchSchedule:
             trainer.data.invalidate()
             self._announce(trainer, st.step, nxt, "backoff" if self.backoff_factor < 1.0 else "growth", why)
 
-    def _announce(self, trainer: Any, step: int, n: int, reason: str, detail: str) -> None:
+    def _announce(self, trainer: TrainerHost, step: int, n: int, reason: str, detail: str) -> None:
         """An event record (``step``: the steps completed when loader step ``n``, the first at the new
         size, begins) and a console line."""
         f = self.fraction(n)
-        trainer._write({"kind": "batch_size", "step": step, "fraction": f, "reason": reason, "detail": detail})
+        trainer.write_record({"kind": "batch_size", "step": step, "fraction": f, "reason": reason, "detail": detail})
         trainer.console.message(f"batch size: {f:.3g} of the target from step {step + 1} ({reason}: {detail})")

@@ -127,7 +127,7 @@ class Session:
                 "skipped_steps": [s for s, _ in skipped],
                 "skipped_documents": sorted({d for _, docs in skipped for d in docs}),
             }
-        t._write(event)
+        t.write_record(event)
         where = f"back to step {event['to_step']}, learning rate x{event['lr_scale']:g}" if target else event["note"]
         if t.dist.is_main:
             self.log(f"\nrollback at step {bad_step}: {where}")

@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Callable
 
 from densebatch.config import DataConfig, prompt_fields
-from densebatch.data.chat_template import ChatTemplate, ChatTemplateError
+from densebatch.data.prepare.chat_template import ChatTemplate, ChatTemplateError
 from densebatch.errors import ConfigError
 
 Segment = tuple[str, bool]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from densebatch.data.templates import IM_END, IM_START
+from densebatch.data.prepare.templates import IM_END, IM_START
 from densebatch.errors import ConfigError
 
 Added = Sequence[tuple[str, bool]]  # (text, special) of each token to add

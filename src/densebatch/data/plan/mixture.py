@@ -30,7 +30,7 @@ from fractions import Fraction
 
 import numpy as np
 
-from densebatch.data.bijection import Bijection
+from densebatch.data.plan.bijection import Bijection
 
 _PASS_TAG = 0x504153  # keeps pass permutations apart from other seeded streams of the same seed
 _SCAN = 1 << 20  # documents per step when walking a pass to find where a token window starts / ends

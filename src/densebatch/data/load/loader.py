@@ -3,7 +3,7 @@
 ``StepLoader`` plans each epoch once for all ranks (``plan_epoch``, a pure function of lengths,
 settings, seed and epoch; above ``shard_docs`` documents shard by shard, holding an index of the
 batches and building a step's pieces from its shard, so no rank ever holds the epoch's pieces), cuts
-it into steps and shares each step out (``data/steps.py``), collates
+it into steps and shares each step out (``data/plan/steps.py``), collates
 this rank's batches in a background thread (``prefetch`` steps ahead) and pins memory when a GPU is
 present. Every rank computes the same boundaries from the same plan, so all ranks take the same
 steps; a rank with nothing to do in a step gets null batches (``Batch.null``) and still joins every
@@ -23,16 +23,15 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from densebatch.batch import Batch, Step
-from densebatch.data.mixing import epoch_rows
-from densebatch.data.plan import Plan, PlanSettings
-from densebatch.data.shards import EpochRows
-from densebatch.data.steps import StepSettings, cumulative_row_loss_tokens, rows_of, share, step_documents, step_stop
+from densebatch.data.plan.planner import Plan, PlanSettings
+from densebatch.data.plan.shards import EpochRows
+from densebatch.data.plan.steps import StepSettings, cumulative_row_loss_tokens, rows_of, share, step_documents, step_stop
+from densebatch.data.plan.store_epochs import epoch_rows
 from densebatch.errors import DataError
 
 _DONE = object()
@@ -62,7 +61,7 @@ class StepLoader:
         self.pad_id = int(getattr(collator, "pad_id", 0))
         self.max_epochs = max_epochs
         self.weights = weights  # data.sources' weights (store order); None: every document once an epoch
-        self.fraction: Callable[[int], float] = lambda step: 1.0  # noqa: E731 - the ramp's hook
+        self._fraction: Callable[[int], float] | None = None  # a batch-size schedule's cut; None: full-size steps
         self.epoch, self.row, self.steps_done = 0, 0, 0
         self._plans: dict[int, Plan | EpochRows] = {}
         self._cum: dict[int, np.ndarray] = {}
@@ -116,8 +115,22 @@ class StepLoader:
         self.invalidate()
 
     def invalidate(self) -> None:
-        """Drop prefetched steps (after a restore, or when ``fraction`` changes)."""
+        """Drop prefetched steps (after a restore, or when the step fraction changes)."""
         self._generation += 1
+
+    @property
+    def step_fraction(self) -> Callable[[int], float] | None:
+        """The cut of loader step ``n`` as a share of the target size (None: every step full size)."""
+        return self._fraction
+
+    def set_step_fraction(self, fraction: Callable[[int], float] | None) -> None:
+        """Cut later steps to ``fraction(n)`` of the target (a batch-size ramp or back-off); None: full size."""
+        self._fraction = fraction
+        self.invalidate()
+
+    @property
+    def loss_tokens_per_step(self) -> int | None:
+        return self.step_settings.loss_tokens_per_step
 
     @property
     def batches_per_epoch(self) -> int:
@@ -144,7 +157,14 @@ class StepLoader:
                     return  # max_epochs reached
                 epoch, row = epoch + 1, 0
                 continue
-            stop = step_stop(plan, row, self.step_settings, self.fraction(count), self._cum_tokens(epoch), stop_at)
+            stop = step_stop(
+                plan,
+                row,
+                self.step_settings,
+                (self._fraction(count) if self._fraction is not None else 1.0),
+                self._cum_tokens(epoch),
+                stop_at,
+            )
             yield epoch, row, stop, count
             row, count = stop, count + 1
 
@@ -242,33 +262,3 @@ class StepLoader:
                 except queue.Empty:
                     pass
                 thread.join(timeout=0.05)
-
-
-def with_settings(loader: StepLoader, **changes) -> StepLoader:
-    """A loader over the same store and collator with other ``StepSettings`` (e.g. after a resize)."""
-    return StepLoader(
-        loader.store,
-        loader.settings,
-        loader.collator,
-        loader.seed,
-        replace(loader.step_settings, **changes),
-        loader.prefetch,
-        loader.pin_memory,
-        loader.max_epochs,
-        loader.weights,
-    )
-
-
-def full_context_settings(settings: PlanSettings, longest: int) -> PlanSettings:
-    """Plan settings for evaluation: rows long enough that no document is ever split or truncated.
-
-    Evaluation must score every token with its whole document as context, whatever the training
-    rows are; otherwise the eval loss depends on the batching strategy (a packed row of 96 tokens
-    cuts a 300-token answer from its question). So a packed row is at least the longest document,
-    and a token budget holds at least one longest document; every strategy then gives each token
-    exactly the context it has alone, and the same loss (up to float summation order).
-    """
-    m = settings.pad_to_multiple_of
-    row = -(-max(settings.seq_len, int(longest)) // m) * m
-    budget = max(settings.max_tokens_per_batch, row if settings.strategy == "packed" else -(-int(longest) // m) * m)
-    return replace(settings, seq_len=row if settings.strategy == "packed" else settings.seq_len, max_tokens_per_batch=budget)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from densebatch.errors import ConfigError
-from densebatch.train.monitor import METRICS_FILE, read_metrics
+from densebatch.train.observe.monitor import METRICS_FILE, read_metrics
 
 PLOTS_DIR = "plots"
 MEMORY_KEYS = {  # record field -> legend

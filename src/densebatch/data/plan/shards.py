@@ -32,10 +32,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from densebatch.data.bijection import Bijection
-from densebatch.data.mixture import Selection
-from densebatch.data.packing import ranges
-from densebatch.data.plan import STRATEGIES, Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
+from densebatch.data.plan.bijection import Bijection
+from densebatch.data.plan.mixture import Selection
+from densebatch.data.plan.packing import ranges
+from densebatch.data.plan.planner import STRATEGIES, Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
 
 _SHARD_TAG = 0x534844  # keeps the shard order's stream apart from the planners' streams of the same seed
 _MAX_BLOCK = 64  # documents kept together when dealt into shards: contiguous reads of the lengths

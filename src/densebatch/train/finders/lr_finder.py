@@ -15,7 +15,7 @@ optimizer's state and hyper-parameters, every named trainer part (``Trainer.part
 clipper, scaler, ...), every RNG and the train/eval mode; afterwards all of it is put back, so the
 run that follows is bit for bit the one that would have run without the test.
 
-The suggestion and the step-size diagnosis read the curve: ``train/lr_curve.py``.
+The suggestion and the step-size diagnosis read the curve: ``train/finders/lr_curve.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,8 +35,9 @@ import torch
 from densebatch.atomic import write_file
 from densebatch.config import FinderConfig
 from densebatch.errors import UserError
-from densebatch.train.guard import clip_gradients
-from densebatch.train.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
+from densebatch.train.contracts import TrainerHost
+from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
+from densebatch.train.guard import FixedClipper
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
@@ -47,23 +47,23 @@ FELL = 0.25  # the range test stops when the loss is back above its start after 
 class TrainerSnapshot:
     """Everything a training step can change, copied (tensors cloned), and ``restore`` to put it back."""
 
-    def __init__(self, trainer: Any):
+    def __init__(self, trainer: TrainerHost):
         self.model = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         self.optimizer = copy.deepcopy(trainer.optimizer.state_dict())
         self.parts = copy.deepcopy(trainer.trainer_state())
         self.rng = capture_rng_state()
         self.training = trainer.model.training
         self.grads = [None if p.grad is None else p.grad.detach().clone() for p in trainer.model.parameters()]
-        self.data_attrs = {k: getattr(trainer.data, k) for k in ("max_epochs", "fraction") if hasattr(trainer.data, k)}
+        self.max_epochs, self.step_fraction = trainer.data.max_epochs, trainer.data.step_fraction
 
-    def restore(self, trainer: Any) -> None:
+    def restore(self, trainer: TrainerHost) -> None:
         with torch.no_grad():
             trainer.model.load_state_dict(self.model)
         trainer.optimizer.load_state_dict(self.optimizer)  # state (empty before training) and hyper-parameters
         for p, g in zip(trainer.model.parameters(), self.grads):  # None before training: nothing copied
             p.grad = g
-        for k, v in self.data_attrs.items():
-            setattr(trainer.data, k, v)
+        trainer.data.max_epochs = self.max_epochs
+        trainer.data.set_step_fraction(self.step_fraction)
         trainer.load_trainer_state(self.parts)  # every named part; the data iterator restarts from its position
         restore_rng_state(self.rng)
         trainer.model.train(self.training)
@@ -106,14 +106,13 @@ def schedule(finder: FinderConfig) -> list[float]:
     return [finder.lr_start * (finder.lr_end / finder.lr_start) ** (k / (n - 1)) for k in range(n)]
 
 
-def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None] | None = None) -> LRFinderResult:
+def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str], None] | None = None) -> LRFinderResult:
     """Run the test on ``trainer`` (see the module docstring); every rank must call it."""
     snap = TrainerSnapshot(trainer)
     rates, losses, lrs, held = schedule(finder), [], [], []
     stop = f"reached lr_end {finder.lr_end:g} without diverging"
     data = trainer.data
-    if hasattr(data, "fraction"):
-        data.fraction = lambda n: 1.0  # full-size steps: a batch-size ramp would shrink the first ones
+    data.set_step_fraction(None)  # full-size steps: a batch-size ramp would shrink the first ones
     data.max_epochs = None  # cycle the data: the test may need more steps than an epoch holds
     try:
         with contextlib.closing(iter(data)) as it:
@@ -165,7 +164,7 @@ def lr_range_test(trainer: Any, finder: FinderConfig, log: Callable[[str], None]
     return result
 
 
-def heldout_batches(trainer: Any, k: int, it) -> list:
+def heldout_batches(trainer: TrainerHost, k: int, it) -> list:
     """The first ``k`` batches of the eval data (this rank's share of them under torchrun, the same
     number on every rank), else of the first training step, which the test then does not train on."""
     if k <= 0:
@@ -203,7 +202,7 @@ def diverged(losses: list[float], finder: FinderConfig) -> bool:
     return smoothed[-1] > finder.diverge * best or (best < (1 - FELL) * start and smoothed[-1] > start)
 
 
-def _step(trainer: Any, it, lr: float) -> float | None:
+def _step(trainer: TrainerHost, it, lr: float) -> float | None:
     """One optimizer step at ``lr`` on the next step of data; its loss (all ranks), None when data ended."""
     for _ in range(100):  # steps without loss tokens carry no signal: take the next (no update, same rate)
         step = next(it, None)
@@ -216,10 +215,9 @@ def _step(trainer: Any, it, lr: float) -> float | None:
         return None
     for group in trainer.optimizer.param_groups:
         group["lr"] = lr * group.get("lr_mult", 1.0)
-    trainer.scaler.unscale_(trainer.optimizer)
-    clip_gradients(trainer._params, max_norm=trainer.cfg.grad_clip)
-    trainer.scaler.step(trainer.optimizer)
-    trainer.scaler.update()
+    # The loop's own update (unscale, clip, step), with a fixed clip and no guard: the test wants the
+    # loss at every rate, a spike included, and must not change the run's adaptive clipper.
+    trainer.apply_update(stats, clipper=FixedClipper(trainer.cfg.grad_clip), judge=False)
     trainer.optimizer.zero_grad(set_to_none=True)
     return float(stats["loss"])
 
@@ -236,7 +234,7 @@ def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Pa
         import matplotlib  # noqa: F401
     except ImportError:
         return out / LR_FINDER_JSON, None
-    from densebatch.train.plots import plot_lr_finder
+    from densebatch.train.observe.plots import plot_lr_finder
 
     tmp = out / f".{LR_FINDER_PNG}.tmp"
     plot_lr_finder(result, tmp, shown(result.used))

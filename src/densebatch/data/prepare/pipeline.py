@@ -20,7 +20,7 @@ seed, and stable when records are appended. Duplicates are dropped before the sp
 ``clean.dedupe`` is on, so no prompt can land on both sides; with ``eval_path``, train records that
 repeat an eval record are dropped too.
 
-Cache (``data/cache.py``): ``cache_dir/<key>/`` where key hashes the input bytes (SHA-256 over chunks, every file of a
+Cache (``data/prepare/cache.py``): ``cache_dir/<key>/`` where key hashes the input bytes (SHA-256 over chunks, every file of a
 directory) and every setting that changes tokens (format, fields, template, loss, cleaning,
 tokenizer content, pad id, max_seq_len, overlong, eval split, on_bad_record, the default dataset's
 settings). Built in a temporary directory, fsynced, renamed into place, marker last: a crash never
@@ -42,13 +42,14 @@ from pathlib import Path
 import numpy as np
 
 from densebatch.config import DataConfig
-from densebatch.data.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, load_entry
-from densebatch.data.documents import Builder, Doc, learn_bpe, split_eval
-from densebatch.data.mixing import epoch_shares, mixture_weights, source_configs
-from densebatch.data.sources import detect_format
-from densebatch.data.store import DocumentStore, staged_store, write_marker, write_store_files
-from densebatch.data.summary import PrepareSummary
-from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
+from densebatch.data.plan.store_epochs import epoch_shares
+from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, load_entry
+from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
+from densebatch.data.prepare.source_configs import mixture_weights, source_configs
+from densebatch.data.prepare.sources import detect_format
+from densebatch.data.prepare.store import DocumentStore, staged_store, write_marker, write_store_files
+from densebatch.data.prepare.summary import PrepareSummary
+from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
 from densebatch.errors import DataError
 
 

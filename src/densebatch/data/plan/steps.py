@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from densebatch.data.plan import Plan
+from densebatch.data.plan.planner import Plan
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from pathlib import Path
 import numpy as np
 
 from densebatch.config import DataConfig
-from densebatch.data import default_dataset
-from densebatch.data.chat_template import ChatTemplate
-from densebatch.data.clean import Cleaner
-from densebatch.data.sources import SURROGATE, BadRecord, has_undecodable, iter_records
-from densebatch.data.summary import PrepareSummary
-from densebatch.data.templates import EmptiedByCleaning, RecordError, render
-from densebatch.data.tokenizers import PendingBPE, Tokenizer, train_bpe
+from densebatch.data.prepare import default_dataset
+from densebatch.data.prepare.chat_template import ChatTemplate
+from densebatch.data.prepare.clean import Cleaner
+from densebatch.data.prepare.sources import SURROGATE, BadRecord, has_undecodable, iter_records
+from densebatch.data.prepare.summary import PrepareSummary
+from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, render
+from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, train_bpe
 from densebatch.errors import DataError
 
 _ENCODE_CHUNK = 4096  # texts per encode_batch call: large enough for the library's threads

@@ -1,5 +1,5 @@
-"""Mixtures, store side: the sources a ``DataConfig`` names, their weights, and the plan of one epoch of
-a prepared multi-source store (``mixture.select_mixture`` decides which documents, the planners how).
+"""Epochs of a prepared store: the documents one epoch of a (multi-source) store selects and their plan
+(``mixture.select_mixture`` decides which documents, the planners how).
 
 A prepared store keeps its sources end to end (``store.source``, ``store.source_offsets()``,
 ``meta["sources"]``), which is the layout a ``Selection`` plans from. With no weights (every
@@ -10,44 +10,12 @@ its weight's share (semantics in ``mixture``: whole passes, then a seeded sample
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from densebatch.config import DataConfig, SourceConfig
-from densebatch.data.mixture import Selection, select_mixture
-from densebatch.data.plan import Plan, PlanSettings, join_plans, plan_epoch
-from densebatch.data.shards import EpochRows, ShardedPlan, plan_epoch_sharded
+from densebatch.data.plan.mixture import Selection, select_mixture
+from densebatch.data.plan.planner import Plan, PlanSettings, join_plans, plan_epoch
+from densebatch.data.plan.shards import EpochRows, ShardedPlan, plan_epoch_sharded
 from densebatch.errors import DataError
-
-
-def source_configs(cfg: DataConfig) -> list[tuple[str, DataConfig]]:
-    """(name, single-source ``DataConfig``) of every source, in store order; ``data.path`` (or the
-    embedded default) is one source. A source's unset keys follow ``data.*``."""
-    if not cfg.sources:
-        return [("default" if cfg.path is None else SourceConfig(path=cfg.path).label, cfg)]
-    out = []
-    for s in cfg.sources:
-        one = dataclasses.replace(
-            cfg,
-            path=s.path,
-            eval_path=s.eval_path,
-            sources=[],
-            format=s.format or cfg.format,
-            template=s.template or cfg.template,
-            fields=s.fields or cfg.fields,
-            prompt_format=s.prompt_format if s.prompt_format is not None else cfg.prompt_format,
-            loss_on=s.loss_on or cfg.loss_on,
-        )
-        out.append((s.label, one))
-    return out
-
-
-def mixture_weights(cfg: DataConfig) -> tuple[float, ...] | None:
-    """The sources' weights, or None for natural shares (no weights set, or a single source)."""
-    if len(cfg.sources) < 2 or cfg.sources[0].weight is None:
-        return None
-    return tuple(float(s.weight) for s in cfg.sources)
 
 
 def source_lengths(store, lengths=None) -> list[np.ndarray]:

@@ -15,11 +15,11 @@ import json
 from pathlib import Path
 
 from densebatch.config import DataConfig
-from densebatch.data import default_dataset
-from densebatch.data.sources import detect_format
-from densebatch.data.store import DocumentStore, marker_ok
-from densebatch.data.summary import PrepareSummary
-from densebatch.data.tokenizers import PendingBPE, Tokenizer, load_tokenizer
+from densebatch.data.prepare import default_dataset
+from densebatch.data.prepare.sources import detect_format
+from densebatch.data.prepare.store import DocumentStore, marker_ok
+from densebatch.data.prepare.summary import PrepareSummary
+from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_tokenizer
 from densebatch.errors import DataError, UserError
 
 CACHE_VERSION = 2  # 2: stores carry source.npy; tokenizers may add tokens

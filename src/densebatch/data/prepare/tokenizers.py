@@ -39,7 +39,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from densebatch.data.tokenizer_files import (
+from densebatch.data.prepare.tokenizer_files import (
     byte_level_tokenizer,
     read_chat_template,
     read_config,
@@ -47,7 +47,7 @@ from densebatch.data.tokenizer_files import (
     token_text,
     write_hf_files,
 )
-from densebatch.data.vocab import Added, alternation, requested_tokens, unique_tokens
+from densebatch.data.prepare.vocab import Added, alternation, requested_tokens, unique_tokens
 from densebatch.errors import ConfigError
 
 SAVED_META = "densebatch_tokenizer.json"

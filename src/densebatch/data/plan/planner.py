@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from densebatch.data.packing import (
+from densebatch.data.plan.packing import (
     best_fit_decreasing,
     cut_long,
     desc_random_ties,

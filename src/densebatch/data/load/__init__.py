@@ -1,0 +1,1 @@
+"""Loading: planned batches → ``Batch`` tensors (``collate``), streamed step by step, resumably (``loader``)."""

@@ -1,0 +1,108 @@
+"""What each strategy implies beyond its planner: the longest row, the budgets it can take, the worst
+batch at a budget, full-context evaluation and the checks on its settings.
+
+Every rule that depends on the strategy lives here or in ``planner``; the wiring (``run/``), the
+loader and the finders ask these functions instead of comparing strategy names themselves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.steps import rows_of
+from densebatch.errors import ConfigError
+
+BUDGETED = ("token_budget", "packed")  # sized by max_tokens_per_batch (the others by rows_per_batch)
+
+
+def _up(n: int, m: int) -> int:
+    return -(-int(n) // m) * m
+
+
+def sized_by_budget(strategy: str) -> bool:
+    """Whether ``strategy``'s batches are sized by ``max_tokens_per_batch`` (the budget finder's strategies)."""
+    return strategy in BUDGETED
+
+
+def check_batching(b) -> None:
+    """``ConfigError`` naming the key when a ``BatchingConfig``'s numbers cannot work for its strategy
+    (``max_tokens_per_batch`` may still be ``auto``)."""
+    if b.max_tokens_per_batch == "auto":
+        if not sized_by_budget(b.strategy):
+            raise ConfigError(
+                f"batching.max_tokens_per_batch: auto sizes token_budget and packed batches; {b.strategy} batches hold "
+                "batching.rows_per_batch rows: set a number, or use batching.strategy token_budget or packed"
+            )
+        return
+    if b.strategy == "packed" and b.seq_len > b.max_tokens_per_batch:
+        raise ConfigError(
+            f"batching.max_tokens_per_batch: expected at least batching.seq_len ({b.seq_len}) so one packed row fits; got {b.max_tokens_per_batch}"
+        )
+    try:
+        PlanSettings.from_config(b)
+    except ValueError as e:  # the planner's own rules (a row rounded up to pad_to_multiple_of, ...)
+        raise ConfigError(f"batching.{e}") from None
+
+
+def longest_train_row(settings: PlanSettings, longest_doc: int, budget_known: bool = True) -> tuple[int, str]:
+    """(the longest row a training batch can hold before rounding, the key that sets it). Packed rows are
+    ``seq_len``; token-budget rows that split long documents stop at the budget; other rows hold
+    a whole document (``data.max_seq_len`` bounds it). ``budget_known`` False: the budget is ``auto``."""
+    s = settings
+    if s.strategy == "packed":
+        return s.seq_len, "batching.seq_len"
+    if s.strategy == "token_budget" and s.long_docs == "split" and budget_known:
+        return min(int(longest_doc), s.max_tokens_per_batch), "data.max_seq_len"
+    return int(longest_doc), "data.max_seq_len"
+
+
+def full_context_settings(settings: PlanSettings, longest: int) -> PlanSettings:
+    """Plan settings for evaluation: rows long enough that no document is ever split or truncated.
+
+    Evaluation must score every token with its whole document as context, whatever the training
+    rows are; otherwise the eval loss depends on the batching strategy (a packed row of 96 tokens
+    cuts a 300-token answer from its question). So a packed row is at least the longest document,
+    and a token budget holds at least one longest document; every strategy then gives each token
+    exactly the context it has alone, and the same loss (up to float summation order).
+    """
+    m = settings.pad_to_multiple_of
+    row = _up(max(settings.seq_len, int(longest)), m)
+    packed = settings.strategy == "packed"
+    budget = max(settings.max_tokens_per_batch, row if packed else _up(longest, m))
+    return replace(settings, seq_len=row if packed else settings.seq_len, max_tokens_per_batch=budget)
+
+
+def budget_range(settings: PlanSettings, lengths: np.ndarray) -> tuple[int, int, int]:
+    """(unit, lowest, highest) budget worth trying for ``lengths``: packed budgets hold whole rows, from
+    one row to every token at once; token budgets from one longest document to all documents at once."""
+    m = settings.pad_to_multiple_of
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if settings.strategy == "packed":
+        unit = _up(settings.seq_len, m)
+        return unit, unit, unit * (int(lengths.sum()) // unit + len(lengths) // 8 + 2)
+    if settings.strategy == "token_budget":
+        longest = _up(lengths.max(), m)
+        return m, longest, longest * len(lengths)
+    raise ConfigError(f"batching.strategy: a token budget sizes token_budget and packed batches, not {settings.strategy}")
+
+
+def worst_batches(lengths: np.ndarray, settings: PlanSettings, seed: int) -> list[tuple[list, int]]:
+    """(rows, the plan's index of the first row) of the batches that need the most memory at
+    ``settings.max_tokens_per_batch`` (a row: its pieces ``(doc, start, stop)``): the plan's
+    batch with the most slots and, for token budgets, ``budget // longest`` rows of the longest
+    documents. Which long documents meet in one batch changes with the budget and the epoch; the
+    second bound holds for every epoch."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    plan = plan_epoch(lengths, settings, seed, 0)
+    _, slots = plan.batch_stats()
+    i = int(np.argmax(slots))
+    rows = np.arange(plan.batch_ptr[i], plan.batch_ptr[i + 1], dtype=np.int64)
+    out = [(rows_of(plan, rows), int(rows[0]))]
+    if settings.strategy == "token_budget":
+        order = np.argsort(-lengths, kind="stable")  # documents, longest first
+        n = max(1, settings.max_tokens_per_batch // _up(lengths.max(), settings.pad_to_multiple_of))
+        out.append(([[(int(d), 0, int(lengths[d]))] for d in order[:n]], 0))
+    return out

@@ -1,0 +1,143 @@
+"""One setup for every command that trains or probes a model: configuration, documents, model, loaders.
+
+``train``, ``find-lr`` and ``find-batch`` build through ``setup`` (and ``eval`` through
+``eval_loader``), so the range test and the budget finder probe exactly the model, loss and batches
+that ``train`` optimises: the same prepared documents (rank 0 prepares, the others then read its
+cache), the same initial weights (seeded right before the model is built; added tokens' rows start
+as the mean of the others), the same label smoothing, the same context check and the same plans.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from densebatch.config import RunConfig, load_config
+from densebatch.data.load.collate import collator_from_config
+from densebatch.data.load.loader import StepLoader
+from densebatch.data.plan.planner import PlanSettings
+from densebatch.data.plan.rules import check_batching, full_context_settings, longest_train_row
+from densebatch.data.plan.steps import StepSettings
+from densebatch.data.prepare.pipeline import Prepared, prepare
+from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.prepare.tokenizers import resolve_tokenizer_spec
+from densebatch.errors import ConfigError
+from densebatch.model import build_model
+from densebatch.run.demo import DEMO_OVERRIDES, is_demo
+from densebatch.train.distributed import Distributed
+from densebatch.train.loop import resolve_device
+
+
+def resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
+    """The run configuration: ``path`` (or, with neither a file nor data of one's own, the demo's
+    settings) plus overrides, checked against the batching strategy's rules. Without a file but with
+    ``--data.path``, the dataclass defaults apply."""
+    base = list(DEMO_OVERRIDES) if is_demo(path, overrides) else []
+    cfg = load_config(path, base + list(overrides))
+    check_batching(cfg.batching)
+    # data.tokenizer auto: a Hugging Face model's own tokenizer when its directory has one (resolved
+    # here, so the saved config names the tokenizer actually used).
+    cfg.data.tokenizer = resolve_tokenizer_spec(cfg.data.tokenizer, cfg.model.path if cfg.model.kind == "hf" else None)
+    return cfg
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def longest_row(cfg: RunConfig, prepared: Prepared) -> tuple[int, str]:
+    """The longest row any batch of the run can hold (train and full-context eval), and the key that sets it."""
+    b = cfg.batching
+    known = b.max_tokens_per_batch != "auto"  # auto: not found yet; a split document's row is then at most itself
+    m = b.pad_to_multiple_of
+    settings = PlanSettings.from_config(b, **({} if known else {"max_tokens_per_batch": -(-b.seq_len // m) * m}))
+    train, key = longest_train_row(settings, int(np.max(prepared.train.lengths)), budget_known=known)
+    longest = max(train, int(np.max(prepared.eval.lengths)) if prepared.eval is not None else 0)
+    return -(-longest // m) * m, key
+
+
+def check_context(model, cfg: RunConfig, prepared: Prepared) -> None:
+    """Rows longer than the model's context would fail deep inside the model: refuse them up front."""
+    ctx = getattr(model, "max_positions", None)
+    row, key = longest_row(cfg, prepared)
+    if ctx is not None and row > ctx:
+        what = "model.block_size" if cfg.model.kind == "gpt" else f"the model's context ({cfg.model.path})"
+        raise ConfigError(
+            f"{key}: rows of up to {row} tokens exceed {what} of {ctx} positions; lower {key}"
+            + (" or raise model.block_size" if cfg.model.kind == "gpt" else "")
+        )
+
+
+def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
+    """Rank 0 prepares (or finds the cache) and prints the summary; the others then read what it wrote."""
+    if dist.is_main:
+        prepared = prepare(cfg.data, cfg.seed)
+        print(prepared.summary, flush=True)
+    dist.barrier()
+    if not dist.is_main:
+        prepared = prepare(cfg.data, cfg.seed)
+    return prepared
+
+
+def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device):
+    """The run's model on ``device``, not wrapped: seeded first (its initial weights depend only on
+    ``seed``), added tokens' rows the mean of the others, the run's label smoothing, context checked."""
+    tok = prepared.tokenizer
+    seed_everything(cfg.seed)
+    model = build_model(cfg.model, tok.vocab_size, tok.base_vocab_size)
+    check_context(model, cfg, prepared)
+    model.label_smoothing = cfg.train.label_smoothing
+    return model.to(device)
+
+
+def eval_settings(cfg: RunConfig, store: DocumentStore) -> PlanSettings:
+    """The plan of every evaluation (inside a run and ``densebatch eval``): the run's batching, with
+    rows long enough for the longest document, so no document is split and every strategy scores
+    the same loss."""
+    return full_context_settings(PlanSettings.from_config(cfg.batching), int(np.max(store.lengths)))
+
+
+def eval_loader(cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None) -> StepLoader:
+    """The loader of ``store`` (an eval split) under ``eval_settings``: one batch a step, no prefetch."""
+    dist = dist or Distributed()
+    collator = collator_from_config(cfg.batching, store.meta, cfg.seed)
+    steps = StepSettings(1, None, dist.world_size, dist.rank)
+    return StepLoader(store, eval_settings(cfg, store), collator, cfg.seed, steps, prefetch=0)
+
+
+def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
+    """(train StepLoader, eval batches factory or None)."""
+    settings = PlanSettings.from_config(cfg.batching)
+    t = cfg.train
+    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)
+    collator = collator_from_config(cfg.batching, prepared.train.meta, cfg.seed)
+    loader = StepLoader(
+        prepared.train, settings, collator, cfg.seed, steps, prefetch=cfg.batching.prefetch, weights=prepared.weights
+    )
+    if prepared.eval is None:
+        return loader, None
+    evaluation = eval_loader(cfg, prepared.eval, dist)
+    return loader, lambda: evaluation.iter_epoch(0)
+
+
+@dataclass
+class Setup:
+    """What ``setup`` built: the configuration, the ranks, the documents and the model on its device."""
+
+    cfg: RunConfig
+    dist: Distributed
+    prepared: Prepared
+    model: torch.nn.Module
+    device: torch.device
+
+
+def setup(cfg: RunConfig, dist: Distributed) -> Setup:
+    """Documents and model as every training command builds them (``cfg`` already resolved)."""
+    prepared = prepare_on_every_rank(cfg, dist)
+    device = dist.device if dist.enabled else resolve_device(cfg.train.device)
+    return Setup(cfg, dist, prepared, build_run_model(cfg, prepared, device), device)
