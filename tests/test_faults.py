@@ -180,7 +180,7 @@ def test_loss_spike_rolls_back_logs_and_lowers_the_lr(tmp_path, cache_dir, monke
         tmp_path / "run.yaml",
         tmp_path / "out",
         cache_dir,
-        train={"max_steps": steps, "spike_window": 20, "rollback_lr_factor": 0.5},
+        train={"max_steps": steps, "guard": {"spike_window": 20, "rollback_lr_factor": 0.5}},
         checkpoint={"every_steps": 4, "keep_last": 2},
     )
     calls, orig = [0], GPT.token_losses

@@ -126,6 +126,23 @@ def planning_torch_imports(sources: dict[str, str]) -> list[str]:
     return problems
 
 
+def uncommented_local_imports(sources: dict[str, str]) -> list[str]:
+    """Imports of a densebatch module inside a function without a comment on the line saying why (the one
+    reason allowed: deferring a heavy or optional dependency, e.g. a fast ``--help``)."""
+    problems = []
+    for name, source in sorted(sources.items()):
+        lines = source.splitlines()
+        for fn in ast.walk(ast.parse(source)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                mods = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+                mods += [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if any(m == "densebatch" or m.startswith("densebatch.") for m in mods) and "#" not in lines[node.lineno - 1]:
+                    problems.append(f"{name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    return problems
+
+
 # --------------------------------------------------------------------------------- the tree
 def test_layers_do_not_reach_across():
     problems = layer_violations(package_sources())
@@ -141,6 +158,11 @@ def test_planning_is_a_package_that_reaches_no_torch():
 def test_no_import_cycle_anywhere_counting_function_local_imports():
     found = cycles(import_graph(package_sources()))
     assert not found, "\n".join(" ⇄ ".join(c) for c in found)
+
+
+def test_function_local_imports_of_the_package_say_why():
+    problems = uncommented_local_imports(package_sources())
+    assert not problems, "\n".join(problems)
 
 
 def test_no_module_over_400_lines():
@@ -169,6 +191,13 @@ def test_torch_reached_through_another_module_from_planning_is_caught():
         densebatch__data__plan__helper_planted="def f():\n    import torch.nn\n",
     )
     assert planning_torch_imports(src) == ["densebatch.data.plan.helper_planted imports torch.nn"]
+
+
+def test_an_unexplained_function_local_import_is_caught():
+    src = {
+        "densebatch.x": "def f():\n    from densebatch.run import build\n\n\ndef g():\n    import densebatch.cli  # late: fast --help\n"
+    }
+    assert uncommented_local_imports(src) == ["densebatch.x:2: from densebatch.run import build"]
 
 
 def test_a_cycle_through_a_function_local_import_is_caught():

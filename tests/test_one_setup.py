@@ -10,15 +10,12 @@ run equal ``densebatch eval``, and a strategy's rules are checked before any wor
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from cli_args import TINY
 
 from densebatch.cli import main
-
-sys.path.insert(0, str(Path(__file__).parent))
-from cli_args import TINY  # noqa: E402
 
 pytestmark = pytest.mark.slow  # each test runs the CLI on generated data
 

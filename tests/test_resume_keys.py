@@ -52,7 +52,7 @@ def test_a_named_key_that_changes_the_updates_is_refused():
         plan_resume(_saved(lr=1e-3), _requested(["--train.lr=2e-3"]), ["--train.lr=2e-3"])
 
 
-@pytest.mark.parametrize("steer", ["--train.batch_backoff_patience=2", "--eval.patience=3"])
+@pytest.mark.parametrize("steer", ["--train.batch_schedule.backoff_patience=2", "--eval.patience=3"])
 @pytest.mark.parametrize("key", ["--eval.every_steps=4", "--eval.max_batches=2"])
 def test_evaluation_cadence_is_refused_while_something_acts_on_evaluations(steer, key):
     every = "--eval.every_steps=2"  # a back-off needs evaluations

@@ -22,12 +22,8 @@ SECTIONS = {
     "train": {
         "max_steps": STEPS,
         "lr": 0.1,
-        "spike_zscore": 0,  # no rollbacks here: they have their own tests
-        "ramp_steps": 20,
-        "ramp_start": 0.25,
-        "batch_backoff_patience": 1,
-        "batch_backoff_max": 2,
-        "lr_batch_scaling": "sqrt",
+        "guard": {"spike_zscore": 0},  # no rollbacks here: they have their own tests
+        "batch_schedule": {"ramp_steps": 20, "ramp_start": 0.25, "backoff_patience": 1, "backoff_max": 2, "lr_scaling": "sqrt"},
     },
     "eval": {"every_steps": 2},
     "checkpoint": {"every_steps": 5},

@@ -19,17 +19,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 
+from densebatch.config import RunConfig
 from densebatch.errors import UserError
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Separate config overrides — ``--section.key=value``, ``--output_dir=DIR``, ``--seed=1`` (also
     written ``--section.key value``) — from the other arguments."""
-    from dataclasses import fields
-
-    from densebatch.config import RunConfig
-
     # Top-level scalars only: `--checkpoint DIR` is a command argument, not the checkpoint section.
     top = {f.name for f in fields(RunConfig) if f.type in ("str", "int", str, int)}
     rest, overrides = [], []

@@ -10,13 +10,14 @@ import pytest
 import torch
 from torch import nn
 
-from densebatch.config import TrainConfig
+from densebatch.config import OptimizerConfig, TrainConfig
 from densebatch.model import GPT, GPTConfig
 from densebatch.train.optim import param_groups
 
 
-def groups_of(model, **cfg) -> dict[int, str]:
-    return {id(p): g["name"] for g in param_groups(model, TrainConfig(weight_decay=0.1, **cfg)) for p in g["params"]}
+def groups_of(model, decay_all: bool = False) -> dict[int, str]:
+    cfg = TrainConfig(optimizer=OptimizerConfig(weight_decay=0.1, decay_all=decay_all))
+    return {id(p): g["name"] for g in param_groups(model, cfg) for p in g["params"]}
 
 
 def test_untied_gpt_head_is_not_decayed():

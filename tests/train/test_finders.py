@@ -16,6 +16,7 @@ from densebatch.config import FinderConfig, TrainConfig
 from densebatch.errors import UserError
 from densebatch.train.finders.lr_finder import diverged, lr_range_test, schedule, smooth, write_outputs
 from densebatch.train.loop import Trainer
+from densebatch.train.parts import Evaluation, Placement, Reporting
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 
@@ -25,7 +26,14 @@ def _cfg(**kw) -> TrainConfig:
 
 def _trainer(tiny, tmp_path, model=None, **kw) -> Trainer:
     batches = [tiny.collate(tiny.make_docs(4, seed=s)) for s in range(6)]
-    return Trainer(model or tiny.TinyLM(), tiny.ListLoader(batches), _cfg(**kw), output_dir=tmp_path, device="cpu", console=False)
+    return Trainer(
+        model or tiny.TinyLM(),
+        tiny.ListLoader(batches),
+        _cfg(**kw),
+        output_dir=tmp_path,
+        placement=Placement("cpu"),
+        reporting=Reporting(console=False),
+    )
 
 
 def _state(t: Trainer) -> dict:
@@ -154,7 +162,13 @@ def test_held_out_batches_are_measured_after_every_step_and_never_trained_on(tin
     finder = FinderConfig(lr_start=1e-4, lr_end=1e-1, lr_steps=8, diverge=1e9, heldout_batches=2)
     for eval_data in (None, [tiny.collate(tiny.make_docs(4, seed=100 + s)) for s in range(3)]):
         t = Trainer(
-            tiny.TinyLM(), tiny.ListLoader(batches), _cfg(), output_dir=tmp_path, device="cpu", console=False, eval_data=eval_data
+            tiny.TinyLM(),
+            tiny.ListLoader(batches),
+            _cfg(),
+            output_dir=tmp_path,
+            evaluation=Evaluation(data=eval_data),
+            placement=Placement("cpu"),
+            reporting=Reporting(console=False),
         )
         seen = []
 

@@ -12,6 +12,7 @@ from densebatch.config import TrainConfig
 from densebatch.train.loop import Trainer
 from densebatch.train.observe.health import HealthMonitor, HealthWarning, default_memory_limit_gb
 from densebatch.train.observe.monitor import read_metrics
+from densebatch.train.parts import Placement, Reporting
 
 
 def _rec(step: int, rng: random.Random | None = None, **over) -> dict:
@@ -76,7 +77,7 @@ def test_a_single_slow_batch_is_not_a_data_wait_problem():
 
 
 def test_memory_near_the_limit_warns_from_the_first_step():
-    monitor = HealthMonitor(memory_limit_gb=10.0, memory_margin=0.1)
+    monitor = HealthMonitor(memory_limit_gb=10.0, memory_headroom=0.1)
     assert _feed(monitor, [_rec(1, mem_peak_rss_gb=8.9)]) == []
     got = _feed(monitor, [_rec(2, mem_peak_rss_gb=9.5), _rec(3, mem_peak_rss_gb=9.9)])
     assert [(w.key, w.step, w.value) for w in got] == [("memory", 2, 9.5)]
@@ -170,7 +171,9 @@ def test_state_round_trip_keeps_causes_already_given():
 def _run_with_health(tiny, tmp_path, health, steps=4, log_every=2):
     cfg = TrainConfig(lr=1e-2, warmup_steps=0, progress=False, device="cpu", max_steps=steps, log_every=log_every)
     batches = [tiny.collate(tiny.make_docs(4, seed=i)) for i in range(steps)]
-    trainer = Trainer(tiny.TinyLM(), batches, cfg, output_dir=tmp_path, device="cpu", health=health)
+    trainer = Trainer(
+        tiny.TinyLM(), batches, cfg, output_dir=tmp_path, placement=Placement("cpu"), reporting=Reporting(health=health)
+    )
     return trainer, trainer.run()
 
 

@@ -14,6 +14,7 @@ from densebatch.train.distributed import Distributed
 from densebatch.train.guard import Verdict
 from densebatch.train.loop import StepOutcome, Trainer
 from densebatch.train.observe.monitor import read_metrics
+from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -22,8 +23,14 @@ def _cfg(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def _trainer(tiny, tmp_path, batches, cfg=None, eval_cfg=None, **kw) -> Trainer:
-    return Trainer(tiny.TinyLM(), batches, cfg or _cfg(), eval_cfg, output_dir=tmp_path, device="cpu", console=False, **kw)
+def _trainer(tiny, tmp_path, batches, cfg=None, eval_cfg=None, eval_data=None, evaluate_fn=None, dist=None, **parts) -> Trainer:
+    """A CPU trainer of a tiny model; ``parts``: guard, clipper, batch_schedule."""
+    evaluation = Evaluation(eval_cfg or EvalConfig(), eval_data, evaluate_fn)
+    placement = Placement("cpu", dist)
+    return Trainer(
+        tiny.TinyLM(), batches, cfg or _cfg(), output_dir=tmp_path, evaluation=evaluation, placement=placement,
+        parts=StepParts(**parts), reporting=Reporting(console=False),
+    )  # fmt: skip
 
 
 def _flat_grad(model) -> torch.Tensor:

@@ -14,6 +14,7 @@ from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.loop import Trainer
 from densebatch.train.observe.monitor import read_metrics
 from densebatch.train.oom import is_out_of_memory, split_rows
+from densebatch.train.parts import Evaluation, Placement, Reporting
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -59,10 +60,19 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_a_batch_out_of_memory_in_forward_is_split_with_the_unsplit_gradient(tiny, tmp_path):
     docs = tiny.make_docs(9, seed=3, min_len=2, max_len=30)
     batch = replace(tiny.collate(docs), documents=tuple(range(9)))
-    plain = Trainer(tiny.TinyLM(), [batch], _cfg(), output_dir=tmp_path / "a", device="cpu", console=False)
+    plain = Trainer(
+        tiny.TinyLM(), [batch], _cfg(), output_dir=tmp_path / "a", placement=Placement("cpu"), reporting=Reporting(console=False)
+    )
     model = tiny.TinyLM()
     inject = ForwardOOM(model, max_rows=2)
-    split = Trainer(model, [batch], _cfg(), output_dir=tmp_path / "b", device="cpu", console=False, forward=inject)
+    split = Trainer(
+        model,
+        [batch],
+        _cfg(),
+        output_dir=tmp_path / "b",
+        placement=Placement(device="cpu", forward=inject),
+        reporting=Reporting(console=False),
+    )
     s1, s2 = plain.forward_backward([batch]), split.forward_backward([batch])
     assert inject.refused == 4 and s2["oom_splits"] == 4  # 9 -> 5 + 4 -> 3 + 2 + 2 + 2 -> 2 + 1 + ...
     assert _close(_grad(split.model), _grad(plain.model))
@@ -87,9 +97,13 @@ def test_out_of_memory_in_backward_replays_the_step_without_partial_gradients(ti
 
     first = tiny.collate(tiny.make_docs(2, seed=1))
     big = tiny.collate(tiny.make_docs(8, seed=2, max_len=30))
-    plain = Trainer(tiny.TinyLM(), [first], _cfg(), output_dir=tmp_path / "a", device="cpu", console=False)
+    plain = Trainer(
+        tiny.TinyLM(), [first], _cfg(), output_dir=tmp_path / "a", placement=Placement("cpu"), reporting=Reporting(console=False)
+    )
     model = BackwardOOM()
-    split = Trainer(model, [first], _cfg(), output_dir=tmp_path / "b", device="cpu", console=False)
+    split = Trainer(
+        model, [first], _cfg(), output_dir=tmp_path / "b", placement=Placement("cpu"), reporting=Reporting(console=False)
+    )
     s1, s2 = plain.forward_backward([first, big]), split.forward_backward([first, big])
     assert model.failures == 1 and s2["oom_splits"] == 1
     assert _close(_grad(split.model), _grad(plain.model))
@@ -101,7 +115,7 @@ def test_the_run_goes_on_and_the_split_is_logged_once(tiny, tmp_path, capsys):
     model = tiny.TinyLM()
     inject = ForwardOOM(model, max_rows=3)
     inject.armed = False
-    trainer = Trainer(model, batches, _cfg(max_steps=3), output_dir=tmp_path, device="cpu", forward=inject)
+    trainer = Trainer(model, batches, _cfg(max_steps=3), output_dir=tmp_path, placement=Placement(device="cpu", forward=inject))
 
     def arm(result):  # the second and third steps run out of memory
         inject.armed = True
@@ -118,7 +132,14 @@ def test_the_run_goes_on_and_the_split_is_logged_once(tiny, tmp_path, capsys):
 def test_a_single_row_that_does_not_fit_stops_the_run_naming_its_document(tiny, tmp_path):
     batch = replace(tiny.collate(tiny.make_docs(1, seed=4, min_len=20, max_len=20)), documents=(41,))
     inject = ForwardOOM(tiny.TinyLM(), max_rows=0)
-    trainer = Trainer(inject.inner.model, [batch], _cfg(), output_dir=tmp_path, device="cpu", console=False, forward=inject)
+    trainer = Trainer(
+        inject.inner.model,
+        [batch],
+        _cfg(),
+        output_dir=tmp_path,
+        placement=Placement(device="cpu", forward=inject),
+        reporting=Reporting(console=False),
+    )
     with pytest.raises(UserError, match=r"single row of 20 tokens \(document 41, 19 loss tokens\)") as err:
         trainer.forward_backward([batch])
     assert "\n" not in str(err.value)
@@ -135,7 +156,14 @@ def test_other_errors_are_not_taken_for_out_of_memory(tiny, tmp_path):
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
 
     batch = tiny.collate(tiny.make_docs(4))
-    trainer = Trainer(tiny.TinyLM(), [batch], _cfg(), output_dir=tmp_path, device="cpu", console=False, forward=Broken())
+    trainer = Trainer(
+        tiny.TinyLM(),
+        [batch],
+        _cfg(),
+        output_dir=tmp_path,
+        placement=Placement(device="cpu", forward=Broken()),
+        reporting=Reporting(console=False),
+    )
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
         trainer.forward_backward([batch])
 
@@ -146,7 +174,12 @@ def test_under_torchrun_a_rank_refuses_to_split_alone(tiny, tmp_path, monkeypatc
     monkeypatch.setattr(dist, "all_reduce", lambda t, op="sum": t)  # no process group in this test
     inject = ForwardOOM(tiny.TinyLM(), max_rows=1)
     trainer = Trainer(
-        inject.inner.model, [batch], _cfg(), output_dir=tmp_path, device="cpu", console=False, forward=inject, dist=dist
+        inject.inner.model,
+        [batch],
+        _cfg(),
+        output_dir=tmp_path,
+        placement=Placement(device="cpu", forward=inject, dist=dist),
+        reporting=Reporting(console=False),
     )
     with pytest.raises(UserError, match="out of memory on rank 1 .* under torchrun batches are not split"):
         trainer.forward_backward([batch])
@@ -167,9 +200,14 @@ def test_out_of_memory_in_evaluation_never_changes_the_training_budget(tiny, tmp
     inject = EvalOOM(tiny.TinyLM(), max_rows=3)
     cfg = _cfg(max_steps=2)
     trainer = Trainer(
-        inject.inner.model, batches, cfg, output_dir=tmp_path, device="cpu", console=False, forward=inject,
-        eval_data=[tiny.collate(tiny.make_docs(6, seed=9))],
-    )  # fmt: skip
+        inject.inner.model,
+        batches,
+        cfg,
+        output_dir=tmp_path,
+        evaluation=Evaluation(data=[tiny.collate(tiny.make_docs(6, seed=9))]),
+        placement=Placement(device="cpu", forward=inject),
+        reporting=Reporting(console=False),
+    )
     first = trainer.train_step(trainer.next_step())
     with pytest.raises(torch.OutOfMemoryError):
         trainer.evaluate_now()

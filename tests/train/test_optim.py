@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from densebatch.config import TrainConfig
+from densebatch.config import OptimizerConfig, TrainConfig
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_at, param_groups
 
 
@@ -21,7 +21,7 @@ def test_groups_partition_parameters_exactly_once(tiny):
 
 def test_no_decay_on_vectors_and_embeddings_and_lr_mults(tiny):
     model = tiny.TinyLM()
-    cfg = TrainConfig(weight_decay=0.1, lr_mult_embeddings=0.5, lr_mult_blocks=1.0, lr_mult_head=2.0)
+    cfg = TrainConfig(optimizer=OptimizerConfig(weight_decay=0.1), lr_mult_embeddings=0.5, lr_mult_blocks=1.0, lr_mult_head=2.0)
     by_name = {g["name"]: g for g in param_groups(model, cfg)}
     assert by_name["embeddings.no_decay"]["params"] == [model.embed.weight]
     assert "embeddings.decay" not in by_name
@@ -38,7 +38,7 @@ def test_no_decay_on_vectors_and_embeddings_and_lr_mults(tiny):
 
 
 def test_decay_all_decays_everything(tiny):
-    groups = param_groups(tiny.TinyLM(), TrainConfig(weight_decay=0.2, decay_all=True))
+    groups = param_groups(tiny.TinyLM(), TrainConfig(optimizer=OptimizerConfig(weight_decay=0.2, decay_all=True)))
     assert all(g["weight_decay"] == 0.2 for g in groups)
 
 
@@ -53,7 +53,7 @@ def test_bad_layer_groups_are_refused(tiny):
 
 
 def test_build_optimizer_cpu_uses_fused_and_carries_groups(tiny):
-    opt = build_optimizer(tiny.TinyLM(), TrainConfig(beta1=0.8, beta2=0.9))
+    opt = build_optimizer(tiny.TinyLM(), TrainConfig(optimizer=OptimizerConfig(beta1=0.8, beta2=0.9)))
     assert isinstance(opt, torch.optim.AdamW)
     assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)  # HF Trainer's default too
     assert all("lr_mult" in g for g in opt.param_groups)

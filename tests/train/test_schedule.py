@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import math
 
-import numpy as np
 import pytest
 import torch
+from support import random_store
 
 from densebatch.config import ConfigError, EvalConfig, GroupScheduleConfig, ModelConfig, TrainConfig, load_config
 from densebatch.data.load.collate import CausalCollator
@@ -20,6 +20,7 @@ from densebatch.train.guard import Verdict
 from densebatch.train.loop import Trainer
 from densebatch.train.observe.monitor import read_metrics
 from densebatch.train.optim import estimate_total_steps, group_lr_at, lr_at, param_groups
+from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.session import Session
 
@@ -96,13 +97,19 @@ def test_state_round_trip_gives_the_same_fractions_after_a_change_mid_ramp():
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (["--train.ramp_steps=5", "--train.ramp_start=0"], "train.ramp_start"),
-        (["--train.ramp_steps=5", "--train.ramp_start=1.5"], "train.ramp_start"),
-        (["--train.batch_backoff_patience=2"], "eval.every_steps"),
-        (["--train.batch_backoff_patience=2", "--eval.every_steps=5", "--train.batch_backoff_factor=1"], "backoff_factor"),
-        (["--train.batch_backoff_patience=2", "--eval.every_steps=5", "--train.batch_backoff_floor=0"], "backoff_floor"),
+        (["--train.batch_schedule.ramp_steps=5", "--train.batch_schedule.ramp_start=0"], "train.batch_schedule.ramp_start"),
+        (["--train.batch_schedule.ramp_steps=5", "--train.batch_schedule.ramp_start=1.5"], "train.batch_schedule.ramp_start"),
+        (["--train.batch_schedule.backoff_patience=2"], "eval.every_steps"),
+        (
+            ["--train.batch_schedule.backoff_patience=2", "--eval.every_steps=5", "--train.batch_schedule.backoff_factor=1"],
+            "backoff_factor",
+        ),
+        (
+            ["--train.batch_schedule.backoff_patience=2", "--eval.every_steps=5", "--train.batch_schedule.backoff_floor=0"],
+            "backoff_floor",
+        ),
         (["--train.layer_lr_decay=1.5"], "train.layer_lr_decay"),
-        (["--train.ramp_unit=epochs"], "train.ramp_unit"),
+        (["--train.batch_schedule.ramp_unit=epochs"], "train.batch_schedule.ramp_unit"),
         (["--train.embeddings.schedule=step"], "train.embeddings.schedule"),
     ],
 )
@@ -112,9 +119,16 @@ def test_schedule_keys_are_checked(overrides, key):
 
 
 def test_schedule_from_config_only_when_asked_for():
-    assert BatchSchedule.from_config(TrainConfig()) is None
-    t = load_config(None, ["--train.ramp_steps=20", "--train.ramp_start=0.25", "--train.lr_batch_scaling=linear"]).train
-    s = BatchSchedule.from_config(t)
+    assert BatchSchedule.from_config(TrainConfig().batch_schedule) is None
+    t = load_config(
+        None,
+        [
+            "--train.batch_schedule.ramp_steps=20",
+            "--train.batch_schedule.ramp_start=0.25",
+            "--train.batch_schedule.lr_scaling=linear",
+        ],
+    ).train
+    s = BatchSchedule.from_config(t.batch_schedule)
     assert (s.fraction(0), s.fraction(20), s.lr_factor(0)) == (0.25, 1.0, 0.25)
     assert (t.embeddings.schedule, t.head.warmup_steps) == ("same", None)
     t = load_config(None, ["--train.head.schedule=constant", "--train.head.warmup_steps=0"]).train
@@ -122,20 +136,16 @@ def test_schedule_from_config_only_when_asked_for():
 
 
 # ------------------------------------------------------------------------ in the trainer
-class MemStore:
-    def __init__(self, n=80, seed=0):
-        rng = np.random.default_rng(seed)
-        docs = [rng.integers(1, 30, int(k)).tolist() + [0] for k in rng.integers(4, 40, n)]
-        self.tokens = np.array([t for d in docs for t in d], np.int32)
-        self.loss_mask = np.ones(len(self.tokens), np.uint8)
-        self.lengths = np.array([len(d) for d in docs], np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        self.meta = {"eos_id": 0, "pad_id": 0, "vocab_size": 32, "mask_id": None, "special_ids": [0]}
-
-
 def _loader(prefetch=2):  # 2 packed rows of 32 per batch, 4 batches per step: 8 rows
     settings = PlanSettings(strategy="packed", seq_len=32, max_tokens_per_batch=64)
-    return StepLoader(MemStore(), settings, CausalCollator(pad_id=0), seed=1, steps=StepSettings(4), prefetch=prefetch)
+    return StepLoader(
+        random_store(80, vocab=30, lengths=(4, 40)),
+        settings,
+        CausalCollator(pad_id=0),
+        seed=1,
+        steps=StepSettings(4),
+        prefetch=prefetch,
+    )
 
 
 class ScriptedEval:
@@ -151,9 +161,15 @@ class ScriptedEval:
 def _run(tiny, tmp_path, schedule, steps=12, losses=(), every=2, stop_at=None, state=None):
     cfg = TrainConfig(lr=1e-2, warmup_steps=0, schedule="constant", max_steps=steps, progress=False, device="cpu")
     t = Trainer(
-        tiny.TinyLM(), _loader(), cfg, EvalConfig(every_steps=every), output_dir=tmp_path, device="cpu", console=False,
-        evaluate_fn=ScriptedEval(losses), batch_schedule=schedule,
-    )  # fmt: skip
+        tiny.TinyLM(),
+        _loader(),
+        cfg,
+        output_dir=tmp_path,
+        evaluation=Evaluation(cfg=EvalConfig(every_steps=every), extra=ScriptedEval(losses)),
+        placement=Placement("cpu"),
+        parts=StepParts(batch_schedule=schedule),
+        reporting=Reporting(console=False),
+    )
     if state is not None:
         t.load_state_dict(state)
     rows, saved = [], {}
@@ -232,9 +248,15 @@ def test_a_rollback_keeps_the_schedule_and_the_data_position(tiny, tmp_path):
     schedule = BatchSchedule(backoff_patience=1, backoff_factor=0.5)
     cfg = TrainConfig(lr=1e-2, warmup_steps=0, schedule="constant", max_steps=5, progress=False, device="cpu", grad_clip=0.0)
     t = Trainer(
-        tiny.TinyLM(), _loader(), cfg, EvalConfig(every_steps=1), output_dir=tmp_path, device="cpu", console=False,
-        evaluate_fn=ScriptedEval([2.0, 1.0, 1.5, 0.9, 0.8, 0.7]), batch_schedule=schedule, guard=RollbackAt(3),
-    )  # fmt: skip
+        tiny.TinyLM(),
+        _loader(),
+        cfg,
+        output_dir=tmp_path,
+        evaluation=Evaluation(cfg=EvalConfig(every_steps=1), extra=ScriptedEval([2.0, 1.0, 1.5, 0.9, 0.8, 0.7])),
+        placement=Placement("cpu"),
+        parts=StepParts(batch_schedule=schedule, guard=RollbackAt(3)),
+        reporting=Reporting(console=False),
+    )
     session = Session(t, CheckpointManager(tmp_path / "checkpoints"), every_steps=2)
     rows = []
     t.after_step = lambda result: (
@@ -252,8 +274,13 @@ def test_a_rollback_keeps_the_schedule_and_the_data_position(tiny, tmp_path):
 
 def test_a_schedule_needs_a_step_loader(tiny, tmp_path):
     with pytest.raises(ValueError, match="StepLoader"):
-        Trainer(tiny.TinyLM(), [tiny.collate(tiny.make_docs(2))], TrainConfig(device="cpu"), output_dir=tmp_path,
-                batch_schedule=BatchSchedule(ramp_steps=2))  # fmt: skip
+        Trainer(
+            tiny.TinyLM(),
+            [tiny.collate(tiny.make_docs(2))],
+            TrainConfig(device="cpu"),
+            output_dir=tmp_path,
+            parts=StepParts(batch_schedule=BatchSchedule(ramp_steps=2)),
+        )
 
 
 # ------------------------------------------------------------------- per-group and layer-wise
@@ -295,7 +322,7 @@ def test_run_with_layer_wise_decay_shows_rates_falling_by_the_factor_per_block(t
     batch = _loader(prefetch=0)
     cfg = TrainConfig(lr=1e-3, warmup_steps=0, max_steps=2, layer_lr_decay=0.7, progress=False, device="cpu",
                       head=GroupScheduleConfig(schedule="constant"))  # fmt: skip
-    t = Trainer(model, batch, cfg, output_dir=tmp_path, device="cpu", console=False)
+    t = Trainer(model, batch, cfg, output_dir=tmp_path, placement=Placement("cpu"), reporting=Reporting(console=False))
     t.run()
     lr = {g["name"]: g["lr"] for g in t.optimizer.param_groups}
     top = lr["blocks.3.decay"]

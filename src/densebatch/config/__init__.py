@@ -5,9 +5,11 @@ field whose value is one of a fixed set is typed ``Literal[...]``, the one place
 applies ``--section.key=value`` overrides and validates everything; any mistake raises
 ``ConfigError`` naming the key and what was expected. No ``exec``, no class names in strings.
 
-Modules: ``field`` (the documented field), ``data_sections`` (data, batching, model),
-``run_sections`` (train, eval, checkpoint, finder, ``RunConfig``), ``checks`` (cross-field rules),
-``loading`` (YAML and overrides onto the sections; the key table ``densebatch config --keys`` prints).
+Modules: ``field`` (the documented field), ``data_sections`` (data, batching), ``model_section``
+(model, LoRA), ``run_sections`` (train and its optimizer, batch_schedule, guard and health sub-sections,
+eval, checkpoint, finder, ``RunConfig``), ``checks`` (cross-field rules), ``moved`` (keys that moved:
+refused with their new name; read at their new place from configurations runs saved), ``loading``
+(YAML and overrides onto the sections; the key table ``densebatch config --keys`` prints).
 Import from ``densebatch.config``: the names below are its interface.
 """
 
@@ -20,8 +22,6 @@ from densebatch.config.data_sections import (
     DataConfig,
     DefaultDataConfig,
     FieldsConfig,
-    LoraConfig,
-    ModelConfig,
     SourceConfig,
 )
 from densebatch.config.loading import (
@@ -34,18 +34,23 @@ from densebatch.config.loading import (
     save_config,
     to_dict,
 )
+from densebatch.config.model_section import LoraConfig, ModelConfig
 from densebatch.config.run_sections import (
+    BatchScheduleConfig,
     CheckpointConfig,
     EvalConfig,
     FinderConfig,
     GroupScheduleConfig,
+    GuardConfig,
     HealthConfig,
+    OptimizerConfig,
     RunConfig,
     TrainConfig,
 )
 from densebatch.errors import ConfigError
 
 __all__ = [
+    "BatchScheduleConfig",
     "BatchingConfig",
     "CheckpointConfig",
     "CleanConfig",
@@ -56,9 +61,11 @@ __all__ = [
     "FieldsConfig",
     "FinderConfig",
     "GroupScheduleConfig",
+    "GuardConfig",
     "HealthConfig",
     "LoraConfig",
     "ModelConfig",
+    "OptimizerConfig",
     "RunConfig",
     "SourceConfig",
     "TrainConfig",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import string
 
-from densebatch.config.data_sections import DataConfig, ModelConfig
+from densebatch.config.data_sections import DataConfig
+from densebatch.config.model_section import ModelConfig
 from densebatch.config.run_sections import RunConfig
 from densebatch.errors import ConfigError
 
@@ -44,8 +45,10 @@ def _check(cfg: RunConfig) -> None:
     _check_hf_model(m)
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing: expected a number in [0, 1); got {cfg.train.label_smoothing}")
-    if not 0.0 < cfg.train.rollback_lr_factor <= 1.0:
-        raise ConfigError(f"train.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.rollback_lr_factor}")
+    if not 0.0 < cfg.train.guard.rollback_lr_factor <= 1.0:
+        raise ConfigError(
+            f"train.guard.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.guard.rollback_lr_factor}"
+        )
     _check_schedules(cfg)
     _check_finders(cfg)
 
@@ -103,9 +106,9 @@ def _check_sources(d: DataConfig) -> None:
 
 def _check_finders(cfg: RunConfig) -> None:
     """``auto`` values and the finders' ranges."""
-    t, f = cfg.train, cfg.finder
-    if not 0.0 <= t.memory_margin <= 0.9:
-        raise ConfigError(f"train.memory_margin: expected a share in [0, 0.9]; got {t.memory_margin}")
+    f = cfg.finder
+    if not 0.0 <= f.memory_reserve <= 0.9:
+        raise ConfigError(f"finder.memory_reserve: expected a share in [0, 0.9]; got {f.memory_reserve}")
     if not 0.0 < f.lr_start < f.lr_end:
         raise ConfigError(f"finder.lr_start: expected 0 < lr_start < finder.lr_end ({f.lr_end}); got {f.lr_start}")
     if not 0.0 <= f.smoothing < 1.0:
@@ -119,14 +122,17 @@ def _check_schedules(cfg: RunConfig) -> None:
     t = cfg.train
     if not 0.0 < t.layer_lr_decay <= 1.0:
         raise ConfigError(f"train.layer_lr_decay: expected a number in (0, 1]; got {t.layer_lr_decay}")
-    if t.ramp_steps and not 0.0 < t.ramp_start <= 1.0:
-        raise ConfigError(f"train.ramp_start: expected a fraction of the target step in (0, 1]; got {t.ramp_start}")
-    if t.batch_backoff_patience:
-        if t.batch_backoff_factor <= 0.0 or t.batch_backoff_factor == 1.0:
+    s = t.batch_schedule
+    if s.ramp_steps and not 0.0 < s.ramp_start <= 1.0:
+        raise ConfigError(
+            f"train.batch_schedule.ramp_start: expected a fraction of the target step in (0, 1]; got {s.ramp_start}"
+        )
+    if s.backoff_patience:
+        if s.backoff_factor <= 0.0 or s.backoff_factor == 1.0:
             raise ConfigError(
-                f"train.batch_backoff_factor: expected a positive number other than 1; got {t.batch_backoff_factor}"
+                f"train.batch_schedule.backoff_factor: expected a positive number other than 1; got {s.backoff_factor}"
             )
-        if not 0.0 < t.batch_backoff_floor <= 1.0:
-            raise ConfigError(f"train.batch_backoff_floor: expected a number in (0, 1]; got {t.batch_backoff_floor}")
+        if not 0.0 < s.backoff_floor <= 1.0:
+            raise ConfigError(f"train.batch_schedule.backoff_floor: expected a number in (0, 1]; got {s.backoff_floor}")
         if not cfg.eval.every_steps:
-            raise ConfigError("train.batch_backoff_patience: a back-off watches evaluations; set eval.every_steps too")
+            raise ConfigError("train.batch_schedule.backoff_patience: a back-off watches evaluations; set eval.every_steps too")

@@ -1,4 +1,4 @@
-"""Configuration sections of what a run reads and computes: data (and its sources), batching, model."""
+"""Configuration sections of what a run reads and how it batches it: data (and its sources), batching."""
 
 from __future__ import annotations
 
@@ -162,44 +162,3 @@ class BatchingConfig:
 
 
 # -------------------------------------------------------------------------------------- model
-@dataclass
-class LoraConfig:
-    """LoRA adapters for model.kind hf (through peft: pip install 'densebatch[lora]'); only they train."""
-
-    r: int = _f(0, "Rank of the adapters; 0 = off (every weight trains).", minimum=0)
-    alpha: float = _f(16.0, "Scale of the adapters' update: alpha / r x B A.", minimum=0.0)
-    dropout: float = _f(0.0, "Dropout on the adapters' input, in [0, 1).", minimum=0.0)
-    target_modules: list[str] = _f(
-        list,
-        "Modules to adapt, by name (e.g. q_proj,v_proj), or all-linear; empty = the architecture's attention "
-        "projections (peft's default). See docs/hf-models.md.",
-    )
-
-
-@dataclass
-class ModelConfig:
-    kind: Literal["gpt", "hf"] = _f("gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM.")
-    path: str | None = _f(None, "hf: a local directory with config.json (weights optional: random init when absent).")
-    n_layer: int = _f(4, "gpt: transformer blocks.", minimum=1)
-    n_head: int = _f(4, "gpt: attention heads.", minimum=1)
-    n_embd: int = _f(128, "gpt: width.", minimum=1)
-    block_size: int = _f(1024, "gpt: context length (largest position + 1).", minimum=2)
-    dropout: float = _f(0.0, "gpt: dropout probability.", minimum=0.0)
-    vocab_size: int | None = _f(None, "gpt: vocabulary size; none = the tokenizer's.")
-    attention: Literal["auto", "flex", "varlen", "segmented", "masked"] = _f(
-        "auto",
-        "Document-isolating attention: auto (fastest that isolates here), flex, varlen, segmented (length-bucketed "
-        "causal SDPA per document, any device), masked (SDPA with a block mask).",
-    )
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    attn_implementation: Literal["sdpa", "eager"] = _f(
-        "sdpa",
-        "hf: transformers' attention; eager for architectures SDPA cannot compute (Gemma 2's soft-capping). Both "
-        "isolate packed documents (flash, flex and paged are refused). See docs/hf-models.md.",
-    )
-    dtype: Literal["float32", "bfloat16", "float16"] = _f(
-        "float32",
-        "hf: dtype the weights are loaded and trained in (the optimizer's master weights too): bfloat16 halves "
-        "their memory, but updates below its precision are lost (best with LoRA); float16 only with LoRA.",
-    )
-    lora: LoraConfig = _f(LoraConfig, "hf: LoRA adapters (off while r is 0).")

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 
 from densebatch.config.checks import _check
+from densebatch.config.moved import refuse_moved, upgrade_saved
 from densebatch.config.run_sections import RunConfig
 from densebatch.errors import ConfigError
 
@@ -114,6 +115,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
+    for name in unknown:
+        refuse_moved(f"{prefix}.{name}" if prefix else name)
     if unknown:
         where = f"in section '{prefix}'" if prefix else "at the top level"
         raise ConfigError(
@@ -151,8 +154,9 @@ def parse_override(arg: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read ``path`` (YAML; None = defaults), apply overrides, validate. Raises ``ConfigError``."""
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), saved: bool = False) -> RunConfig:
+    """Read ``path`` (YAML; None = defaults), apply overrides, validate. Raises ``ConfigError``. ``saved``:
+    a configuration a run wrote (see ``config_from_dict``)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -181,12 +185,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if nxt is None:
                 nxt = node[k] = {}
             node = nxt
-    return config_from_dict(data)
+    return config_from_dict(data, saved)
 
 
-def config_from_dict(data: dict) -> RunConfig:
-    """Validate a plain dict (a parsed YAML file, or a config stored in a checkpoint)."""
-    cfg = _build(RunConfig, data, "")
+def config_from_dict(data: dict, saved: bool = False) -> RunConfig:
+    """Validate a plain dict (a parsed YAML file, or a config stored in a checkpoint). ``saved``: written by
+    a run (a checkpoint's, ``output_dir/config.yaml``), whose moved keys are read at their new place."""
+    cfg = _build(RunConfig, upgrade_saved(data) if saved else data, "")
     _check(cfg)
     return cfg
 

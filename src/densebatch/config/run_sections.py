@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from densebatch.config.data_sections import BatchingConfig, DataConfig, ModelConfig
+from densebatch.config.data_sections import BatchingConfig, DataConfig
 from densebatch.config.field import _f
+from densebatch.config.model_section import ModelConfig
 
 
 # -------------------------------------------------------------------------------------- train
@@ -34,7 +35,7 @@ class HealthConfig:
     data_wait_share: float = _f(
         0.2, "Warn when steps wait on data for more than this share of their time (last 50 steps).", minimum=0.0
     )
-    memory_margin: float = _f(
+    memory_headroom: float = _f(
         0.05,
         "Warn when a step's peak memory comes within this share of train.memory_limit_gb (none: the CUDA device's memory, "
         "or on CPU the machine's or container's).",
@@ -53,7 +54,63 @@ class HealthConfig:
 
 
 @dataclass
+class OptimizerConfig:
+    """AdamW's hyper-parameters; the learning rate and its schedule are train.lr, train.schedule and the groups' own."""
+
+    weight_decay: float = _f(0.1, "AdamW weight decay (not on norms, biases or embeddings unless decay_all).", minimum=0.0)
+    decay_all: bool = _f(False, "Apply weight decay to every parameter.")
+    beta1: float = _f(0.9, "AdamW beta1.", minimum=0.0)
+    beta2: float = _f(0.95, "AdamW beta2.", minimum=0.0)
+    eps: float = _f(1e-8, "AdamW epsilon.", minimum=0.0)
+
+
+@dataclass
+class BatchScheduleConfig:
+    """Batch-size schedule (docs/schedules.md): a ramp at the start, and back-off or growth on an eval-loss plateau."""
+
+    ramp_steps: int = _f(
+        0,
+        "Batch-size ramp: tokens per step grow linearly from ramp_start x the target to the target over this many "
+        "steps (0 = off); with ramp_unit tokens, over as many tokens as this many full steps hold.",
+        minimum=0,
+    )
+    ramp_start: float = _f(0.25, "Batch-size ramp: the first step's size as a fraction of the target, in (0, 1].", minimum=0.0)
+    ramp_unit: Literal["steps", "tokens"] = _f("steps", "Batch-size ramp: linear in steps, or in the tokens consumed.")
+    backoff_patience: int = _f(
+        0,
+        "Batch-size back-off: evaluations without a new best eval loss before tokens per step are multiplied by "
+        "backoff_factor (0 = off; needs eval.every_steps).",
+        minimum=0,
+    )
+    backoff_factor: float = _f(0.5, "Batch-size back-off: the factor per plateau (above 1: grow instead).", minimum=0.0)
+    backoff_floor: float = _f(
+        0.125, "Batch-size back-off: the smallest step it reaches, as a fraction of the target, in (0, 1].", minimum=0.0
+    )
+    backoff_cap: float = _f(
+        4.0, "Batch-size growth (factor above 1): the largest step, as a fraction of the target.", minimum=1.0
+    )
+    backoff_max: int = _f(3, "Batch-size back-off: the most changes in a run.", minimum=1)
+    lr_scaling: Literal["none", "sqrt", "linear"] = _f(
+        "none",
+        "Learning rate under a batch-size ramp or back-off: none (unchanged), sqrt (x fraction^0.5) or linear (x fraction).",
+    )
+
+
+@dataclass
+class GuardConfig:
+    """Anomaly guard (docs/fault-tolerance.md): non-finite steps and loss spikes, and the rollbacks they trigger."""
+
+    spike_zscore: float = _f(6.0, "Loss spike: robust z-score over the window above this rolls back (0 = off).", minimum=0.0)
+    spike_window: int = _f(50, "Steps in the moving window of the spike detector.", minimum=5)
+    max_bad_steps: int = _f(3, "Consecutive non-finite steps that trigger a rollback.", minimum=1)
+    rollback_lr_factor: float = _f(0.5, "Multiply the learning rate by this after a rollback.", minimum=0.0)
+
+
+@dataclass
 class TrainConfig:
+    """How the model is optimised: limits, learning rate and its schedule, accumulation, clipping, precision,
+    and the sub-sections optimizer, batch_schedule, guard and health."""
+
     max_steps: int | None = _f(None, "Stop after this many optimizer steps.", minimum=1)
     max_epochs: float | None = _f(None, "Stop after this many epochs (fractions allowed).", minimum=0.0)
     max_tokens: int | None = _f(None, "Stop after this many real tokens.", minimum=1)
@@ -65,11 +122,6 @@ class TrainConfig:
     min_lr_ratio: float = _f(0.1, "Final learning rate as a share of lr (cosine / linear).", minimum=0.0)
     schedule: Literal["cosine", "linear", "constant"] = _f("cosine", "Learning-rate schedule after warm-up.")
     warmup_steps: int = _f(0, "Linear warm-up steps.", minimum=0)
-    weight_decay: float = _f(0.1, "AdamW weight decay (not on norms, biases or embeddings unless decay_all).", minimum=0.0)
-    decay_all: bool = _f(False, "Apply weight decay to every parameter.")
-    beta1: float = _f(0.9, "AdamW beta1.", minimum=0.0)
-    beta2: float = _f(0.95, "AdamW beta2.", minimum=0.0)
-    eps: float = _f(1e-8, "AdamW epsilon.", minimum=0.0)
     lr_mult_embeddings: float = _f(1.0, "Learning-rate multiplier of the embedding layers.", minimum=0.0)
     lr_mult_blocks: float = _f(1.0, "Learning-rate multiplier of the transformer blocks.", minimum=0.0)
     lr_mult_head: float = _f(1.0, "Learning-rate multiplier of the final norm and output head.", minimum=0.0)
@@ -78,35 +130,11 @@ class TrainConfig:
         "Layer-wise decay, in (0, 1]: the block at depth d from the top learns at lr x lr_mult_blocks x this^d (1 = off).",
         minimum=0.0,
     )
+    optimizer: OptimizerConfig = _f(OptimizerConfig, "AdamW's hyper-parameters.")
     embeddings: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the embeddings group.")
     blocks: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the transformer blocks.")
     head: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the final norm and output head.")
-    ramp_steps: int = _f(
-        0,
-        "Batch-size ramp: tokens per step grow linearly from ramp_start x the target to the target over this many "
-        "steps (0 = off); with ramp_unit tokens, over as many tokens as this many full steps hold.",
-        minimum=0,
-    )
-    ramp_start: float = _f(0.25, "Batch-size ramp: the first step's size as a fraction of the target, in (0, 1].", minimum=0.0)
-    ramp_unit: Literal["steps", "tokens"] = _f("steps", "Batch-size ramp: linear in steps, or in the tokens consumed.")
-    batch_backoff_patience: int = _f(
-        0,
-        "Batch-size back-off: evaluations without a new best eval loss before tokens per step are multiplied by "
-        "batch_backoff_factor (0 = off; needs eval.every_steps).",
-        minimum=0,
-    )
-    batch_backoff_factor: float = _f(0.5, "Batch-size back-off: the factor per plateau (above 1: grow instead).", minimum=0.0)
-    batch_backoff_floor: float = _f(
-        0.125, "Batch-size back-off: the smallest step it reaches, as a fraction of the target, in (0, 1].", minimum=0.0
-    )
-    batch_backoff_cap: float = _f(
-        4.0, "Batch-size growth (factor above 1): the largest step, as a fraction of the target.", minimum=1.0
-    )
-    batch_backoff_max: int = _f(3, "Batch-size back-off: the most changes in a run.", minimum=1)
-    lr_batch_scaling: Literal["none", "sqrt", "linear"] = _f(
-        "none",
-        "Learning rate under a batch-size ramp or back-off: none (unchanged), sqrt (x fraction^0.5) or linear (x fraction).",
-    )
+    batch_schedule: BatchScheduleConfig = _f(BatchScheduleConfig, "Batch-size ramp and back-off / growth.")
     grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
     loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
     label_smoothing: float = _f(
@@ -124,10 +152,7 @@ class TrainConfig:
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present), cpu or cuda.")
     log_every: int = _f(1, "Write metrics every this many steps.", minimum=1)
     progress: bool = _f(True, "Show a progress bar.")
-    spike_zscore: float = _f(6.0, "Loss spike: robust z-score over the window above this rolls back (0 = off).", minimum=0.0)
-    spike_window: int = _f(50, "Steps in the moving window of the spike detector.", minimum=5)
-    max_bad_steps: int = _f(3, "Consecutive non-finite steps that trigger a rollback.", minimum=1)
-    rollback_lr_factor: float = _f(0.5, "Multiply the learning rate by this after a rollback.", minimum=0.0)
+    guard: GuardConfig = _f(GuardConfig, "Non-finite steps and loss spikes: skips and rollbacks.")
     distributed: Literal["auto", "ddp", "fsdp"] = _f(
         "auto",
         "Under torchrun: ddp (replicated model, gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, "
@@ -142,11 +167,6 @@ class TrainConfig:
         None,
         "Memory a budget of max_tokens_per_batch: auto may use, in GB: on CPU the whole process's peak resident "
         "memory (none = resident now + MemAvailable), on CUDA a cap on the device memory (none = its free memory).",
-        minimum=0.0,
-    )
-    memory_margin: float = _f(
-        0.1,
-        "Share of the memory limit the budget finder keeps free (fragmentation, evaluation, checkpoint copies), in [0, 0.9].",
         minimum=0.0,
     )
 
@@ -188,6 +208,11 @@ class FinderConfig:
         "eval data, else the first training step's, which the test then leaves out); a model near its task gets its "
         "suggestion from this curve; 0 = off.",
         minimum=0,
+    )
+    memory_reserve: float = _f(
+        0.1,
+        "Budget finder: share of train.memory_limit_gb it keeps free (fragmentation, evaluation, checkpoint copies), in [0, 0.9].",
+        minimum=0.0,
     )
     max_probes: int = _f(10, "Budget finder: most probe steps (each a forward, backward and optimizer step).", minimum=2)
     throughput_share: float = _f(

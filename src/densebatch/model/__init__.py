@@ -3,8 +3,8 @@
 Public API: ``build_model(cfg, vocab_size, base_vocab_size)``, ``load_model(dir)``, ``save_model(model, dir)``,
 ``load_adapter(dir, cfg, vocab_size)`` (a LoRA run's final model), ``generate(model, prompt_ids, ...)``,
 ``generate_batch(model, prompts, ...)``, and the classes ``GPT`` / ``GPTConfig`` (reference decoder)
-and ``HFCausalLM`` (Hugging Face adapter, imported lazily so that transformers is needed only for
-``model.kind: hf``; peft only for ``model.lora``).
+and ``HFCausalLM`` (Hugging Face adapter; it imports transformers only when it loads a model, so that
+transformers is needed only for ``model.kind: hf``, and peft only for ``model.lora``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from densebatch.errors import ConfigError
 from densebatch.model.attention import resolve_backend
 from densebatch.model.generate import generate, generate_batch
 from densebatch.model.gpt import GPT, GPTConfig
+from densebatch.model.hf import HFCausalLM
 from densebatch.model.io import load_model, save_model
+from densebatch.model.lora import apply_lora, load_adapter
 
 __all__ = [
     "GPT", "GPTConfig", "HFCausalLM", "build_model", "generate", "generate_batch", "load_adapter", "load_model", "save_model",
@@ -56,8 +58,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None =
                 f"model.attention: {cfg.attention!r} is not available for Hugging Face models; use auto or masked "
                 "(SDPA with a 4-D document mask, the backend tests show isolates packed documents)"
             )
-        from densebatch.model.hf import HFCausalLM
-
         model = HFCausalLM(
             cfg.path,
             attn_implementation=cfg.attn_implementation,
@@ -66,20 +66,6 @@ def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None =
         )
         new_ids = model.resize_vocab(vocab_size, base_vocab_size)
         if cfg.lora.r:
-            from densebatch.model.lora import apply_lora
-
             apply_lora(model, cfg.lora, new_ids)
         return model
     raise ConfigError(f"model.kind: expected gpt or hf; got {cfg.kind!r}")
-
-
-def __getattr__(name: str):
-    if name == "HFCausalLM":
-        from densebatch.model.hf import HFCausalLM
-
-        return HFCausalLM
-    if name == "load_adapter":
-        from densebatch.model.lora import load_adapter
-
-        return load_adapter
-    raise AttributeError(name)

@@ -8,6 +8,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from densebatch.errors import ConfigError
+from densebatch.model.gpt import GPT, KIND
+from densebatch.model.hf import HFCausalLM
 
 
 def save_model(model: nn.Module, path: str | Path) -> None:
@@ -21,8 +23,6 @@ def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module
     A ``config.json`` marked ``densebatch_kind: densebatch-gpt`` is the reference GPT; any other is
     a Hugging Face model directory (weights optional, see ``HFCausalLM``).
     """
-    from densebatch.model.gpt import GPT, KIND
-
     path = Path(path)
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
@@ -33,6 +33,4 @@ def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module
         raise ConfigError(f"{cfg_file}: not valid JSON: {e}") from None
     if meta.get("densebatch_kind") == KIND:
         return GPT.load(path)
-    from densebatch.model.hf import HFCausalLM
-
     return HFCausalLM(path, attn_implementation=attn_implementation)

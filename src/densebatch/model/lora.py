@@ -21,6 +21,7 @@ import json
 from pathlib import Path
 
 from densebatch.errors import ConfigError
+from densebatch.model.hf import HFCausalLM, has_weights
 
 ADAPTER_CONFIG = "adapter_config.json"
 # Attention projections to adapt where peft has no default for the architecture (its default, the
@@ -70,8 +71,6 @@ def trainable_tokens(lm, new_ids: list[int]) -> list[int] | dict[str, list[int]]
 
 def apply_lora(model, settings, new_ids: list[int] = ()) -> None:
     """Wrap ``model.hf`` (an ``HFCausalLM``) in LoRA adapters per ``settings`` (``config.LoraConfig``)."""
-    from densebatch.model.hf import has_weights
-
     peft = _peft()
     if model.lora:
         raise AssertionError("LoRA adapters are already applied")
@@ -103,8 +102,6 @@ def load_adapter(path: str | Path, model_cfg, vocab_size: int):
     """The model a LoRA run saved in ``path`` (its final/): the base model (``adapter_config.json``'s
     ``base_model_name_or_path``, else ``model_cfg.path``) in the run's dtype and attention, its
     vocabulary grown to ``vocab_size`` (the saved tokenizer's), the adapter loaded on top."""
-    from densebatch.model.hf import HFCausalLM
-
     peft = _peft()
     path = Path(path)
     saved = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))

@@ -47,9 +47,7 @@ def budget_search(cfg: RunConfig, prepared: Prepared):
     b = cfg.batching
     store = prepared.train
     lengths = np.asarray(store.lengths, dtype=np.int64)
-    unit, low, high = budget_range(
-        PlanSettings.from_config(b, max_tokens_per_batch=-(-b.seq_len // b.pad_to_multiple_of) * b.pad_to_multiple_of), lengths
-    )
+    unit, low, high = budget_range(b, lengths)
     collator = collator_from_config(b, store.meta, cfg.seed)
 
     def snap(budget: int) -> int:
@@ -69,7 +67,7 @@ def fit_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed) -> 
     t, f = cfg.train, cfg.finder
     say(dist, "finding the token budget (batching.max_tokens_per_batch: auto):")
     result = find_budget(
-        model, optimizer, worst, snap, low, high, limit_gb=t.memory_limit_gb, margin=t.memory_margin, precision=t.precision,
+        model, optimizer, worst, snap, low, high, limit_gb=t.memory_limit_gb, margin=f.memory_reserve, precision=t.precision,
         dist=dist, max_probes=f.max_probes, throughput_share=f.throughput_share, log=(lambda s: say(dist, s)),
     )  # fmt: skip
     del optimizer  # its state went back to empty; the trainer builds its own
@@ -122,7 +120,7 @@ def resolved_budget(cfg: RunConfig) -> RunConfig:
         return cfg
     saved = Path(cfg.output_dir) / "config.yaml"
     if saved.is_file():
-        budget = config_from_dict(yaml.safe_load(saved.read_text(encoding="utf-8"))).batching.max_tokens_per_batch
+        budget = config_from_dict(yaml.safe_load(saved.read_text(encoding="utf-8")), saved=True).batching.max_tokens_per_batch
         if budget != "auto":
             return replace(cfg, batching=replace(cfg.batching, max_tokens_per_batch=budget))
     raise ConfigError(

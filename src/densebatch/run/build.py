@@ -52,12 +52,9 @@ def seed_everything(seed: int) -> None:
 
 def longest_row(cfg: RunConfig, prepared: Prepared) -> tuple[int, str]:
     """The longest row any batch of the run can hold (train and full-context eval), and the key that sets it."""
-    b = cfg.batching
-    known = b.max_tokens_per_batch != "auto"  # auto: not found yet; a split document's row is then at most itself
-    m = b.pad_to_multiple_of
-    settings = PlanSettings.from_config(b, **({} if known else {"max_tokens_per_batch": -(-b.seq_len // m) * m}))
-    train, key = longest_train_row(settings, int(np.max(prepared.train.lengths)), budget_known=known)
+    train, key = longest_train_row(cfg.batching, int(np.max(prepared.train.lengths)))
     longest = max(train, int(np.max(prepared.eval.lengths)) if prepared.eval is not None else 0)
+    m = cfg.batching.pad_to_multiple_of
     return -(-longest // m) * m, key
 
 

@@ -134,7 +134,7 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
     kind, d, which = find_model_dir(path)
     if kind == "final":
         tokenizer = load_tokenizer(d)
-        saved_cfg = load_config(d / "config.yaml") if (d / "config.yaml").is_file() else None
+        saved_cfg = load_config(d / "config.yaml", saved=True) if (d / "config.yaml").is_file() else None
         model_cfg = (saved_cfg or cfg or RunConfig()).model  # how the run loaded it (Gemma 2: eager attention)
         if is_adapter_dir(d):  # a LoRA run's final: the adapter, on the base model its run trained
             model = load_adapter(d, model_cfg, tokenizer.vocab_size)
@@ -143,7 +143,7 @@ def load_trained(path: str | Path, cfg: RunConfig | None = None):
         return model, tokenizer, cfg or saved_cfg, which
     ckpt = load_checkpoint(d)
     saved = (ckpt.extra_state or {}).get("config")
-    run_cfg = cfg or (config_from_dict(saved) if saved else None)
+    run_cfg = cfg or (config_from_dict(saved, saved=True) if saved else None)
     if run_cfg is None:
         raise UserError(f"{d}: the checkpoint carries no configuration; pass the run's CONFIG")
     if run_cfg.data.tokenizer.startswith("bpe:"):  # a learned tokenizer lives with the prepared documents

@@ -30,7 +30,7 @@ DEMO_OVERRIDES: tuple[str, ...] = (
     "--train.warmup_steps=50",
     # Steps here carry ~95 loss tokens, so their losses vary 3x from batch to batch while the model
     # learns: the spike detector read that as spikes and skipped good batches (14 of 800 measured).
-    "--train.spike_zscore=0",
+    "--train.guard.spike_zscore=0",
 )
 
 # Overrides that bring the user's own data: with any of them, the demo's settings do not apply.

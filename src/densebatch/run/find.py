@@ -16,6 +16,7 @@ from densebatch.run.build import build_loaders, resolve_config, setup
 from densebatch.train.distributed import Distributed, wrap_model
 from densebatch.train.finders.lr_finder import lr_range_test, write_outputs
 from densebatch.train.loop import Trainer
+from densebatch.train.parts import Evaluation, Placement, Reporting
 
 BUDGET_JSON = "batch_finder.json"
 
@@ -29,8 +30,8 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
         forward = wrap_model(s.model, cfg.train.distributed, dist)
         loader, eval_data = build_loaders(cfg, s.prepared, dist)  # the eval data give the held-out batches
         trainer = Trainer(
-            s.model, loader, trainer_config(cfg), cfg.eval, output_dir=cfg.output_dir, device=s.device, dist=dist,
-            forward=forward, console=False, eval_data=eval_data,
+            s.model, loader, trainer_config(cfg), output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
+            placement=Placement(s.device, dist, forward), reporting=Reporting(console=False),
         )  # fmt: skip
         result = lr_range_test(trainer, cfg.finder, log=(lambda text: say(dist, text)))
         if dist.is_main:

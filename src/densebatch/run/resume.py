@@ -91,8 +91,8 @@ def explicit_keys(overrides: list[str]) -> set[str]:
 
 def evaluations_steer(cfg: RunConfig) -> str | None:
     """What acts on the evaluations' losses (a key), or None when they are only recorded."""
-    if cfg.train.batch_backoff_patience:
-        return "train.batch_backoff_patience"
+    if cfg.train.batch_schedule.backoff_patience:
+        return "train.batch_schedule.backoff_patience"
     if cfg.eval.patience:
         return "eval.patience"
     return None
@@ -101,7 +101,7 @@ def evaluations_steer(cfg: RunConfig) -> str | None:
 def plan_resume(saved: dict, requested: RunConfig, overrides: list[str]) -> ResumePlan:
     """The configuration a resume runs with (see the module docstring); ``ConfigError`` listing every
     change named on the command line that would make the resumed run differ from the saved one."""
-    base = config_from_dict(saved)  # validates, and fills keys a newer version added
+    base = config_from_dict(saved, saved=True)  # validates, fills keys a newer version added, reads moved ones
     old, new = flatten(to_dict(base)), flatten(to_dict(requested))
     named = explicit_keys(overrides)
     merged = to_dict(base)
@@ -139,12 +139,25 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
     out = Path(requested.output_dir)
     ck = requested.checkpoint
     path = None
+    skipped: list[str] = []
     if resume or ck.resume == "auto":
-        path = latest_valid(
-            out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=lambda p, why: _warn(dist, f"checkpoint {p}: {why} — skipped")
-        )
+
+        def skip(p, why):
+            skipped.append(f"{p}: {why}")
+            _warn(dist, f"checkpoint {p}: {why} — skipped")
+
+        path = latest_valid(out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=skip)
+        found = holds_a_run(out)
+        if path is None and resume and found and not overwrite:
+            # Starting afresh would replace the run's final model and metrics: its checkpoints may be
+            # repairable (a damaged one often holds intact weights), so nothing is touched.
+            raise UserError(
+                f"--resume: {out} holds a run ({', '.join(found)}) but no checkpoint that verifies"
+                + (f" ({'; '.join(skipped)})" if skipped else " (none was saved)")
+                + "; nothing was changed. Start over with --overwrite (deletes the run), or set --output_dir"
+            )
         if path is None and resume:
-            _warn(dist, f"no valid checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
+            _warn(dist, f"no checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
     if path is None:
         found = holds_a_run(out)
         if found and not overwrite and not resume:

@@ -24,6 +24,7 @@ from densebatch.model import build_model, generate_batch, save_model
 from densebatch.run.auto import resolve_budget, resolve_lr, trainer_config
 from densebatch.run.build import build_loaders, resolve_config, setup
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
+from densebatch.run.lock import RunLock
 from densebatch.run.resume import resolve_run
 from densebatch.train.checkpoint import CheckpointManager
 from densebatch.train.distributed import Distributed, wrap_model
@@ -31,6 +32,9 @@ from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
 from densebatch.train.loop import Trainer
 from densebatch.train.observe.health import HealthMonitor, default_memory_limit_gb
 from densebatch.train.observe.monitor import METRICS_FILE, truncate_metrics
+from densebatch.train.observe.plots import PLOTS_DIR, plot_run
+from densebatch.train.observe.sinks import build_sinks as sinks_for
+from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 from densebatch.train.portable import is_sharded, model_state
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.session import Session
@@ -40,7 +44,8 @@ def train(path: str | None, overrides: list[str], resume: bool = False, overwrit
     requested = resolve_config(path, overrides)
     dist = Distributed.from_environment(requested.train.device)
     try:
-        return _train(requested, overrides, resume, overwrite, dist)
+        with RunLock(requested.output_dir, dist):  # one writer per run directory, for the whole run
+            return _train(requested, overrides, resume, overwrite, dist)
     finally:
         dist.close()
 
@@ -55,29 +60,28 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     forward = wrap_model(model, cfg.train.distributed, dist)
     loader, eval_data = build_loaders(cfg, prepared, dist)
     t = trainer_config(cfg)  # train.lr: auto holds a placeholder until resolve_lr below
-    if t.batch_backoff_patience and eval_data is None:
-        raise ConfigError("train.batch_backoff_patience: a back-off watches the eval loss, and this run has no eval split")
+    if t.batch_schedule.backoff_patience and eval_data is None:
+        raise ConfigError(
+            "train.batch_schedule.backoff_patience: a back-off watches the eval loss, and this run has no eval split"
+        )
+    accuracy = accuracy_check(cfg, prepared, dist)
     trainer = Trainer(
-        model, loader, t, cfg.eval, output_dir=out, device=device, eval_data=eval_data,
-        guard=AnomalyGuard(t.spike_zscore, t.spike_window, t.max_bad_steps),
-        clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
-        dist=dist, forward=forward, sinks=build_sinks(cfg, out) if dist.is_main else (),
-        source_names=prepared.train.source_names,
-        batch_schedule=BatchSchedule.from_config(t), health=build_health(cfg, device),
+        model, loader, t, output_dir=out,
+        evaluation=Evaluation(cfg.eval, eval_data, accuracy_entries(cfg, accuracy, tok) if accuracy is not None else None),
+        placement=Placement(device, dist, forward),
+        parts=StepParts(
+            guard=AnomalyGuard(t.guard.spike_zscore, t.guard.spike_window, t.guard.max_bad_steps),
+            clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
+            batch_schedule=BatchSchedule.from_config(t.batch_schedule),
+        ),
+        reporting=Reporting(
+            sinks=build_sinks(cfg, out) if dist.is_main else (), health=build_health(cfg, device),
+            source_names=prepared.train.source_names,
+        ),
     )  # fmt: skip
     cfg = resolve_lr(cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which it leaves as it was
-    accuracy = None
-    sharded = cfg.train.distributed == "fsdp" and dist.enabled  # generation would need every rank's shards
-    demo_data = cfg.data.path is None and not cfg.data.sources  # the embedded dataset, whose answers can be checked
-    if demo_data and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main and not sharded:
-        accuracy = AccuracyCheck(prepared.eval_records, cfg.data, tok, cfg.eval.accuracy_samples)
-
-        def answer(model, prompts):
-            return generate_batch(model, prompts, cfg.eval.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
-
-        trainer.evaluate_fn = lambda model: accuracy(lambda prompts: answer(model, prompts))
     ckpt = CheckpointManager(out / CHECKPOINT_DIR, cfg.checkpoint.keep_last, cfg.checkpoint.mirror_dir)
-    session = Session(trainer, ckpt, cfg.checkpoint.every_steps, t.rollback_lr_factor, config=to_dict(cfg))
+    session = Session(trainer, ckpt, cfg.checkpoint.every_steps, t.guard.rollback_lr_factor, config=to_dict(cfg))
     if resume_from is not None:
         session.restore(resume_from)
         if dist.is_main:
@@ -112,6 +116,25 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     return 0
 
 
+def accuracy_check(cfg: RunConfig, prepared, dist: Distributed) -> AccuracyCheck | None:
+    """Exact-match accuracy on held-out prompts: only for the embedded dataset (whose answers can be checked),
+    on rank 0, and not under FSDP (generation would need every rank's shards)."""
+    sharded = cfg.train.distributed == "fsdp" and dist.enabled
+    demo_data = cfg.data.path is None and not cfg.data.sources
+    if demo_data and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main and not sharded:
+        return AccuracyCheck(prepared.eval_records, cfg.data, prepared.tokenizer, cfg.eval.accuracy_samples)
+    return None
+
+
+def accuracy_entries(cfg: RunConfig, accuracy: AccuracyCheck, tok):
+    """The eval records' accuracy entries: greedy answers to the held-out prompts, checked."""
+
+    def answer(model, prompts):
+        return generate_batch(model, prompts, cfg.eval.max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id)
+
+    return lambda model: accuracy(lambda prompts: answer(model, prompts))
+
+
 def build_health(cfg: RunConfig, device) -> HealthMonitor | None:
     """The health warnings' monitor from ``train.health``; memory is judged against ``train.memory_limit_gb``,
     or the device's (CUDA) or machine's (CPU) memory."""
@@ -121,15 +144,13 @@ def build_health(cfg: RunConfig, device) -> HealthMonitor | None:
     limit = cfg.train.memory_limit_gb or default_memory_limit_gb(torch.device(device))
     return HealthMonitor(
         memory_limit_gb=limit, clip_limit=cfg.train.grad_clip, warmup_steps=h.warmup_steps,
-        data_wait_share=h.data_wait_share, memory_margin=h.memory_margin, slow_ratio=h.slow_ratio,
+        data_wait_share=h.data_wait_share, memory_headroom=h.memory_headroom, slow_ratio=h.slow_ratio,
         fill_ratio=h.fill_ratio, clip_share=h.clip_share, clip_warmup_steps=h.clip_warmup_steps,
     )  # fmt: skip
 
 
 def write_plots(out: Path) -> None:
     """The run's plots (train/observe/plots.py) into ``out/plots``, and where they went; without matplotlib, a hint."""
-    from densebatch.train.observe.plots import PLOTS_DIR, plot_run
-
     try:
         paths = plot_run(out)
     except ConfigError:  # matplotlib is missing: plots are optional
@@ -140,8 +161,4 @@ def write_plots(out: Path) -> None:
 
 
 def build_sinks(cfg: RunConfig, out: Path) -> list:
-    if not cfg.train.report_to:
-        return []
-    from densebatch.train.observe.sinks import build_sinks as build
-
-    return build(list(cfg.train.report_to), out)
+    return sinks_for(list(cfg.train.report_to), out) if cfg.train.report_to else []

@@ -27,13 +27,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from densebatch.atomic import remove_dir, staged_dir
-from densebatch.errors import UserError
+from densebatch.train.checkpoint_format import CheckpointError, decode_tree, dedupe_tensors, encode_tree
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -41,11 +40,6 @@ STATE = "state.json"
 PARTS = ("model", "optimizer", "extra")
 _STEP_RE = re.compile(r"step-(\d+)")
 _TEMP_RE = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)(?:-[0-9a-f]+)?")
-_TAGS = ("__tensor__", "__ndarray__", "__tuple__", "__items__")
-
-
-class CheckpointError(UserError):
-    """A checkpoint cannot be written or read (corrupt, incomplete, or not a checkpoint at all)."""
 
 
 class CheckpointWarning(UserWarning):
@@ -67,75 +61,6 @@ def checkpoint_step(path: str | Path) -> int:
     if not (m := _STEP_RE.fullmatch(Path(path).name)):
         raise CheckpointError(f"{path}: not a checkpoint directory name (expected step-NNNNNN)")
     return int(m.group(1))
-
-
-# ------------------------------------------------------------------ state <-> JSON + tensors
-def _encode(obj: Any, path: list[str], tensors: dict[str, Any]) -> Any:
-    """JSON-able tree of ``obj``; tensors / arrays go to ``tensors`` under their dotted path."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
-        key = ".".join(path) or "tensor"
-        while key in tensors:  # "a.b" as a key and as a nested path: keep both apart
-            key += "_"
-        tensors[key] = obj
-        return {"__ndarray__" if isinstance(obj, np.ndarray) else "__tensor__": key}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, np.generic):  # numpy scalars sneak into loader states; stored as Python numbers
-        return obj.item()
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, path + [str(i)], tensors) for i, v in enumerate(obj)]}
-    if isinstance(obj, list):
-        return [_encode(v, path + [str(i)], tensors) for i, v in enumerate(obj)]
-    if isinstance(obj, dict):
-        if all(isinstance(k, str) for k in obj) and not (len(obj) == 1 and next(iter(obj)) in _TAGS):
-            return {k: _encode(v, path + [k], tensors) for k, v in obj.items()}
-        # int keys (optimizer "state"), tuple keys, or a key that looks like a tag: keep exact types
-        return {"__items__": [[_encode(k, path, {}), _encode(v, path + [str(k)], tensors)] for k, v in obj.items()]}
-    raise CheckpointError(
-        f"cannot store {'.'.join(path) or 'value'} of type {type(obj).__name__}: only tensors, numpy arrays and JSON data"
-    )
-
-
-def _decode(node: Any, tensors: dict[str, torch.Tensor], aliases: dict[str, str]) -> Any:
-    if isinstance(node, list):
-        return [_decode(v, tensors, aliases) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if len(node) == 1:
-        ((tag, value),) = node.items()
-        if tag in ("__tensor__", "__ndarray__"):
-            key = aliases.get(value, value)
-            if key not in tensors:
-                raise CheckpointError(f"state.json refers to tensor '{value}' that no tensor file holds")
-            return tensors[key] if tag == "__tensor__" else tensors[key].numpy()
-        if tag == "__tuple__":
-            return tuple(_decode(v, tensors, aliases) for v in value)
-        if tag == "__items__":  # keys were encoded like values: tuples come back as tuples (hashable)
-            return {_decode(k, tensors, aliases): _decode(v, tensors, aliases) for k, v in value}
-    return {k: _decode(v, tensors, aliases) for k, v in node.items()}
-
-
-def _dedupe(tensors: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Store each tensor once: identical views (tied weights) become aliases of the first key;
-    distinct views of one storage are cloned, since safetensors refuses shared memory."""
-    unique, aliases, first_of_view, views_of = {}, {}, {}, {}
-    as_tensor = {
-        k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v.detach() for k, v in tensors.items()
-    }
-    storage = {k: (t.device, t.untyped_storage().data_ptr()) for k, t in as_tensor.items() if t.numel()}  # empty: no memory
-    for key, where in storage.items():
-        t = as_tensor[key]
-        view = (*where, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
-        views_of.setdefault(where, set()).add(view)
-        if view in first_of_view:
-            aliases[key] = first_of_view[view]
-        else:
-            first_of_view[view] = key
-    for key, t in as_tensor.items():
-        if key not in aliases:
-            shared = key in storage and len(views_of[storage[key]]) > 1
-            unique[key] = t.to("cpu", copy=True).contiguous() if shared else t.cpu().contiguous()
-    return unique, aliases
 
 
 # --------------------------------------------------------------------------- files on disk
@@ -184,16 +109,36 @@ def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda sp: sp[0], reverse=True)
 
 
+def set_aside(path: Path, why: str) -> Path:
+    """Rename a damaged checkpoint to ``step-N.damaged`` (``-2``, ... if taken): no resume reads it, no prune
+    counts or deletes it, and what it still holds (often intact weights) stays for the user to recover."""
+    aside = path.with_name(f"{path.name}.damaged")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.damaged-{n}")
+    os.rename(path, aside)
+    warnings.warn(f"checkpoint {path}: {why} — kept as {aside.name}, never deleted", CheckpointWarning, stacklevel=3)
+    return aside
+
+
 def _prune(root: Path, keep_last: int, step: int) -> None:
+    """Keep the newest ``keep_last`` intact checkpoints. A damaged one is never deleted nor counted: one in
+    the way of a newer step is set aside (``set_aside``), older ones are left where they are."""
     for s, p in list_checkpoints(root):
         if s > step:  # this run resumed from an earlier step: never let auto-resume jump onto the abandoned one
+            ok, why = verify(p, check_hashes=False)
+            if not ok:
+                set_aside(p, why)
+                continue
             warnings.warn(
                 f"checkpoint {p}: newer than the step just saved ({step}), from an abandoned run — removed",
                 CheckpointWarning,
                 stacklevel=3,
             )
             remove_dir(p)
-    for _, p in list_checkpoints(root)[keep_last:]:
+    intact = [p for _, p in list_checkpoints(root) if verify(p, check_hashes=False)[0]]
+    for p in intact[keep_last:]:
         remove_dir(p)
 
 
@@ -216,16 +161,18 @@ def save_checkpoint(
     root.mkdir(parents=True, exist_ok=True)
     cleanup_temp_dirs(root)
     final = root / step_dir_name(step)
+    if final.exists() and not (check := verify(final, check_hashes=False))[0]:
+        set_aside(final, check[1])  # a damaged checkpoint of the same step is kept, not replaced
     with staged_dir(final) as tmp:
         parts = {}
         for part, obj in zip(PARTS, (model_state, optimizer_state, extra_state)):
-            tree = _encode(obj, [], tensors := {})
-            unique, aliases = _dedupe(tensors)
+            tree = encode_tree(obj, [], tensors := {})
+            unique, aliases = dedupe_tensors(tensors)
             if file := f"{part}.safetensors" if unique else None:
                 save_file(unique, str(tmp / file), metadata={"format": "pt"})
             parts[part] = {"file": file, "aliases": aliases, "tree": tree}
         # Module versions that load_state_dict hands to _load_from_state_dict (e.g. BatchNorm's).
-        parts["model"]["metadata"] = _encode(getattr(model_state, "_metadata", None), ["_metadata"], {})
+        parts["model"]["metadata"] = encode_tree(getattr(model_state, "_metadata", None), ["_metadata"], {})
         _write_json(tmp / STATE, {"format_version": FORMAT_VERSION, "step": step, "parts": parts})
         files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "step": step, "files": files})
@@ -265,9 +212,10 @@ def _check_safetensors_header(path: Path) -> str | None:
     return None
 
 
-def verify(path: str | Path) -> tuple[bool, str]:
+def verify(path: str | Path, check_hashes: bool = True) -> tuple[bool, str]:
     """``(True, "ok")`` when the manifest parses and every file it lists has its size and SHA-256;
-    otherwise ``(False, reason)`` with the reason naming the file."""
+    otherwise ``(False, reason)`` with the reason naming the file. ``check_hashes`` False: the same
+    without reading the tensor files through (pruning: a cheap look at every checkpoint per save)."""
     path = Path(path)
     if not path.is_dir():
         return False, "not a directory"
@@ -297,7 +245,7 @@ def verify(path: str | Path) -> tuple[bool, str]:
             return False, f"{MANIFEST}: bad entry for {name}"
         if f.stat().st_size != size:
             return False, f"{name} has {f.stat().st_size} bytes, the manifest says {size} (truncated?)"
-        if _sha256(f) != digest:
+        if check_hashes and _sha256(f) != digest:
             return False, f"{name} SHA-256 mismatch"
     try:
         state = json.loads((path / STATE).read_text(encoding="utf-8"))
@@ -358,13 +306,13 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", parts:
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: {entry['file']} cannot be read as safetensors: {e}") from None
         try:
-            out.append(_decode(entry["tree"], tensors, entry["aliases"]))
+            out.append(decode_tree(entry["tree"], tensors, entry["aliases"]))
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"{path}: {STATE} is malformed ({type(e).__name__}: {e})") from None
     if isinstance(out[0], dict):  # what nn.Module.state_dict() returns, with its version metadata
         out[0] = OrderedDict(out[0])
         if state["parts"]["model"].get("metadata") is not None:
-            out[0]._metadata = _decode(state["parts"]["model"]["metadata"], {}, {})
+            out[0]._metadata = decode_tree(state["parts"]["model"]["metadata"], {}, {})
     return Checkpoint(*out)
 
 

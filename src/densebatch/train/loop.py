@@ -24,17 +24,16 @@ import torch
 from torch import nn
 
 from densebatch.batch import Batch, Step
-from densebatch.config import EvalConfig, TrainConfig
+from densebatch.config import TrainConfig
 from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.contracts import StepSource
 from densebatch.train.distributed import Distributed, TokenLosses
 from densebatch.train.evaluate import EvalResult, by_source, check_precision, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper
-from densebatch.train.observe.health import HealthMonitor
 from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
 from densebatch.train.oom import OOMLog, Passes, accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
-from densebatch.train.schedule import BatchSchedule
+from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes, step_record
 from densebatch.train.update import apply_update
 
@@ -48,41 +47,35 @@ def resolve_device(name: str | torch.device) -> torch.device:
 class Trainer:
     """Train ``model`` on ``data`` under ``cfg``: ``run()`` until a limit, early stopping or ``should_stop``.
 
-    Components, each with ``state_dict`` / ``load_state_dict`` and listed by name in ``parts()``:
-    ``data`` (a ``StepLoader``, or any iterable of ``Batch``), ``guard`` (``AnomalyGuard``: verdict per
-    step), ``clipper`` (``FixedClipper`` / ``AdaptiveClipper``), the fp16 ``scaler`` and the counters
-    (``state``). ``dist`` (``Distributed``) supplies rank, world size and collectives. ``forward``
-    is the module training passes go through (``TokenLosses(model)``, or its DDP / FSDP wrapper).
-    ``evaluate_fn(model) -> dict`` adds entries (e.g. accuracy) to each eval record; ``after_step(result)``
-    runs after every step (the session: checkpoints, rollbacks); ``sinks`` receive every record.
-    ``health`` (``HealthMonitor``) reads every train record, logged or not; its warnings go to the console,
-    to the records (``"kind": "warning"``) and to the end-of-run summary.
+    ``data`` is a ``StepSource`` (``train/contracts.py``: a ``StepLoader``) or any iterable of ``Batch``.
+    The rest comes grouped (``train/parts.py``): ``evaluation`` (settings, eval batches, extra checks),
+    ``placement`` (device, ranks, the wrapped forward), ``parts`` (guard, clipper, batch schedule) and
+    ``reporting`` (console, sinks, health warnings, source names). Stateful components, each with
+    ``state_dict`` / ``load_state_dict``, are listed by name in ``parts()``. ``after_step(result)`` runs
+    after every step (the session: checkpoints, rollbacks).
     """
 
     def __init__(
         self,
         model: nn.Module,
-        data: Iterable,
+        data: StepSource | Iterable[Batch],
         cfg: TrainConfig,
-        eval_cfg: EvalConfig | None = None,
         *,
         output_dir: str | Path,
-        device: str | torch.device | None = None,
-        eval_data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None,
-        evaluate_fn: Callable[[nn.Module], dict] | None = None,
-        guard: AnomalyGuard | None = None,
-        clipper: Any = None,
-        dist: Distributed | None = None,
-        forward: nn.Module | None = None,
+        evaluation: Evaluation | None = None,
+        placement: Placement | None = None,
+        parts: StepParts | None = None,
+        reporting: Reporting | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         total_steps: int | None = None,
-        console: bool = True,
-        sinks: Iterable[Any] = (),
-        batch_schedule: BatchSchedule | None = None,
-        source_names: list[str] | None = None,
-        health: HealthMonitor | None = None,
     ):
-        self.cfg, self.eval_cfg = cfg, eval_cfg or EvalConfig()
+        evaluation, placement = evaluation or Evaluation(), placement or Placement()
+        parts, reporting = parts or StepParts(), reporting or Reporting()
+        device, dist, forward = placement.device, placement.dist, placement.forward
+        eval_cfg, eval_data, evaluate_fn = evaluation.cfg, evaluation.data, evaluation.extra
+        guard, clipper, batch_schedule = parts.guard, parts.clipper, parts.batch_schedule
+        console, sinks, health, source_names = reporting.console, reporting.sinks, reporting.health, reporting.source_names
+        self.cfg, self.eval_cfg = cfg, eval_cfg
         self.dist = dist or Distributed()
         self.device = resolve_device(device if device is not None else cfg.device)
         check_precision(self.device, cfg.precision)

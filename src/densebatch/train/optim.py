@@ -29,7 +29,7 @@ def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
     No weight decay on tensors with ``ndim < 2`` (norm gains, biases), on the embeddings group, nor
     on the output embedding matrix (an untied ``lm_head``, named by the model's optional
     ``output_embeddings()``; it stays in the head group for its learning rate), unless
-    ``cfg.decay_all``: decaying them pulls scales and token vectors towards zero (rare tokens most),
+    ``cfg.optimizer.decay_all``: decaying them pulls scales and token vectors towards zero (rare tokens most),
     which hurts and buys no regularisation. Empty groups are left out. Every parameter appears once.
 
     With ``cfg.layer_lr_decay`` < 1 each block (``repeated_blocks``: the largest ``nn.ModuleList``)
@@ -60,11 +60,11 @@ def param_groups(model: nn.Module, cfg: TrainConfig) -> list[dict]:
                 index, d = depth[id(p)]
                 prefix, mult = f"blocks.{index}", mults[name] * cfg.layer_lr_decay**d
             decay, no_decay = parts.setdefault(prefix, (mult, [], []))[1:]
-            decays = cfg.decay_all or (p.ndim >= 2 and name != "embeddings" and id(p) not in embedding_like)
+            decays = cfg.optimizer.decay_all or (p.ndim >= 2 and name != "embeddings" and id(p) not in embedding_like)
             (decay if decays else no_decay).append(p)
         for prefix in sorted(parts, key=_block_order):
             mult, decay, no_decay = parts[prefix]
-            for params, wd, suffix in ((decay, cfg.weight_decay, "decay"), (no_decay, 0.0, "no_decay")):
+            for params, wd, suffix in ((decay, cfg.optimizer.weight_decay, "decay"), (no_decay, 0.0, "no_decay")):
                 if params:
                     out.append({"params": params, "weight_decay": wd, "lr_mult": mult, "name": f"{prefix}.{suffix}"})
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
@@ -98,7 +98,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     params = [p for g in groups for p in g["params"]]
     fused = bool(params) and all(_fused_ok(p) for p in params)
     impl = {"fused": True} if fused else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **impl)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2), eps=cfg.optimizer.eps, **impl)
 
 
 def _fused_ok(p: torch.Tensor) -> bool:

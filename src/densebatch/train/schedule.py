@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import threading
 
-from densebatch.config import TrainConfig
+from densebatch.config import BatchScheduleConfig
 from densebatch.train.contracts import StepSource, TrainerHost
 
 LR_POWERS = {"none": 0.0, "sqrt": 0.5, "linear": 1.0}
@@ -86,20 +86,20 @@ class BatchSchedule:
         self._loss_target: int | None = None
 
     @classmethod
-    def from_config(cls, cfg: TrainConfig) -> BatchSchedule | None:
-        """The schedule ``train.*`` asks for, or None when neither a ramp nor a back-off is on."""
-        if not cfg.ramp_steps and not cfg.batch_backoff_patience:
+    def from_config(cls, cfg: BatchScheduleConfig) -> BatchSchedule | None:
+        """The schedule ``train.batch_schedule`` asks for, or None when neither a ramp nor a back-off is on."""
+        if not cfg.ramp_steps and not cfg.backoff_patience:
             return None
         return cls(
             cfg.ramp_steps,
             cfg.ramp_start,
             cfg.ramp_unit,
-            cfg.batch_backoff_patience,
-            cfg.batch_backoff_factor,
-            cfg.batch_backoff_floor,
-            cfg.batch_backoff_cap,
-            cfg.batch_backoff_max,
-            cfg.lr_batch_scaling,
+            cfg.backoff_patience,
+            cfg.backoff_factor,
+            cfg.backoff_floor,
+            cfg.backoff_cap,
+            cfg.backoff_max,
+            cfg.lr_scaling,
         )
 
     # ---------------------------------------------------------------------------- fractions

@@ -47,15 +47,15 @@ def check_batching(b) -> None:
         raise ConfigError(f"batching.{e}") from None
 
 
-def longest_train_row(settings: PlanSettings, longest_doc: int, budget_known: bool = True) -> tuple[int, str]:
-    """(the longest row a training batch can hold before rounding, the key that sets it). Packed rows are
-    ``seq_len``; token-budget rows that split long documents stop at the budget; other rows hold
-    a whole document (``data.max_seq_len`` bounds it). ``budget_known`` False: the budget is ``auto``."""
-    s = settings
-    if s.strategy == "packed":
-        return s.seq_len, "batching.seq_len"
-    if s.strategy == "token_budget" and s.long_docs == "split" and budget_known:
-        return min(int(longest_doc), s.max_tokens_per_batch), "data.max_seq_len"
+def longest_train_row(b, longest_doc: int) -> tuple[int, str]:
+    """(the longest row a training batch of ``b`` (a ``BatchingConfig``) can hold before rounding, the key that
+    sets it). Packed rows are ``seq_len``; token-budget rows that split long documents stop at the budget
+    (``auto``: not known yet, so the longest document); other rows hold a whole document (``data.max_seq_len``
+    bounds it)."""
+    if b.strategy == "packed":
+        return b.seq_len, "batching.seq_len"
+    if b.strategy == "token_budget" and b.long_docs == "split" and b.max_tokens_per_batch != "auto":
+        return min(int(longest_doc), int(b.max_tokens_per_batch)), "data.max_seq_len"
     return int(longest_doc), "data.max_seq_len"
 
 
@@ -75,18 +75,19 @@ def full_context_settings(settings: PlanSettings, longest: int) -> PlanSettings:
     return replace(settings, seq_len=row if packed else settings.seq_len, max_tokens_per_batch=budget)
 
 
-def budget_range(settings: PlanSettings, lengths: np.ndarray) -> tuple[int, int, int]:
-    """(unit, lowest, highest) budget worth trying for ``lengths``: packed budgets hold whole rows, from
-    one row to every token at once; token budgets from one longest document to all documents at once."""
-    m = settings.pad_to_multiple_of
+def budget_range(b, lengths: np.ndarray) -> tuple[int, int, int]:
+    """(unit, lowest, highest) budget worth trying for ``b`` (a ``BatchingConfig``) on ``lengths``: packed
+    budgets hold whole rows, from one row to every token at once; token budgets from one longest document
+    to all documents at once."""
+    m = b.pad_to_multiple_of
     lengths = np.asarray(lengths, dtype=np.int64)
-    if settings.strategy == "packed":
-        unit = _up(settings.seq_len, m)
+    if b.strategy == "packed":
+        unit = _up(b.seq_len, m)
         return unit, unit, unit * (int(lengths.sum()) // unit + len(lengths) // 8 + 2)
-    if settings.strategy == "token_budget":
+    if b.strategy == "token_budget":
         longest = _up(lengths.max(), m)
         return m, longest, longest * len(lengths)
-    raise ConfigError(f"batching.strategy: a token budget sizes token_budget and packed batches, not {settings.strategy}")
+    raise ConfigError(f"batching.strategy: a token budget sizes token_budget and packed batches, not {b.strategy}")
 
 
 def worst_batches(lengths: np.ndarray, settings: PlanSettings, seed: int) -> list[tuple[list, int]]:

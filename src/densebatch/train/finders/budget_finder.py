@@ -249,7 +249,7 @@ def find_budget(
         raise UserError(
             f"batching.max_tokens_per_batch: auto: even the smallest budget ({first.budget} slots, {' + '.join(first.batches)}) "
             f"needs {first.peak_gb[worst_rank]:.2f} GB on rank {worst_rank}, over its {limits[worst_rank]:.2f} GB "
-            f"(train.memory_limit_gb less train.memory_margin): raise the limit, or lower data.max_seq_len / batching.seq_len"
+            f"(train.memory_limit_gb less finder.memory_reserve): raise the limit, or lower data.max_seq_len / batching.seq_len"
         )
     chosen = next(p for p in probes if p.budget == lo)
     best = max((p.tokens_per_s or 0.0) for p in probes if p.fits)

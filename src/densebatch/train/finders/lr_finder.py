@@ -38,6 +38,7 @@ from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
 from densebatch.train.guard import FixedClipper
+from densebatch.train.observe.plots import plot_lr_finder
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
@@ -234,8 +235,6 @@ def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Pa
         import matplotlib  # noqa: F401
     except ImportError:
         return out / LR_FINDER_JSON, None
-    from densebatch.train.observe.plots import plot_lr_finder
-
     tmp = out / f".{LR_FINDER_PNG}.tmp"
     plot_lr_finder(result, tmp, shown(result.used))
     tmp.replace(out / LR_FINDER_PNG)

@@ -7,7 +7,7 @@ returns the warnings that record raised (usually none); each cause warns at most
 ==============  =================================================================================
 ``data_wait``   over the last ``window`` steps, the step waited for its batches more than
                 ``data_wait_share`` of its time (``sum data_wait_s / sum step_s``)
-``memory``      the step's peak memory came within ``memory_margin`` of ``memory_limit_gb``
+``memory``      the step's peak memory came within ``memory_headroom`` of ``memory_limit_gb``
                 (CUDA records: the largest ``cuda_*_gb``; CPU: ``mem_peak_rss_gb`` / ``mem_rss_gb``)
 ``throughput``  the median ``tokens_per_s`` of the last ``recent`` steps fell below
                 ``slow_ratio`` x the median of the last ``window`` steps before them
@@ -122,7 +122,7 @@ class HealthMonitor:
         window: int = 50,  # steps of data-wait and clipping history; reference window of the medians
         recent: int = 20,  # steps whose median is compared with the reference median
         data_wait_share: float = 0.2,  # waiting on data for more than 20% of the step time
-        memory_margin: float = 0.1,  # peak memory above 90% of the limit
+        memory_headroom: float = 0.1,  # peak memory above 90% of the limit
         slow_ratio: float = 0.5,  # tokens/s at half its median
         fill_ratio: float = 0.7,  # fill rate at 70% of its median (per-step fill varies a lot with random batching)
         clip_share: float = 0.5,  # clipped on more than half of the last ``window`` steps
@@ -130,7 +130,7 @@ class HealthMonitor:
     ):
         self.memory_limit_gb, self.clip_limit = memory_limit_gb, clip_limit
         self.warmup_steps, self.window = warmup_steps, window
-        self.data_wait_share, self.memory_margin = data_wait_share, memory_margin
+        self.data_wait_share, self.memory_headroom = data_wait_share, memory_headroom
         self.slow_ratio, self.fill_ratio, self.clip_share = slow_ratio, fill_ratio, clip_share
         self.clip_warmup_steps = clip_warmup_steps
         self.warnings: list[HealthWarning] = []
@@ -176,15 +176,15 @@ class HealthMonitor:
         if not figures:
             return
         used, key = max(figures)
-        if used >= (1 - self.memory_margin) * limit:
+        if used >= (1 - self.memory_headroom) * limit:
             self._warn(
                 out,
                 "memory",
                 step,
                 f"memory {used:.2f} GB ({key}) is {used / limit:.0%} of the {limit:.2f} GB limit "
-                f"(warning above {1 - self.memory_margin:.0%}): lower the batch's token budget or the model size",
+                f"(warning above {1 - self.memory_headroom:.0%}): lower the batch's token budget or the model size",
                 used,
-                (1 - self.memory_margin) * limit,
+                (1 - self.memory_headroom) * limit,
             )
 
     def _data_wait(self, record: dict, step: int, out: list) -> None:

@@ -1,0 +1,64 @@
+"""The trainer's parts, grouped as it is handed them: what it evaluates, where it runs, what decides each
+step beyond the optimizer, and what it reports to. Every field has a default that a single CPU process
+with no evaluation needs, so ``Trainer(model, data, cfg, output_dir=...)`` is a whole trainer."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from densebatch.batch import Batch
+from densebatch.config import EvalConfig
+from densebatch.train.distributed import Distributed
+from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
+from densebatch.train.observe.health import HealthMonitor
+from densebatch.train.schedule import BatchSchedule
+
+
+@dataclass
+class Evaluation:
+    """What the trainer evaluates: ``cfg`` (cadence, cap, early stopping), ``data`` (batches, or a function
+    returning a fresh iterable each time) and ``extra(model) -> dict`` (entries added to each eval record,
+    e.g. accuracy)."""
+
+    cfg: EvalConfig = field(default_factory=EvalConfig)
+    data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None = None
+    extra: Callable[[nn.Module], dict] | None = None
+
+
+@dataclass
+class Placement:
+    """Where the trainer runs: ``device`` (None: ``train.device``), ``dist`` (ranks and collectives; None: one
+    process) and ``forward``, the module every training pass goes through (None: ``TokenLosses(model)``;
+    under torchrun its DDP / FSDP wrapper)."""
+
+    device: str | torch.device | None = None
+    dist: Distributed | None = None
+    forward: nn.Module | None = None
+
+
+@dataclass
+class StepParts:
+    """The stateful components that decide each step besides the optimizer, each checkpointed by name:
+    ``guard`` (apply, skip or roll back; None: skip non-finite steps, never roll back), ``clipper`` (None: a
+    fixed clip at ``train.grad_clip``) and ``batch_schedule`` (each step's size; None: full size)."""
+
+    guard: AnomalyGuard | None = None
+    clipper: FixedClipper | AdaptiveClipper | None = None
+    batch_schedule: BatchSchedule | None = None
+
+
+@dataclass
+class Reporting:
+    """What the trainer reports to: the ``console`` (rank 0's progress and summary), ``sinks`` (every record
+    besides metrics.jsonl), ``health`` (warnings read from every train record) and ``source_names`` (with
+    two or more, records carry the loss per source)."""
+
+    console: bool = True
+    sinks: Iterable[Any] = ()
+    health: HealthMonitor | None = None
+    source_names: list[str] | None = None

@@ -1,0 +1,108 @@
+"""Nothing a user made is destroyed without ``--overwrite``: ``--resume`` into a run whose checkpoints are all
+damaged refuses and changes nothing; a damaged checkpoint is never deleted (pruning keeps the newest intact
+ones and leaves or sets aside the damaged ones); one writer per run directory (a second run is refused
+while the first finishes; a lock left by a killed run is taken over)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import fault_driver as fd
+import pytest
+import torch
+from cli_args import TINY
+
+from densebatch.cli import main
+from densebatch.run.lock import LOCK_FILE, RunLock
+from densebatch.train.checkpoint import CheckpointWarning, latest_valid, list_checkpoints, save_checkpoint
+
+
+def _snapshot(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_resume_with_only_damaged_checkpoints_refuses_and_changes_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    args = [*TINY, f"--output_dir={out}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["train", *args, "--train.max_steps=4"]) == 0
+    (only,) = [p for _, p in list_checkpoints(out / "checkpoints")]
+    (only / "state.json").unlink()
+    before = _snapshot(out)
+    capsys.readouterr()
+    assert main(["train", *args, "--resume", "--train.max_steps=8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "no checkpoint that verifies" in err[-1] and only.name in err[-1] and "--overwrite" in err[-1]
+    assert _snapshot(out) == before  # final/, metrics.jsonl and the damaged checkpoint, byte for byte
+
+
+def _state(step: int) -> dict:
+    return {"w": torch.full((4,), float(step))}
+
+
+def test_pruning_keeps_intact_checkpoints_and_never_deletes_a_damaged_one(tmp_path):
+    root = tmp_path / "ck"
+    for step in (1, 2):
+        save_checkpoint(root, step, _state(step), keep_last=2)
+    (root / "step-000001" / "model.safetensors").unlink()  # damaged: an intact weight file may be elsewhere
+    for step in (3, 4):
+        save_checkpoint(root, step, _state(step), keep_last=2)
+    names = sorted(p.name for _, p in list_checkpoints(root))
+    assert names == ["step-000001", "step-000003", "step-000004"]  # 2 intact kept; the damaged one left alone
+
+
+def test_a_damaged_checkpoint_in_the_way_of_a_save_is_set_aside_not_replaced(tmp_path):
+    root = tmp_path / "ck"
+    for step in (2, 4):
+        save_checkpoint(root, step, _state(step), keep_last=3)
+    (root / "step-000004" / "state.json").write_text("{")  # the newest is damaged
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert latest_valid(root, on_skip=lambda p, why: None).name == "step-000002"
+        save_checkpoint(root, 3, _state(3), keep_last=3)  # a resumed run saves an earlier step
+        save_checkpoint(root, 4, _state(4), keep_last=3)
+    assert (root / "step-000004.damaged" / "model.safetensors").is_file()
+    assert any("never deleted" in str(w.message) for w in caught if issubclass(w.category, CheckpointWarning))
+    assert latest_valid(root).name == "step-000004"
+
+
+@pytest.mark.slow
+def test_a_second_run_into_the_same_directory_is_refused_while_the_first_finishes(tmp_path, capsys):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    config = fd.write_config(tmp_path / "run.yaml", out, cache, train={"max_steps": 12})
+    assert main(["prepare", str(config)]) == 0  # both runs read the same cache: the race is on the run directory
+    first = fd.start(["train", str(config)])
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / ".densebatch.lock").is_file() or not (out / ".densebatch.lock").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not take its lock"
+            time.sleep(0.05)
+        capsys.readouterr()
+        t0 = time.monotonic()
+        assert main(["train", str(config)]) == 2
+        assert time.monotonic() - t0 < 10
+        err = capsys.readouterr().err.strip()
+        assert "in use by another run" in err and f"pid {first.pid}" in err and len(err.splitlines()) == 1
+    finally:
+        stdout, stderr = first.communicate(timeout=300)
+    assert first.returncode == 0, stderr
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in line]
+    assert steps == list(range(1, 13))  # every line parses, every step once
+    assert (out / ".densebatch.lock").read_text() == ""  # released: no holder named
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_FILE).write_text(json.dumps({"pid": 2**22 + 12345, "host": socket.gethostname(), "started": "x"}))
+    with RunLock(out):
+        assert "taking over the lock" in capsys.readouterr().err
+        with pytest.raises(Exception, match="in use by another run"):
+            with RunLock(out):
+                pass
+    with RunLock(out):  # released: free again, and no take-over message
+        assert "taking over" not in capsys.readouterr().err
