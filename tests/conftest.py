@@ -1,4 +1,5 @@
-"""Shared test fixtures: where ../shared/data lives (tests that need it skip when it is absent)."""
+"""Shared test fixtures: ../shared/data (tests that need it skip when it is absent), reproducible property
+tests, one intra-op thread per pytest-xdist worker. Helpers that test modules import are in support.py."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ from pathlib import Path
 
 import pytest
 from hypothesis import settings
-
-REPO = Path(__file__).resolve().parents[1]
+from support import shared_data_dir
 
 # Property tests draw the same examples on every run by default, so a CI run is reproducible (its
 # .hypothesis/ database is never kept); HYPOTHESIS_PROFILE=explore draws new ones (run it when changing
@@ -16,14 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
-
-
-def shared_data_dir() -> Path | None:
-    env = os.environ.get("DENSEBATCH_SHARED")
-    for cand in ([Path(env) / "data"] if env else []) + [REPO.parent / "shared" / "data"]:
-        if (cand / "README.md").is_file():
-            return cand
-    return None
 
 
 @pytest.fixture

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from support import subprocess_env
+
 HERE = Path(__file__).resolve()
 FAULTS_ENV = "DENSEBATCH_FAULTS"
 
@@ -137,9 +139,7 @@ def write_config(path: Path, output_dir: Path, cache_dir: Path, **sections: dict
 
 
 def _env(faults: dict | None) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env[FAULTS_ENV] = json.dumps(faults or {})
-    return env
+    return subprocess_env(**{FAULTS_ENV: json.dumps(faults or {})})
 
 
 def start(args: list[str], faults: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:

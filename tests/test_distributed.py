@@ -12,19 +12,17 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from support import free_port, subprocess_env, torchrun, torchrun_node
 
 from densebatch.cli import main
 
 pytestmark = pytest.mark.slow
-BIN = Path(sys.executable).parent
 CONFIG = {
     "seed": 0,
     # 200 generated records -> ~81 short training documents; packed rows of 256, 2 rows a batch:
@@ -48,16 +46,8 @@ def _config(tmp: Path, **sections) -> Path:
     return path
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
-def torchrun(args: list[str], nproc: int = 2) -> list[str]:
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "--no-python", str(BIN / "densebatch"), *args]
-
-
 def launch(args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun(args, nproc), env=_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(torchrun(args, nproc), env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def losses(out: Path) -> list[tuple[int, float]]:
@@ -151,7 +141,7 @@ def test_a_killed_worker_ends_the_job_and_resume_is_bit_exact(tmp):
     assert r.returncode == 0, r.stderr[-3000:]
     out = tmp / "killed"
     p = subprocess.Popen(
-        torchrun(["train", str(cfg), f"--output_dir={out}"]), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        torchrun(["train", str(cfg), f"--output_dir={out}"]), env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     deadline = time.monotonic() + 240
     while not ((out / "metrics.jsonl").exists() and len(losses(out)) >= 10):
@@ -181,18 +171,13 @@ def test_a_two_process_checkpoint_continues_on_one_process_within_1e5(tmp, ddp):
     assert saved["train"]["grad_accum_batches"] == 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_nodes_on_localhost_equal_ddp(tmp, ddp):
     """Two torchrun commands with --nnodes=2 (c10d rendezvous on localhost), one process each."""
-    port, out = _free_port(), tmp / "nodes"
-    cmd = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-           "--rdzv_id=densebatch-test", "--no-python", str(BIN / "densebatch"), "train", str(_config(tmp)), f"--output_dir={out}"]  # fmt: skip
-    nodes = [subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    out = tmp / "nodes"
+    cmd = torchrun_node(free_port(), "densebatch-test", ["train", str(_config(tmp)), f"--output_dir={out}"])
+    nodes = [
+        subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)
+    ]
     results = [n.communicate(timeout=300) for n in nodes]
     assert all(n.returncode == 0 for n in nodes), results[0][1][-2000:] + results[1][1][-2000:]
     assert close(losses(out), losses(ddp))

@@ -6,23 +6,19 @@ different memory agreeing on one budget."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from cli_args import TINY
+from support import BIN, free_port, subprocess_env, torchrun_node
 
 from densebatch.cli import main
 
-sys.path.insert(0, str(Path(__file__).parent))
-from cli_args import TINY  # noqa: E402
-
 pytestmark = pytest.mark.slow  # every test here runs the CLI on generated data (prepare, BPE, model)
-BIN = Path(sys.executable).parent
 # The LR test's range on the tiny model: from rates that move nothing to divergence in 20 steps.
 LR = ["--finder.lr_start=1e-4", "--finder.lr_end=10", "--finder.lr_steps=20", "--finder.smoothing=0.6"]
 
@@ -108,10 +104,6 @@ PEAK = "import resource, sys; from densebatch.cli import main; rc = main(sys.arg
        "print('PEAK_RSS_GB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9); sys.exit(rc)"  # fmt: skip
 
 
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-
 def test_the_budget_keeps_the_process_under_its_memory_limit_on_a_gpt2_vocabulary_model(tmp_path):
     """``train --batching.max_tokens_per_batch=auto --train.memory_limit_gb=L`` on a Hugging Face GPT-2
     with its 50,257-id vocabulary: the whole process (probes, training, evaluation, checkpoint and
@@ -123,7 +115,7 @@ def test_the_budget_keeps_the_process_under_its_memory_limit_on_a_gpt2_vocabular
             "--batching.strategy=token_budget", "--batching.max_tokens_per_batch=auto", f"--train.memory_limit_gb={limit}",
             "--train.max_steps=2", "--train.progress=false", "--eval.max_batches=2", "--eval.accuracy_samples=0",
             f"--output_dir={tmp_path / 'out'}", f"--data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
-    r = subprocess.run([sys.executable, "-c", PEAK, *args], env=_env(), capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, "-c", PEAK, *args], env=subprocess_env(), capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     # Probes reset the kernel's high-water mark (getrusage too): the true peak includes every probe's.
     probes = [float(x) for x in re.findall(r"probe \d+ slots: peak ([\d.]+) GB", r.stdout)]
@@ -132,17 +124,10 @@ def test_the_budget_keeps_the_process_under_its_memory_limit_on_a_gpt2_vocabular
     assert isinstance(_saved(tmp_path / "out")["batching"]["max_tokens_per_batch"], int)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _node(port: int, args: list[str]) -> subprocess.Popen:
     """One torchrun node of two (one process), rendezvous on localhost."""
-    launcher = [str(BIN / "torchrun"), "--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                "--rdzv_id=densebatch-finders", "--no-python", str(BIN / "densebatch")]  # fmt: skip
-    return subprocess.Popen([*launcher, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    cmd = torchrun_node(port, "densebatch-finders", args)
+    return subprocess.Popen(cmd, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def test_ranks_with_different_memory_settle_on_one_budget_and_one_rate(tmp_path):
@@ -151,15 +136,15 @@ def test_ranks_with_different_memory_settle_on_one_budget_and_one_rate(tmp_path)
     test under DDP takes the same steps and losses as one process with twice the accumulation."""
     cache = f"--data.cache_dir={tmp_path / 'cache'}"
     common = [*TINY, "--model.n_layer=2", "--model.n_embd=256", "--model.n_head=4", "--batching.strategy=token_budget", cache,
-              "--train.device=cpu", "--finder.max_probes=5", "--train.memory_margin=0"]  # fmt: skip
+              "--train.device=cpu", "--finder.max_probes=5", "--finder.memory_reserve=0"]  # fmt: skip
     solo = tmp_path / "solo"  # one process with plenty: the peaks of the budgets it can reach
     r = subprocess.run([str(BIN / "densebatch"), "find-batch", *common, "--train.memory_limit_gb=16", f"--output_dir={solo}"],
-                       env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     probes = json.loads((solo / "batch_finder.json").read_text())["probes"]
     assert len(probes) == 5
     small = (probes[1]["peak_gb"][0] + probes[2]["peak_gb"][0]) / 2 + 0.03  # room for the process group
-    port, out = _free_port(), tmp_path / "two"
+    port, out = free_port(), tmp_path / "two"
     args = [
         "train",
         *common,
@@ -184,7 +169,7 @@ def test_ranks_with_different_memory_settle_on_one_budget_and_one_rate(tmp_path)
         "--train.grad_accum_batches=2",
         f"--output_dir={one}",
     ]
-    r = subprocess.run([str(BIN / "densebatch"), *args], env=_env(), capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(BIN / "densebatch"), *args], env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = json.loads((one / "lr_finder.json").read_text())
     # The suggestion is interpolated between two rates: summation order moves it by ~1e-7.

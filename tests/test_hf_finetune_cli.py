@@ -26,11 +26,10 @@ import pytest
 import torch
 
 from densebatch.cli import main
+from densebatch.testing.models import tiny_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("peft")
-sys.path.insert(0, str(Path(__file__).parent / "model"))
-from hf_tiny import tiny_config  # noqa: E402
 
 BYTE_VOCAB = 259  # the default tokenizer's ids; the tokens below come after them
 SPECIALS = "--data.add_special_tokens=<|user|>,<|bot|>"

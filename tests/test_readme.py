@@ -14,17 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from support import shared_data_dir
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def shared_data_dir() -> Path | None:
-    """../shared/data beside the checkout, or $DENSEBATCH_SHARED/data (as tests/conftest.py)."""
-    env = os.environ.get("DENSEBATCH_SHARED")
-    for cand in ([Path(env) / "data"] if env else []) + [REPO.parent / "shared" / "data"]:
-        if (cand / "README.md").is_file():
-            return cand
-    return None
 
 
 def readme_commands() -> list[str]:

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from support import shared_data_dir
 
 from densebatch.config import DataConfig
 
@@ -45,21 +46,9 @@ def data_cfg(tmp_path):
     return make
 
 
-def _shared_data_dir() -> Path | None:
-    """../shared/data beside the repository, or $DENSEBATCH_SHARED/data (as tests/conftest.py)."""
-    import os
-
-    env = os.environ.get("DENSEBATCH_SHARED")
-    repo = Path(__file__).resolve().parents[2]
-    for cand in ([Path(env) / "data"] if env else []) + [repo.parent / "shared" / "data"]:
-        if (cand / "README.md").is_file():
-            return cand
-    return None
-
-
 @pytest.fixture(scope="session")
 def shared_dir() -> Path:
-    d = _shared_data_dir()
+    d = shared_data_dir()
     if d is None:
         pytest.skip("../shared/data is absent")
     return d
@@ -87,7 +76,7 @@ def expand_gpt2_subset(out: Path) -> Path:
 @pytest.fixture(scope="session")
 def gpt2_dir(tmp_path_factory) -> Path:
     """../shared/data/gpt2, or the fixture's subset of it (the same ids on the texts the tests use)."""
-    d = _shared_data_dir()
+    d = shared_data_dir()
     return d / "gpt2" if d is not None else expand_gpt2_subset(tmp_path_factory.mktemp("gpt2-subset"))
 
 
@@ -101,7 +90,7 @@ def gpt2(gpt2_dir):
 @pytest.fixture(scope="session")
 def book_records() -> dict[int, dict]:
     """The book's records by index: all 1,100 from ../shared, else the few the fixture keeps."""
-    d = _shared_data_dir()
+    d = shared_data_dir()
     if d is not None:
         return dict(enumerate(json.loads((d / "instruction-data.json").read_text(encoding="utf-8"))))
     lines = (FIXTURES / "book" / "records.jsonl").read_text(encoding="utf-8").splitlines()

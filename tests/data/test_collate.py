@@ -6,55 +6,21 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import memory_store, shared_data_dir
 
 from densebatch.batch import IGNORE_INDEX
 from densebatch.data.load.collate import CausalCollator, MaskedLMCollator, collator_from_config
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.errors import ConfigError, DataError
+from densebatch.testing.book import alpaca_text, book_collate, gpt2_tokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from shared_lengths import alpaca_text, gpt2_tokenizer, shared_data_dir  # noqa: E402
-from shared_lengths import book_collate as _book_collate
-
-EOS = 50256
-
-
-class MemStore:
-    """In-memory stand-in for data/store.DocumentStore (same attributes)."""
-
-    def __init__(
-        self,
-        docs: list[list[int]],
-        masks: list[list[int]] | None = None,
-        eos_id=EOS,
-        pad_id=EOS,
-        vocab_size=50257,
-        mask_id=None,
-        special_ids=(EOS,),
-    ):
-        masks = masks or [[1] * len(d) for d in docs]
-        self.tokens = np.array([t for d in docs for t in d], np.int32)
-        self.loss_mask = np.array([m for d in masks for m in d], np.uint8)
-        self.lengths = np.array([len(d) for d in docs], np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-        self.meta = {
-            "eos_id": eos_id,
-            "pad_id": pad_id,
-            "vocab_size": vocab_size,
-            "mask_id": mask_id,
-            "special_ids": list(special_ids),
-        }
-
-    def __len__(self):
-        return len(self.lengths)
+EOS = 50256  # GPT-2's end-of-text, the book's padding
 
 
 def reference(store, rows, pad_id, mult, use_mask=True):
@@ -86,7 +52,7 @@ doc_st = st.lists(st.tuples(st.integers(0, 20), st.integers(0, 1)), min_size=1, 
 @given(st.lists(doc_st, min_size=1, max_size=12), st.data(), st.sampled_from([1, 4, 8]), st.booleans())
 def test_causal_matches_reference(docs, data, mult, use_mask):
     """Tokens drawn from a tiny vocabulary so pad/eos ids (0..20 includes 0 = pad, 20 = eos) occur inside texts."""
-    store = MemStore([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
+    store = memory_store([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
     n = len(docs)
     rows = []
     for _ in range(data.draw(st.integers(1, 4))):
@@ -108,7 +74,7 @@ def test_causal_matches_reference(docs, data, mult, use_mask):
 
 
 def test_docstring_example_and_padding_segment():
-    store = MemStore([[1, 2, 9], [3, 9]])  # eos = 9 ends each document
+    store = memory_store([[1, 2, 9], [3, 9]])  # eos = 9 ends each document
     b = CausalCollator(pad_id=0, pad_to_multiple_of=1)(store, [[(0, 0, 3), (1, 0, 2)], [(1, 0, 2)]])
     assert b.input_ids.tolist() == [[1, 2, 9, 3, 9], [3, 9, 0, 0, 0]]
     assert b.labels.tolist() == [[2, 9, -100, 9, -100], [9, -100, -100, -100, -100]]
@@ -118,7 +84,7 @@ def test_docstring_example_and_padding_segment():
 
 def test_split_piece_restarts_positions_and_prompt_mask_is_by_position():
     # doc 0: prompt 5 6 (no loss as targets), response 7 EOS; an EOS id inside the prompt of doc 1
-    store = MemStore([[5, 6, 7, EOS], [EOS, 4, EOS]], [[0, 0, 1, 1], [0, 1, 1]])
+    store = memory_store([[5, 6, 7, EOS], [EOS, 4, EOS]], [[0, 0, 1, 1], [0, 1, 1]])
     b = CausalCollator(pad_id=EOS)(store, [[(0, 0, 2), (0, 2, 4)], [(1, 0, 3)]])
     assert b.positions.tolist() == [[0, 1, 0, 1], [0, 1, 2, 0]]
     # the first piece keeps 7 (the next piece's first token) as its last target: the cut loses nothing
@@ -126,7 +92,7 @@ def test_split_piece_restarts_positions_and_prompt_mask_is_by_position():
 
 
 def test_bad_piece_is_a_clear_error():
-    store = MemStore([[1, 2, 3]])
+    store = memory_store([[1, 2, 3]])
     with pytest.raises(ValueError, match="ends past the document"):
         CausalCollator(pad_id=0)(store, [[(0, 0, 5)]])
 
@@ -145,7 +111,7 @@ def book_items(book_ids):
         return n_train, items, FIXTURE_BATCHES, lengths[:n_train]
     data = json.loads((shared / "instruction-data.json").read_text(encoding="utf-8"))
     train = data[: int(len(data) * 0.85)]
-    ids = [e.ids for e in gpt2_tokenizer(shared).encode_batch([alpaca_text(r) for r in train])]
+    ids = [e.ids for e in gpt2_tokenizer(shared / "gpt2").encode_batch([alpaca_text(r) for r in train])]
     stale = "tests/fixtures is stale: run tests/fixtures/make_fixtures.py"
     assert len(train) == n_train and all(ids[i] == x for i, x in items.items()), stale
     assert [len(x) for x in ids] == lengths[:n_train].tolist(), stale
@@ -162,7 +128,7 @@ def test_book_equivalence_on_its_own_data(book_items):
     n_train, items, limit, lengths = book_items
     keys = sorted(items)
     at = {k: j for j, k in enumerate(keys)}  # item index -> document of the store
-    store = MemStore([items[k] + [EOS] for k in keys])
+    store = memory_store([items[k] + [EOS] for k in keys])
     ours = CausalCollator(pad_id=EOS, use_loss_mask=False)
     torch.manual_seed(123)
     loader = torch.utils.data.DataLoader(range(n_train), batch_size=8, shuffle=True, drop_last=True, collate_fn=list)
@@ -172,7 +138,7 @@ def test_book_equivalence_on_its_own_data(book_items):
     our_batches = [[d for row in plan.batch(i) for d, _, _ in row] for i in range(plan.num_batches)][:limit]
     assert len(book_batches) >= FIXTURE_BATCHES and len(our_batches) >= FIXTURE_BATCHES
     for k, idx in enumerate(book_batches + our_batches):
-        bi, bt = _book_collate([items[i] for i in idx])
+        bi, bt = book_collate([items[i] for i in idx])
         b = ours(store, [[(at[i], 0, len(items[i]) + 1)] for i in idx])
         W = bi.shape[1]
         if k < len(book_batches):
@@ -186,8 +152,8 @@ def test_book_equivalence_on_its_own_data(book_items):
 def test_book_masks_by_value_we_mask_by_position(book_items):
     _, items, _, _ = book_items
     item = items[0][:10] + [EOS] + items[0][10:]  # an end-of-text id inside the text
-    _, bt = _book_collate([item, items[1]])
-    store = MemStore([item + [EOS], items[1] + [EOS]])
+    _, bt = book_collate([item, items[1]])
+    store = memory_store([item + [EOS], items[1] + [EOS]])
     b = CausalCollator(pad_id=EOS, use_loss_mask=False)(store, [[(0, 0, len(item) + 1)], [(1, 0, len(items[1]) + 1)]])
     n = len(item)
     assert bt[0, 9] == EOS and b.labels[0, 9] == EOS  # the in-text id: both keep it
@@ -200,7 +166,7 @@ def test_book_masks_by_value_we_mask_by_position(book_items):
 def _mlm_store():
     rng = np.random.default_rng(0)
     docs = [rng.integers(5, 1000, int(n)).tolist() + [2] for n in rng.integers(50, 300, 40)]
-    return MemStore(docs, eos_id=2, pad_id=0, vocab_size=1000, mask_id=3, special_ids=(0, 1, 2, 3))
+    return memory_store(docs, eos_id=2, pad_id=0, vocab_size=1000, mask_id=3, special_ids=(0, 1, 2, 3))
 
 
 def test_mlm_hf_semantics_and_determinism():
@@ -248,7 +214,7 @@ def test_stale_store_meta_is_a_one_line_data_error(mode):
 
 def test_empty_share_collates_to_an_empty_batch():
     """A rank with nothing left in the last step gets zero rows (see plan._shard)."""
-    b = CausalCollator(pad_id=0)(MemStore([[1, 2, 3]]), [])
+    b = CausalCollator(pad_id=0)(memory_store([[1, 2, 3]]), [])
     assert b.input_ids.shape == (0, 0) and b.num_loss_tokens == b.num_real_tokens == 0
 
 
@@ -282,7 +248,7 @@ def test_split_plan_keeps_every_target_of_the_unsplit_documents(docs, strategy, 
     """Issue 8, item 1: a 10-token document cut 4/4/2 carries 9 targets whichever way it is cut. Loss
     tokens of all batches of a split plan == loss tokens of the same documents collated whole, and the
     label at every cut is the next token of the document (or -100 where the loss mask says so)."""
-    store = MemStore([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
+    store = memory_store([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
     s = PlanSettings(
         strategy=strategy, seq_len=seq_len, max_tokens_per_batch=max(seq_len, 16), long_docs="split", rows_per_batch=3
     )
@@ -305,7 +271,7 @@ def test_split_plan_keeps_every_target_of_the_unsplit_documents(docs, strategy, 
 
 def test_ten_token_document_cut_four_four_two_keeps_nine_targets():
     """The issue's example, by hand: pieces (0,4), (4,8), (8,10) of one 10-token document."""
-    store = MemStore([list(range(1, 10)) + [EOS]])
+    store = memory_store([list(range(1, 10)) + [EOS]])
     b = CausalCollator(pad_id=0)(store, [[(0, 0, 4)], [(0, 4, 8)], [(0, 8, 10)]])
     assert b.labels.tolist() == [[2, 3, 4, 5], [6, 7, 8, 9], [EOS, -100, -100, -100]]
     assert b.num_loss_tokens == 9 == CausalCollator(pad_id=0)(store, [[(0, 0, 10)]]).num_loss_tokens
@@ -315,7 +281,9 @@ def test_ten_token_document_cut_four_four_two_keeps_nine_targets():
 @settings(max_examples=40, deadline=None, derandomize=True)
 @given(split_docs_st, st.data(), st.sampled_from([1, 8]), st.booleans())
 def test_batch_carries_single_doc_rows_max_position_and_documents(docs, data, mult, mlm):
-    store = MemStore([[t for t, _ in d] for d in docs], eos_id=20, pad_id=0, vocab_size=30, mask_id=21, special_ids=(0, 20, 21))
+    store = memory_store(
+        [[t for t, _ in d] for d in docs], eos_id=20, pad_id=0, vocab_size=30, mask_id=21, special_ids=(0, 20, 21)
+    )
     n = len(docs)
     rows = []
     for _ in range(data.draw(st.integers(1, 4))):
@@ -336,7 +304,7 @@ def test_batch_carries_single_doc_rows_max_position_and_documents(docs, data, mu
 
 
 def test_planner_facts_by_hand():
-    store = MemStore([[1, 2, 9], [3, 9], [4, 5, 6, 7, 9]])
+    store = memory_store([[1, 2, 9], [3, 9], [4, 5, 6, 7, 9]])
     coll = CausalCollator(pad_id=0)
     one = coll(store, [[(2, 0, 5)], [(0, 0, 3)]])
     assert (one.single_doc_rows, one.max_position, one.documents) == (True, 4, (0, 2))

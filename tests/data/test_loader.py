@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 import torch
+from support import random_store
 
 from densebatch.data.load.collate import CausalCollator
 from densebatch.data.load.loader import StepLoader
@@ -15,20 +15,11 @@ from densebatch.data.plan.steps import StepSettings
 from densebatch.errors import DataError
 
 
-class MemStore:
-    def __init__(self, n=60, seed=0):
-        rng = np.random.default_rng(seed)
-        docs = [rng.integers(1, 100, int(k)).tolist() + [0] for k in rng.integers(1, 40, n)]
-        self.tokens = np.array([t for d in docs for t in d], np.int32)
-        self.loss_mask = np.ones(len(self.tokens), np.uint8)
-        self.lengths = np.array([len(d) for d in docs], np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
-        self.meta = {"eos_id": 0, "pad_id": 0, "vocab_size": 100, "mask_id": None, "special_ids": [0]}
-
-
 def _loader(prefetch, strategy="packed", seed=3, store=None, **steps):
     s = PlanSettings(strategy=strategy, seq_len=64, max_tokens_per_batch=128, rows_per_batch=4)
-    return StepLoader(store or MemStore(), s, CausalCollator(pad_id=0), seed=seed, steps=StepSettings(**steps), prefetch=prefetch)
+    return StepLoader(
+        store or random_store(60), s, CausalCollator(pad_id=0), seed=seed, steps=StepSettings(**steps), prefetch=prefetch
+    )
 
 
 def _same(a, b):
@@ -84,7 +75,7 @@ def test_load_state_dict_restarts_a_running_iterator():
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_batch_that_fails_names_its_documents(prefetch):
-    store = MemStore()
+    store = random_store(60)
     store.tokens = store.tokens[:-3]  # a damaged store: the last document runs past the token array
     a = _loader(prefetch, "random", store=store)
     with pytest.raises(DataError, match=r"documents \[.*59\]\) could not be collated"):
@@ -93,7 +84,7 @@ def test_a_batch_that_fails_names_its_documents(prefetch):
 
 @pytest.mark.parametrize("strategy", ["token_budget", "random"])
 def test_ranks_take_the_same_steps_and_together_see_every_token_once(strategy):
-    store = MemStore()
+    store = random_store(60)
     loaders = [_loader(0, strategy, store=store, world_size=3, rank=r, grad_accum_batches=2) for r in range(3)]
     loaders[0].max_epochs = loaders[1].max_epochs = loaders[2].max_epochs = 1.0
     steps = [list(ld) for ld in loaders]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loader import MemStore
+from support import random_store
 
 from densebatch.data.load.collate import CausalCollator
 from densebatch.data.load.loader import StepLoader
@@ -49,7 +49,7 @@ def _same_step(a, b):
 
 @pytest.mark.parametrize("strategy", ["packed", "token_budget", "random", "length_grouped"])
 def test_the_loader_never_materialises_a_sharded_epoch_and_gives_the_same_steps(strategy):
-    store = MemStore(n=90)
+    store = random_store(90)
     lazy, ref = _pair(strategy, store, grad_accum_batches=2)
     plan = lazy.plan(0)
     assert isinstance(plan, EpochRows) and plan.sharded.num_shards > 3
@@ -75,7 +75,7 @@ def test_the_loader_never_materialises_a_sharded_epoch_and_gives_the_same_steps(
 def test_every_rank_gets_the_share_it_would_get_from_the_whole_plan(
     strategy, n, shard_docs, world, accum, fraction, loss_tokens, seed
 ):
-    store = MemStore(n=n, seed=seed)
+    store = random_store(n, seed)
     for rank in range(world):
         steps = dict(world_size=world, rank=rank, grad_accum_batches=accum, loss_tokens_per_step=loss_tokens)
         lazy, ref = _pair(strategy, store, shard_docs, fraction, **steps)

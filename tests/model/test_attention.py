@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import pack
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from densebatch.model.attention import (
     segment_plan,
     segmented_attention,
 )
+from densebatch.testing.batches import pack
 
 
 def positions_of(rows: list[list[int]], T: int) -> torch.Tensor:

@@ -7,15 +7,15 @@ import torch
 import torch.nn as nn
 
 from densebatch.errors import UserError
-from densebatch.model import GPT, GPTConfig, generate, generate_batch
+from densebatch.model import GPT, generate, generate_batch
+from densebatch.testing.models import tiny_gpt
 
 V = 64
 
 
 @pytest.fixture(scope="module")
 def model() -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=4, n_embd=32, block_size=64)).eval()
+    return tiny_gpt(V).eval()
 
 
 class NoCache(nn.Module):

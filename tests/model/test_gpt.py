@@ -6,19 +6,19 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import pack, random_docs
 
 from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model import GPT, GPTConfig, build_model, load_model
+from densebatch.testing.batches import PACKED_LENGTHS, pack, random_docs
+from densebatch.testing.models import tiny_gpt
 
 V = 97
-LENGTHS = [[7, 12, 5], [20], [3, 9, 1, 6]]  # rows of documents; one of length 1 (no target)
+LENGTHS = PACKED_LENGTHS  # rows of documents; one of length 1 (no target)
 
 
 def tiny(attention: str = "masked", **kw) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=4, n_embd=32, block_size=64, attention=attention, **kw)).eval()
+    return tiny_gpt(V, attention=attention, **kw).eval()
 
 
 def alone_vs_packed(model, docs_by_row, seq_len=24):

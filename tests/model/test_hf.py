@@ -11,36 +11,18 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import pack, random_docs
 
 from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model import build_model, load_model
 from densebatch.model.attention import document_mask
 from densebatch.model.hf import ALLOWED, HFCausalLM
+from densebatch.testing.batches import PACKED_LENGTHS, pack, random_docs
+from densebatch.testing.models import TWO_LAYER_VOCAB, two_layer_config
 
 transformers = pytest.importorskip("transformers")
-V = 300
-LENGTHS = [[7, 12, 5], [20], [3, 9, 1, 6]]
-
-
-def tiny_config(kind: str):
-    common = dict(vocab_size=V, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind == "gpt2":
-        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **common)
-    llama_like = dict(
-        num_hidden_layers=2,
-        hidden_size=32,
-        intermediate_size=64,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        **common,
-    )
-    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[kind]
-    if kind == "qwen3":
-        llama_like["head_dim"] = 8
-    return getattr(transformers, cls)(tie_word_embeddings=False, **llama_like)
+V = TWO_LAYER_VOCAB
+LENGTHS = PACKED_LENGTHS
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +31,7 @@ def config_dirs(tmp_path_factory):
     out = {}
     for kind in ("gpt2", "llama", "mistral", "qwen2", "qwen3"):
         d = tmp_path_factory.mktemp(kind)
-        tiny_config(kind).save_pretrained(d)
+        two_layer_config(kind).save_pretrained(d)
         out[kind] = d
     return out
 
@@ -208,7 +190,7 @@ def test_token_losses_float32_under_autocast(config_dirs, gen):
     assert out.dtype == torch.float32
     # bf16 keeps 8 significant bits (relative rounding 2^-9 ~ 2e-3 per operation); on losses near 5.7 the
     # worst |difference| from fp32 over 20 seeds of this test's models was 1.3e-3 (Llama) and 2.1e-3
-    # (GPT-2) (benchmarks/hf_bf16_tolerance.py, docs/hf-models.md): 5e-3 keeps a 2.4x margin.
+    # (GPT-2) (benchmarks/model/hf_bf16_tolerance.py, docs/hf-models.md): 5e-3 keeps a 2.4x margin.
     diff = (out - model.token_losses(batch)).abs().max().item()
     assert 0 < diff <= 5e-3  # > 0: autocast did compute in bf16
     assert (out[batch.labels == -100] == 0).all()
@@ -225,7 +207,7 @@ def weights_dir(tmp_path_factory):
     """A tiny Llama saved with its weights (fp32), so that dtypes can be compared on the same weights."""
     out = tmp_path_factory.mktemp("llama_weights")
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(tiny_config("llama")).save_pretrained(out)
+    transformers.AutoModelForCausalLM.from_config(two_layer_config("llama")).save_pretrained(out)
     return out
 
 

@@ -1,21 +1,21 @@
 """Packed documents stay isolated in every Hugging Face architecture densebatch supports; the others are refused.
 
-For each tiny random config of ``hf_tiny.ARCHITECTURES`` (width 32, 1-2 layers, a sliding window of
+For each tiny random config of ``densebatch.testing.models.ARCHITECTURES`` (width 32, 1-2 layers, a sliding window of
 ``WINDOW`` tokens where the architecture has one, shorter than the longer documents): the per-token
 losses and the logits of each document packed with others equal those of the document alone
 (fp32, 1e-5), through the adapter's own paths (the 4-D document mask for packed rows, no mask for a
 row holding one document). Architectures that cannot be isolated raise a one-line ``ConfigError``
-that says why. docs/hf-models.md has the measured table (benchmarks/hf_isolation_table.py).
+that says why. docs/hf-models.md has the measured table (benchmarks/model/hf_isolation_table.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import pack, random_docs
-from hf_tiny import ARCHITECTURES, LENGTHS, SEQ_LEN, VOCAB, WINDOW, packed_vs_alone, write_config_dir
 
 from densebatch.errors import ConfigError
+from densebatch.testing.batches import pack, random_docs
+from densebatch.testing.models import ARCHITECTURES, LENGTHS, SEQ_LEN, VOCAB, WINDOW, packed_vs_alone, write_config_dir
 
 pytest.importorskip("transformers")
 from densebatch.model.hf import _HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
@@ -37,7 +37,7 @@ def build(root, kind: str, impl: str) -> HFCausalLM:
 @pytest.mark.parametrize(("kind", "impl"), SUPPORTED, ids=[k for k, _ in SUPPORTED])
 def test_packed_documents_equal_each_document_alone(config_root, kind, impl, gen):
     model = build(config_root, kind, impl)
-    loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS], pack)
+    loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS])
     assert loss_diff <= 1e-5 and logit_diff <= 1e-5, f"{kind}/{impl}: losses {loss_diff:.2e}, logits {logit_diff:.2e}"
 
 
@@ -65,7 +65,7 @@ def test_negative_control_a_forgotten_window_shows(config_root, kind, gen):
     model = build(config_root, kind, dict(ARCHITECTURES)[kind])
     assert any(w == WINDOW for w in model._windows.values())
     model._windows = {name: None for name in model._windows}
-    loss_diff, _ = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS], pack)
+    loss_diff, _ = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS])
     assert loss_diff > 1e-4
 
 

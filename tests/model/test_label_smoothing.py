@@ -4,13 +4,13 @@ batching (per token), training passes only (evaluation reports the plain cross-e
 from __future__ import annotations
 
 import torch
-from conftest import pack, random_docs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densebatch.batch import IGNORE_INDEX
 from densebatch.model import GPT, GPTConfig
 from densebatch.model.loss_head import head_token_losses, plain_head_token_losses
+from densebatch.testing.batches import pack, random_docs
 
 V = 61
 

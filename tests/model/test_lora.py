@@ -11,12 +11,12 @@ import sys
 
 import pytest
 import torch
-from conftest import pack, random_docs
-from hf_tiny import LENGTHS, VOCAB, packed_vs_alone, tiny_config
 
-from densebatch.config import LoraConfig, ModelConfig, TrainConfig, config_from_dict
+from densebatch.config import LoraConfig, ModelConfig, OptimizerConfig, TrainConfig, config_from_dict
 from densebatch.errors import ConfigError
 from densebatch.model import build_model
+from densebatch.testing.batches import pack, random_docs
+from densebatch.testing.models import LENGTHS, VOCAB, packed_vs_alone, tiny_config
 from densebatch.train.optim import build_optimizer
 
 transformers = pytest.importorskip("transformers")
@@ -52,7 +52,7 @@ def docs_with_added_tokens(gen) -> list[list[list[int]]]:
 
 
 def train(model, gen, steps: int = 3):
-    opt = build_optimizer(model, TrainConfig(lr=1e-2, weight_decay=0.1))
+    opt = build_optimizer(model, TrainConfig(lr=1e-2, optimizer=OptimizerConfig(weight_decay=0.1)))
     batch = pack(docs_with_added_tokens(gen), seq_len=32)
     model.train()
     for _ in range(steps):
@@ -102,7 +102,7 @@ def test_only_adapters_and_added_rows_train(bases, kind, gen):
 def test_trained_adapters_keep_packed_documents_isolated(bases, kind, gen):
     model = lora_model(bases[kind])
     train(model, gen)
-    loss_diff, logit_diff = packed_vs_alone(model.eval(), docs_with_added_tokens(gen), pack)
+    loss_diff, logit_diff = packed_vs_alone(model.eval(), docs_with_added_tokens(gen))
     assert loss_diff <= 1e-5 and logit_diff <= 1e-5
 
 

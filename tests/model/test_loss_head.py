@@ -10,14 +10,15 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import pack, random_docs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from densebatch.batch import IGNORE_INDEX, Batch
-from densebatch.model import GPT, GPTConfig
+from densebatch.model import GPT
 from densebatch.model.loss_head import head_token_losses, plain_head_token_losses
+from densebatch.testing.batches import pack, random_docs
+from densebatch.testing.models import tiny_gpt, two_layer_config
 
 V = 97
 
@@ -168,29 +169,14 @@ def test_fused_head_under_bf16_autocast_is_close_and_float32(gen):
 
 # ---------------------------------------------------------------------------------- models
 def gpt(loss_head: str) -> GPT:
-    torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=V, n_layer=2, n_head=4, n_embd=32, block_size=64, loss_head=loss_head))
+    return tiny_gpt(V, loss_head=loss_head)
 
 
 def hf(kind: str, tmp_path, loss_head: str):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from densebatch.model.hf import HFCausalLM
 
-    common = dict(vocab_size=V, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    if kind == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **common)
-    else:
-        cfg = transformers.LlamaConfig(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-            **common,
-        )
-    cfg.save_pretrained(tmp_path)
+    two_layer_config(kind, V).save_pretrained(tmp_path)
     torch.manual_seed(0)
     return HFCausalLM(tmp_path, loss_head=loss_head)
 

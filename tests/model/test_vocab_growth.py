@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import pack, random_docs
-from hf_tiny import VOCAB, tiny_config
 
 from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model import GPT, build_model, load_model
+from densebatch.testing.batches import pack, random_docs
+from densebatch.testing.models import VOCAB, tiny_config
 
 transformers = pytest.importorskip("transformers")
 from densebatch.model.hf import HFCausalLM, input_embedding_weight  # noqa: E402

@@ -19,7 +19,7 @@ increments at every ``positions == 0``) and the key is not after the query. Back
   CUDA and fp16/bf16 only; fp32 falls back to ``segmented``).
 
 ``auto`` picks varlen, then flex, then segmented on CUDA; segmented on CPU; on rows shorter than
-``SEGMENTED_MIN_LEN`` it picks masked instead of segmented. Measured (``benchmarks/attention_bench.py``,
+``SEGMENTED_MIN_LEN`` it picks masked instead of segmented. Measured (``benchmarks/model/attention_bench.py``,
 torch 2.13, one CPU thread, fp32) on forward+backward of a 4-layer GPT over packed rows of 1024
 holding ~5.5 long-tailed documents (median ~210 tokens): segmented takes 0.71 s vs masked 1.28 s
 (width 128, 4 rows) and 1.92 s vs 2.75 s (width 256, 4 rows), faster even than the (leaky) plain

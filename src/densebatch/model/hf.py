@@ -27,7 +27,7 @@ whose layers differ get one mask per layer type (``{"full_attention": ..., "slid
 which transformers' Gemma 2 and Qwen2/3 accept in place of a tensor). Architectures that cannot be
 isolated are refused when built (``REFUSED``: ALiBi models), and soft-capped attention (Gemma 2),
 which SDPA cannot compute, needs ``eager``. docs/hf-models.md has the table for every architecture,
-measured by ``benchmarks/hf_isolation_table.py`` and checked by tests/model/test_hf_architectures.py.
+measured by ``benchmarks/model/hf_isolation_table.py`` and checked by tests/model/test_hf_architectures.py.
 """
 
 from __future__ import annotations

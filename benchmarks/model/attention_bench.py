@@ -8,8 +8,8 @@ Backends: ``masked`` (boolean block-diagonal mask), ``segmented`` (length bucket
 backend once in a rotating order (so load from other processes does not favour one); the table shows
 medians of the repeats, in seconds per forward+backward (token losses summed, as training does).
 
-    .venv/bin/python benchmarks/attention_bench.py                      # the documented table
-    .venv/bin/python benchmarks/attention_bench.py --widths 128 --rows 4 --repeats 3 --ratios 1.25,1.5
+    .venv/bin/python -m benchmarks.model.attention_bench                      # the documented table
+    .venv/bin/python -m benchmarks.model.attention_bench --widths 128 --rows 4 --repeats 3 --ratios 1.25,1.5
 """
 
 from __future__ import annotations

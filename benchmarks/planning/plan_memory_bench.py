@@ -1,9 +1,9 @@
 """Planning time and peak memory at 10M-100M documents: whole-corpus ``plan_epoch`` vs ``plan_epoch_sharded``.
 
-    .venv/bin/python benchmarks/plan_memory_bench.py --sizes 10000000,100000000 [--modes whole,sharded] [--strategies packed,...]
-    .venv/bin/python benchmarks/plan_memory_bench.py --sizes 10000000 --shard-docs 1048576,2097152,4194304 --modes sharded
-    .venv/bin/python benchmarks/plan_memory_bench.py --seq-len 1024 --max-tokens 8192 ...
-    .venv/bin/python benchmarks/plan_memory_bench.py --random-breakdown 100000000
+    .venv/bin/python -m benchmarks.planning.plan_memory_bench --sizes 10000000,100000000 [--modes whole,sharded] [--strategies packed,...]
+    .venv/bin/python -m benchmarks.planning.plan_memory_bench --sizes 10000000 --shard-docs 1048576,2097152,4194304 --modes sharded
+    .venv/bin/python -m benchmarks.planning.plan_memory_bench --seq-len 1024 --max-tokens 8192 ...
+    .venv/bin/python -m benchmarks.planning.plan_memory_bench --random-breakdown 100000000
 
 Lognormal lengths (median 300, sigma 1, clipped to [1, 4096], seed 0; 100M of them hold 48.6B tokens),
 written once to ``benchmarks/.cache/lognormal-N.npy`` (int64). Each (size, strategy, mode) runs in a
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-CACHE = Path(__file__).resolve().parent / ".cache"
+from benchmarks.common import CACHE, REPO
+
 STRATEGIES = ("random", "length_grouped", "token_budget", "packed")
 
 
@@ -113,7 +114,8 @@ def main() -> None:
                 for sd in a.shard_docs.split(",") if mode == "sharded" else ["-"]:
                     cmd = [
                         sys.executable,
-                        __file__,
+                        "-m",
+                        __spec__.name,  # this module, in a fresh process (its peak RSS is the cell's)
                         "--child",
                         str(path),
                         st,
@@ -122,7 +124,7 @@ def main() -> None:
                         str(a.seq_len),
                         str(a.max_tokens),
                     ]
-                    out = subprocess.run(cmd, capture_output=True, text=True)
+                    out = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
                     if out.returncode:
                         print(f"| {n:,} | {st} | {mode} | {sd} | failed: {out.stderr.strip().splitlines()[-1:]} |", flush=True)
                         continue

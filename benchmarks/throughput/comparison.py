@@ -1,16 +1,13 @@
-"""Shared pieces of the throughput benchmark: data sets, the setup of one comparison, a run's timings."""
+"""The pieces of one throughput comparison: data sets, methods, the setup they share, a run's timings."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
 DATASETS = {  # name -> (file, template)
     "instruction": ("instruction-data.json", "alpaca"),
     "oasst": ("oasst-threads.jsonl", "chatml"),
@@ -42,13 +39,6 @@ LABELS = {
 }
 
 
-def find_shared_data(arg: str | None) -> Path:
-    for cand in ([Path(arg)] if arg else []) + [REPO.parent / "shared" / "data", REPO / "shared" / "data"]:
-        if (cand / "gpt2" / "vocab.json").is_file():
-            return cand
-    sys.exit("shared data not found: pass --data-dir DIR (a folder with gpt2/vocab.json, instruction-data.json, ...)")
-
-
 # ------------------------------------------------------------------------------------- setup
 @dataclass
 class Setup:
@@ -67,24 +57,6 @@ class Setup:
     plain_rows: int = 0  # plain loop / ceiling: rows x plain_len real tokens per step
     plain_len: int = 0
     notes: dict = field(default_factory=dict)
-
-
-def write_model_dir(path: Path, n_positions: int) -> None:
-    from transformers import GPT2Config
-
-    cfg = GPT2Config(
-        vocab_size=50257,
-        n_positions=n_positions,
-        n_embd=256,
-        n_layer=4,
-        n_head=4,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        bos_token_id=50256,
-        eos_token_id=50256,
-    )
-    cfg.save_pretrained(path)
 
 
 def build_hf_model(setup: Setup, attn: str = "sdpa"):

@@ -14,8 +14,9 @@ import tempfile
 import time
 
 import torch
-from interleave import StepTimer
-from throughput_common import Run, Setup
+
+from benchmarks.throughput.comparison import Run, Setup
+from benchmarks.throughput.interleave import StepTimer
 
 
 def build_trainer(setup: Setup, strategy: str, out: str, steps: int, prefetch: int = 2, loss_head: str = "fused", before=False):
@@ -23,13 +24,14 @@ def build_trainer(setup: Setup, strategy: str, out: str, steps: int, prefetch: i
 
     ``before``: the model path and optimizer as they were before issue 10, inside today's loop (see
     ``as_before``)."""
-    from densebatch.config import BatchingConfig, EvalConfig, TrainConfig
+    from densebatch.config import BatchingConfig, GuardConfig, TrainConfig
     from densebatch.data.load.collate import collator_from_config
     from densebatch.data.load.loader import StepLoader
     from densebatch.data.plan.planner import PlanSettings
     from densebatch.data.plan.steps import StepSettings
     from densebatch.model import HFCausalLM
     from densebatch.train.loop import Trainer
+    from densebatch.train.parts import Placement, Reporting
 
     if strategy == "packed":
         bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=setup.tokens_per_step, seq_len=setup.seq_len)
@@ -49,9 +51,12 @@ def build_trainer(setup: Setup, strategy: str, out: str, steps: int, prefetch: i
     )
     torch.manual_seed(setup.seed)
     model = HFCausalLM(setup.model_dir, loss_head="plain" if before else loss_head)
-    tcfg = TrainConfig(max_steps=steps, lr=setup.lr, progress=False, device="cpu", spike_zscore=0.0, log_every=1)
+    tcfg = TrainConfig(
+        max_steps=steps, lr=setup.lr, progress=False, device="cpu", guard=GuardConfig(spike_zscore=0.0), log_every=1
+    )
     optimizer = as_before(model, tcfg) if before else None
-    return Trainer(model, loader, tcfg, EvalConfig(), output_dir=out, device="cpu", console=False, optimizer=optimizer)
+    placement, reporting = Placement(device="cpu"), Reporting(console=False)
+    return Trainer(model, loader, tcfg, output_dir=out, placement=placement, reporting=reporting, optimizer=optimizer)
 
 
 def as_before(model, tcfg):
@@ -69,7 +74,8 @@ def as_before(model, tcfg):
 
     model._inputs = types.MethodType(old_inputs, model)
     groups = param_groups(model, tcfg)
-    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(tcfg.beta1, tcfg.beta2), eps=tcfg.eps, foreach=True)
+    adam = tcfg.optimizer
+    return torch.optim.AdamW(groups, lr=tcfg.lr, betas=(adam.beta1, adam.beta2), eps=adam.eps, foreach=True)
 
 
 def run_densebatch(setup: Setup, strategy: str, timer: StepTimer, **kw) -> Run:

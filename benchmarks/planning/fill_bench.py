@@ -1,6 +1,6 @@
 """Fill rate of every batching strategy on the shared data sets and on synthetic long tails.
 
-    .venv/bin/python benchmarks/fill_bench.py [--seq-len 2048] [--max-tokens 8192] [--rows 8]
+    .venv/bin/python -m benchmarks.planning.fill_bench [--seq-len 2048] [--max-tokens 8192] [--rows 8]
 
 Prints a markdown table. "pad-to-longest" pads every row to the longest document of the set;
 "HF group_by_length @cap" is length-grouped batching whose rows-per-batch must fit the longest
@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shared_lengths import shared_lengths  # noqa: E402
-
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch  # noqa: E402
+from benchmarks.common import SHARED_SETS, shared_lengths
+from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
 
 
 def synthetic(name: str, n: int = 20000, seed: int = 0) -> np.ndarray:
@@ -39,7 +36,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=8)
     a = ap.parse_args()
     sets = {}
-    for name in ("instruction", "oasst", "shakespeare"):
+    for name in SHARED_SETS:
         try:
             sets[name] = shared_lengths(name)
         except FileNotFoundError:

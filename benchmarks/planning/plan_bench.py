@@ -1,6 +1,6 @@
 """Planning time from 1k to 10M documents (lognormal lengths, median 300, clipped to 4096), beside TRL.
 
-    .venv/bin/python benchmarks/plan_bench.py [--sizes 1000,10000,100000,1000000,10000000] [--trl-max 1000000]
+    .venv/bin/python -m benchmarks.planning.plan_bench [--sizes 1000,10000,100000,1000000,10000000] [--trl-max 1000000]
 
 Median of repeats (5 below 1M documents, 3 from 1M) of wall and process-CPU seconds per strategy,
 seq_len 2048, max_tokens_per_batch 8192. TRL's ``pack_dataset(strategy="bfd")`` is timed when trl

@@ -1,29 +1,26 @@
 """Packed-document isolation per Hugging Face architecture: the table in docs/hf-models.md.
 
-For each tiny random config of tests/model/hf_tiny.py (width 32, 1-2 layers, sliding windows of 6
+For each tiny random config of ``densebatch.testing.models`` (width 32, 1-2 layers, sliding windows of 6
 tokens where the architecture has them, fp32, CPU), three rows of packed documents (lengths 1 to 20)
 go through ``HFCausalLM`` with its 4-D document mask; each document then goes alone through a row
 of its own (no mask). Printed: the largest |difference| of logits and of per-token losses, or the
 refusal (a ``ConfigError``) for architectures that cannot be isolated. Deterministic (seed 0).
 
-    .venv/bin/python benchmarks/hf_isolation_table.py
+    .venv/bin/python -m benchmarks.model.hf_isolation_table
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
+import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "model"))
-import transformers  # noqa: E402
-from conftest import pack, random_docs  # noqa: E402
-from hf_tiny import ARCHITECTURES, LENGTHS, VOCAB, packed_vs_alone, write_config_dir  # noqa: E402
-
-from densebatch.errors import ConfigError  # noqa: E402
-from densebatch.model.hf import HFCausalLM  # noqa: E402
+from densebatch.errors import ConfigError
+from densebatch.model.hf import HFCausalLM
+from densebatch.testing.batches import random_docs
+from densebatch.testing.models import ARCHITECTURES, LENGTHS, VOCAB, packed_vs_alone, write_config_dir
 
 
 def main() -> None:
@@ -40,7 +37,7 @@ def main() -> None:
                 print(f"| {kind} | {impl} | refused: {e} | |")
                 continue
             docs = [random_docs(torch.Generator().manual_seed(0), row, VOCAB) for row in LENGTHS]
-            loss_diff, logit_diff = packed_vs_alone(model, docs, pack)
+            loss_diff, logit_diff = packed_vs_alone(model, docs)
             print(f"| {kind} | {impl} | {logit_diff:.1e} | {loss_diff:.1e} |")
 
 

@@ -1,6 +1,6 @@
 """Where a training step's time goes: densebatch, Hugging Face Trainer and the plain loop, side by side.
 
-The full-loss workload of issue 10 (``benchmarks/fullloss_sets.py``; HF GPT-2 config 4 x 256,
+The full-loss workload of issue 10 (``benchmarks/throughput/fullloss_sets.py``; HF GPT-2 config 4 x 256,
 vocabulary 50,257; HF Trainer group_by_length batches of 8; densebatch token_budget and the plain
 loop at the same real tokens per step). Each tool runs unmodified; its phases are timed from the
 outside (wrappers around its own methods, forward hooks on the transformer body and a gradient hook
@@ -16,8 +16,8 @@ on the body's output, which fires when the head's backward is done):
 Then ``torch.profiler`` over a few steps: operators by self CPU time, and how many calls would
 synchronise a GPU with the host per step (``item`` / ``_local_scalar_dense``, ``nonzero``, ``equal``).
 
-    .venv/bin/python benchmarks/profile_step.py --set tune --steps 8 --repeats 2
-    .venv/bin/python benchmarks/profile_step.py --set tune --ops      # operator tables too
+    .venv/bin/python -m benchmarks.throughput.profile_step --set tune --steps 8 --repeats 2
+    .venv/bin/python -m benchmarks.throughput.profile_step --set tune --ops      # operator tables too
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -36,11 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from throughput_baselines import build_hf_trainer, dense_rows, hf_features  # noqa: E402
-from throughput_common import find_shared_data  # noqa: E402
-from throughput_densebatch import build_trainer  # noqa: E402
-from train_throughput import match_hf_window, prepare_setup  # noqa: E402
+from benchmarks.common import require_shared_data
+from benchmarks.throughput.baselines import build_hf_trainer, dense_rows, hf_features
+from benchmarks.throughput.comparison import build_hf_model
+from benchmarks.throughput.pipeline import build_trainer
+from benchmarks.throughput.train_throughput import match_hf_window, prepare_setup
 
 PHASES = ("data", "collate", "h2d", "body fwd", "head fwd", "head bwd", "body bwd", "clip", "optimizer")
 PHASES += ("zero_grad", "schedule", "logging", "other")
@@ -155,13 +154,13 @@ def profile_densebatch(setup, clock: Clock, steps: int):
     clock.wrap(trainer.optimizer, "step", "optimizer")
     clock.wrap(trainer.optimizer, "zero_grad", "zero_grad")
     clock.wrap(trainer, "_set_lr", "schedule")
-    clock.wrap(trainer, "_write", "logging")
+    clock.wrap(trainer, "write_record", "logging")
     clock.wrap(trainer.guard, "check", "logging")
     import importlib
 
     patches = [(Console, "step", Console.step, "logging")]
     # Where the loop finds these functions (the loop's modules move as it is refactored).
-    for modname in ("densebatch.train.loop", "densebatch.train.oom"):
+    for modname in ("densebatch.train.loop", "densebatch.train.oom", "densebatch.train.update"):
         with contextlib.suppress(ImportError):
             mod = importlib.import_module(modname)
             for attr, name in (("to_device", "h2d"), ("clip_gradients", "clip")):
@@ -246,8 +245,6 @@ def profile_hf(setup, clock: Clock, features):
 
 # ------------------------------------------------------------------------------------- plain
 def profile_plain(setup, clock: Clock):
-    from throughput_common import build_hf_model
-
     ids, _ = dense_rows(setup)
     model = build_hf_model(setup).train()
     clock.hook_body(model.transformer)
@@ -290,7 +287,7 @@ def op_table(fn, rows: int):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--set", default="tune", help="a set of benchmarks/fullloss_sets.py")
+    ap.add_argument("--set", default="tune", help="a set of benchmarks/throughput/fullloss_sets.py")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per tool")
     ap.add_argument("--warmup-steps", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1, help="alternate the tools this many times; medians over all steps")
@@ -307,7 +304,7 @@ def main(argv=None) -> int:
     tools = ("densebatch", "hf", "plain")
     clocks = {t: [] for t in tools}
     with tempfile.TemporaryDirectory() as tmpd:
-        setup = prepare_setup(args.set, ns, find_shared_data(None), Path(tmpd))
+        setup = prepare_setup(args.set, ns, require_shared_data(), Path(tmpd))
         features = hf_features(setup.store)
         match_hf_window(setup, ns, features)  # the same real tokens per step as HF's timed steps
         print(

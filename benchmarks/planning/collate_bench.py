@@ -1,6 +1,6 @@
 """Collate time per batch: densebatch's CausalCollator beside Hugging Face's collators and the book's.
 
-    .venv/bin/python benchmarks/collate_bench.py [--docs 8] [--repeats 300]
+    .venv/bin/python -m benchmarks.planning.collate_bench [--docs 8] [--repeats 300]
 
 The same 8 oasst-threads documents (GPT-2 tokens, ~3,800 tokens) for every collator; median of
 ``--repeats`` calls, one thread. Each collator gets its natural input: ours reads the flat token
@@ -13,26 +13,17 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shared_lengths import book_collate, chatml_text, gpt2_tokenizer, shared_data_dir  # noqa: E402
-
-from densebatch.data.load.collate import CausalCollator  # noqa: E402
-from densebatch.data.plan.planner import PlanSettings, plan_epoch  # noqa: E402
+from benchmarks.common import shared_data_dir, texts
+from densebatch.data.load.collate import CausalCollator
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.prepare.store import DocumentStore
+from densebatch.testing.book import book_collate, gpt2_tokenizer
 
 EOS = 50256
-
-
-class Store:
-    def __init__(self, docs):
-        self.tokens = np.array([t for d in docs for t in d], np.int32)
-        self.loss_mask = np.ones(len(self.tokens), np.uint8)
-        self.lengths = np.array([len(d) for d in docs], np.int64)
-        self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -55,11 +46,8 @@ def main() -> None:
     shared = shared_data_dir()
     if shared is None:
         sys.exit("../shared/data is absent")
-    import json
-
-    lines = (shared / "oasst-threads.jsonl").read_text(encoding="utf-8").splitlines()
-    docs = [e.ids + [EOS] for e in gpt2_tokenizer(shared).encode_batch([chatml_text(json.loads(line)) for line in lines])]
-    store = Store(docs)
+    docs = [e.ids + [EOS] for e in gpt2_tokenizer(shared / "gpt2").encode_batch(texts("oasst", shared))]
+    store = DocumentStore.from_documents((d, [1] * len(d)) for d in docs)
     pick = np.random.default_rng(0).choice(len(docs), a.docs, replace=False).tolist()
     items = [docs[i] for i in pick]
     print(f"{a.docs} documents, {sum(map(len, items))} tokens (longest {max(map(len, items))}); median ms per batch\n")
@@ -75,7 +63,7 @@ def main() -> None:
         from transformers import DataCollatorForSeq2Seq, DataCollatorWithFlattening, PreTrainedTokenizerFast
 
         tok = PreTrainedTokenizerFast(
-            tokenizer_object=gpt2_tokenizer(shared)._tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
+            tokenizer_object=gpt2_tokenizer(shared / "gpt2")._tokenizer, eos_token="<|endoftext|>", pad_token="<|endoftext|>"
         )
         s2s = DataCollatorForSeq2Seq(tok, padding=True, label_pad_token_id=-100, return_tensors="pt")
         feats = lambda: [{"input_ids": list(d), "labels": list(d)} for d in items]

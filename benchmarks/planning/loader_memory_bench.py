@@ -6,7 +6,7 @@ Each mode runs in its own process (peak RSS is per process): build the loader on
 then collate the first 20 steps. Token ids come from a stand-in store (every id 1), so only the plan
 and the loader are measured.
 
-    .venv/bin/python benchmarks/loader_memory_bench.py --docs 10000000
+    .venv/bin/python -m benchmarks.planning.loader_memory_bench --docs 10000000
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import sys
 import time
 
 import numpy as np
+
+from benchmarks.common import REPO
 
 
 class Ones:
@@ -86,8 +88,8 @@ def main() -> int:
         print(json.dumps(run_one(args.one, args.docs, args.strategy)))
         return 0
     for mode in ("sharded", "materialised"):
-        cmd = [sys.executable, __file__, "--docs", str(args.docs), "--strategy", args.strategy, "--one", mode]
-        print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip(), flush=True)
+        cmd = [sys.executable, "-m", __spec__.name, "--docs", str(args.docs), "--strategy", args.strategy, "--one", mode]
+        print(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.strip(), flush=True)
     return 0
 
 

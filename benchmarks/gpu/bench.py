@@ -1,6 +1,6 @@
 """GPU throughput and MFU: densebatch ``packed`` vs Hugging Face ``Trainer`` ``group_by_length``, same memory cap.
 
-Called by ``benchmarks/gpu.sh`` (read that for the one-line usage). No downloads: the model is a
+Called by ``benchmarks/gpu/gpu.sh`` (read that for the one-line usage) as ``python -m benchmarks.gpu.bench``. No downloads: the model is a
 GPT-2 124M-shaped config with random weights (12 layers, width 768, 12 heads, vocabulary 50,257,
 context 1024, dropout 0), the data are random token documents whose lengths are those of
 ``oasst-threads.jsonl`` under the GPT-2 BPE (computed from ``../shared/data`` when it is there; else a
@@ -37,7 +37,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -45,10 +44,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-if str(REPO / "src") not in sys.path:  # run from a plain checkout without `pip install -e .`
-    sys.path.insert(0, str(REPO / "src"))
+from benchmarks.gpu.runs import Result, gib, run_ceiling, run_densebatch, run_hf
+from benchmarks.gpu.workload import make_documents, oasst_lengths
 
 METHODS = ("db_packed", "db_packed_hf", "hf_group_by_length", "ceiling")
 LABELS = {
@@ -71,10 +68,6 @@ PEAK_BF16 = (
     ("L4", 121e12),
     ("4090", 165e12),
 )
-
-
-from gpu_runs import Result, gib, run_ceiling, run_densebatch, run_hf  # noqa: E402
-from gpu_workload import make_documents, oasst_lengths  # noqa: E402
 
 
 def log(msg: str) -> None:

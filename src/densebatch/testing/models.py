@@ -1,10 +1,19 @@
-"""Tiny random Hugging Face configurations, one per architecture densebatch supports or refuses.
+"""Tiny models for tests and benchmarks: a reference GPT, and random Hugging Face configurations.
 
-Shared by tests/model/test_hf_architectures.py and benchmarks/hf_isolation_table.py. Each config is
-small enough to build and run in milliseconds (1-2 layers, width 32, vocabulary ``VOCAB``); where an
-architecture has a sliding window it is set to ``WINDOW`` tokens, shorter than the documents, so
-that a mask which forgot the window shows up as a difference. ``packed_vs_alone`` is the measure
-both report: each packed document against itself alone, through the adapter's own paths.
+- ``tiny_gpt``: the reference GPT the model tests run (2 layers, width 32, 4 heads, 64 positions).
+- ``two_layer_config``: the Hugging Face models of the adapter's own tests (GPT-2 and four Llama-family
+  models, 2 layers, width 32, untied heads), also measured by benchmarks/model/hf_bf16_tolerance.py
+  for the bound one of those tests uses.
+- ``tiny_config`` / ``write_config_dir``: one configuration per architecture densebatch supports or
+  refuses (``ARCHITECTURES``: the table of docs/hf-models.md, checked by
+  tests/model/test_hf_architectures.py and printed by benchmarks/model/hf_isolation_table.py), small
+  enough to build and run in milliseconds (1-2 layers, width ``WIDTH``, vocabulary ``VOCAB``); where an
+  architecture has a sliding window it is ``WINDOW`` tokens, shorter than the documents of ``LENGTHS``,
+  so that a mask which forgot the window shows up as a difference.
+- ``packed_vs_alone``: the measure both report, each packed document against itself alone, through
+  the adapter's own paths.
+
+transformers is imported only by the functions that build its configurations.
 """
 
 from __future__ import annotations
@@ -13,9 +22,48 @@ from pathlib import Path
 
 import torch
 
+from densebatch.model import GPT, GPTConfig
+from densebatch.testing.batches import pack
+
+
+def tiny_gpt(vocab_size: int, **config) -> GPT:
+    """The reference GPT at 2 layers x width 32 (4 heads, 64 positions), weights drawn from seed 0
+    (the global RNG, as ``torch.manual_seed(0)``); ``config``: further ``GPTConfig`` fields."""
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=vocab_size, n_layer=2, n_head=4, n_embd=32, block_size=64, **config))
+
+
+# ------------------------------------------------------------------ the adapter's two-layer models
+TWO_LAYER_VOCAB = 300
+
+
+def two_layer_config(kind: str, vocab_size: int = TWO_LAYER_VOCAB):
+    """A ``transformers`` config of ``kind`` (gpt2, llama, mistral, qwen2 or qwen3): 2 layers, width 32,
+    4 heads (2 key-value heads and an untied head for the Llama family), 64 positions."""
+    import transformers
+
+    common = dict(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **common)
+    llama_like = dict(
+        num_hidden_layers=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **common,
+    )
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[kind]
+    if kind == "qwen3":
+        llama_like["head_dim"] = 8
+    return getattr(transformers, cls)(tie_word_embeddings=False, **llama_like)
+
+
+# ------------------------------------------------------------------ one configuration per architecture
 VOCAB = 100
 WIDTH = 32
-WINDOW = 6  # sliding-window attention span, shorter than the longer test documents
+WINDOW = 6  # sliding-window attention span, shorter than the longer documents of LENGTHS
 # Rows of documents (lengths) packed for the comparison: several longer than WINDOW, so a forgotten window shows.
 LENGTHS = [[9, 14, 5], [20], [3, 11, 1, 7]]
 SEQ_LEN = 32
@@ -41,7 +89,8 @@ ARCHITECTURES = [
 
 
 def tiny_config(model_type: str, **overrides):
-    """A ``transformers`` config of ``model_type``: 1 layer (2 where layers differ), width ``WIDTH``."""
+    """A ``transformers`` config of ``model_type``: 1 layer (2 where layers differ), width ``WIDTH``;
+    ``overrides`` are set on it afterwards."""
     import transformers
 
     ids = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -95,11 +144,9 @@ def write_config_dir(root: Path, model_type: str, **overrides) -> Path:
     return out
 
 
-def packed_vs_alone(model, docs_by_row: list[list[list[int]]], pack) -> tuple[float, float]:
+def packed_vs_alone(model, docs_by_row: list[list[list[int]]]) -> tuple[float, float]:
     """(max |loss difference|, max |logit difference|) between each document packed in its row (the
-    4-D document mask) and the same document alone in a row (no mask: the model's causal attention).
-    ``pack``: tests/model/conftest.py's (passed in: a bare ``import conftest`` here could find another
-    directory's conftest once the whole suite is collected)."""
+    4-D document mask) and the same document alone in a row (no mask: the model's causal attention)."""
     packed = pack(docs_by_row, seq_len=SEQ_LEN)
     worst_loss = worst_logit = 0.0
     with torch.no_grad():

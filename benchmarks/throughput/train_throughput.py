@@ -6,7 +6,7 @@ the same token ids and loss mask for every method), the same number of steps. Tw
 
 - default (``--dataset``): instruction / oasst records with their templates, loss on the responses
   only, a target of ``--tokens-per-step`` real tokens per step (HF rows = target / mean length).
-- ``--full-loss SETS``: pre-tokenised records (``benchmarks/fullloss_sets.py``; every token carries
+- ``--full-loss SETS``: pre-tokenised records (``benchmarks/throughput/fullloss_sets.py``; every token carries
   loss), HF Trainer batches of ``--hf-rows`` 8 documents, and densebatch / the plain loop at the same
   real tokens per step (8 x the mean document length): the comparison of issue 10.
 
@@ -24,7 +24,7 @@ Methods:
   optimizer); ``ceiling`` the same with multi-tensor (foreach) AdamW; ``ceiling_lossonly`` the same
   rows through densebatch's ``HFCausalLM.token_losses`` with the data's loss mask.
 
-Each repeat runs every method once, step-interleaved (``benchmarks/interleave.py``): one optimizer
+Each repeat runs every method once, step-interleaved (``benchmarks/throughput/interleave.py``): one optimizer
 step of each method in turn, in one process, so that all of them sample the machine's load at the
 same moments (``--sequential``: one run after the other). A step's time runs from the moment its
 method gets its turn to the end of that optimizer step (data, collation, forward, backward,
@@ -32,9 +32,9 @@ clipping, optimizer, logging: everything); the first ``--warmup-steps`` steps ar
 real (non-padding) tokens count. Ratios are given per repeat and as the median of those; the
 1-minute load average is recorded at the start of every repeat.
 
-    .venv/bin/python benchmarks/train_throughput.py                      # both data sets, defaults
-    .venv/bin/python benchmarks/train_throughput.py --full-loss tune,pareto --steps 20 --repeats 3
-    .venv/bin/python benchmarks/train_throughput.py --methods db_packed,ceiling --json out.json
+    .venv/bin/python -m benchmarks.throughput.train_throughput                      # both data sets, defaults
+    .venv/bin/python -m benchmarks.throughput.train_throughput --full-loss tune,pareto --steps 20 --repeats 3
+    .venv/bin/python -m benchmarks.throughput.train_throughput --methods db_packed,ceiling --json out.json
 """
 
 from __future__ import annotations
@@ -52,11 +52,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fullloss_sets import SETS, write_set  # noqa: E402
-from interleave import run_alone, run_interleaved  # noqa: E402
-from throughput_baselines import hf_epoch_fill, hf_features, hf_window, run_ceiling, run_hf  # noqa: E402
-from throughput_common import (  # noqa: E402
+from benchmarks.common import require_shared_data, write_gpt2_config
+from benchmarks.throughput.baselines import hf_epoch_fill, hf_features, hf_window, run_ceiling, run_hf
+from benchmarks.throughput.comparison import (
     DATASETS,
     DEFAULT_METHODS,
     FULL_LOSS_METHODS,
@@ -64,11 +62,11 @@ from throughput_common import (  # noqa: E402
     METHODS,
     Run,
     Setup,
-    find_shared_data,
     token_budget_for,
-    write_model_dir,
 )
-from throughput_densebatch import attention_cost, run_densebatch  # noqa: E402
+from benchmarks.throughput.fullloss_sets import SETS, write_set
+from benchmarks.throughput.interleave import run_alone, run_interleaved
+from benchmarks.throughput.pipeline import attention_cost, run_densebatch
 
 
 # ------------------------------------------------------------------------------------ driver
@@ -85,9 +83,10 @@ def prepare_setup(name: str, args, data_dir: Path, tmp: Path) -> Setup:
         data = DataConfig(path=str(data_dir / fname), template=template, max_seq_len=args.seq_len)
     data.tokenizer, data.eval_fraction, data.cache_dir = str(data_dir / "gpt2"), 0.0, str(tmp / "cache")
     prepared = prepare(data)
-    model_dir = tmp / "model"
-    if not (model_dir / "config.json").is_file():
-        write_model_dir(model_dir, n_positions=max(1024, args.seq_len))
+    # GPT-2's 50,257 ids, plus any the template added (chatml's <|im_start|> and <|im_end|>), for every method
+    model_dir = tmp / f"model-{name}"
+    vocab = max(50257, int(prepared.train.meta["vocab_size"]))
+    write_gpt2_config(model_dir, n_positions=max(1024, args.seq_len), vocab_size=vocab)
     lengths = np.asarray(prepared.train.lengths)
     if full:
         hf_rows = args.hf_rows
@@ -145,6 +144,21 @@ def run_method(setup: Setup, method: str, features, timer) -> Run:
         r = run_ceiling(setup, timer, loss_only=method == "ceiling_lossonly", fused=method == "plain_fused")
     r.method = method
     return r
+
+
+def profile_method(setup: Setup, method: str, features, rows: int = 22) -> None:
+    """Operators by self CPU time over a whole run of ``method`` (warm-up and model build included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        r = run_alone(functools.partial(run_method, setup, method, features))
+        wall = time.perf_counter() - t0
+    print(
+        f"\n### profile {setup.name} / {LABELS[method]}: {wall:.1f} s in all, timed steps {sum(r.seconds):.1f} s, "
+        f"{r.tokens_per_s:.0f} real tok/s under the profiler"
+    )
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=48))
 
 
 def match_hf_window(setup: Setup, args, features) -> None:
@@ -276,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         help="time forward+backward of one packed batch with its "
         "document mask against the same tokens as one causal sequence per row (no mask), alternating",
     )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="run each method once under torch.profiler and print where its CPU time goes (operators by self time), "
+        "instead of the throughput table",
+    )
     args = ap.parse_args(argv)
     full = bool(args.full_loss)
     args.steps = args.steps or (20 if full else 3)
@@ -301,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--full-loss: expected some of {', '.join(SETS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    data_dir = find_shared_data(args.data_dir)
+    data_dir = require_shared_data(args.data_dir)
     import transformers
 
     print(
@@ -326,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
                 match_hf_window(setup, args, features)
             if args.attention_cost:
                 attention_cost(setup, args.repeats)
+                continue
+            if args.profile:
+                for m in methods:
+                    profile_method(setup, m, features)
                 continue
             runs: dict[str, list[Run]] = {m: [] for m in methods}
             for rep in range(args.repeats):

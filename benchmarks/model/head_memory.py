@@ -7,8 +7,8 @@ one full step (forward, backward, clip, AdamW) on ``rows x T`` tokens that all c
 the process's peak RSS (``ru_maxrss``). The figure is peak - before: what the step itself added,
 activations and logits included, as the operating system saw it (allocator caching included).
 
-    .venv/bin/python benchmarks/head_memory.py                   # both heads, both models, 2 sizes
-    .venv/bin/python benchmarks/head_memory.py --tokens 2x719 --models hf
+    .venv/bin/python -m benchmarks.model.head_memory                   # both heads, both models, 2 sizes
+    .venv/bin/python -m benchmarks.model.head_memory --tokens 2x719 --models hf
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from benchmarks.common import REPO, write_gpt2_config
 
 
 def rss_mb() -> float:
@@ -38,12 +38,10 @@ def one_step(kind: str, head: str, rows: int, T: int) -> dict:
 
     torch.manual_seed(0)
     if kind == "hf":
-        from throughput_common import write_model_dir
-
         from densebatch.model.hf import HFCausalLM
 
         d = tempfile.mkdtemp()
-        write_model_dir(Path(d), n_positions=1024)
+        write_gpt2_config(Path(d), n_positions=1024)
         model = HFCausalLM(d, loss_head=head)
     else:
         from densebatch.model import GPT, GPTConfig
@@ -78,7 +76,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.child:
         kind, head, rows, T = args.child.split(":")
-        sys.path.insert(0, str(HERE))
         print(json.dumps(one_step(kind, head, int(rows), int(T))))
         return 0
     print("| model | rows x T | plain head: step peak RSS (MiB) | fused head | fused / plain | full logits (fp32, MiB) |")
@@ -88,9 +85,9 @@ def main(argv=None) -> int:
             rows, T = (int(x) for x in shape.split("x"))
             got = {}
             for head in ("plain", "fused"):
-                out = subprocess.run(
-                    [sys.executable, __file__, "--child", f"{kind}:{head}:{rows}:{T}"], capture_output=True, text=True, check=True
-                )
+                # a fresh process per cell (this module again): its peak RSS is this step's alone
+                cmd = [sys.executable, "-m", __spec__.name, "--child", f"{kind}:{head}:{rows}:{T}"]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
                 got[head] = json.loads(out.stdout.strip().splitlines()[-1])["step_mb"]
             logits = rows * T * 50257 * 4 / 2**20
             print(

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+from benchmarks.common import gpt2_lengths, shared_data_dir
+
 OASST_FIT = {"p50": 317, "p90": 807, "max": 3031}
-
-
-def shared_data_dir(arg: str | None) -> Path | None:
-    env = os.environ.get("DENSEBATCH_SHARED")
-    cands = ([Path(arg)] if arg else []) + ([Path(env) / "data", Path(env)] if env else [])
-    cands += [REPO.parent / "shared" / "data", REPO / "shared" / "data"]
-    for c in cands:
-        if (c / "oasst-threads.jsonl").is_file() and (c / "gpt2" / "vocab.json").is_file():
-            return c
-    return None
 
 
 def oasst_lengths(arg: str | None) -> tuple[np.ndarray, str]:
@@ -28,16 +16,7 @@ def oasst_lengths(arg: str | None) -> tuple[np.ndarray, str]:
     shared = shared_data_dir(arg)
     if shared is not None:
         try:
-            from tokenizers import ByteLevelBPETokenizer
-
-            tok = ByteLevelBPETokenizer(str(shared / "gpt2" / "vocab.json"), str(shared / "gpt2" / "merges.txt"))
-            texts = []
-            for line in (shared / "oasst-threads.jsonl").read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    rec = json.loads(line)
-                    texts.append("".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in rec["messages"]))
-            lengths = np.array([len(e.ids) + 1 for e in tok.encode_batch(texts)], np.int64)
-            return lengths, f"oasst-threads.jsonl with the GPT-2 BPE ({shared})"
+            return gpt2_lengths("oasst", shared), f"oasst-threads.jsonl with the GPT-2 BPE ({shared})"
         except Exception as e:  # tokenizers missing or data unreadable: fall back, say why
             print(f"note: could not tokenize {shared} ({type(e).__name__}: {e}); using the lognormal fit", flush=True)
     mu = math.log(OASST_FIT["p50"])

@@ -25,9 +25,9 @@ With several ``--seeds`` (data order and dropout; the pre-trained weights are th
 is scored by its mean, and each seed's range test suggests its own rate, whose runs make the
 "suggested" row.
 
-    .venv/bin/python benchmarks/lr_grid.py --setup default --work /tmp/lrgrid --rates 3e-4,1e-3,3e-3,1e-2 --seeds 0,1
-    .venv/bin/python benchmarks/lr_grid.py --setup sft --work /tmp/lrgrid --rates 1e-4,3e-4,1e-3,3e-3 --seeds 0,1,2
-    .venv/bin/python benchmarks/lr_grid.py --setup finetune --work /tmp/lrgrid --rates 1e-3,3e-3,1e-2 --seeds 0,1,2
+    .venv/bin/python -m benchmarks.finders.lr_grid --setup default --work /tmp/lrgrid --rates 3e-4,1e-3,3e-3,1e-2 --seeds 0,1
+    .venv/bin/python -m benchmarks.finders.lr_grid --setup sft --work /tmp/lrgrid --rates 1e-4,3e-4,1e-3,3e-3 --seeds 0,1,2
+    .venv/bin/python -m benchmarks.finders.lr_grid --setup finetune --work /tmp/lrgrid --rates 1e-3,3e-3,1e-2 --seeds 0,1,2
 
 docs/finders.md has every grid's command and table.
 """
@@ -55,7 +55,7 @@ BATCHES = (
     "--batching.strategy=packed",
     "--batching.seq_len=512",
     "--batching.max_tokens_per_batch=4096",
-    "--train.spike_zscore=0",
+    "--train.guard.spike_zscore=0",
     "--train.plots=false",
 )
 

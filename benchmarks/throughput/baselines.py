@@ -7,8 +7,9 @@ import warnings
 
 import numpy as np
 import torch
-from interleave import StepTimer
-from throughput_common import Run, Setup, build_hf_model
+
+from benchmarks.throughput.comparison import Run, Setup, build_hf_model
+from benchmarks.throughput.interleave import StepTimer
 
 
 class CountingCollator:

@@ -1,4 +1,4 @@
-"""The runs of the GPU benchmark (``gpu_bench.py``): densebatch, Hugging Face Trainer and the dense
+"""The runs of the GPU benchmark (``bench.py``): densebatch, Hugging Face Trainer and the dense
 ceiling at the same memory cap, each timed per optimizer step with CUDA synchronised at step ends."""
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ def _peak_mem(device) -> float:
 
 # -------------------------------------------------------------------------------------- runners
 def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
-    from densebatch.config import BatchingConfig, EvalConfig, ModelConfig, TrainConfig
+    from densebatch.config import BatchingConfig, ModelConfig, TrainConfig
     from densebatch.data.load.collate import collator_from_config
     from densebatch.data.load.loader import StepLoader
     from densebatch.data.plan.planner import PlanSettings
     from densebatch.model import build_model
     from densebatch.train.loop import Trainer
+    from densebatch.train.parts import Placement, Reporting
 
     bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=a.slots, seq_len=a.seq_len)
     loader = StepLoader(
@@ -78,7 +79,9 @@ def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
 
     _reset_mem(device)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(model, loader, tcfg, EvalConfig(), output_dir=out, device=device, console=False)
+        trainer = Trainer(
+            model, loader, tcfg, output_dir=out, placement=Placement(device=device), reporting=Reporting(console=False)
+        )
         trainer.after_step = after_step
         backend = getattr(trainer.model, "attention_backend", None)
         if callable(backend):

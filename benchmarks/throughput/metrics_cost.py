@@ -1,6 +1,6 @@
 """Cost of the per-step observability figures (memory, timing split, health checks) against the step they describe.
 
-    .venv/bin/python benchmarks/metrics_cost.py [--steps 40 | --run RUN_DIR] [--repeats 2000] [--json FILE]
+    .venv/bin/python -m benchmarks.throughput.metrics_cost [--steps 40 | --run RUN_DIR] [--repeats 2000] [--json FILE]
 
 Trains the demo (`densebatch train` with no configuration) for ``--steps`` steps in this process (or
 reads the records of an existing run, ``--run``), then times, on that run's own train records, what each step pays for its observability on top of the step:

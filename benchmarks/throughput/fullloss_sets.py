@@ -12,7 +12,7 @@ pre-training, or ``loss_on: all``). Documents are cut at ``MAX_LEN`` tokens (the
   ones. HF group_by_length batches of 8 fill 0.88 (shakespeare) to 0.99 (instruction) of their slots
   over a whole epoch (pareto 0.94; docs/benchmarks.md lists every set).
 
-    .venv/bin/python benchmarks/fullloss_sets.py          # summary of every set
+    .venv/bin/python -m benchmarks.throughput.fullloss_sets     # summary of every set
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import json
 from pathlib import Path
 
 import numpy as np
-from shared_lengths import gpt2_tokenizer, shared_data_dir, texts
+
+from benchmarks.common import shared_data_dir, texts
+from densebatch.testing.book import gpt2_tokenizer
 
 MAX_LEN = 1024
 EOS = 50256
@@ -44,7 +46,7 @@ def documents(name: str, seed: int = 0) -> list[np.ndarray]:
     shared = shared_data_dir()
     if shared is None:
         raise FileNotFoundError("../shared/data is absent (set DENSEBATCH_SHARED)")
-    enc = gpt2_tokenizer(shared).encode_batch(texts(name, shared))
+    enc = gpt2_tokenizer(shared / "gpt2").encode_batch(texts(name, shared))
     return [np.asarray(e.ids[: MAX_LEN - 1] + [EOS], np.int64) for e in enc]
 
 

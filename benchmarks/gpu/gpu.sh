@@ -3,17 +3,17 @@
 # memory cap: a GPT-2 124M-shaped model with random weights, random token documents with the lengths
 # of oasst-threads.jsonl. No downloads; about 1-3 minutes on one H100/H200 (hard limit 5 minutes).
 #
-#   bash benchmarks/gpu.sh                   # the benchmark (needs CUDA)
-#   bash benchmarks/gpu.sh --dry-run         # tiny config on CPU: proves the script end to end
-#   bash benchmarks/gpu.sh --slots 65536     # any benchmarks/gpu_bench.py option (--help lists them)
+#   bash benchmarks/gpu/gpu.sh                   # the benchmark (needs CUDA)
+#   bash benchmarks/gpu/gpu.sh --dry-run         # tiny config on CPU: proves the script end to end
+#   bash benchmarks/gpu/gpu.sh --slots 65536     # any option of python -m benchmarks.gpu.bench (--help lists them)
 #
 # Python: $PYTHON if set, else the repository's .venv, else .venv-gpu (created here with the system
 # site-packages, so a machine's preinstalled CUDA torch is used), else python3. densebatch is used
-# from src/ (PYTHONPATH), so no install is needed. Missing transformers / accelerate are installed
+# from src/ (PYTHONPATH) and the benchmark runs as a module from the repository root, so no install is needed. Missing transformers / accelerate are installed
 # only when a package index is reachable; otherwise the Hugging Face rows are skipped and said so.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 LIMIT_S="${GPU_BENCH_LIMIT_S:-290}"
 
@@ -73,17 +73,17 @@ done
 
 export PYTHONPATH="$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
-say "running benchmarks/gpu_bench.py $* (limit ${LIMIT_S} s)"
+say "running python -m benchmarks.gpu.bench $* (limit ${LIMIT_S} s)"
 status=0
 if command -v timeout >/dev/null 2>&1; then
-  timeout --signal=TERM "$LIMIT_S" "$PY" benchmarks/gpu_bench.py "$@" || status=$?
+  timeout --signal=TERM "$LIMIT_S" "$PY" -m benchmarks.gpu.bench "$@" || status=$?
 else
-  "$PY" benchmarks/gpu_bench.py "$@" || status=$?
+  "$PY" -m benchmarks.gpu.bench "$@" || status=$?
 fi
 if [[ $status -eq 124 ]]; then
   say "ERROR: stopped after ${LIMIT_S} s (lower --steps or --slots)"
 elif [[ $status -ne 0 ]]; then
-  say "ERROR: gpu_bench.py exited with status $status"
+  say "ERROR: benchmarks.gpu.bench exited with status $status"
 else
   say "done"
 fi

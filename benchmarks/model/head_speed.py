@@ -6,7 +6,7 @@ a 50,257 x 256 head (the GPT-2 vocabulary at the throughput benchmark's width). 
 turns within each repeat (so they share the machine's load); the first round is a warm-up; medians
 of process CPU seconds (all threads) and wall seconds.
 
-    .venv/bin/python benchmarks/head_speed.py --tokens 1866 --chunks plain,163,652,1304
+    .venv/bin/python -m benchmarks.model.head_speed --tokens 1866 --chunks plain,163,652,1304
 """
 
 from __future__ import annotations
