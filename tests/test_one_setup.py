@@ -97,3 +97,38 @@ def _lengths(tmp_path: Path) -> Path:
     p = tmp_path / "lengths.txt"
     p.write_text("\n".join(str(n) for n in range(20, 400, 7)) + "\n")
     return p
+
+
+def test_truncation_that_would_cut_most_targets_is_refused_before_training(tmp_path, capsys):
+    out = tmp_path / "run"
+    cut = ["--batching.strategy=packed", "--batching.long_docs=truncate", "--batching.max_tokens_per_batch=256"]
+    args = [*TINY, *cut, f"--output_dir={out}", f"--data.cache_dir={tmp_path / 'cache'}"]
+    assert main(["train", *args, "--batching.seq_len=16"]) == 2  # prompts are longer: every answer would be cut
+    err = capsys.readouterr().err.strip()
+    assert "batching.long_docs: truncate would cut" in err and "use long_docs: split" in err and len(err.splitlines()) == 1
+    assert not (out / "metrics.jsonl").exists()
+    assert main(["train", *args, "--batching.seq_len=128", "--train.max_steps=1"]) == 0  # a few long ones: said, then trained
+    assert "batching.long_docs: truncate cuts" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kind", ["bert", "t5"])
+def test_a_model_that_is_not_a_causal_lm_is_refused_before_any_data_is_prepared(kind, tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path / kind
+    if kind == "bert":  # AutoModelForCausalLM would load it as BertLMHeadModel, which reads the future
+        cfg = transformers.BertConfig(
+            vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+        )
+        transformers.BertForMaskedLM(cfg).save_pretrained(d)
+    else:
+        cfg = transformers.T5Config(vocab_size=300, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+        transformers.T5ForConditionalGeneration(cfg).save_pretrained(d)
+    capsys.readouterr()  # transformers' own save progress
+    cache = tmp_path / "cache"
+    args = [*TINY, "--model.kind=hf", f"--model.path={d}", f"--output_dir={tmp_path / 'out'}", f"--data.cache_dir={cache}"]
+    for command in ("train", "find-lr"):
+        assert main([command, *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert ("BertForMaskedLM" if kind == "bert" else "encoder-decoder") in err and "causal LM" in err
+    assert not cache.exists()  # refused before the data was prepared

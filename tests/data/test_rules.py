@@ -18,7 +18,9 @@ from densebatch.data.plan.rules import (
     check_batching,
     full_context_settings,
     longest_train_row,
+    loss_tokens_cut,
     sized_by_budget,
+    truncation_cap,
     worst_batches,
 )
 from densebatch.errors import ConfigError
@@ -78,3 +80,25 @@ def test_settings_a_strategy_cannot_run_are_refused_naming_the_key(fields, match
     with pytest.raises(ConfigError, match=match):
         check_batching(SimpleNamespace(**{**vars(BatchingConfig()), **fields}))
     check_batching(BatchingConfig(strategy="packed", seq_len=128, max_tokens_per_batch="auto"))  # auto: found later
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30).map(lambda v: np.array(v, dtype=np.int64)),
+    cap=st.integers(1, 45),
+    seed=st.integers(0, 10),
+)
+def test_loss_tokens_cut_are_the_targets_in_the_truncated_tails(lengths, cap, seed):
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    mask = np.random.default_rng(seed).integers(0, 2, int(offsets[-1])).astype(np.uint8)
+    expected = sum(int(mask[offsets[d] + cap : offsets[d + 1]].sum()) for d in range(len(lengths)) if lengths[d] > cap)
+    assert loss_tokens_cut(lengths, offsets, mask, cap) == (expected, int((lengths > cap).sum()))
+
+
+def test_truncation_cap_follows_the_strategy():
+    assert truncation_cap(BatchingConfig(strategy="packed", seq_len=64, long_docs="truncate")) == 64
+    assert truncation_cap(BatchingConfig(strategy="packed", seq_len=64, long_docs="split")) is None
+    tb = BatchingConfig(strategy="token_budget", max_tokens_per_batch=100, pad_to_multiple_of=8, long_docs="truncate")
+    assert truncation_cap(tb) == 96
+    assert truncation_cap(BatchingConfig(strategy="token_budget", max_tokens_per_batch="auto", long_docs="truncate")) is None
+    assert truncation_cap(BatchingConfig(strategy="random", long_docs="truncate")) is None

@@ -32,6 +32,7 @@ measured by ``benchmarks/model/hf_isolation_table.py`` and checked by tests/mode
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -89,8 +90,7 @@ class HFCausalLM(nn.Module):
                 f"isolated (tests show it leaks or crashes); use one of: {', '.join(ALLOWED)}"
             )
         path = Path(path)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.path: '{path}' has no config.json (expected a local Hugging Face model directory)")
+        check_causal_lm_dir(path)
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype: expected one of {', '.join(DTYPES)}; got {dtype!r}")
         try:
@@ -341,3 +341,44 @@ def check_architecture(config, attn_implementation: str) -> None:
             f"model.attn_implementation: {kind} soft-caps its attention scores, which only eager computes "
             f"(SDPA would give other logits); set model.attn_implementation: eager"
         )
+
+
+CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")  # the class names of decoder-only language models
+_ENCODERS = {"bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "megatron-bert", "roberta-prelayernorm", "xmod"}
+
+
+def check_causal_lm_dir(path: str | Path) -> None:
+    """``ConfigError`` in one line, before anything is loaded, when ``path`` does not hold a decoder-only causal
+    LM: no ``config.json``, an encoder-decoder, a saved class that is not a causal LM head (``BertForMaskedLM``:
+    ``AutoModelForCausalLM`` would load it as ``BertLMHeadModel``, which reads the future unless it was
+    built as a decoder), or a model type transformers has no causal LM for."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"model.path: '{path}' has no config.json (expected a local Hugging Face model directory)")
+    try:
+        meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ConfigError(f"model.path: {path / 'config.json'} is not valid JSON ({e})") from None
+    kind, saved = meta.get("model_type", "?"), list(meta.get("architectures") or [])
+    supported = "densebatch trains decoder-only causal LMs (a class ending in ForCausalLM or LMHeadModel)"
+    if meta.get("is_encoder_decoder"):
+        raise ConfigError(f"model.path: {path} holds an encoder-decoder ({', '.join(saved) or kind}); {supported}")
+    if saved and not any(a.endswith(CAUSAL_HEADS) for a in saved):
+        raise ConfigError(
+            f"model.path: {path} holds {', '.join(saved)}, not a causal LM (AutoModelForCausalLM would load "
+            f"{_causal_class(kind)} with its own head); {supported}"
+        )
+    if kind in _ENCODERS and not meta.get("is_decoder"):
+        raise ConfigError(
+            f"model.path: {path} holds a {kind} encoder (is_decoder false: it attends to later tokens); {supported}"
+        )
+    if _causal_class(kind) is None:
+        raise ConfigError(f"model.path: transformers has no causal LM for model type {kind!r} ({path}); {supported}")
+
+
+def _causal_class(model_type: str) -> str | None:
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)

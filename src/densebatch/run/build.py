@@ -19,13 +19,14 @@ from densebatch.config import RunConfig, load_config
 from densebatch.data.load.collate import collator_from_config
 from densebatch.data.load.loader import StepLoader
 from densebatch.data.plan.planner import PlanSettings
-from densebatch.data.plan.rules import check_batching, full_context_settings, longest_train_row
+from densebatch.data.plan.rules import check_batching, full_context_settings, longest_train_row, loss_tokens_cut, truncation_cap
 from densebatch.data.plan.steps import StepSettings
 from densebatch.data.prepare.pipeline import Prepared, prepare
 from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.tokenizers import resolve_tokenizer_spec
 from densebatch.errors import ConfigError
 from densebatch.model import build_model
+from densebatch.model.hf import check_causal_lm_dir
 from densebatch.run.demo import DEMO_OVERRIDES, is_demo
 from densebatch.train.distributed import Distributed
 from densebatch.train.loop import resolve_device
@@ -79,6 +80,30 @@ def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
     if not dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
     return prepared
+
+
+MAX_CUT_SHARE = 0.5  # long_docs: truncate may cut at most this share of the training loss tokens
+
+
+def check_truncation(cfg: RunConfig, prepared: Prepared) -> str | None:
+    """What ``batching.long_docs: truncate`` cuts of the training targets: ``ConfigError`` when it would leave
+    none, or cut more than ``MAX_CUT_SHARE`` of them (a run that learns from what is left would look fine
+    and be wrong); otherwise a line saying what is cut (None when nothing is)."""
+    cap = truncation_cap(cfg.batching)
+    store = prepared.train
+    if cap is None:
+        return None
+    lost, docs = loss_tokens_cut(store.lengths, store.offsets, store.loss_mask, cap)
+    if not docs:
+        return None
+    total = int(store.meta.get("num_loss_tokens") or np.asarray(store.loss_mask).sum(dtype=np.int64))
+    what = f"{lost} of {total} loss tokens in {docs} of {len(store)} documents longer than {cap} tokens"
+    if total and lost / total > MAX_CUT_SHARE:
+        key = "batching.seq_len" if cfg.batching.strategy == "packed" else "batching.max_tokens_per_batch"
+        raise ConfigError(
+            f"batching.long_docs: truncate would cut {what} (more than {MAX_CUT_SHARE:.0%}): use long_docs: split, or raise {key}"
+        )
+    return f"batching.long_docs: truncate cuts {what}"
 
 
 def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device):
@@ -135,6 +160,10 @@ class Setup:
 
 def setup(cfg: RunConfig, dist: Distributed) -> Setup:
     """Documents and model as every training command builds them (``cfg`` already resolved)."""
+    if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
+        check_causal_lm_dir(cfg.model.path)
     prepared = prepare_on_every_rank(cfg, dist)
+    if (cut := check_truncation(cfg, prepared)) is not None and dist.is_main:
+        print(cut, flush=True)
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
     return Setup(cfg, dist, prepared, build_run_model(cfg, prepared, device), device)

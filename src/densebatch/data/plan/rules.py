@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import numpy as np
 
+from densebatch.data.plan.packing import ranges
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.steps import rows_of
 from densebatch.errors import ConfigError
@@ -57,6 +58,29 @@ def longest_train_row(b, longest_doc: int) -> tuple[int, str]:
     if b.strategy == "token_budget" and b.long_docs == "split" and b.max_tokens_per_batch != "auto":
         return min(int(longest_doc), int(b.max_tokens_per_batch)), "data.max_seq_len"
     return int(longest_doc), "data.max_seq_len"
+
+
+def truncation_cap(b) -> int | None:
+    """The length past which ``long_docs: truncate`` cuts a document's tail, for ``b`` (a ``BatchingConfig``);
+    None when nothing is cut (``split``, strategies whose rows hold whole documents, a budget still ``auto``)."""
+    if b.long_docs != "truncate":
+        return None
+    if b.strategy == "packed":
+        return int(b.seq_len)
+    if b.strategy == "token_budget" and b.max_tokens_per_batch != "auto":
+        return int(b.max_tokens_per_batch) // b.pad_to_multiple_of * b.pad_to_multiple_of
+    return None
+
+
+def loss_tokens_cut(lengths: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, cap: int) -> tuple[int, int]:
+    """(loss tokens in the tails that truncation to ``cap`` tokens cuts, documents cut). A kept row of ``cap``
+    tokens keeps the targets of its tokens; the tail's targets are lost."""
+    long_ids = np.flatnonzero(np.asarray(lengths) > cap)
+    if not len(long_ids):
+        return 0, 0
+    starts = np.asarray(offsets)[long_ids] + cap
+    tails = ranges(starts, np.asarray(offsets)[long_ids + 1])  # every cut token's index
+    return int(np.asarray(loss_mask)[tails].sum(dtype=np.int64)), len(long_ids)
 
 
 def full_context_settings(settings: PlanSettings, longest: int) -> PlanSettings:
