@@ -8,6 +8,7 @@ functions too (a cycle hidden in a function is still a cycle). Each guard is a f
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "densebatch"
@@ -163,6 +164,19 @@ def test_no_import_cycle_anywhere_counting_function_local_imports():
 def test_function_local_imports_of_the_package_say_why():
     problems = uncommented_local_imports(package_sources())
     assert not problems, "\n".join(problems)
+
+
+def test_strategy_rules_live_with_the_planner():
+    """No module outside ``data/plan/`` compares strategy names: each strategy's rules are the planner's."""
+    compare = re.compile(r"strategy\s*(==|!=|\bin\b|\bnot in\b)")
+    found = [
+        f"{p.relative_to(PKG)}:{i}: {line.strip()}"
+        for p in PKG.rglob("*.py")
+        if not p.is_relative_to(PKG / "data" / "plan")
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+        if compare.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not found, "\n".join(found)
 
 
 def test_no_module_over_400_lines():

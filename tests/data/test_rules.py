@@ -96,9 +96,9 @@ def test_loss_tokens_cut_are_the_targets_in_the_truncated_tails(lengths, cap, se
 
 
 def test_truncation_cap_follows_the_strategy():
-    assert truncation_cap(BatchingConfig(strategy="packed", seq_len=64, long_docs="truncate")) == 64
+    assert truncation_cap(BatchingConfig(strategy="packed", seq_len=64, long_docs="truncate")) == (64, "batching.seq_len")
     assert truncation_cap(BatchingConfig(strategy="packed", seq_len=64, long_docs="split")) is None
     tb = BatchingConfig(strategy="token_budget", max_tokens_per_batch=100, pad_to_multiple_of=8, long_docs="truncate")
-    assert truncation_cap(tb) == 96
+    assert truncation_cap(tb) == (96, "batching.max_tokens_per_batch")
     assert truncation_cap(BatchingConfig(strategy="token_budget", max_tokens_per_batch="auto", long_docs="truncate")) is None
     assert truncation_cap(BatchingConfig(strategy="random", long_docs="truncate")) is None

@@ -89,17 +89,17 @@ def check_truncation(cfg: RunConfig, prepared: Prepared) -> str | None:
     """What ``batching.long_docs: truncate`` cuts of the training targets: ``ConfigError`` when it would leave
     none, or cut more than ``MAX_CUT_SHARE`` of them (a run that learns from what is left would look fine
     and be wrong); otherwise a line saying what is cut (None when nothing is)."""
-    cap = truncation_cap(cfg.batching)
+    cut = truncation_cap(cfg.batching)
     store = prepared.train
-    if cap is None:
+    if cut is None:
         return None
+    cap, key = cut
     lost, docs = loss_tokens_cut(store.lengths, store.offsets, store.loss_mask, cap)
     if not docs:
         return None
     total = int(store.meta.get("num_loss_tokens") or np.asarray(store.loss_mask).sum(dtype=np.int64))
     what = f"{lost} of {total} loss tokens in {docs} of {len(store)} documents longer than {cap} tokens"
     if total and lost / total > MAX_CUT_SHARE:
-        key = "batching.seq_len" if cfg.batching.strategy == "packed" else "batching.max_tokens_per_batch"
         raise ConfigError(
             f"batching.long_docs: truncate would cut {what} (more than {MAX_CUT_SHARE:.0%}): use long_docs: split, or raise {key}"
         )

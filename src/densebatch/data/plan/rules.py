@@ -60,15 +60,17 @@ def longest_train_row(b, longest_doc: int) -> tuple[int, str]:
     return int(longest_doc), "data.max_seq_len"
 
 
-def truncation_cap(b) -> int | None:
-    """The length past which ``long_docs: truncate`` cuts a document's tail, for ``b`` (a ``BatchingConfig``);
-    None when nothing is cut (``split``, strategies whose rows hold whole documents, a budget still ``auto``)."""
+def truncation_cap(b) -> tuple[int, str] | None:
+    """(the length past which ``long_docs: truncate`` cuts a document's tail, the key that sets it) for ``b``
+    (a ``BatchingConfig``); None when nothing is cut (``split``, strategies whose rows hold whole documents,
+    a budget still ``auto``)."""
     if b.long_docs != "truncate":
         return None
     if b.strategy == "packed":
-        return int(b.seq_len)
+        return int(b.seq_len), "batching.seq_len"
     if b.strategy == "token_budget" and b.max_tokens_per_batch != "auto":
-        return int(b.max_tokens_per_batch) // b.pad_to_multiple_of * b.pad_to_multiple_of
+        m = b.pad_to_multiple_of
+        return int(b.max_tokens_per_batch) // m * m, "batching.max_tokens_per_batch"
     return None
 
 
