@@ -1,5 +1,6 @@
-"""Keys that moved are refused with their new name (file, command line), and a configuration saved by a run
-before the move is read under the new names (an older run still resumes)."""
+"""Keys that moved are refused with their new name (file, command line), a configuration saved by a run
+before the move is read under the new names (an older run still resumes), and an unknown key suggests the
+closest real one."""
 
 from __future__ import annotations
 
@@ -80,3 +81,13 @@ def test_a_saved_configuration_with_old_keys_is_read_under_the_new_names(tmp_pat
     path.write_text(yaml.safe_dump(old))
     cfg = load_config(path, saved=True)
     assert all(_get(cfg, k) == v for k, v in VALUES.items())
+
+
+def test_an_unknown_key_suggests_the_closest_one():
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'train\.warmup_step' in section 'train'; did you mean 'train\.warmup_steps'\?"
+    ):
+        load_config(None, ["--train.warmup_step=5"])
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["--train.zzzz=5"])
+    assert "did you mean" not in str(e.value)

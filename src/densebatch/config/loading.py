@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import types
 import typing
@@ -119,8 +120,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         refuse_moved(f"{prefix}.{name}" if prefix else name)
     if unknown:
         where = f"in section '{prefix}'" if prefix else "at the top level"
+        close = difflib.get_close_matches(str(unknown[0]), list(fields), n=1, cutoff=0.6)
+        hint = f"did you mean '{prefix + '.' if prefix else ''}{close[0]}'? " if close else ""
         raise ConfigError(
-            f"unknown key '{prefix + '.' if prefix else ''}{unknown[0]}' {where}; expected one of: {', '.join(fields)}"
+            f"unknown key '{prefix + '.' if prefix else ''}{unknown[0]}' {where}; {hint}expected one of: {', '.join(fields)}"
         )
     kwargs = {}
     for name, f in fields.items():
