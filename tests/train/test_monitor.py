@@ -72,6 +72,9 @@ def test_summary_is_one_screen_with_the_facts():
         "session_seconds": 70.0,
         "session_real_tokens": 1_000_000,
         "output_dir": "runs/x",
+        "processes": 2,
+        "device": "cuda:0",
+        "precision": "bf16",
     }
     text = format_summary(s)
     assert len(text.splitlines()) <= 20
@@ -90,6 +93,7 @@ def test_summary_is_one_screen_with_the_facts():
         "1:15",
         "runs/x",
         "metrics.jsonl",
+        "2 processes, cuda:0, bf16",
     ):
         assert needle in text, needle
 

@@ -386,5 +386,8 @@ class Trainer:
             "session_seconds": self._session_seconds,
             "session_real_tokens": self._session_tokens,
             "output_dir": str(self.output_dir),
+            "processes": self.dist.world_size,
+            "device": str(self.device),
+            "precision": self.cfg.precision,
             "warnings": [w.as_record() for w in self.health.summary()] if self.health is not None else [],
         }

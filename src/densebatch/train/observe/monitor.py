@@ -252,5 +252,9 @@ def format_summary(s: dict) -> str:
         lines.append(f"best eval loss   {fmt(s['best_eval_loss'])}")
     tps = s["session_real_tokens"] / s["session_seconds"] if s.get("session_seconds") else 0.0
     lines.append(f"wall time        {_fmt_time(s['elapsed_s'])} total, {_fmt_tokens(tps)} real tok/s this session")
+    if "processes" in s:
+        lines.append(
+            f"ran on           {s['processes']} process{'es' if s['processes'] != 1 else ''}, {s['device']}, {s['precision']}"
+        )
     lines.append(f"outputs          {s['output_dir']}  (metrics: {METRICS_FILE})")
     return "\n".join(lines)
