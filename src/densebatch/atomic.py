@@ -49,6 +49,15 @@ def fsync_file(path: str | Path) -> None:
         os.fsync(f.fileno())
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this machine (a temp name or a lock names its writer's pid)."""
+    try:
+        os.kill(int(pid), 0)
+    except OSError as e:  # PermissionError: it exists, owned by someone else
+        return not isinstance(e, ProcessLookupError)
+    return True
+
+
 def temp_name(final: str | Path, kind: str = "tmp") -> Path:
     """``.tmp-<name>-<pid>-<random>`` beside ``final``: unique per process and call."""
     final = Path(final)

@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from densebatch.atomic import pid_alive
 from densebatch.errors import UserError
 from densebatch.train.distributed import Distributed
 
@@ -37,14 +38,6 @@ def _holder() -> dict:
 
 def _describe(info: dict) -> str:
     return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
-
-
-def _pid_alive(pid) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (OSError, ValueError, TypeError):
-        return False
-    return True
 
 
 class RunLock:
@@ -76,7 +69,7 @@ class RunLock:
             os.close(fd)
             return f"output_dir {out} is in use by another run ({_describe(info)}): wait for it to finish, or set --output_dir"
         before = _read(fd)
-        if before.get("pid") is not None and before.get("host") == socket.gethostname() and not _pid_alive(before["pid"]):
+        if before.get("pid") is not None and before.get("host") == socket.gethostname() and not pid_alive(before["pid"]):
             print(f"taking over the lock of {out} from a run that is gone ({_describe(before)})", file=sys.stderr, flush=True)
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(_holder()) + "\n").encode(), 0)

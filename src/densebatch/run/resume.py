@@ -147,8 +147,9 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
             _warn(dist, f"checkpoint {p}: {why} — skipped")
 
         path = latest_valid(out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=skip)
-        found = holds_a_run(out)
-        if path is None and resume and found and not overwrite:
+    found = holds_a_run(out)  # after latest_valid removed the leftovers of dead saves
+    if path is None:
+        if found and not overwrite and resume:
             # Starting afresh would replace the run's final model and metrics: its checkpoints may be
             # repairable (a damaged one often holds intact weights), so nothing is touched.
             raise UserError(
@@ -156,15 +157,13 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
                 + (f" ({'; '.join(skipped)})" if skipped else " (none was saved)")
                 + "; nothing was changed. Start over with --overwrite (deletes the run), or set --output_dir"
             )
-        if path is None and resume:
-            _warn(dist, f"no checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
-    if path is None:
-        found = holds_a_run(out)
-        if found and not overwrite and not resume:
+        if found and not overwrite:
             raise UserError(
                 f"{out} already holds a run ({', '.join(found)}); continue it with --resume, "
                 f"or start over with --overwrite (deletes it), or set --output_dir"
             )
+        if resume:
+            _warn(dist, f"no checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
         if found and dist.is_main:
             for name in RUN_OUTPUTS:
                 target = out / name

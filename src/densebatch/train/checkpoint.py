@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from densebatch.atomic import remove_dir, staged_dir
+from densebatch.atomic import pid_alive, remove_dir, staged_dir
 from densebatch.train.checkpoint_format import CheckpointError, decode_tree, dedupe_tensors, encode_tree
 
 FORMAT_VERSION = 1
@@ -76,14 +76,6 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1), encoding="utf-8")  # inside a staged directory: fsynced on publish
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:  # PermissionError: it exists, owned by someone else
-        return not isinstance(e, ProcessLookupError)
-    return True
-
-
 def cleanup_temp_dirs(root: str | Path) -> list[Path]:
     """Remove ``.tmp-step-*`` / ``.old-step-*`` left by a crashed save (this process's or a dead one's).
     A temp dir of a live other process is left alone: it may be writing right now."""
@@ -91,7 +83,7 @@ def cleanup_temp_dirs(root: str | Path) -> list[Path]:
     leftovers = [
         p
         for p in (root.iterdir() if root.is_dir() else ())
-        if (m := _TEMP_RE.fullmatch(p.name)) and (int(m.group(1)) == os.getpid() or not _pid_alive(int(m.group(1))))
+        if (m := _TEMP_RE.fullmatch(p.name)) and (int(m.group(1)) == os.getpid() or not pid_alive(int(m.group(1))))
     ]
     for p in leftovers:
         shutil.rmtree(p, ignore_errors=True)

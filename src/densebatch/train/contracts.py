@@ -10,7 +10,6 @@ by ``train/batch_steps.py``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -79,9 +78,7 @@ class TrainerHost(Protocol):
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
     data: StepSource
-    params: list[nn.Parameter]
     state: Any  # TrainState
     console: Any  # Console: .message(text)
     cfg: Any  # TrainConfig
@@ -101,5 +98,3 @@ class TrainerHost(Protocol):
     def apply_update(self, stats: dict, clipper: Any = None, judge: bool = True) -> tuple[Any, float, float]: ...
 
     def evaluate_batches(self, batches: Iterable[Batch], max_batches: int | None = None) -> Any: ...
-
-    def sync_gradients(self, last: bool) -> AbstractContextManager: ...
