@@ -108,12 +108,15 @@ def test_a_lock_left_by_a_killed_run_is_taken_over(tmp_path, capsys):
         assert "taking over" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("where", ["parent is a file", "is a file"])
-def test_an_output_dir_that_cannot_be_a_directory_is_one_line(where, tmp_path, capsys):
-    blocker = tmp_path / "blocker"
-    blocker.write_text("a user's file")
-    out = blocker / "run" if where == "parent is a file" else blocker
-    assert main(["train", *TINY, f"--output_dir={out}", f"--data.cache_dir={tmp_path / 'cache'}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "Traceback" not in err and str(out) in err and "cannot be created" in err
-    assert blocker.read_text() == "a user's file" and not (tmp_path / "cache").exists()
+def test_a_run_that_wrote_nothing_leaves_no_directory_behind(tmp_path):
+    out = tmp_path / "a" / "run"
+    with RunLock(out):
+        assert (out / LOCK_FILE).is_file()
+    assert not (tmp_path / "a").exists()  # refused before it wrote: the directories the lock made are gone
+    with RunLock(out):
+        (out / "metrics.jsonl").write_text("{}\n")
+    assert (out / "metrics.jsonl").is_file()  # a run that wrote keeps its directory (the lock file stays, empty)
+    (tmp_path / "mine").mkdir()
+    with RunLock(tmp_path / "mine"):
+        pass
+    assert (tmp_path / "mine").is_dir()  # a directory the user made is never removed

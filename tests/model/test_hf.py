@@ -176,6 +176,9 @@ def test_build_model_hf(config_dirs):
     cfg = ModelConfig(kind="hf", path=str(config_dirs["gpt2"]))
     model = build_model(cfg, vocab_size=V + 20)
     assert isinstance(model, HFCausalLM) and model.vocab_size >= V + 20
+    # a tokenizer whose own ids (before any added token) outnumber the model's rows: refused, not grown
+    with pytest.raises(ConfigError, match=f"the tokenizer has {V + 20} ids but the model .* has {V} embedding rows"):
+        build_model(cfg, vocab_size=V + 20, base_vocab_size=V + 20)
     with pytest.raises(ConfigError, match="model.attention"):
         build_model(ModelConfig(kind="hf", path=str(config_dirs["gpt2"]), attention="flex"), vocab_size=V)
     with pytest.raises(ConfigError, match="config.json"):

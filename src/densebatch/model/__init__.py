@@ -64,6 +64,13 @@ def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None =
             gradient_checkpointing=cfg.gradient_checkpointing,
             dtype=cfg.dtype,
         )
+        known = base_vocab_size or 0
+        if known > model.vocab_size:  # ids the model has never seen would get rows of nothing it learned
+            raise ConfigError(
+                f"data.tokenizer: the tokenizer has {known} ids but the model at {cfg.path} has {model.vocab_size} "
+                f"embedding rows, so ids {model.vocab_size}..{known - 1} mean nothing to it; use the model's own tokenizer "
+                "(data.tokenizer: auto); tokens of your own go in data.add_tokens, which grows the model for them"
+            )
         new_ids = model.resize_vocab(vocab_size, base_vocab_size)
         if cfg.lora.r:
             apply_lora(model, cfg.lora, new_ids)

@@ -47,6 +47,7 @@ class RunLock:
         self.path = Path(output_dir) / LOCK_FILE
         self.dist = dist or Distributed()
         self._fd: int | None = None
+        self._made: list[Path] = []  # the directories this lock created (removed again if the run wrote nothing)
 
     def __enter__(self) -> RunLock:
         problem = self._acquire() if self.dist.is_main else None
@@ -58,16 +59,26 @@ class RunLock:
         """Take the lock on rank 0; the one-line reason when it cannot be had."""
         out = self.path.parent
         try:
+            self._made = [d for d in (out, *out.parents) if not d.exists()][::-1]  # outermost first
             out.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
             return f"output_dir {out}: cannot be created or written ({e.strerror or e})"
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            info = _read(fd)
-            os.close(fd)
-            return f"output_dir {out} is in use by another run ({_describe(info)}): wait for it to finish, or set --output_dir"
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                return f"output_dir {out}: cannot be created or written ({e.strerror or e})"
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                info = _read(fd)
+                os.close(fd)
+                return (
+                    f"output_dir {out} is in use by another run ({_describe(info)}): wait for it to finish, or set --output_dir"
+                )
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # a run that wrote nothing removed the file between our open and our lock: open it again
         before = _read(fd)
         if before.get("pid") is not None and before.get("host") == socket.gethostname() and not pid_alive(before["pid"]):
             print(f"taking over the lock of {out} from a run that is gone ({_describe(before)})", file=sys.stderr, flush=True)
@@ -79,9 +90,30 @@ class RunLock:
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # no holder named: the directory is free
+            self._remove_if_unused()
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
+
+    def _remove_if_unused(self) -> None:
+        """A run refused before it wrote anything leaves no trace: the lock file, and the directories the lock
+        created, go (while the lock is still held; a run that opened the file meanwhile sees it replaced)."""
+        out = self.path.parent
+        try:
+            if [p.name for p in out.iterdir()] != [LOCK_FILE]:
+                return
+            self.path.unlink()
+            for d in reversed(self._made):  # innermost first; each only if empty
+                d.rmdir()
+        except OSError:
+            pass
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
 
 
 def _read(fd: int) -> dict:
