@@ -6,7 +6,7 @@
     densebatch train    [CONFIG] [--resume | --overwrite]
     densebatch find-lr  [CONFIG]     (learning-rate range test: output_dir/lr_finder.png and .json)
     densebatch find-batch [CONFIG]   (largest max_tokens_per_batch the memory holds, and throughput)
-    densebatch eval     CONFIG --checkpoint DIR [--json]
+    densebatch eval     [CONFIG] --checkpoint DIR [--json]   (no CONFIG: the run's own configuration)
     densebatch generate --checkpoint DIR --prompt TEXT [--max-new-tokens N] [--temperature T] [--raw]
     densebatch export   RUN_DIR OUT
     densebatch plot     RUN_DIR      (PNGs of loss, lr, gradient norm, throughput, memory: RUN_DIR/plots)
@@ -56,12 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    def with_config(name: str, help: str, required: bool = False) -> argparse.ArgumentParser:
+    def with_config(name: str, help: str) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help, description=help)
-        if required:
-            sp.add_argument("config", metavar="CONFIG", help="YAML run configuration")
-        else:
-            sp.add_argument("config", metavar="CONFIG", nargs="?", help="YAML run configuration (default: the embedded default)")
+        sp.add_argument("config", metavar="CONFIG", nargs="?", help="YAML run configuration (default: the embedded default)")
         return sp
 
     with_config("prepare", "Read, clean, template and tokenise records into cached documents.")
@@ -87,13 +84,39 @@ def _parser() -> argparse.ArgumentParser:
         "find-batch", "Largest batching.max_tokens_per_batch whose worst batch fits the memory, and where throughput levels off."
     )
 
-    sp = with_config("eval", "Token-weighted loss and perplexity of a checkpoint on the evaluation split.", required=True)
+    sp = sub.add_parser(
+        "eval",
+        help="Token-weighted loss and perplexity of a checkpoint on the evaluation split.",
+        description="Token-weighted loss and perplexity of a checkpoint on the evaluation split. Without CONFIG the "
+        "run's own configuration (saved with the weights) decides everything. With CONFIG, the run still decides its "
+        "tokenizer, template and model (data.tokenizer, data.add_tokens, data.add_special_tokens, data.pad_id, "
+        "data.max_seq_len, data.overlong, data.clean, data.template, data.fields, data.prompt_format, data.loss_on, "
+        "the same keys of each source, batching.mode, model.*): CONFIG chooses which data to score (data.path, "
+        "data.sources, data.eval_path, data.eval_fraction, data.format, data.cache_dir, ...) and the batching, eval, "
+        "device and precision. Each run-owned key that CONFIG (or an override) sets otherwise is noted on stderr, one "
+        "line each, and the run's value used.",
+    )
+    sp.add_argument(
+        "config", metavar="CONFIG", nargs="?", help="YAML run configuration (default: the run's own, saved with the weights)"
+    )
     sp.add_argument("--checkpoint", required=True, metavar="DIR", help="a final model dir, a checkpoint dir, or an output_dir")
     sp.add_argument("--json", action="store_true", help="print one JSON object")
 
-    sp = sub.add_parser("generate", help="Generate text from a trained model.")
-    sp.add_argument("--checkpoint", required=True, metavar="DIR")
-    sp.add_argument("--prompt", required=True, metavar="TEXT")
+    sp = sub.add_parser(
+        "generate",
+        help="Generate text from a trained model.",
+        description="Generate text from a trained model, with its run's tokenizer. --prompt goes through the run's "
+        "template as a user's turn: alpaca (the instruction), chatml, chat_template (the tokenizer's own, with the "
+        "generation prompt), custom (the one field of data.prompt_format; with several, a JSON object of them); a "
+        "mixture whose sources' templates differ uses the first source's (noted on stderr). --raw sends it verbatim.",
+    )
+    sp.add_argument("--checkpoint", required=True, metavar="DIR", help="a final model dir, a checkpoint dir, or an output_dir")
+    sp.add_argument(
+        "--prompt",
+        required=True,
+        metavar="TEXT",
+        help='the user\'s text; for a custom template with several fields, a JSON object: \'{"field": "...", ...}\'',
+    )
     sp.add_argument("--max-new-tokens", type=int, default=64)
     sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     sp.add_argument("--top-k", type=int, default=None)

@@ -34,14 +34,15 @@ def dispatch(args, overrides: list[str]) -> int:
         return train(args.config, overrides, resume=args.resume, overwrite=args.overwrite)
     if cmd in ("find-lr", "find-batch"):
         return (find_lr_command if cmd == "find-lr" else find_batch_command)(args.config, overrides)
+    if cmd == "eval":  # CONFIG is optional: the run's own configuration decides what it owns
+        return commands.eval_command(args, overrides)
     cfg = resolve_config(args.config, overrides)
-    if cmd in ("analyze", "eval"):  # they plan batches: an `auto` budget is the one a run found
+    if cmd == "analyze":  # it plans batches: an `auto` budget is the one a run found
         cfg = resolved_budget(cfg)
     handlers = {
         "prepare": commands.prepare_command,
         "inspect": commands.inspect_command,
         "analyze": commands.analyze_command,
-        "eval": commands.eval_command,
         "config": commands.config_command,
     }
     return handlers[cmd](cfg, args)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -11,20 +13,24 @@ import yaml
 
 from densebatch.analyze import analyze_main, analyze_prepared, read_lengths
 from densebatch.atomic import staged_dir
-from densebatch.config import RunConfig, config_from_dict, describe, load_config, to_dict
+from densebatch.config import RunConfig, config_from_dict, describe, load_config, save_config, to_dict
 from densebatch.data.inspect import render_documents
 from densebatch.data.plan.planner import PlanSettings
+from densebatch.data.plan.rules import check_batching
+from densebatch.data.prepare.cache import LEARNED_TOKENIZER
 from densebatch.data.prepare.pipeline import prepare as prepare_data
-from densebatch.data.prepare.templates import prompt_text
-from densebatch.data.prepare.tokenizers import load_data_tokenizer, load_tokenizer
+from densebatch.data.prepare.tokenizers import has_tokenizer_files, load_data_tokenizer, load_tokenizer
+from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import UserError
 from densebatch.model import GPT, build_model, load_model
 from densebatch.model import generate as generate_ids
 from densebatch.model.export import export_gpt_as_hf
 from densebatch.model.lora import is_adapter_dir, load_adapter
-from densebatch.run.build import eval_loader
+from densebatch.run.auto import resolved_budget
+from densebatch.run.build import eval_loader, resolve_config
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
-from densebatch.train.checkpoint import checkpoint_step, latest_valid, load_checkpoint
+from densebatch.run.owned import eval_view, note_lines, prompt_for, same_documents
+from densebatch.train.checkpoint import Checkpoint, checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
 from densebatch.train.loop import resolve_device
 
@@ -32,6 +38,8 @@ from densebatch.train.loop import resolve_device
 def prepare_command(cfg: RunConfig, args) -> int:
     prepared = prepare_data(cfg.data, cfg.seed)
     print(prepared.summary)
+    if (line := added_tokens_line(prepared.tokenizer.added)) is not None:
+        print(line)
     print(f"documents: {prepared.cache_dir}")
     return 0
 
@@ -129,38 +137,102 @@ def find_model_dir(path: str | Path) -> tuple[str, Path, str]:
     )
 
 
-def load_trained(path: str | Path, cfg: RunConfig | None = None):
-    """(model, tokenizer, run config, which weights) from a final model dir, a checkpoint or an output_dir."""
-    kind, d, which = find_model_dir(path)
+def open_trained(kind: str, d: Path) -> tuple[RunConfig | None, Checkpoint | None]:
+    """(the configuration the run saved with these weights or None, the checkpoint's model and
+    configuration when ``d`` is one): final/config.yaml, or the checkpoint's own, read (and verified) once."""
+    if kind == "final":
+        return (load_config(d / "config.yaml", saved=True) if (d / "config.yaml").is_file() else None), None
+    ckpt = load_checkpoint(d, parts=("model", "extra"))
+    saved = (ckpt.extra_state or {}).get("config")
+    return (config_from_dict(saved, saved=True) if saved else None), ckpt
+
+
+def build_trained(kind: str, d: Path, run_cfg: RunConfig | None, ckpt: Checkpoint | None):
+    """(model, tokenizer, the directory holding the tokenizer's files or None) of the weights in ``d``;
+    ``run_cfg``: how its run built them (required for a checkpoint)."""
     if kind == "final":
         tokenizer = load_tokenizer(d)
-        saved_cfg = load_config(d / "config.yaml", saved=True) if (d / "config.yaml").is_file() else None
-        model_cfg = (saved_cfg or cfg or RunConfig()).model  # how the run loaded it (Gemma 2: eager attention)
+        model_cfg = (run_cfg or RunConfig()).model  # how the run loaded it (Gemma 2: eager attention)
         if is_adapter_dir(d):  # a LoRA run's final: the adapter, on the base model its run trained
             model = load_adapter(d, model_cfg, tokenizer.vocab_size)
         else:
             model = load_model(d, attn_implementation=model_cfg.attn_implementation)
-        return model, tokenizer, cfg or saved_cfg, which
-    ckpt = load_checkpoint(d)
-    saved = (ckpt.extra_state or {}).get("config")
-    run_cfg = cfg or (config_from_dict(saved, saved=True) if saved else None)
-    if run_cfg is None:
+        return model, tokenizer, d
+    if run_cfg is None or ckpt is None:
         raise UserError(f"{d}: the checkpoint carries no configuration; pass the run's CONFIG")
+    tokenizer_dir = None
     if run_cfg.data.tokenizer.startswith("bpe:"):  # a learned tokenizer lives with the prepared documents
-        tokenizer = prepare_data(run_cfg.data).tokenizer
+        prepared = prepare_data(run_cfg.data)
+        tokenizer, tokenizer_dir = prepared.tokenizer, prepared.cache_dir / LEARNED_TOKENIZER
     else:
         tokenizer = load_data_tokenizer(run_cfg.data)  # with the tokens the run added (chatml's markers, add_tokens)
     # base_vocab_size: under LoRA the added tokens' rows are modules of their own (their state's keys)
     model = build_model(run_cfg.model, tokenizer.vocab_size, tokenizer.base_vocab_size)
     model.load_state_dict(ckpt.model_state)
+    return model, tokenizer, tokenizer_dir
+
+
+def load_trained(path: str | Path, cfg: RunConfig | None = None):
+    """(model, tokenizer, run config, which weights) from a final model dir, a checkpoint or an output_dir.
+    The run's own configuration decides; ``cfg`` only stands in where the weights carry none."""
+    kind, d, which = find_model_dir(path)
+    saved, ckpt = open_trained(kind, d)
+    run_cfg = saved or cfg
+    model, tokenizer, _ = build_trained(kind, d, run_cfg, ckpt)
     return model, tokenizer, run_cfg, which
 
 
-def eval_command(cfg: RunConfig, args) -> int:
-    prepared = prepare_data(cfg.data)
+def _given_config(args, overrides: list[str], saved: RunConfig | None, d: Path) -> RunConfig:
+    """The configuration the eval command was given: CONFIG (with overrides), else the run's own with the overrides."""
+    if args.config is not None:
+        return resolve_config(args.config, overrides)
+    if saved is None:
+        raise UserError(f"{d} carries no run configuration (config.yaml): pass the run's CONFIG")
+    with tempfile.TemporaryDirectory() as tmp:  # load_config applies overrides to a file's keys
+        path = Path(tmp) / "config.yaml"
+        save_config(saved, path)
+        cfg = load_config(path, overrides, saved=True)
+    check_batching(cfg.batching)
+    return cfg
+
+
+def _eval_documents(cfg: RunConfig, run_cfg: RunConfig | None, tok, tokenizer_dir: Path | None):
+    """The prepared documents of ``cfg.data``, tokenised by the run's tokenizer: a ``bpe:N`` tokenizer
+    was learned from the run's training text, so other data is read with the learned one's files."""
+    data = cfg.data
+    if data.tokenizer.startswith("bpe:") and run_cfg is not None and not same_documents(data, run_cfg.data):
+        if tokenizer_dir is None or not has_tokenizer_files(tokenizer_dir):
+            raise UserError(f"the run's tokenizer ({data.tokenizer}, learned from its training data) is not on disk")
+        data = replace(data, tokenizer=str(tokenizer_dir))
+    prepared = prepare_data(data)
+    if prepared.tokenizer.fingerprint() != tok.fingerprint():  # never a loss over another tokenizer's ids
+        raise UserError(
+            f"data.tokenizer {data.tokenizer} ({prepared.tokenizer.vocab_size} ids) is not the tokenizer saved with the "
+            f"model ({tok.name}, {tok.vocab_size} ids): set data.tokenizer to the model's"
+        )
+    return prepared
+
+
+def eval_command(args, overrides: list[str]) -> int:
+    """``densebatch eval [CONFIG] --checkpoint DIR``: the run's own configuration, or CONFIG choosing the data
+    and the batching while the run's tokenizer, template and model stay (``run/owned.py``), each difference noted."""
+    kind, d, which = find_model_dir(args.checkpoint)
+    saved, ckpt = open_trained(kind, d)
+    cfg = _given_config(args, overrides, saved, d)
+    if saved is not None:
+        cfg, diffs = eval_view(cfg, saved)
+        for line in note_lines(diffs, "CONFIG" if args.config is not None else "an override"):
+            print(line, file=sys.stderr)
+        if cfg.batching.max_tokens_per_batch == "auto" and saved.batching.max_tokens_per_batch != "auto":
+            cfg = replace(cfg, batching=replace(cfg.batching, max_tokens_per_batch=saved.batching.max_tokens_per_batch))
+    elif kind == "final" and has_tokenizer_files(d) and cfg.data.tokenizer != str(d):  # a bare model directory
+        print(f"densebatch: note: CONFIG sets data.tokenizer={cfg.data.tokenizer!r}: using the model's own, {d}", file=sys.stderr)
+        cfg = replace(cfg, data=replace(cfg.data, tokenizer=str(d)))
+    cfg = resolved_budget(cfg)  # it plans batches: an `auto` budget is the one a run found
+    model, tok, tokenizer_dir = build_trained(kind, d, saved or cfg, ckpt)
+    prepared = _eval_documents(cfg, saved, tok, tokenizer_dir)
     if prepared.eval is None:
         raise UserError("there is no evaluation split: set data.eval_path or data.eval_fraction > 0")
-    model, _tok, _, which = load_trained(args.checkpoint, cfg)
     device = resolve_device(cfg.train.device)
     loader = eval_loader(cfg, prepared.eval)  # full-context rows, as the evaluations of a run (run/build.py)
     result = evaluate_batches(
@@ -184,28 +256,23 @@ def eval_command(cfg: RunConfig, args) -> int:
     return 0
 
 
-def templated_prompt(text: str, cfg: RunConfig | None) -> str:
-    """The prompt as the run's template would show it to the model (alpaca / chatml / custom)."""
-    if cfg is None or cfg.data.template == "raw":
-        return text
-    f = cfg.data.fields
-    # A placeholder response: prompt_text returns everything before the first response segment.
-    if cfg.data.template == "alpaca":
-        record = {f.instruction: text, f.input: "", f.output: "-"}
-    elif cfg.data.template == "chatml":
-        record = {f.messages: [{f.role: "user", f.content: text}, {f.role: "assistant", f.content: "-"}]}
-    else:
-        return text
-    return prompt_text(record, cfg.data)
-
-
 def generate_command(args) -> int:
-    model, tok, run_cfg, _ = load_trained(args.checkpoint)
+    """``densebatch generate``: greedy (or sampled) continuation of --prompt, rendered with the run's template
+    (``run/owned.py``: alpaca, chatml, chat_template, custom) unless --raw."""
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens: expected a positive integer")
     if args.temperature < 0:
         raise UserError("--temperature: expected 0 (greedy) or more")
-    prompt = args.prompt if args.raw else templated_prompt(args.prompt, run_cfg)
+    kind, d, _ = find_model_dir(args.checkpoint)
+    run_cfg, ckpt = open_trained(kind, d)
+    model, tok, _ = build_trained(kind, d, run_cfg, ckpt)
+    prompt, note = args.prompt, None
+    if not args.raw and run_cfg is None:
+        note = f"densebatch: note: {d} carries no run configuration (config.yaml): the prompt goes in as written"
+    elif not args.raw:
+        prompt, note = prompt_for(args.prompt, run_cfg.data, tok)
+    if note:
+        print(note, file=sys.stderr)
     model.eval()
     with torch.no_grad():
         new = generate_ids(
