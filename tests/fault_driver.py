@@ -12,6 +12,11 @@ the JSON in the environment variable ``DENSEBATCH_FAULTS`` patched in first (no 
 - ``skip_batch_on_restore: true``: ``StepLoader.load_state_dict`` lands one row too far (a wrong
   batch order after resume; negative control).
 - ``no_rng_restore: true``: resume without restoring the RNG states (negative control).
+- ``slow_stop_save: {"marker": path, "seconds": s}``: the checkpoint a stop by signal saves takes ``s``
+  seconds longer, after writing ``model.safetensors`` into its temporary directory (and creating
+  ``marker`` then): a second signal lands in the middle of that write.
+- ``hold_prepare: {"go": path, "kill": bool}``: building a cache entry (under its lock) first waits until
+  ``go`` exists; with ``kill``, the process then dies by SIGKILL in the middle of writing the entry.
 
 Every run uses one intra-op thread (``torch.set_num_threads(1)``) so that the subprocesses and the
 reference run compute with the same kernels and do not fight over the CI's two cores.
@@ -99,6 +104,43 @@ def install_faults(faults: dict) -> None:
             orig_load(self, dict(state, row=int(state["row"]) + 1))
 
         StepLoader.load_state_dict = load_state_dict
+    if slow := faults.get("slow_stop_save"):
+        from densebatch.train import checkpoint
+        from densebatch.train.session import Session
+
+        stopping, marker, seconds = {"now": False}, Path(slow["marker"]), float(slow["seconds"])
+        orig_session_save, orig_save_file = Session.save, checkpoint.save_file
+
+        def session_save(self):
+            stopping["now"] = self.trainer.should_stop
+            return orig_session_save(self)
+
+        def slow_save_file(tensors, filename, metadata=None):
+            orig_save_file(tensors, filename, metadata=metadata)
+            if stopping["now"] and Path(filename).name == "model.safetensors":
+                marker.write_text(str(filename))
+                time.sleep(seconds)
+
+        Session.save, checkpoint.save_file = session_save, slow_save_file
+    if hold := faults.get("hold_prepare"):
+        from densebatch.data.prepare import pipeline
+
+        orig_write, orig_store_files = pipeline._write, pipeline.write_store_files
+        go, kill = Path(hold["go"]), bool(hold.get("kill"))
+
+        def write_entry(*args, **kwargs):
+            deadline = time.monotonic() + 120
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            orig_write(*args, **kwargs)
+
+        def write_store_files(directory, *args, **kwargs):
+            orig_store_files(directory, *args, **kwargs)
+            if kill:
+                _torn(Path(directory) / "tokens.npy")
+                _kill_self()
+
+        pipeline._write, pipeline.write_store_files = write_entry, write_store_files
     if faults.get("no_rng_restore"):
         import densebatch.train.session as session
 

@@ -11,17 +11,23 @@ metrics file when a resume truncates it, ``final/``):
   and removed: ``rename(2)`` cannot replace a non-empty directory); on failure it is removed.
 
 Files are created with mode 0644 less the umask (``tempfile`` alone would leave 0600), so what a run
-writes is readable like every other file it writes. A leaf module: imports nothing of densebatch.
+writes is readable like every other file it writes. A directory where ``staged_dir`` cannot create its
+temporary directory (not writable, not a directory) is a ``UserError`` naming it and the operation.
+``check_writable`` tries a directory before any work; ``remove_leftovers`` removes what a crashed writer
+left (its pid is gone). A leaf module: imports nothing of densebatch but ``errors``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+
+from densebatch.errors import UserError
 
 
 def _umask() -> int:
@@ -64,6 +70,42 @@ def temp_name(final: str | Path, kind: str = "tmp") -> Path:
     return final.with_name(f".{kind}-{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def remove_leftovers(root: str | Path, name: str, locked: bool = False) -> list[Path]:
+    """Remove the ``temp_name`` directories and files (``.tmp-*`` staged, ``.old-*`` set aside) in ``root``
+    whose final name matches the regular expression ``name``, left by this process or by one that is gone
+    (a crashed writer); those of a live other process are left alone: it may be writing right now.
+    ``locked``: the caller holds the lock every writer of ``name`` takes, so no other process is writing
+    one: all are removed (a writer killed a moment ago may still look alive, as a zombie not yet reaped)."""
+    pattern = re.compile(rf"\.(?:tmp|old)-(?:{name})-(\d+)(?:-[0-9a-f]+)?")
+    root = Path(root)
+    try:
+        entries = list(root.iterdir()) if root.is_dir() else []
+    except OSError:
+        return []
+    leftovers = [
+        p
+        for p in entries
+        if (m := pattern.fullmatch(p.name)) and (locked or int(m.group(1)) == os.getpid() or not pid_alive(int(m.group(1))))
+    ]
+    for p in leftovers:
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                p.unlink()
+    return leftovers
+
+
+def io_reason(e: BaseException) -> str:
+    """What made a write fail, in words ("no space left on device"): an ``OSError``'s, or the OS error that
+    a library's own exception names ("... (os error 28)", as safetensors reports I/O errors)."""
+    code = e.errno if isinstance(e, OSError) and e.errno else None
+    if code is None and (m := re.search(r"\(os error (\d+)\)", str(e))):
+        code = int(m.group(1))
+    text = os.strerror(code) if code else (str(e).splitlines() or [type(e).__name__])[0]
+    return text[:1].lower() + text[1:]
+
+
 def write_file(path: str | Path, data: bytes | str, mode: int = 0o644) -> None:
     """Replace ``path`` atomically with ``data`` (text is written as UTF-8)."""
     path = Path(path)
@@ -104,17 +146,46 @@ def fix_modes(directory: str | Path, mode: int = 0o644) -> None:
             os.chmod(os.path.join(root, f), mode & ~mask)
 
 
+def check_writable(directory: str | Path, what: str) -> None:
+    """``UserError`` in one line (``what``, the directory, the operation) unless a file can be created in
+    ``directory``; tried for real (permission bits say nothing to root, nor of a read-only mount). Leaves
+    nothing behind: the probe file goes, and so do the directories made for it."""
+    d = Path(directory)
+    made = [p for p in (d, *d.parents) if not p.exists()]  # innermost first
+    try:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"{what} {d}: cannot be created (mkdir: {io_reason(e)})") from e
+        probe = temp_name(d / "write-check")
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            os.unlink(probe)
+        except OSError as e:
+            raise UserError(f"{what} {d}: cannot be written (creating a file in it: {io_reason(e)})") from e
+    finally:
+        for p in made:
+            try:
+                p.rmdir()
+            except OSError:  # not empty: someone else's now
+                break
+
+
 @contextlib.contextmanager
 def staged_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
     """Yield an empty temporary directory beside ``final``; publish it as ``final`` on success.
 
     With ``replace=False`` an existing ``final`` (another writer won the race) is kept and the staged
-    copy discarded. Every file is fsynced before the rename, the parent directory after it.
+    copy discarded. Every file is fsynced before the rename, the parent directory after it. ``UserError``
+    (the directory and the operation, one line) when the temporary directory cannot be created.
     """
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(final)
-    tmp.mkdir()
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:  # not writable, a file in the way, no space: before anything was written
+        raise UserError(f"{final.parent}: cannot be written (creating a directory for {final.name}: {io_reason(e)})") from e
     try:
         yield tmp
         fix_modes(tmp)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from densebatch.atomic import check_writable
 from densebatch.config import RunConfig, load_config
 from densebatch.data.load.collate import collator_from_config
 from densebatch.data.load.loader import StepLoader
@@ -24,9 +25,11 @@ from densebatch.data.plan.steps import StepSettings
 from densebatch.data.prepare.pipeline import Prepared, prepare
 from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.tokenizers import resolve_tokenizer_spec
-from densebatch.errors import ConfigError
+from densebatch.data.prepare.vocab import added_tokens_line
+from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
 from densebatch.model.hf import check_causal_lm_dir
+from densebatch.model.lora import lora_summary
 from densebatch.run.demo import DEMO_OVERRIDES, is_demo
 from densebatch.train.distributed import Distributed
 from densebatch.train.loop import resolve_device
@@ -76,6 +79,8 @@ def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
     if dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
         print(prepared.summary, flush=True)
+        if (line := added_tokens_line(prepared.tokenizer.added)) is not None:
+            print(line, flush=True)
     dist.barrier()
     if not dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
@@ -159,11 +164,24 @@ class Setup:
 
 
 def setup(cfg: RunConfig, dist: Distributed) -> Setup:
-    """Documents and model as every training command builds them (``cfg`` already resolved)."""
+    """Documents and model as every training command builds them (``cfg`` already resolved). What can be
+    refused without work is refused first: a wrong ``model.path``, an ``output_dir`` that cannot be written
+    (``data.cache_dir`` is tried when an entry is to be written: a complete entry reads without writing)."""
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
         check_causal_lm_dir(cfg.model.path)
+    problem = None
+    if dist.is_main:  # train holds its lock there already; the finders write their results there at the end
+        try:
+            check_writable(cfg.output_dir, "output_dir")
+        except UserError as e:
+            problem = e
+    if dist.agree(problem is not None):  # every rank stops: none waits for rank 0 at the data barrier
+        raise problem or UserError(f"output_dir {cfg.output_dir}: rank 0 cannot write it (see its message)")
     prepared = prepare_on_every_rank(cfg, dist)
     if (cut := check_truncation(cfg, prepared)) is not None and dist.is_main:
         print(cut, flush=True)
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
-    return Setup(cfg, dist, prepared, build_run_model(cfg, prepared, device), device)
+    model = build_run_model(cfg, prepared, device)
+    if dist.is_main and (line := lora_summary(model)) is not None:
+        print(line, flush=True)
+    return Setup(cfg, dist, prepared, model, device)

@@ -1,10 +1,11 @@
 """One writer per run directory: an exclusive lock on ``output_dir`` for the whole of a ``train`` command.
 
-The lock is ``output_dir/.densebatch.lock``, held with ``fcntl.flock`` by rank 0 of the job (one holder per
-torchrun job; every rank learns the outcome). The file names its holder (pid, host, start time, command),
-so a second run is refused at once with one line naming it. The operating system drops the lock when its
-holder dies, however it dies: a lock file left by a killed run is taken over, with a message naming the
-run that is gone. Readers (``plot``, ``eval``, ``generate``) never take it.
+The lock is ``output_dir/.densebatch.lock``, a ``densebatch.locks.FileLock`` held by rank 0 of the job (one
+holder per torchrun job; every rank learns the outcome). The file names its holder (pid, host, start time,
+command), so a second run is refused at once with one line naming it. The operating system drops the lock
+when its holder dies, however it dies: a lock file left by a killed run is taken over, with a message naming
+the run that is gone. Readers (``plot``, ``eval``, ``generate``) never take it. An ``output_dir`` that cannot
+be created or written is refused here, before any work, in one line naming it and the operation.
 
 ``flock`` is local to a machine (and advisory): two machines writing one directory on a network file
 system are not kept apart by it.
@@ -12,32 +13,15 @@ system are not kept apart by it.
 
 from __future__ import annotations
 
-import fcntl
-import json
-import os
-import socket
 import sys
-import time
 from pathlib import Path
 
-from densebatch.atomic import pid_alive
+from densebatch.atomic import io_reason
 from densebatch.errors import UserError
+from densebatch.locks import FileLock, describe, holder_gone
 from densebatch.train.distributed import Distributed
 
 LOCK_FILE = ".densebatch.lock"
-
-
-def _holder() -> dict:
-    return {
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-        "started": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime()),
-        "command": " ".join(sys.argv[:6]),
-    }
-
-
-def _describe(info: dict) -> str:
-    return f"pid {info.get('pid')} on {info.get('host')}, started {info.get('started')}"
 
 
 class RunLock:
@@ -46,7 +30,7 @@ class RunLock:
     def __init__(self, output_dir: str | Path, dist: Distributed | None = None):
         self.path = Path(output_dir) / LOCK_FILE
         self.dist = dist or Distributed()
-        self._fd: int | None = None
+        self._lock = FileLock(self.path)
         self._made: list[Path] = []  # the directories this lock created (removed again if the run wrote nothing)
 
     def __enter__(self) -> RunLock:
@@ -56,68 +40,40 @@ class RunLock:
         return self
 
     def _acquire(self) -> str | None:
-        """Take the lock on rank 0; the one-line reason when it cannot be had."""
+        """Take the lock on rank 0; the one-line reason (the path and the operation) when it cannot be had."""
         out = self.path.parent
         try:
             self._made = [d for d in (out, *out.parents) if not d.exists()][::-1]  # outermost first
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            return f"output_dir {out}: cannot be created or written ({e.strerror or e})"
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as e:
-                return f"output_dir {out}: cannot be created or written ({e.strerror or e})"
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                info = _read(fd)
-                os.close(fd)
-                return (
-                    f"output_dir {out} is in use by another run ({_describe(info)}): wait for it to finish, or set --output_dir"
-                )
-            if _same_file(fd, self.path):
-                break
-            os.close(fd)  # a run that wrote nothing removed the file between our open and our lock: open it again
-        before = _read(fd)
-        if before.get("pid") is not None and before.get("host") == socket.gethostname() and not pid_alive(before["pid"]):
-            print(f"taking over the lock of {out} from a run that is gone ({_describe(before)})", file=sys.stderr, flush=True)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(_holder()) + "\n").encode(), 0)
-        self._fd = fd
+            return f"output_dir {out}: cannot be created (mkdir: {io_reason(e)})"
+        try:
+            holder = self._lock.acquire()
+        except OSError as e:
+            self._remove_made()
+            return f"output_dir {out}: cannot be written (creating {LOCK_FILE}: {io_reason(e)})"
+        if holder is not None:
+            return f"output_dir {out} is in use by another run ({describe(holder)}): wait for it to finish, or set --output_dir"
+        if holder_gone(before := self._lock.previous):
+            print(f"taking over the lock of {out} from a run that is gone ({describe(before)})", file=sys.stderr, flush=True)
         return None
 
     def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # no holder named: the directory is free
-            self._remove_if_unused()
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = None
-
-    def _remove_if_unused(self) -> None:
-        """A run refused before it wrote anything leaves no trace: the lock file, and the directories the lock
-        created, go (while the lock is still held; a run that opened the file meanwhile sees it replaced)."""
-        out = self.path.parent
+        if not self._lock.held:
+            return
+        # A run refused before it wrote anything leaves no trace: the lock file, and the directories the lock
+        # created, go (the file while the lock is still held: see densebatch.locks).
         try:
-            if [p.name for p in out.iterdir()] != [LOCK_FILE]:
-                return
-            self.path.unlink()
-            for d in reversed(self._made):  # innermost first; each only if empty
-                d.rmdir()
+            unused = [p.name for p in self.path.parent.iterdir()] == [LOCK_FILE]
         except OSError:
-            pass
+            unused = False
+        self._lock.release(remove=unused)
+        if unused:
+            self._remove_made()
 
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except OSError:
-        return False
-
-
-def _read(fd: int) -> dict:
-    try:
-        return json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
+    def _remove_made(self) -> None:
+        for d in reversed(self._made):  # innermost first; each only if empty
+            try:
+                d.rmdir()
+            except OSError:
+                return

@@ -15,11 +15,12 @@ import math
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
-from densebatch.atomic import staged_dir, write_file
+from densebatch.atomic import io_reason, staged_dir, write_file
 from densebatch.config import RunConfig, save_config, to_dict
 from densebatch.data.accuracy import AccuracyCheck
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model, generate_batch, save_model
 from densebatch.run.auto import resolve_budget, resolve_lr, trainer_config
 from densebatch.run.build import build_loaders, resolve_config, setup
@@ -102,11 +103,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
             final_model.load_state_dict(state)
     if dist.is_main:
         final = out / FINAL_DIR
-        with staged_dir(final) as tmp:
-            save_model(final_model, tmp)
-            tok.save(tmp)
-            save_config(cfg, tmp / "config.yaml")
-            write_file(tmp / FINAL_STATE, json.dumps({"step": trainer.state.step}))
+        write_final(final, final_model, tok, cfg, trainer.state.step)
         if accuracy is not None and accuracy.samples:
             acc = (trainer.state.last_eval or {}).get("accuracy", math.nan)
             print(f"exact-match accuracy on {len(accuracy.samples)} held-out prompts: {acc:.3f}\n{accuracy.show()}")
@@ -114,6 +111,22 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         if cfg.train.plots:
             write_plots(out)
     return 0
+
+
+def write_final(final: Path, model, tok, cfg: RunConfig, step: int) -> None:
+    """``output_dir/final`` (model, tokenizer, config, step), atomically; a write that fails (no space left)
+    is one line: nothing half-written is left, and the run's last checkpoint holds what training made."""
+    try:
+        with staged_dir(final) as tmp:
+            save_model(model, tmp)
+            tok.save(tmp)
+            save_config(cfg, tmp / "config.yaml")
+            write_file(tmp / FINAL_STATE, json.dumps({"step": step}))
+    except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors (ENOSPC too) as SafetensorError
+        raise UserError(
+            f"{final}: cannot be written: {io_reason(e)}; the run is complete in its last checkpoint "
+            f"({final.parent / CHECKPOINT_DIR}): free some space, then write the model with densebatch export"
+        ) from e
 
 
 def accuracy_check(cfg: RunConfig, prepared, dist: Distributed) -> AccuracyCheck | None:

@@ -31,7 +31,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from densebatch.atomic import pid_alive, remove_dir, staged_dir
+from densebatch.atomic import io_reason, remove_dir, remove_leftovers, staged_dir
+from densebatch.errors import UserError
 from densebatch.train.checkpoint_format import CheckpointError, decode_tree, dedupe_tensors, encode_tree
 
 FORMAT_VERSION = 1
@@ -39,7 +40,6 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 PARTS = ("model", "optimizer", "extra")
 _STEP_RE = re.compile(r"step-(\d+)")
-_TEMP_RE = re.compile(r"\.(?:tmp|old)-step-\d+-(\d+)(?:-[0-9a-f]+)?")
 
 
 class CheckpointWarning(UserWarning):
@@ -79,15 +79,7 @@ def _write_json(path: Path, obj: Any) -> None:
 def cleanup_temp_dirs(root: str | Path) -> list[Path]:
     """Remove ``.tmp-step-*`` / ``.old-step-*`` left by a crashed save (this process's or a dead one's).
     A temp dir of a live other process is left alone: it may be writing right now."""
-    root = Path(root)
-    leftovers = [
-        p
-        for p in (root.iterdir() if root.is_dir() else ())
-        if (m := _TEMP_RE.fullmatch(p.name)) and (int(m.group(1)) == os.getpid() or not pid_alive(int(m.group(1))))
-    ]
-    for p in leftovers:
-        shutil.rmtree(p, ignore_errors=True)
-    return leftovers
+    return remove_leftovers(root, r"step-\d+")
 
 
 def list_checkpoints(root: str | Path) -> list[tuple[int, Path]]:
@@ -146,36 +138,62 @@ def save_checkpoint(
     mirror_dir: str | Path | None = None,
 ) -> Path:
     """Write ``root/step-NNNNNN`` atomically and return its path; then keep the newest ``keep_last``
-    and, when ``mirror_dir`` is set, place a verified copy there (a failed mirror only warns)."""
+    and, when ``mirror_dir`` is set, place a verified copy there (a failed mirror only warns).
+
+    A write that fails (no space left, not writable) leaves nothing under ``step-NNNNNN`` (the staged
+    directory is removed) and raises ``CheckpointError`` in one line: the path, what went wrong, and the
+    newest complete checkpoint, which stays the one a resume continues from."""
     if keep_last < 1 or step < 0:
         raise CheckpointError(f"expected keep_last >= 1 and step >= 0; got keep_last={keep_last}, step={step}")
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    cleanup_temp_dirs(root)
     final = root / step_dir_name(step)
-    if final.exists() and not (check := verify(final, check_hashes=False))[0]:
-        set_aside(final, check[1])  # a damaged checkpoint of the same step is kept, not replaced
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        cleanup_temp_dirs(root)
+        if final.exists() and not (check := verify(final, check_hashes=False))[0]:
+            set_aside(final, check[1])  # a damaged checkpoint of the same step is kept, not replaced
+        _write_checkpoint(final, step, (model_state, optimizer_state, extra_state))
+    except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors (ENOSPC too) as SafetensorError
+        try:
+            newest = latest_valid(root, mirror_dir, on_skip=lambda path, why: None)
+        except OSError:
+            newest = None
+        kept = f"the newest complete checkpoint is {newest}" if newest is not None else "there is no earlier checkpoint"
+        raise CheckpointError(
+            f"checkpoint {final}: cannot be written: {io_reason(e)}{_which(e)}; nothing half-written is left, "
+            f"{kept}: free some space (or fix the directory), then resume"
+        ) from e
+    _prune(root, keep_last, step)
+    if mirror_dir is not None and Path(mirror_dir).resolve() != root.resolve():
+        try:
+            mirror_checkpoint(final, mirror_dir, keep_last=keep_last)
+        except (OSError, UserError) as e:  # UserError: CheckpointError, or staged_dir's "cannot be written"
+            # A second storage location is a safety net: losing it must not kill a long run.
+            warnings.warn(f"checkpoint {final.name}: mirror copy to {mirror_dir} failed: {e}", CheckpointWarning, stacklevel=2)
+    return final
+
+
+def _write_checkpoint(final: Path, step: int, states: tuple) -> None:
+    """The files of a checkpoint, staged beside ``final`` and published under its name (manifest last)."""
     with staged_dir(final) as tmp:
         parts = {}
-        for part, obj in zip(PARTS, (model_state, optimizer_state, extra_state)):
+        for part, obj in zip(PARTS, states):
             tree = encode_tree(obj, [], tensors := {})
             unique, aliases = dedupe_tensors(tensors)
             if file := f"{part}.safetensors" if unique else None:
                 save_file(unique, str(tmp / file), metadata={"format": "pt"})
             parts[part] = {"file": file, "aliases": aliases, "tree": tree}
         # Module versions that load_state_dict hands to _load_from_state_dict (e.g. BatchNorm's).
-        parts["model"]["metadata"] = encode_tree(getattr(model_state, "_metadata", None), ["_metadata"], {})
+        parts["model"]["metadata"] = encode_tree(getattr(states[0], "_metadata", None), ["_metadata"], {})
         _write_json(tmp / STATE, {"format_version": FORMAT_VERSION, "step": step, "parts": parts})
         files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in sorted(tmp.iterdir())}
         _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "step": step, "files": files})
-    _prune(root, keep_last, step)
-    if mirror_dir is not None and Path(mirror_dir).resolve() != root.resolve():
-        try:
-            mirror_checkpoint(final, mirror_dir, keep_last=keep_last)
-        except (OSError, CheckpointError) as e:
-            # A second storage location is a safety net: losing it must not kill a long run.
-            warnings.warn(f"checkpoint {final.name}: mirror copy to {mirror_dir} failed: {e}", CheckpointWarning, stacklevel=2)
-    return final
+
+
+def _which(e: BaseException) -> str:
+    """`` (writing model.safetensors)`` when the error names the file."""
+    name = getattr(e, "filename", None)
+    return f" (writing {Path(name).name})" if name else ""
 
 
 def mirror_checkpoint(src: str | Path, mirror_dir: str | Path, keep_last: int = 3) -> Path:

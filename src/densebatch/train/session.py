@@ -15,11 +15,16 @@
   restart from the checkpoint's, so ``metrics.jsonl`` shows those step numbers twice. The rollback
   event lists the skipped steps and the document indices they held.
 - **Signals**: SIGTERM / SIGINT finish the current step, then the run saves a checkpoint and stops
-  (a second signal stops at once). Under torchrun every rank stops at the same step.
+  (a second signal stops at once: exit 130; see ``install_signal_handlers``). Under torchrun every rank
+  stops at the same step.
+- **A checkpoint that cannot be written** (no space left on device) stops every rank with rank 0's
+  one-line ``CheckpointError``; nothing half-written is left, the previous checkpoint stays the newest.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
 import signal
 import sys
 import threading
@@ -27,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from densebatch.train.checkpoint import CheckpointManager
+from densebatch.train.checkpoint_format import CheckpointError
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
 from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
 from densebatch.train.rng import capture_rng_state, restore_rng_state
@@ -67,10 +73,16 @@ class Session:
         model, optim = model_state(t.model), optimizer_state(t.model, t.optimizer)  # collectives under FSDP
         rngs = t.dist.gather_object(capture_rng_state())
         extra = {"parts": t.trainer_state(), "rng": rngs, "config": self.config, "world_size": t.dist.world_size}
-        path = None
+        path, failure = None, None
         if t.dist.is_main:
-            path = self.checkpoints.save(t.state.step, model, optim, extra)
-        t.dist.barrier()  # nobody runs ahead of (or resumes from) a checkpoint being written
+            try:
+                path = self.checkpoints.save(t.state.step, model, optim, extra)
+            except Exception as e:  # e.g. CheckpointError: no space left on device
+                failure = e
+        # Nobody runs ahead of (or resumes from) a checkpoint being written, and a save that failed stops
+        # every rank (none is left waiting for rank 0 at the next collective).
+        if t.dist.agree(failure is not None):
+            raise failure or CheckpointError(f"step {t.state.step}: rank 0 could not write the checkpoint (see its message)")
         self.last_saved_step = t.state.step
         self.since_save.clear()
         return path
@@ -134,31 +146,77 @@ class Session:
 
     # ------------------------------------------------------------------------------------- run
     def run(self) -> TrainResult:
-        """Train; on the way out (a limit, early stopping or a signal) save a checkpoint of the last step."""
+        """Train; on the way out (a limit, early stopping or a signal) save a checkpoint of the last step.
+        The signal handlers stay until that checkpoint is written: a second signal during it stops at once."""
         previous = install_signal_handlers(self.trainer, self.log)
         try:
             result = self.trainer.run()
+            if self.last_saved_step != self.trainer.state.step:
+                path = self.save()
+                if path is not None:
+                    print(f"checkpoint: {path}", flush=True)
         finally:
-            for sig, old in previous.items():  # the caller's handlers (Python's KeyboardInterrupt for SIGINT)
-                signal.signal(sig, old if old is not None else signal.SIG_DFL)
-        if self.last_saved_step != self.trainer.state.step:
-            path = self.save()
-            if path is not None:
-                print(f"checkpoint: {path}", flush=True)
+            restore_signal_handlers(previous, stopped_by_signal=self.trainer.should_stop)
         return result
 
 
 def install_signal_handlers(trainer: Trainer, log: Callable[[str], None]) -> dict:
     """Route SIGTERM / SIGINT to ``trainer.should_stop``; returns the handlers they replace (to put back).
-    Outside the main thread (``train`` called from a worker thread) signals cannot be caught: none."""
+
+    The first signal asks the run to finish its step and save a checkpoint. A second one stops at once,
+    whichever the signal: ``KeyboardInterrupt`` where the run is (a checkpoint being written is dropped,
+    its temporary directory removed; the CLI prints "interrupted" and exits 130). A third one, while the
+    second unwinds, ends the process on the spot with code 130. Outside the main thread (``train``
+    called from a worker thread) signals cannot be caught: none."""
     if threading.current_thread() is not threading.main_thread():
         return {}
+    unwinding = [False]
 
     def handler(signum, frame):
+        if unwinding[0]:
+            _exit_now()
         if trainer.should_stop:  # a second signal: stop now
+            unwinding[0] = True
             raise KeyboardInterrupt
         trainer.should_stop = True
         if trainer.dist.is_main:
             log(f"\n{signal.Signals(signum).name}: finishing the current step, then saving a checkpoint")
 
     return {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+
+def restore_signal_handlers(previous: dict, stopped_by_signal: bool = False) -> None:
+    """Put back the handlers ``install_signal_handlers`` replaced (Python's KeyboardInterrupt for SIGINT).
+
+    After a run stopped by a signal, the process is about to end, and a second signal must not kill it
+    (an exit by signal, not the documented code): SIGTERM's default action becomes ``KeyboardInterrupt``
+    (exit 130, as SIGINT's), and once the interpreter shuts down, signals are ignored (Python restores
+    the default actions then, which would kill the process mid-exit; the stop is complete by that time,
+    so its exit code stands)."""
+    for sig, old in previous.items():
+        if old in (None, signal.SIG_DFL) and stopped_by_signal:
+            old = _stop_now
+        signal.signal(sig, old if old is not None else signal.SIG_DFL)
+    if stopped_by_signal and previous:
+        atexit.unregister(_ignore_signals)  # once per process
+        atexit.register(_ignore_signals)
+
+
+def _stop_now(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _ignore_signals() -> None:
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
+
+
+def _exit_now() -> None:
+    """End the process with code 130 at once (no cleanup): the user asked a third time."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a signal can land in the middle of a write (reentrant flush)
+            pass
+    os.write(2, b"\ndensebatch: interrupted\n")
+    os._exit(130)

@@ -5,15 +5,26 @@ An entry ``cache_dir/<key>/`` holds ``train/`` and ``eval/`` document stores, ``
 ``eval_records.jsonl``, a learned ``bpe:N`` tokenizer in ``tokenizer/`` and the completion marker
 (written by ``prepare``). A mixture has one entry per source and ``cache_dir/mix-<key>/`` with all of
 them end to end (its key hashes the sources' keys, in order).
+
+An entry is built under its lock, ``cache_dir/.<key>.lock`` (``entry_lock``; a ``densebatch.locks.FileLock``):
+a second process preparing the same data at the same time waits for the first, saying so, then reads
+the entry the first published; if the first died, the operating system has dropped its lock, and the
+second removes what it left and builds the entry itself. Reading a complete entry takes no lock
+(entries appear by an atomic rename), so a cache that cannot be written still serves its entries.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
+import re
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+from densebatch.atomic import io_reason, remove_leftovers
 from densebatch.config import DataConfig
 from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.sources import detect_format
@@ -21,6 +32,7 @@ from densebatch.data.prepare.store import DocumentStore, marker_ok
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_tokenizer
 from densebatch.errors import DataError, UserError
+from densebatch.locks import FileLock, describe
 
 CACHE_VERSION = 2  # 2: stores carry source.npy; tokenizers may add tokens
 LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
@@ -96,3 +108,29 @@ def load_entry(
             "(it is rebuilt from the data)"
         ) from None
     return train, evals, tok, summary, eval_records
+
+
+@contextlib.contextmanager
+def entry_lock(final: Path) -> Iterator[None]:
+    """Hold the cache entry ``final``'s lock while it is built (see the module docstring): wait, with one
+    line naming the holder, while another process builds it; remove what a writer that is gone left.
+    ``UserError`` naming the directory and the operation when ``data.cache_dir`` cannot be written.
+    The lock file goes when the lock is released (``FileLock.release(remove=True)``): the cache holds
+    entries only, and a build that failed leaves no file behind."""
+    lock = FileLock(final.with_name(f".{final.name}.lock"))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"data.cache_dir {final.parent}: cannot be created (mkdir: {io_reason(e)})") from e
+    try:
+        holder = lock.acquire()
+    except OSError as e:
+        raise UserError(f"data.cache_dir {final.parent}: cannot be written (creating {lock.path.name}: {io_reason(e)})") from e
+    try:
+        if holder is not None:
+            print(f"waiting for {final} being written by {describe(holder)}", file=sys.stderr, flush=True)
+            lock.acquire(wait=True)
+        remove_leftovers(final.parent, re.escape(final.name), locked=True)  # a writer that died mid-build (its lock is ours now)
+        yield
+    finally:
+        lock.release(remove=True)

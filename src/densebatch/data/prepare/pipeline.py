@@ -24,8 +24,9 @@ Cache (``data/prepare/cache.py``): ``cache_dir/<key>/`` where key hashes the inp
 directory) and every setting that changes tokens (format, fields, template, loss, cleaning,
 tokenizer content, pad id, max_seq_len, overlong, eval split, on_bad_record, the default dataset's
 settings). Built in a temporary directory, fsynced, renamed into place, marker last: a crash never
-leaves a directory that a later run trusts. Measured on 2 busy shared cores (build / cache hit): the
-book's 1,100 Alpaca records with the GPT-2 BPE 1.1 s / 0.4 s (loading the BPE dominates a hit);
+leaves a directory that a later run trusts; built under the entry's lock, so two processes preparing
+the same data at once build it once (the second waits, then reads it). Measured on 2 busy shared
+cores (build / cache hit): the book's 1,100 Alpaca records with the GPT-2 BPE 1.1 s / 0.4 s (loading the BPE dominates a hit);
 400 OASST chat threads 0.8 s / 0.3 s; tinyshakespeare in 512-token chunks 2.2 s / 0.1 s; the
 embedded default (6,000 records, byte-level) 0.6 s / under 0.01 s.
 """
@@ -36,14 +37,16 @@ import dataclasses
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from densebatch.atomic import io_reason
 from densebatch.config import DataConfig
 from densebatch.data.plan.store_epochs import epoch_shares
-from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, load_entry
+from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, entry_lock, load_entry
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
@@ -106,6 +109,22 @@ def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
     return Prepared(train, evals, tok, summary, eval_records, final)
 
 
+def _cached_or_built(final: Path, tok: Tokenizer, t0: float, build: Callable[[], Tokenizer]) -> Prepared:
+    """The entry ``final``: from the cache, or written by ``build()`` (which returns the tokenizer its
+    documents were made with) under the entry's lock; a process already building it is waited for and
+    its entry used (``cache.entry_lock``)."""
+    if (cached := _load_cached(final, tok, t0)) is not None:
+        return cached
+    with entry_lock(final):
+        if (cached := _load_cached(final, tok, t0)) is not None:  # built by the process we waited for
+            return cached
+        tok = build()
+    prepared = _load_cached(final, tok, t0)
+    assert prepared is not None, "a freshly written cache must be complete"
+    prepared.summary.cache_hit = False
+    return prepared
+
+
 def _resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
     """(cfg, format) of one source, checked: a plain text file has no fields to template (its paragraphs are the text)."""
     for p in (cfg.path, cfg.eval_path):
@@ -118,27 +137,35 @@ def _resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
 
 
 def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary) -> None:
-    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split)."""
-    with staged_store(final) as tmp:
-        if cfg.tokenizer.startswith("bpe:"):
-            tok.save(tmp / LEARNED_TOKENIZER)
-        for split, arrays in (("train", train), ("eval", evals)):
-            if arrays is not None:
-                (tmp / split).mkdir()
-                write_store_files(tmp / split, *arrays[:3], dict(_meta(tok, cfg, split), sources=summary.source_names), arrays[3])
-        lines = [json.dumps(r, ensure_ascii=False, default=str) for r in records]
-        (tmp / "eval_records.jsonl").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
-        (tmp / "summary.json").write_text(json.dumps(summary.as_dict(), indent=1), encoding="utf-8")
-        write_marker(tmp, {"sizes": {n: (tmp / n).stat().st_size for n in ("summary.json", "eval_records.jsonl")}})
+    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split).
+    A write that fails (no space left) is one line; the staged directory is removed, nothing half-written stays."""
+    try:
+        with staged_store(final) as tmp:
+            if cfg.tokenizer.startswith("bpe:"):
+                tok.save(tmp / LEARNED_TOKENIZER)
+            for split, arrays in (("train", train), ("eval", evals)):
+                if arrays is not None:
+                    (tmp / split).mkdir()
+                    meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
+                    write_store_files(tmp / split, *arrays[:3], meta, arrays[3])
+            lines = [json.dumps(r, ensure_ascii=False, default=str) for r in records]
+            (tmp / "eval_records.jsonl").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+            (tmp / "summary.json").write_text(json.dumps(summary.as_dict(), indent=1), encoding="utf-8")
+            write_marker(tmp, {"sizes": {n: (tmp / n).stat().st_size for n in ("summary.json", "eval_records.jsonl")}})
+    except OSError as e:
+        raise DataError(
+            f"data.cache_dir {final.parent}: cannot be written (the documents of {final.name}: {io_reason(e)})"
+        ) from e
 
 
 def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, read: tuple | None = None) -> Prepared:
     """One source's entry (built, or found in the cache). ``read``: (its records, records read) when
     a mixture's bpe:N already read them."""
     final = Path(cfg.cache_dir) / cache_key(cfg, tok)
-    cached = _load_cached(final, tok, t0)
-    if cached is not None:
-        return cached
+    return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, read))
+
+
+def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, read: tuple | None) -> Tokenizer:
     s = PrepareSummary(
         source=cfg.path or "embedded default dataset",
         format=fmt,
@@ -172,10 +199,7 @@ def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float
     evals = (*_arrays(eval_docs), zeros(eval_docs)) if eval_docs else None
     records = [d.record for d in eval_docs if d.record is not None]
     _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s)
-    prepared = _load_cached(final, tok, t0)
-    assert prepared is not None, "a freshly written cache must be complete"
-    prepared.summary.cache_hit = False
-    return prepared
+    return tok
 
 
 # --------------------------------------------------------------------------------- a mixture
@@ -195,9 +219,14 @@ def _prepare_mixture(cfg: DataConfig, sources: list[tuple[str, DataConfig, str]]
     keys = [cache_key(c, tok) for _, c, _ in sources]
     digest = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "mixture": keys}).encode()).hexdigest()[:24]
     final = Path(cfg.cache_dir) / f"mix-{digest}"
-    cached = _load_cached(final, tok, t0)
-    if cached is not None:
-        return cached
+    # Under the mixture's lock, each source's entry takes its own: always in that order, so no two processes
+    # can each hold a lock the other waits for.
+    return _cached_or_built(final, tok, t0, lambda: _build_mixture(final, cfg, sources, tok, t0))
+
+
+def _build_mixture(
+    final: Path, cfg: DataConfig, sources: list[tuple[str, DataConfig, str]], tok: Tokenizer, t0: float
+) -> Tokenizer:
     read: list = [None] * len(sources)
     if isinstance(tok, PendingBPE):  # one vocabulary learned from every source's text, then each source with it
         for i, (_name, c, fmt) in enumerate(sources):
@@ -217,10 +246,7 @@ def _prepare_mixture(cfg: DataConfig, sources: list[tuple[str, DataConfig, str]]
     )
     records = [r for p in parts for r in p.eval_records]
     _write(final, tok, cfg, train, _concat([p.eval for p in parts]), records, summary)
-    prepared = _load_cached(final, tok, t0)
-    assert prepared is not None, "a freshly written cache must be complete"
-    prepared.summary.cache_hit = False
-    return prepared
+    return tok
 
 
 # --------------------------------------------------------------------------------- entry point
