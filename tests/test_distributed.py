@@ -101,6 +101,9 @@ def test_ddp_equals_one_process_with_doubled_accumulation(tmp, ddp):
 def test_fsdp_equals_ddp_and_holds_half_the_state_per_rank(tmp, ddp):
     r = launch(["train", str(_config(tmp)), f"--output_dir={tmp / 'fsdp'}", "--train.distributed=fsdp"])
     assert r.returncode == 0, r.stderr[-3000:]
+    # FSDP2 warns when the sharded module returns a view (an in-place op on it would skip the all-gather):
+    # the loss head returns a tensor of its own
+    assert "returned a view tensor" not in r.stderr, r.stderr[-3000:]
     assert close(losses(tmp / "fsdp"), losses(ddp))
     first = {d: next(x for x in records(d) if x["kind"] == "train") for d in (ddp, tmp / "fsdp")}
     ratio = first[tmp / "fsdp"]["rank_state_gb"] / first[ddp]["rank_state_gb"]

@@ -221,3 +221,20 @@ def test_batch_facts_spare_recomputation_and_are_trusted(gen):
     batch = pack([[d] for d in random_docs(gen, [5, 9], V)], seq_len=12)
     known = dataclasses.replace(batch, single_doc_rows=True, max_position=int(batch.positions.max()))
     assert torch.allclose(model.token_losses(known), model.token_losses(batch), atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_losses_are_a_tensor_of_their_own_not_a_view(fused):
+    """The losses are what the module FSDP2 shards returns; a view there makes FSDP2 warn that an in-place
+    op on it would skip the pre-backward all-gather (and, were one done, the gradients would be wrong)."""
+    h = torch.randn(2, 5, 16, requires_grad=True)
+    head = torch.nn.Linear(16, V)
+    labels = torch.randint(0, V, (2, 5))
+    labels[0, :2] = IGNORE_INDEX
+    if fused:
+        out = head_token_losses(h, labels, head.weight, head.bias, chunk_tokens=3)
+    else:
+        out = plain_head_token_losses(h, labels, head)
+    assert out.shape == (2, 5) and not out._is_view()
+    out.sum().backward()  # the expanded (stride 0) gradient of a sum, the trainer's case
+    assert h.grad is not None and head.weight.grad is not None

@@ -14,7 +14,7 @@ import torch
 
 from densebatch.config import FinderConfig, TrainConfig
 from densebatch.errors import UserError
-from densebatch.train.finders.lr_finder import diverged, lr_range_test, schedule, smooth, write_outputs
+from densebatch.train.finders.lr_finder import diverged, lr_range_test, progress_line, schedule, smooth, write_outputs
 from densebatch.train.loop import Trainer
 from densebatch.train.parts import Evaluation, Placement, Reporting
 from densebatch.train.rng import capture_rng_state, restore_rng_state
@@ -188,6 +188,19 @@ def test_held_out_batches_are_measured_after_every_step_and_never_trained_on(tin
         first = 1 if eval_data is None else 0  # the step held out is not trained on
         assert trained == [key(batches[(first + i) % 6]) for i in range(8)]
         assert not set(trained[: 6 - first]) & set(held)
+
+
+def test_progress_says_the_step_the_time_elapsed_and_the_eta(tiny, tmp_path):
+    assert progress_line(20, 100, 12.4, 1e-5, 5.51234, 5.4) == (
+        "  step 20/100 | 0:12 elapsed, ETA 0:50 | lr 1.00e-05 | loss 5.5123 | held-out 5.4000"
+    )
+    assert progress_line(1, 100, 3725.0, 2e-3, 1.0) == "  step 1/100 | 1:02:05 elapsed, ETA 102:26:15 | lr 2.00e-03 | loss 1.0000"
+    lines = []
+    finder = FinderConfig(lr_start=1e-5, lr_end=1e-3, lr_steps=21, diverge=1e9, heldout_batches=0)
+    lr_range_test(_trainer(tiny, tmp_path), finder, log=lines.append)
+    steps = [line.split(" | ")[0].strip() for line in lines if line.startswith("  step ")]
+    assert steps == ["step 1/21", "step 10/21", "step 20/21"]  # an ETA after the first step, then every tenth
+    assert all(" elapsed, ETA " in line for line in lines if line.startswith("  step "))
 
 
 def test_outputs_are_a_png_and_json(tiny, tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from densebatch.errors import ConfigError
+from densebatch.model.quiet import quiet_progress
 
 
 def gpt2_state_dict(gpt) -> dict[str, torch.Tensor]:
@@ -75,5 +76,6 @@ def export_gpt_as_hf(gpt, out_dir: str | Path, eos_id: int | None = None, pad_id
         raise AssertionError(f"GPT-2 export mapping is incomplete: missing {missing[:4]}, unexpected {unexpected[:4]}")
     hf.tie_weights()
     out_dir = Path(out_dir)
-    hf.save_pretrained(out_dir)
+    with quiet_progress():
+        hf.save_pretrained(out_dir)
     return out_dir

@@ -43,6 +43,7 @@ from densebatch.batch import Batch
 from densebatch.errors import ConfigError
 from densebatch.model.attention import document_mask, rows_hold_one_document
 from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
+from densebatch.model.quiet import quiet_progress
 
 # attn_implementation -> how the document mask is expressed (see the table above).
 ALLOWED = {"sdpa": "bool", "eager": "additive"}
@@ -103,10 +104,11 @@ class HFCausalLM(nn.Module):
         # the checkpoint's dtype; autocast does the low precision). See docs/hf-models.md.
         kw = dict(attn_implementation=attn_implementation, dtype=DTYPES[dtype])
         try:
-            if has_weights(path):
-                self.hf = AutoModelForCausalLM.from_pretrained(path, **kw)
-            else:
-                self.hf = AutoModelForCausalLM.from_config(config, **kw)
+            with quiet_progress():
+                if has_weights(path):
+                    self.hf = AutoModelForCausalLM.from_pretrained(path, **kw)
+                else:
+                    self.hf = AutoModelForCausalLM.from_config(config, **kw)
         except ValueError as e:  # "X does not support an attention implementation through ..."
             if "attention implementation" not in str(e):
                 raise
@@ -288,17 +290,20 @@ class HFCausalLM(nn.Module):
         rows are the base model's, and the added tokens' rows are the adapter's trainable tokens
         (``load_adapter`` rebuilds the grown tables from the base), so they are left out."""
         if not self.lora:
-            self.hf.save_pretrained(path)
+            with quiet_progress():
+                self.hf.save_pretrained(path)
             return
         for config in self.hf.peft_config.values():
             config.base_model_name_or_path = str(self.path)
-        self.hf.save_pretrained(path, save_embedding_layers=False)
+        with quiet_progress():
+            self.hf.save_pretrained(path, save_embedding_layers=False)
 
     def save_merged(self, path: str | Path) -> None:
         """A plain Hugging Face model (``from_pretrained`` loads it): LoRA adapters merged into the
         weights they adapt (``merge_and_unload``, in place: this model is spent afterwards)."""
         model = self.hf.merge_and_unload() if self.lora else self.hf
-        model.save_pretrained(path)
+        with quiet_progress():
+            model.save_pretrained(path)
 
 
 def input_embedding_weight(model: nn.Module) -> Tensor:

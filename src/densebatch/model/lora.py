@@ -20,8 +20,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch.nn as nn
+
 from densebatch.errors import ConfigError
 from densebatch.model.hf import HFCausalLM, has_weights
+from densebatch.model.quiet import quiet_peft
 
 ADAPTER_CONFIG = "adapter_config.json"
 # Attention projections to adapt where peft has no default for the architecture (its default, the
@@ -35,6 +38,21 @@ def _peft():
     except ImportError:
         raise ConfigError("model.lora needs peft: pip install 'densebatch[lora]'") from None
     return peft
+
+
+def parameter_counts(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameters of ``model``, each tensor once (tied ones are one tensor)."""
+    params = list(model.parameters())  # nn.Module.parameters() yields a shared tensor once
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def lora_summary(model: nn.Module) -> str | None:
+    """``LoRA: 12,288 trainable of 1,234,567 parameters (1.00%)`` for a model with LoRA adapters, else None;
+    printed once when a run builds its model. Trainable: the adapters and the added tokens' rows."""
+    if not getattr(model, "lora", False):
+        return None
+    trainable, total = parameter_counts(model)
+    return f"LoRA: {trainable:,} trainable of {total:,} parameters ({100 * trainable / max(total, 1):.2f}%)"
 
 
 def is_adapter_dir(path: str | Path) -> bool:
@@ -92,7 +110,8 @@ def apply_lora(model, settings, new_ids: list[int] = ()) -> None:
     )
     try:
         # autocast_adapter_dtype (default): adapters in float32 even on bfloat16 / float16 weights
-        model.hf = peft.get_peft_model(lm, config)
+        with quiet_peft():
+            model.hf = peft.get_peft_model(lm, config)
     except ValueError as e:  # e.g. "Target modules {'x'} not found in the base model"
         raise ConfigError(f"model.lora.target_modules: {str(e).splitlines()[0][:200]}") from None
     model.lora = True
@@ -115,6 +134,7 @@ def load_adapter(path: str | Path, model_cfg, vocab_size: int):
         )
     model = HFCausalLM(base, attn_implementation=model_cfg.attn_implementation, dtype=model_cfg.dtype)
     model.resize_vocab(vocab_size)  # the added tokens' rows come from the adapter
-    model.hf = peft.PeftModel.from_pretrained(model.hf, str(path))
+    with quiet_peft():
+        model.hf = peft.PeftModel.from_pretrained(model.hf, str(path))
     model.lora = True
     return model

@@ -59,21 +59,22 @@ _CHECK_UNIFORM_ON_HOST = {"cpu"}
 
 
 class _FusedLinearCE(torch.autograd.Function):
-    """losses (N,) of all rows of ``h``: cross-entropy of ``h[idx]`` under the head (weight, bias)
-    against ``targets`` (n,) at ``idx``, 0 elsewhere."""
+    """losses of all rows of ``h`` (N,), shaped ``shape`` (rows, T): cross-entropy of ``h[idx]`` under the
+    head (weight, bias) against ``targets`` (n,) at ``idx``, 0 elsewhere."""
 
     @staticmethod
     def forward(
-        ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk: int, dtype, need_grad, eps
+        ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk, dtype, need_grad, eps, shape
     ):
         # h: (N, C) all positions; idx: (n,) positions with a target. ``dtype``: what autocast asked
         # for outside; autocast is switched off in here so that every cast below is explicit.
         # ``eps``: label smoothing (the target distribution (1 - eps) onehot + eps / V, as torch's).
+        # ``shape``: the losses' shape, (rows, T), N elements.
         with torch.autocast(h.device.type, enabled=False):
-            return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad, eps)
+            return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad, eps, shape)
 
     @staticmethod
-    def _forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad: bool, eps: float) -> Tensor:
+    def _forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad: bool, eps: float, shape) -> Tensor:
         n = idx.numel()
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
@@ -109,12 +110,18 @@ class _FusedLinearCE(torch.autograd.Function):
         # The forward's gradient sums are this Function's own buffers, held on ctx (not as saved
         # tensors) so that backward can scale them in place and drop them.
         ctx.unit_grads = (grad_h, grad_w, grad_b)
-        return torch.zeros(h.shape[0], dtype=torch.float32, device=h.device).index_copy_(0, idx, losses)  # (N,)
+        # Returned in its final shape, not as a view of an (N,) tensor: FSDP2 warns about a module that
+        # returns a view (an in-place op on it would drop the pre-backward hook that all-gathers the
+        # root's parameters), and the losses are the output of the module every training pass runs.
+        out = torch.zeros(shape, dtype=torch.float32, device=h.device)  # (rows, T)
+        out.view(-1).index_copy_(0, idx, losses)  # (N,) the same storage
+        return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        # grad_out: (N,). The trainer's ``losses.sum() / count`` arrives as one value expanded over
+        # grad_out: (rows, T). The trainer's ``losses.sum() / count`` arrives as one value expanded over
         # every position (stride 0): the forward's sums then only need scaling, with no host sync.
+        grad_out = grad_out.reshape(-1)  # (N,) an expanded gradient keeps its stride 0
         h, weight, bias, idx, targets = ctx.saved_tensors
         if ctx.unit_grads is None:
             raise RuntimeError("the fused loss head supports one backward pass per forward (no retain_graph)")
@@ -144,6 +151,7 @@ class _FusedLinearCE(torch.autograd.Function):
             grad_h,
             grad_w.to(weight.dtype) if ctx.needs_input_grad[1] else None,
             grad_b.to(bias.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None,
+            None,
             None,
             None,
             None,
@@ -201,10 +209,8 @@ def head_token_losses(
     # Gradient work happens in the forward pass, so it must know now whether a backward will follow.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
     targets = flat_labels.index_select(0, idx)  # (n,)
-    out = _FusedLinearCE.apply(
-        h.reshape(rows * T, C), weight, bias, idx, targets, chunk, _compute_dtype(h), need_grad, float(label_smoothing)
-    )
-    return out.view(rows, T)  # (N,) -> (rows, T)
+    flat, dtype, eps = h.reshape(rows * T, C), _compute_dtype(h), float(label_smoothing)  # flat: (N, C)
+    return _FusedLinearCE.apply(flat, weight, bias, idx, targets, chunk, dtype, need_grad, eps, (rows, T))  # (rows, T)
 
 
 def plain_head_token_losses(h: Tensor, labels: Tensor, head: torch.nn.Module, label_smoothing: float = 0.0) -> Tensor:

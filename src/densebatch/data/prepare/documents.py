@@ -22,11 +22,12 @@ from densebatch.data.prepare.chat_template import ChatTemplate
 from densebatch.data.prepare.clean import Cleaner
 from densebatch.data.prepare.sources import SURROGATE, BadRecord, has_undecodable, iter_records
 from densebatch.data.prepare.summary import PrepareSummary
-from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, render
+from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, missing_fields, render
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, train_bpe
 from densebatch.errors import DataError
 
 _ENCODE_CHUNK = 4096  # texts per encode_batch call: large enough for the library's threads
+COLUMNAR = ("csv", "parquet", "hf_disk")  # formats whose records all have the same fields: the file's columns
 
 
 @dataclass
@@ -76,7 +77,17 @@ class Builder:
                 self.bad(item)
             else:
                 out.append(item)
+        if fmt in COLUMNAR and out:
+            self._check_columns(path, list(out[0][1]))
         return out
+
+    def _check_columns(self, path: str, columns: list[str]) -> None:
+        """A file whose columns lack a field the template reads is one error (every row would fail alike,
+        and with ``on_bad_record: skip`` all would be skipped), naming the columns found and those expected."""
+        if self.cfg.fields.input_ids in columns:  # pre-tokenised records: no template
+            return
+        if (problem := missing_fields(columns, self.cfg, noun="column")) is not None:
+            raise DataError(f"{path}: {problem}")
 
     def _whole_text(self, p: Path) -> list[tuple[str, dict]]:
         next(iter_records(p, "text"))  # the same checks as paragraphs: missing, empty, whitespace only

@@ -90,7 +90,7 @@ def iter_records(path: str | Path, fmt: str = "auto") -> Iterator[tuple[str, dic
     for item in reader(p):
         count += 1
         yield item
-    if count == 0:
+    if count == 0:  # the readers name the emptiness they can tell apart (an empty JSON array, a header alone)
         raise DataError(f"{p}: holds no records (the file is empty or only whitespace)")
 
 
@@ -176,6 +176,8 @@ def _json_array(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
         )
     if not isinstance(data, list):
         raise DataError(f"{p}: expected a JSON array of records at the top level, got {type(data).__name__}")
+    if not data:
+        raise DataError(f"{p}: holds no records (an empty JSON array)")
     for i, obj in enumerate(data):
         where = f"{p}: record {i} (0-based index)"
         if not isinstance(obj, dict):
@@ -196,14 +198,18 @@ def _csv(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
             return
         except csv.Error as e:
             raise DataError(f"{p}:1: cannot read the CSV header: {e}") from None
+        if all(not h.strip() for h in header) and not any(any(c.strip() for c in row) for row in reader):
+            return  # only whitespace: no records
         if not header or len(set(header)) != len(header) or any(not h.strip() for h in header):
             raise DataError(f"{p}:1: the CSV header must name every column once; got {header}")
-        prev_end = reader.line_num
+        prev_end, rows = reader.line_num, 0
         while True:
             start = prev_end + 1
             try:
                 row = next(reader)
             except StopIteration:
+                if not rows:
+                    raise DataError(f"{p}: holds no records (a header with columns {', '.join(header)}, and no rows)") from None
                 return
             except csv.Error as e:
                 raise DataError(f"{p}:{start}: malformed CSV: {e}") from None
@@ -211,6 +217,7 @@ def _csv(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
             where = f"{p}:{start}"
             if not row or all(not c.strip() for c in row):
                 continue
+            rows += 1
             if len(row) != len(header):
                 yield BadRecord(where, "wrong_field_count", f"row has {len(row)} fields, the header has {len(header)}")
                 continue
@@ -255,6 +262,8 @@ def _parquet(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
         pf = pq.ParquetFile(p)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError for non-Parquet bytes
         raise DataError(f"{p}: not a readable Parquet file: {e}") from None
+    if pf.metadata.num_rows == 0:
+        raise DataError(f"{p}: holds no records (a Parquet file with columns {', '.join(pf.schema_arrow.names)} and no rows)")
     i = 0
     for batch in pf.iter_batches(batch_size=4096):
         for rec in batch.to_pylist():
@@ -283,6 +292,8 @@ def _hf_disk(d: Path) -> Iterator[tuple[str, dict] | BadRecord]:
         if "train" not in ds:
             raise DataError(f"{d}: a DatasetDict without a 'train' split; point data.path at one of: {', '.join(ds)}")
         ds, d = ds["train"], d / "train"
+    if len(ds) == 0:
+        raise DataError(f"{d}: holds no records (a dataset with columns {', '.join(ds.column_names)} and no rows)")
     i = 0
     for batch in ds.iter(batch_size=4096):  # columns -> rows
         for rec in (dict(zip(batch, row)) for row in zip(*batch.values())):

@@ -59,11 +59,15 @@ class PrepareSummary:
         return sum(self.skipped.values())
 
     def accounting(self) -> str:
-        return (
+        """Where every record went, in one line; with skipped records, the first of the most frequent kind (why)."""
+        text = (
             f"{self.records_read} read, {self.records_skipped} skipped as malformed, "
             f"{sum(self.cleaning_dropped.values())} dropped by cleaning, {self.dropped_overlong} dropped as overlong, "
             f"{self.dropped_no_target + self.dropped_no_loss} without loss tokens"
         )
+        if self.skipped and (reason := max(self.skipped, key=self.skipped.get)) in self.skip_examples:
+            text += f"; most skipped as {reason}, first {self.skip_examples[reason]}"
+        return text
 
     def fill_counts(self, train_docs: list, eval_docs: list) -> None:
         self.train_documents, self.eval_documents = len(train_docs), len(eval_docs)

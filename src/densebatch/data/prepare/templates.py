@@ -27,7 +27,9 @@ search for a token value). Templates (``data.template``):
 - ``custom``: ``data.prompt_format`` with ``{named}`` record fields as the prompt, ``fields.output`` as
   the response.
 
-A field that is missing, null, empty or of the wrong type raises ``RecordError(reason, message)``.
+A field that is missing, null, empty or of the wrong type raises ``RecordError(reason, message)``; a
+missing one is named with the fields the record has and those the template reads (``missing_fields``,
+which ``prepare`` also applies once to the columns of a CSV, Parquet or Hugging Face dataset).
 ``transform`` (the cleaning steps) is applied to each field value the template uses, never to the
 template's own text.
 """
@@ -175,9 +177,58 @@ TEMPLATES = {"alpaca": _alpaca, "chatml": _chatml, "raw": _raw, "custom": _custo
 NAMES = (*TEMPLATES, "chat_template")
 
 
+def template_fields(cfg: DataConfig) -> list[tuple[str, str, bool]]:
+    """The record fields ``cfg.template`` reads: ``(name, the setting that names it, required)``."""
+    f, t = cfg.fields, cfg.template
+    if t == "alpaca":
+        return [(f.instruction, "data.fields.instruction", True), (f.output, "data.fields.output", True), (f.input, "data.fields.input", False)]  # fmt: skip
+    if t in ("chatml", "chat_template"):
+        return [(f.messages, "data.fields.messages", True)]
+    if t == "raw":
+        return [(f.text, "data.fields.text", True)]
+    if t == "custom" and cfg.prompt_format:
+        return [(n, "data.prompt_format", True) for n in prompt_fields(cfg.prompt_format)] + [(f.output, "data.fields.output", True)]  # fmt: skip
+    return []
+
+
+def _listed(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit]) + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+    return shown or "none"
+
+
+def missing_fields(found: list[str], cfg: DataConfig, noun: str = "field") -> str | None:
+    """None when ``found`` (a record's fields, or a file's columns: ``noun``) holds every field the template
+    needs; else one sentence naming the missing ones, those found, those the template reads, and the fix::
+
+        missing field 'instruction' (found fields: question, answer; template alpaca reads instruction,
+        output and, if present, input): map yours with --data.fields.instruction=FIELD
+    """
+    reads = template_fields(cfg)
+    missing = list(dict.fromkeys((name, key) for name, key, required in reads if required and name not in found))
+    if not missing:
+        return None
+    plural = "s" if len(missing) > 1 else ""
+    wanted = ", ".join(dict.fromkeys(n for n, _, required in reads if required))
+    optional = [n for n, _, required in reads if not required]
+    if optional:
+        wanted += f" and, if present, {', '.join(optional)}"
+    mapped = " ".join(f"--{key}={noun.upper()}" for _, key in missing if key != "data.prompt_format")
+    fixes = [f"map yours with {mapped}"] if mapped else []
+    if any(key == "data.prompt_format" for _, key in missing):
+        fixes.append("name yours in data.prompt_format")
+    if noun == "column":
+        fixes[0] = "rename the columns or " + fixes[0]
+    return (
+        f"missing {noun}{plural} {', '.join(repr(n) for n, _ in missing)} (found {noun}s: {_listed(list(found))}; "
+        f"template {cfg.template} reads {wanted}): {', or '.join(fixes)}"
+    )
+
+
 def _segments(record: dict, cfg: DataConfig, transform: Transform, chat: ChatTemplate | None) -> list[Segment]:
     if cfg.template not in NAMES:
         raise ConfigError(f"data.template: expected one of {', '.join(NAMES)}; got {cfg.template!r}")
+    if (problem := missing_fields(list(record), cfg)) is not None:
+        raise RecordError("missing_field", problem)
     if cfg.template == "chat_template":
         return _chat_template(record, cfg, transform, chat)
     return TEMPLATES[cfg.template](record, cfg, transform)

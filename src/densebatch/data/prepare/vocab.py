@@ -42,3 +42,18 @@ def requested_tokens(cfg) -> list[tuple[str, bool]]:
     out = [(IM_START, True), (IM_END, True)] if "chatml" in templates else []
     out += [(t, True) for t in cfg.add_special_tokens] + [(t, False) for t in cfg.add_tokens]
     return unique_tokens(out)
+
+
+def added_tokens_line(added: Sequence[dict], limit: int = 20) -> str | None:
+    """``added tokens: <|im_start|>=259, <|im_end|>=260`` (a tokenizer's ``added``: ``{"content", "id", ...}``
+    in id order), or None when none were added; printed once when a run's data are prepared. A token
+    with spaces or control characters is shown quoted; past ``limit`` tokens, how many more."""
+    if not added:
+        return None
+    shown = [f"{_shown(a['content'])}={a['id']}" for a in added[:limit]]
+    more = f", ... and {len(added) - limit} more" if len(added) > limit else ""
+    return f"added tokens: {', '.join(shown)}{more}"
+
+
+def _shown(content: str) -> str:
+    return content if content.isprintable() and not any(c.isspace() for c in content) else repr(content)

@@ -25,6 +25,7 @@ import copy
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
 from densebatch.train.guard import FixedClipper
+from densebatch.train.observe.monitor import _fmt_time
 from densebatch.train.observe.plots import plot_lr_finder
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
@@ -107,8 +109,18 @@ def schedule(finder: FinderConfig) -> list[float]:
     return [finder.lr_start * (finder.lr_end / finder.lr_start) ** (k / (n - 1)) for k in range(n)]
 
 
+def progress_line(step: int, total: int, elapsed: float, lr: float, loss: float, heldout: float | None = None) -> str:
+    """``  step 20/100 | 0:12 elapsed, ETA 0:48 | lr 1.00e-05 | loss 5.5123 | held-out 5.4012``: the ETA at
+    the pace so far, for all ``total`` steps (the test may stop earlier, when the loss diverges)."""
+    eta = elapsed / step * (total - step) if step else 0.0
+    line = f"  step {step}/{total} | {_fmt_time(elapsed)} elapsed, ETA {_fmt_time(eta)} | lr {lr:.2e} | loss {loss:.4f}"
+    return line + (f" | held-out {heldout:.4f}" if heldout is not None else "")
+
+
 def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str], None] | None = None) -> LRFinderResult:
-    """Run the test on ``trainer`` (see the module docstring); every rank must call it."""
+    """Run the test on ``trainer`` (see the module docstring); every rank must call it. ``log`` gets a
+    progress line after the first step and every tenth (``progress_line``), then the report."""
+    t0 = time.perf_counter()
     snap = TrainerSnapshot(trainer)
     rates, losses, lrs, held = schedule(finder), [], [], []
     stop = f"reached lr_end {finder.lr_end:g} without diverging"
@@ -128,11 +140,8 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
                 losses.append(loss)
                 if heldout:
                     held.append(float(trainer.evaluate_batches(heldout).loss))  # eval mode: no dropout, no RNG drawn
-                if log is not None and len(lrs) % 10 == 0:
-                    log(
-                        f"  step {len(lrs)}/{len(rates)}: lr {lr:.2e}, loss {loss:.4f}"
-                        + (f", held-out {held[-1]:.4f}" if held else "")
-                    )
+                if log is not None and (len(lrs) == 1 or len(lrs) % 10 == 0):  # the first: an ETA early on
+                    log(progress_line(len(lrs), len(rates), time.perf_counter() - t0, lr, loss, held[-1] if held else None))
                 if trainer.dist.agree(diverged(losses, finder)):
                     stop = f"stopped at lr {lr:.2e}: the smoothed loss diverged (above {finder.diverge:g}x its minimum, or back above its start)"
                     break
