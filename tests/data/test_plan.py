@@ -11,6 +11,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from densebatch.data.plan.packing import FILLER_SHARE, bundle
 from densebatch.data.plan.packing import exact_cuts as _exact_cuts
 from densebatch.data.plan.packing import greedy_cuts as _greedy_cuts
 from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
@@ -25,6 +26,7 @@ settings_st = st.builds(
     long_docs=st.sampled_from(["split", "truncate"]),
     pad_to_multiple_of=st.sampled_from([1, 8]),
     mega_batch_mult=st.integers(1, 5),
+    bundle_tokens=st.sampled_from(["auto", 0, 3, 8]),
     drop_last=st.booleans(),
 )
 FEW = settings(max_examples=60, deadline=None, derandomize=True)
@@ -72,6 +74,11 @@ def check_budget(s: PlanSettings, plan) -> None:
         assert (slots <= s.max_tokens_per_batch).all()
     if s.strategy == "packed":
         assert (rl <= s.seq_len).all() and (nrows <= s.rows_per_packed_batch).all()
+    elif s.strategy == "token_budget" and (cap := s.bundle_cap_for(_cap(s))):
+        several = np.diff(plan.row_ptr) > 1  # a bundle of short pieces, under twice the bundle cap in all
+        assert (rl[several] < 2 * cap).all()
+        pieces = plan.stop - plan.start
+        assert (pieces[np.isin(np.repeat(np.arange(plan.num_rows), np.diff(plan.row_ptr)), np.flatnonzero(several))] <= cap).all()
     else:
         assert (np.diff(plan.row_ptr) == 1).all()  # one piece per row
     if s.strategy in ("random", "length_grouped"):
@@ -189,6 +196,75 @@ def test_packed_is_near_the_bound_on_long_tails():
     assert p.num_rows <= max(bound + 1, bound * 1.01)
     assert p.stats()["fill_rate"] >= 0.99
     check_coverage(lengths, s, p)
+
+
+@given(st.lists(st.integers(1, 80), max_size=300).map(lambda x: np.array(x, np.int64)), st.integers(1, 40), st.integers(0, 99))
+@FEW
+def test_bundles_hold_every_piece_once_and_under_twice_their_cap(plen, cap, seed):
+    items = bundle(plen, cap, np.random.default_rng(seed))
+    assert np.array_equal(np.sort(items.members), np.arange(len(plen)))
+    sizes = np.diff(items.ptr)
+    assert (sizes >= 1).all() and len(items.length) == len(sizes)
+    assert np.array_equal(items.length, np.add.reduceat(plen[items.members], items.ptr[:-1]) if len(plen) else items.length)
+    multi = sizes > 1
+    assert (items.length[multi] < 2 * cap).all()  # a bundle of several pieces: short ones, under 2 x cap in all
+    assert (plen[items.members[items.ptr[:-1][multi]]] <= cap).all()
+    long_ = np.flatnonzero(plen > cap)
+    assert np.isin(long_, items.members[items.ptr[:-1][~multi]]).all()  # a long piece is an item of its own
+
+
+def _task_purity(row: np.ndarray, task: np.ndarray) -> float:
+    """Mean over rows of |share of task 1 in the row - its share overall| (``row``: each document's row)."""
+    share = np.bincount(row, weights=task) / np.bincount(row)
+    return float(np.mean(np.abs(share - task.mean())))
+
+
+def test_bundled_rows_mix_documents_of_every_length_at_the_fill_of_best_fit():
+    """Two tasks whose documents differ in length (as the embedded default's): best-fit decreasing alone
+    packs most rows from one task; bundled rows come much closer to rows drawn at random."""
+    rng = np.random.default_rng(0)
+    task = rng.integers(0, 2, 20000)
+    lengths = np.where(task == 1, rng.integers(40, 60, 20000), rng.integers(90, 140, 20000)).astype(np.int64)
+    s = PlanSettings(strategy="packed", seq_len=512)
+    sorted_rows = plan_epoch(lengths, dataclasses.replace(s, bundle_tokens=0), 0, 0)
+    mixed = plan_epoch(lengths, s, 0, 0)
+    purity = {
+        name: _task_purity(np.repeat(np.arange(p.num_rows), np.diff(p.row_ptr)), task[p.doc])
+        for name, p in (("sorted", sorted_rows), ("mixed", mixed))
+    }
+    perm = rng.permutation(len(lengths))  # rows of documents in random order, cut where 512 tokens are reached
+    purity["random"] = _task_purity(np.cumsum(lengths[perm]) // 512, task[perm])
+    # measured: sorted 0.45, bundled 0.23, random 0.16
+    assert purity["sorted"] - purity["random"] > 0.25
+    assert purity["mixed"] - purity["random"] < 0.3 * (purity["sorted"] - purity["random"])
+    assert mixed.stats()["fill_rate"] >= sorted_rows.stats()["fill_rate"]  # 0.987 and 0.981
+    check_coverage(lengths, s, mixed)
+
+
+def test_token_budget_batches_of_bundles_mix_tasks_at_a_high_fill():
+    rng = np.random.default_rng(0)
+    task = rng.integers(0, 2, 20000)
+    lengths = np.where(task == 1, rng.integers(40, 60, 20000), rng.integers(90, 140, 20000)).astype(np.int64)
+    s = PlanSettings(strategy="token_budget", max_tokens_per_batch=1024)
+
+    def purity(p):  # per batch, as a step of one batch sees it
+        batch_of_row = np.repeat(np.arange(p.num_batches), np.diff(p.batch_ptr))
+        return _task_purity(np.repeat(batch_of_row, np.diff(p.row_ptr)), task[p.doc])
+
+    one_per_row = plan_epoch(lengths, dataclasses.replace(s, bundle_tokens=0), 0, 0)
+    mixed = plan_epoch(lengths, s, 0, 0)
+    assert purity(one_per_row) > 0.45  # every batch is one task: measured 0.50
+    assert purity(mixed) < 0.15  # measured 0.12; batches of 12 documents drawn at random: 0.11
+    assert mixed.stats()["fill_rate"] > 0.95
+    check_coverage(lengths, s, mixed)
+    check_budget(s, mixed)
+
+
+def test_a_share_of_the_short_pieces_is_left_alone_to_fill_gaps():
+    plen = np.full(100000, 10, np.int64)
+    items = bundle(plen, 100, np.random.default_rng(0))
+    alone = int((np.diff(items.ptr) == 1).sum())
+    assert abs(alone / len(plen) - FILLER_SHARE) < 0.01
 
 
 def test_token_budget_greedy_path_on_many_documents():

@@ -150,6 +150,13 @@ class BatchingConfig:
     long_docs: Literal["split", "truncate"] = _f("split", "packed: documents longer than seq_len are split or truncated.")
     pad_to_multiple_of: int = _f(1, "Pad the row length up to a multiple of this (8, 64, ...).", minimum=1)
     mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch (as Hugging Face).", minimum=1)
+    bundle_tokens: int | Literal["auto"] = _f(
+        "auto",
+        "packed and token_budget: documents of at most this many tokens are bundled at random (each attending to "
+        "itself), so rows and batches mix lengths, tasks and sources like random samples; auto = seq_len / 4 "
+        "(packed), max_tokens_per_batch / 4 (token_budget); 0 = off: rows of one length (one task), which train worse.",
+        minimum=0,
+    )
     drop_last: bool = _f(False, "random / length_grouped: drop the last incomplete batch.")
     mlm_probability: float = _f(0.15, "mlm: share of non-special tokens selected, in (0, 1): 0 and 1 are refused.", minimum=0.0)
     prefetch: int = _f(2, "Steps collated ahead in a background thread (0 = none).", minimum=0)

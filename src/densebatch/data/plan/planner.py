@@ -24,6 +24,7 @@ import numpy as np
 
 from densebatch.data.plan.packing import (
     best_fit_decreasing,
+    bundle,
     cut_long,
     desc_random_ties,
     exact_cuts,
@@ -49,6 +50,7 @@ class PlanSettings:
     long_docs: str = "split"  # packed / token_budget: documents longer than a row: split | truncate
     pad_to_multiple_of: int = 1
     mega_batch_mult: int = 50
+    bundle_tokens: int | str = "auto"  # packed / token_budget: short documents bundled at random; 0 = off
     drop_last: bool = False
     shard_docs: int = 1 << 20  # plan_epoch_sharded: documents per shard, which bounds planning memory
 
@@ -60,6 +62,13 @@ class PlanSettings:
         for name in ("rows_per_batch", "max_tokens_per_batch", "seq_len", "pad_to_multiple_of", "mega_batch_mult", "shard_docs"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name}: expected a positive integer; got {getattr(self, name)!r}")
+        if self.bundle_tokens != "auto" and int(self.bundle_tokens) < 0:
+            raise ValueError(f"bundle_tokens: expected auto, 0 (off) or a positive number of tokens; got {self.bundle_tokens!r}")
+        if self.strategy == "packed" and self.bundle_tokens != "auto" and int(self.bundle_tokens) > self.seq_len // 2:
+            raise ValueError(
+                f"bundle_tokens: expected 0 (off) up to half of seq_len ({self.seq_len // 2}) so that a bundle fits a "
+                f"packed row; got {self.bundle_tokens!r}"
+            )
         if self.max_tokens_per_batch < self.pad_to_multiple_of:
             raise ValueError(
                 f"max_tokens_per_batch ({self.max_tokens_per_batch}) must be at least pad_to_multiple_of ({self.pad_to_multiple_of})"
@@ -74,6 +83,17 @@ class PlanSettings:
     def rows_per_packed_batch(self) -> int:
         return self.max_tokens_per_batch // _round_up(self.seq_len, self.pad_to_multiple_of)
 
+    @property
+    def bundle_cap(self) -> int:
+        """packed: pieces up to this many tokens are bundled before packing (0: none are)."""
+        return self.seq_len // 4 if self.bundle_tokens == "auto" else int(self.bundle_tokens)
+
+    def bundle_cap_for(self, row_cap: int) -> int:
+        """token_budget, whose rows hold at most ``row_cap`` tokens: auto = a quarter of the budget (bundles
+        under half of it, so a batch holds two or more), and never more than half a row, so a bundle fits one."""
+        cap = self.max_tokens_per_batch // 4 if self.bundle_tokens == "auto" else int(self.bundle_tokens)
+        return min(cap, row_cap // 2)
+
     @classmethod
     def from_config(cls, cfg, **overrides) -> PlanSettings:
         """From a ``BatchingConfig``, field by field: renaming a config field fails here at once
@@ -86,6 +106,7 @@ class PlanSettings:
             long_docs=cfg.long_docs,
             pad_to_multiple_of=cfg.pad_to_multiple_of,
             mega_batch_mult=cfg.mega_batch_mult,
+            bundle_tokens=cfg.bundle_tokens,
             drop_last=cfg.drop_last,
             shard_docs=cfg.shard_docs,
         )
@@ -249,56 +270,81 @@ def _plan_length_grouped(lengths, s: PlanSettings, rng) -> Plan:
 
 
 def _plan_token_budget(lengths, s: PlanSettings, rng) -> Plan:
-    """Padding batches with rows x roundup(longest) <= max_tokens_per_batch, one piece per row.
+    """Padding batches with rows x roundup(longest) <= max_tokens_per_batch.
 
-    Guarantee: the fewest batches any grouping of the length-sorted documents can reach (greedy is
-    optimal for that), and among those, the fewest padded slots: exact DP up to 20k pieces; above
-    that, or when short documents make the DP window wide, greedy, whose gap vanishes as runs of
-    equal lengths grow. oasst-threads at 8192: 26 batches, fill 0.952 (the optimum; greedy alone
-    0.949), mean real tokens 0.88 of the budget. 10M lengths: ~1.2 s. Randomness: ties between
-    equal lengths, and batch order. Documents longer than the budget are split or truncated.
+    Rows are items: a document (or a piece of one longer than the budget, split or truncated), or, with
+    bundling (``bundle_cap``), a bundle of short documents drawn at random (``packing.bundle``), whose
+    documents attend only to themselves as in packed rows. Sorting single documents by length makes
+    every batch one length, which in instruction data is one task: such steps train worse than random
+    padded batches (docs/benchmarks.md, time to quality); rows of bundles have similar lengths and
+    random contents. ``bundle_tokens: 0`` keeps one document per row.
+
+    Guarantee: the fewest batches any grouping of the length-sorted items can reach (greedy is optimal
+    for that), and among those, the fewest padded slots: exact DP up to 20k items; above that, or when
+    short items make the DP window wide, greedy, whose gap vanishes as runs of equal lengths grow.
+    oasst-threads at 8192 without bundles: 26 batches, fill 0.952 (the optimum; greedy alone 0.949).
+    10M lengths: ~1.2 s. Randomness: the bundles, ties between equal lengths, and batch order.
     """
     cap = s.max_tokens_per_batch // s.pad_to_multiple_of * s.pad_to_multiple_of
     pc = cut_long(lengths, cap, s.long_docs)
-    order = desc_random_ties(pc.plen, rng)
-    sorted_len = sorted_desc(pc.plen)  # == plen[order], without the gather
+    bundled = s.bundle_cap_for(cap)
+    items = bundle(pc.plen, bundled, rng, fillers=0.0) if bundled else None
+    ilen = pc.plen if items is None else items.length
+    order = desc_random_ties(ilen, rng)
+    sorted_len = sorted_desc(ilen)  # == ilen[order], without the gather
     n = len(sorted_len)
     widest = s.max_tokens_per_batch // max(1, int(sorted_len[-1])) if n else 0  # DP window of the shortest
     if n <= _EXACT_TOKEN_BUDGET_MAX and n * min(n, widest) <= _EXACT_TOKEN_BUDGET_WORK:
         r = _round_up(sorted_len, s.pad_to_multiple_of)
         cuts = exact_cuts(r, s.max_tokens_per_batch // r)
     else:
-        h = np.bincount(_round_up(pc.plen, s.pad_to_multiple_of))[::-1]  # runs of equal rounded length
+        h = np.bincount(_round_up(ilen, s.pad_to_multiple_of))[::-1]  # runs of equal rounded length
         vals = np.arange(len(h) - 1, -1, -1)[h > 0]
         cuts = greedy_cuts(np.cumsum(h[h > 0]), s.max_tokens_per_batch // vals)
     bperm = rng.permutation(len(cuts) - 1)
     at = ranges(cuts[bperm], cuts[bperm + 1])  # plan position -> sorted position
     batch_ptr = np.concatenate([[0], np.cumsum(np.diff(cuts)[bperm])]).astype(np.int64)
-    return Plan(
-        *pc.take(order[at], sorted_len[at]),
-        np.arange(len(at) + 1, dtype=np.int64),
-        batch_ptr,
-        s.pad_to_multiple_of,
-        pc.split,
-        pc.truncated,
-    )
+    if items is None:
+        return Plan(
+            *pc.take(order[at], sorted_len[at]),
+            np.arange(len(at) + 1, dtype=np.int64),
+            batch_ptr,
+            s.pad_to_multiple_of,
+            pc.split,
+            pc.truncated,
+        )
+    src = order[at]
+    pieces = items.expand(src)
+    row_ptr = np.concatenate([[0], np.cumsum(items.counts(src))]).astype(np.int64)
+    return Plan(*pc.take(pieces, pc.plen[pieces]), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
 
 
 def _plan_packed(lengths, s: PlanSettings, rng) -> Plan:
     """Best-fit decreasing into rows of ``seq_len``, run on the length histogram.
 
-    Exact BFD over groups of identical rows (see ``packing.best_fit_decreasing``). Fill 0.994 /
-    0.998 on instruction-data / oasst-threads at seq_len 2048, rows within one of ceil(total /
-    seq_len); 10M lengths in ~1 s. Randomness: which equal-length documents go where, row order
-    (hence batch order). Documents longer than seq_len are split into seq_len pieces or truncated.
+    Exact BFD over groups of identical rows (see ``packing.best_fit_decreasing``). Documents longer
+    than seq_len are split into seq_len pieces or truncated. Pieces of at most ``bundle_cap`` tokens
+    are first bundled at random (``packing.bundle``) and the bundles packed, so that a row is a random
+    sample of the epoch rather than a run of documents of one length (one task, one source): with
+    sorted rows, steps of a row or two train worse than random padded batches (docs/benchmarks.md,
+    time to quality). Fill: docs/benchmarks.md. Randomness: the bundles, which equal-length items go
+    where, row order (hence batch order).
     """
     S = s.seq_len
     pc = cut_long(lengths, S, s.long_docs)
     plen = pc.plen
-    order = desc_random_ties(plen, rng)
-    groups = best_fit_decreasing(np.bincount(plen, minlength=S + 1), S)
-    src, src_len, row_ptr, batch_ptr = layout_rows(groups, order, S, s.rows_per_packed_batch, rng)
-    return Plan(*pc.take(src, src_len), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
+    if s.bundle_cap < 1:
+        order = desc_random_ties(plen, rng)
+        groups = best_fit_decreasing(np.bincount(plen, minlength=S + 1), S)
+        src, src_len, row_ptr, batch_ptr = layout_rows(groups, order, S, s.rows_per_packed_batch, rng)
+        return Plan(*pc.take(src, src_len), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
+    items = bundle(plen, s.bundle_cap, rng)
+    order = desc_random_ties(items.length, rng)
+    groups = best_fit_decreasing(np.bincount(items.length, minlength=S + 1), S)
+    src, _, item_row_ptr, batch_ptr = layout_rows(groups, order, S, s.rows_per_packed_batch, rng)
+    pieces = items.expand(src)
+    row_ptr = np.concatenate([[0], np.cumsum(items.counts(src))])[item_row_ptr].astype(np.int64)
+    return Plan(*pc.take(pieces, plen[pieces]), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
 
 
 _PLANNERS = {

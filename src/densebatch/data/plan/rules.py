@@ -31,6 +31,11 @@ def sized_by_budget(strategy: str) -> bool:
 def check_batching(b) -> None:
     """``ConfigError`` naming the key when a ``BatchingConfig``'s numbers cannot work for its strategy
     (``max_tokens_per_batch`` may still be ``auto``)."""
+    if b.strategy == "packed" and b.bundle_tokens != "auto" and b.bundle_tokens > b.seq_len // 2:
+        raise ConfigError(
+            f"batching.bundle_tokens: packed: expected 0 (off) up to half of batching.seq_len ({b.seq_len // 2}) so two bundles "
+            f"share a row; got {b.bundle_tokens}"
+        )
     if b.max_tokens_per_batch == "auto":
         if not sized_by_budget(b.strategy):
             raise ConfigError(

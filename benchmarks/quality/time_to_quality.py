@@ -1,0 +1,220 @@
+"""Time to quality: how soon each batching plan reaches a good model, not how full its batches are.
+
+    .venv/bin/python -m benchmarks.quality.time_to_quality [--set default|mixture] [--setups a,b,...]
+        [--seeds 0 1 2] [--steps N] [--every K] [--out results.jsonl]
+
+Each setup trains with the installed command line (``python -m densebatch.cli train``), one run at a
+time, evaluating every K steps, and reads its ``metrics.jsonl``. Reported per setup (median over the
+seeds, then each seed): real tokens and fill per step, and the **training time** (the sum of the
+steps' own wall time, evaluations excluded), steps and real tokens until the first evaluation that
+reaches the target, with the final quality.
+
+- ``--set default``: the embedded default (the demo's data, tokenizer, model and learning rate; four
+  tasks whose answers differ in length). Target: exact-match accuracy >= 0.99 on 200 held-out prompts.
+- ``--set mixture``: the shared instruction data, chat threads and Shakespeare as three sources
+  (``bpe:2048``, a 2-layer GPT of width 128, learning rate 1e-3), evaluated per source. Target: the
+  eval loss that random padded batches reach at the end (median over the seeds), for the overall
+  loss; the per-source losses at the end are printed beside it.
+
+Peers: random padded batches (``random``, 8 rows) and Hugging Face ``group_by_length``, which is
+``length_grouped`` at HF's settings (mega-batches of 50 batches, sorted; tests/data/test_plan.py
+checks that it has Hugging Face's shape). ``*-sorted`` setups are today's plans before bundling
+(``batching.bundle_tokens=0``), kept to show what bundling changed. A run that never reaches the
+target shows ``-``. Results append to ``--out`` as JSON lines, so an interrupted sweep keeps its runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO, require_shared_data
+
+DEFAULT_SETUPS: dict[str, list[str]] = {
+    "random-8": ["--batching.strategy=random"],
+    "hf-group_by_length-8": ["--batching.strategy=length_grouped"],
+    "token_budget-1024": ["--batching.strategy=token_budget", "--batching.max_tokens_per_batch=1024"],
+    "packed-1024": ["--batching.max_tokens_per_batch=1024"],
+    "packed-1024-sorted": ["--batching.max_tokens_per_batch=1024", "--batching.bundle_tokens=0"],
+    "packed-2048": ["--batching.max_tokens_per_batch=2048"],
+    "packed-4096": ["--batching.max_tokens_per_batch=4096"],
+    "packed-4096-sorted": ["--batching.max_tokens_per_batch=4096", "--batching.bundle_tokens=0"],
+    "demo": [],
+}
+MIXTURE_SETUPS: dict[str, list[str]] = {
+    "random-8": ["--batching.strategy=random"],
+    "hf-group_by_length-8": ["--batching.strategy=length_grouped"],
+    "token_budget-2048": ["--batching.strategy=token_budget", "--batching.max_tokens_per_batch=2048"],
+    "packed-2048": ["--batching.max_tokens_per_batch=2048"],
+    "packed-2048-sorted": ["--batching.max_tokens_per_batch=2048", "--batching.bundle_tokens=0"],
+}
+
+
+def mixture_args(shared: Path) -> list[str]:
+    sources = [
+        {"path": str(shared / "instruction-data.json"), "name": "instructions"},
+        {"path": str(shared / "oasst-threads.jsonl"), "name": "chat", "template": "chatml"},
+        {"path": str(shared / "tinyshakespeare.txt"), "name": "shakespeare", "format": "text"},
+    ]
+    return [
+        f"--data.sources={json.dumps(sources)}",
+        "--data.tokenizer=bpe:2048",
+        "--data.max_seq_len=1024",
+        "--data.text_split=chunks",
+        "--data.chunk_tokens=512",
+        "--batching.strategy=packed",
+        "--batching.seq_len=1024",
+        "--model.n_layer=2",
+        "--model.n_embd=128",
+        "--model.n_head=4",
+        "--model.block_size=1024",
+        "--train.lr=1e-3",
+        "--train.warmup_steps=30",
+        "--eval.max_batches=0",
+    ]
+
+
+def run_one(name: str, args: list[str], seed: int, steps: int, every: int, threads: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="ttq-") as tmp:
+        cmd = [sys.executable, "-m", "densebatch.cli", "train", f"--output_dir={tmp}/run", f"--seed={seed}"]
+        cmd += [f"--train.max_steps={steps}", f"--eval.every_steps={every}", "--train.progress=false", "--train.plots=false"]
+        env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(REPO / "src"))
+        t0 = time.perf_counter()
+        r = subprocess.run([*cmd, *args], cwd=REPO, env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        if r.returncode != 0:
+            raise SystemExit(f"{name} seed {seed} failed:\n{r.stderr[-3000:]}")
+        lines = [json.loads(x) for x in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    train = [x for x in lines if x["kind"] == "train"]
+    evals = [x for x in lines if x["kind"] == "eval"]
+    cum_s, cum_tok, by_step = 0.0, 0, {}
+    for x in train:
+        cum_s += x["step_s"]
+        cum_tok += x["real_tokens"]
+        by_step[x["step"]] = (cum_s, cum_tok)
+    points = [
+        {
+            "step": e["step"],
+            "train_s": by_step[e["step"]][0],
+            "tokens": by_step[e["step"]][1],
+            "loss": e["loss"],
+            "accuracy": e.get("accuracy"),
+            "by_source": e.get("loss_by_source"),
+        }
+        for e in evals
+        if e["step"] in by_step
+    ]
+    real = sum(x["real_tokens"] for x in train)
+    slots = sum(x["slot_tokens"] for x in train)
+    return {
+        "setup": name,
+        "seed": seed,
+        "args": args,
+        "steps": len(train),
+        "real_per_step": real / len(train),
+        "fill": real / slots,
+        "wall_s": wall,
+        "points": points,
+    }
+
+
+def reached(run: dict, target: float, key: str) -> dict | None:
+    """The first evaluation at the target: accuracy at or above it, or a loss at or below it."""
+    for p in run["points"]:
+        v = p[key]
+        if v is not None and (v >= target if key == "accuracy" else v <= target):
+            return p
+    return None
+
+
+def table(runs: list[dict], key: str, target: float) -> str:
+    out = [
+        f"target: {key} {'>=' if key == 'accuracy' else '<='} {target:.4g} (training time = the steps' own time, evaluations excluded)",
+        "",
+        "| setup | real tok/step | fill | train s to target | steps to target | real tokens to target | final accuracy | final eval loss | seeds reaching |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in dict.fromkeys(r["setup"] for r in runs):
+        mine = [r for r in runs if r["setup"] == name]
+        hits = [reached(r, target, key) for r in mine]
+        got = [h for h in hits if h is not None]
+
+        def med(xs, fmt):
+            return fmt.format(statistics.median(xs)) if xs else "-"
+
+        # a seed that never reaches the target counts as infinitely slow: the median is '-' when most miss
+        times = sorted([h["train_s"] for h in got] + [float("inf")] * (len(mine) - len(got)))
+        mid = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+        final_acc = [r["points"][-1]["accuracy"] for r in mine if r["points"] and r["points"][-1]["accuracy"] is not None]
+        final_loss = [r["points"][-1]["loss"] for r in mine if r["points"]]
+        out.append(
+            f"| {name} | {med([r['real_per_step'] for r in mine], '{:.0f}')} | {med([r['fill'] for r in mine], '{:.3f}')} "
+            f"| {'-' if mid == float('inf') else round(mid, 1)} "
+            f"| {med([h['step'] for h in got], '{:.0f}') if len(got) * 2 > len(mine) else '-'} "
+            f"| {med([h['tokens'] for h in got], '{:,.0f}') if len(got) * 2 > len(mine) else '-'} "
+            f"| {med(final_acc, '{:.3f}')} | {med(final_loss, '{:.4f}')} | {len(got)}/{len(mine)} |"
+        )
+    out.append("")
+    out.append("per seed (train s to target, or '-'; final accuracy / loss):")
+    for r in runs:
+        h = reached(r, target, key)
+        last = r["points"][-1] if r["points"] else {}
+        when = "-" if h is None else "{:.1f} s (step {})".format(h["train_s"], h["step"])
+        out.append(
+            f"  {r['setup']:<24} seed {r['seed']}: {when}; final {last.get('accuracy')} / {last.get('loss', float('nan')):.4f}"
+        )
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--set", choices=("default", "mixture"), default="default")
+    ap.add_argument("--setups", help="comma-separated names (default: all of the set's)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--steps", type=int, default=None, help="default: 500 (default set), 300 (mixture)")
+    ap.add_argument("--every", type=int, default=50)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument(
+        "--target", type=float, default=None, help="default: accuracy 0.99 (default set); random's final loss (mixture)"
+    )
+    ap.add_argument("--out", default=None, help="JSON lines of every run (appended); read back with --report")
+    ap.add_argument("--report", action="store_true", help="only print the table of the runs in --out")
+    ap.add_argument("--data-dir", default=None)
+    a = ap.parse_args()
+    setups = DEFAULT_SETUPS if a.set == "default" else MIXTURE_SETUPS
+    names = a.setups.split(",") if a.setups else list(setups)
+    steps = a.steps or (500 if a.set == "default" else 300)
+    base = [] if a.set == "default" else mixture_args(require_shared_data(a.data_dir))
+    runs: list[dict] = []
+    if a.out and Path(a.out).is_file():
+        runs = [json.loads(x) for x in Path(a.out).read_text().splitlines() if x.strip()]
+    if not a.report:
+        for name in names:
+            for seed in a.seeds:
+                if any(r["setup"] == name and r["seed"] == seed for r in runs):
+                    continue  # already in --out
+                run = run_one(name, base + setups[name], seed, steps, a.every, a.threads)
+                runs.append(run)
+                print(f"{name} seed {seed}: {run['wall_s']:.0f} s wall", file=sys.stderr, flush=True)
+                if a.out:
+                    with open(a.out, "a") as f:
+                        f.write(json.dumps(run) + "\n")
+    runs = [r for r in runs if r["setup"] in names]
+    if a.set == "default":
+        key, target = "accuracy", a.target or 0.99
+    else:
+        key = "loss"
+        finals = [r["points"][-1]["loss"] for r in runs if r["setup"] == "random-8" and r["points"]]
+        target = a.target or (statistics.median(finals) if finals else float("nan"))
+    print(table(runs, key, target))
+
+
+if __name__ == "__main__":
+    main()
