@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from densebatch.data.plan.homogeneity import homogeneity
 from densebatch.data.plan.mixture import Selection, plan_source_stats
 from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
 from densebatch.data.plan.shards import plan_epoch_sharded
@@ -83,6 +84,10 @@ def analyze(
         plan = plan_epoch_sharded(lengths, s, seed, 0, selection)  # bounded memory: shard by shard past shard_docs
         stats = plan.stats()
         stats["plan_seconds"] = time.perf_counter() - t0
+        many = selection is not None and selection.num_sources > 1
+        stats["homogeneity"] = homogeneity(
+            plan, lengths, selection.source_of if many else None, selection.num_sources if many else 1
+        )
         if selection is not None:
             facts = {x["name"]: x for x in source_facts or []}
             stats["sources"] = {
@@ -105,7 +110,7 @@ def _prepared(facts: dict | None) -> dict:
 
 
 def format_table(results: dict[str, dict]) -> str:
-    head = ("strategy", "fill", "batches", "mean real/batch", "max real/batch", "max slots/batch", "plan s")
+    head = ("strategy", "fill", "batches", "mean real/batch", "max real/batch", "max slots/batch", "alike", "plan s")
     rows = [
         (
             k,
@@ -114,6 +119,7 @@ def format_table(results: dict[str, dict]) -> str:
             f"{r['mean_real_tokens']:.1f}",
             str(r["max_real_tokens"]),
             str(r["max_slots"]),
+            _alike(r.get("homogeneity")),
             f"{r['plan_seconds']:.3f}",
         )
         for k, r in results.items()
@@ -130,7 +136,18 @@ def format_table(results: dict[str, dict]) -> str:
         for k, r in results.items()
         if len(r.get("sources") or ()) > 1
     ]
+    notes.append(
+        "alike: how much more alike a batch's documents are than a random sample of the epoch, in length "
+        "(and source, with several): 0 = as random, 1 = all alike (data/plan/homogeneity.py); length-sorted "
+        "batches teach one task or source at a time"
+    )
     return "\n".join([line(head), *map(line, rows), *notes])
+
+
+def _alike(h: dict | None) -> str:
+    if not h or h.get("length") is None:
+        return "-"
+    return f"{max(0.0, h['length']):.2f}" + ("" if h.get("source") is None else f"/{max(0.0, h['source']):.2f}")
 
 
 def write_plot(lengths: np.ndarray, results: dict[str, dict], path: str | Path, settings: PlanSettings) -> None:

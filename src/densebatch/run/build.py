@@ -19,6 +19,8 @@ from densebatch.atomic import check_writable
 from densebatch.config import RunConfig, load_config
 from densebatch.data.load.collate import collator_from_config
 from densebatch.data.load.loader import StepLoader
+from densebatch.data.plan.homogeneity import homogeneity
+from densebatch.data.plan.homogeneity import warning as homogeneity_warning_line
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import check_batching, full_context_settings, longest_train_row, loss_tokens_cut, truncation_cap
 from densebatch.data.plan.steps import StepSettings
@@ -150,6 +152,17 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
         return loader, None
     evaluation = eval_loader(cfg, prepared.eval, dist)
     return loader, lambda: evaluation.iter_epoch(0)
+
+
+def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) -> str | None:
+    """The one warning a run gives when its batches are far more alike, in length or source, than random
+    ones (``data/plan/homogeneity.py``), measured on epoch 0's plan (its first shard when sharded)."""
+    store = prepared.train
+    names = store.source_names
+    offsets = store.source_offsets() if len(names) > 1 else None
+    source_of = None if offsets is None else (lambda d: np.searchsorted(offsets, d, side="right") - 1)
+    h = homogeneity(loader.plan(0), loader.lengths, source_of, len(names), max_shards=1)
+    return homogeneity_warning_line(h, cfg.batching.strategy)
 
 
 @dataclass

@@ -1,0 +1,78 @@
+"""Homogeneity of batches (data/plan/homogeneity.py): about 0 for random batches whatever their size,
+about 1 for length-sorted ones; bundled plans near 0; sources measured like lengths; sharded plans read
+shard by shard; the run warns once when its batches are far from random samples."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from cli_args import TINY
+
+from densebatch.cli import main
+from densebatch.data.plan.homogeneity import HOMOGENEOUS, homogeneity, warning
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.shards import plan_epoch_sharded
+
+RNG = np.random.default_rng(0)
+LENGTHS = np.clip(RNG.lognormal(np.log(120), 0.8, 6000).astype(np.int64), 2, 1000)
+
+
+@pytest.mark.parametrize("rows", [2, 8, 32])
+def test_random_batches_score_about_zero_whatever_their_size(rows):
+    p = plan_epoch(LENGTHS, PlanSettings(strategy="random", rows_per_batch=rows), 0, 0)
+    assert abs(homogeneity(p, LENGTHS)["length"]) < 0.05
+
+
+def test_length_sorted_batches_score_about_one_and_bundled_ones_near_zero():
+    sorted_ = {
+        "length_grouped": PlanSettings(strategy="length_grouped"),
+        "token_budget": PlanSettings(strategy="token_budget", max_tokens_per_batch=2048, bundle_tokens=0),
+    }
+    for name, s in sorted_.items():
+        assert homogeneity(plan_epoch(LENGTHS, s, 0, 0), LENGTHS)["length"] > 0.9, name
+    for name, s in {
+        "token_budget": PlanSettings(strategy="token_budget", max_tokens_per_batch=2048),
+        "packed": PlanSettings(strategy="packed", seq_len=1024, max_tokens_per_batch=1024),
+    }.items():
+        bundled = homogeneity(plan_epoch(LENGTHS, s, 0, 0), LENGTHS)["length"]
+        alone = homogeneity(plan_epoch(LENGTHS, dataclasses.replace(s, bundle_tokens=0), 0, 0), LENGTHS)["length"]
+        # measured: token_budget 0.01 (1.00 unbundled), packed one row a batch 0.20 (0.80 unbundled)
+        assert bundled < 0.3 * alone and bundled < HOMOGENEOUS, (name, bundled, alone)
+
+
+def test_sources_of_different_lengths_make_sorted_batches_one_source():
+    lengths = np.concatenate([RNG.integers(20, 60, 3000), RNG.integers(200, 400, 3000)]).astype(np.int64)
+    source = (np.arange(len(lengths)) >= 3000).astype(np.int64)
+    of = lambda d: source[d]  # noqa: E731
+    grouped = homogeneity(plan_epoch(lengths, PlanSettings(strategy="length_grouped"), 0, 0), lengths, of, 2)
+    rand = homogeneity(plan_epoch(lengths, PlanSettings(strategy="random"), 0, 0), lengths, of, 2)
+    assert grouped["source"] > 0.9 and abs(rand["source"]) < 0.05
+    assert homogeneity(plan_epoch(lengths, PlanSettings(strategy="random"), 0, 0), lengths)["source"] is None
+
+
+def test_a_sharded_plan_is_read_shard_by_shard():
+    s = PlanSettings(strategy="length_grouped", shard_docs=1000)
+    sharded = plan_epoch_sharded(LENGTHS, s, 0, 0)
+    assert sharded.num_shards > 1
+    whole, first = homogeneity(sharded, LENGTHS), homogeneity(sharded, LENGTHS, max_shards=1)
+    assert whole["length"] > 0.9 and first["length"] > 0.9
+    one = plan_epoch_sharded(LENGTHS, dataclasses.replace(s, shard_docs=1 << 20), 0, 0)
+    assert homogeneity(one, LENGTHS) == homogeneity(one.shard(0), LENGTHS)
+
+
+def test_the_warning_names_what_is_alike_only_above_the_threshold():
+    assert warning({"length": HOMOGENEOUS - 0.01, "source": None}, "packed") is None
+    line = warning({"length": 0.99, "source": 0.1}, "length_grouped")
+    assert line.startswith("warning: length_grouped batches are far more alike than random ones in length (homogeneity 0.99")
+    assert "source" not in line.split("quality")[0].split("in length")[1].split(":")[0]
+
+
+@pytest.mark.slow
+def test_a_run_warns_once_when_its_batches_are_length_sorted(tmp_path, capsys):
+    args = [*TINY, f"--data.cache_dir={tmp_path / 'cache'}", "--train.max_steps=1", "--eval.every_steps=0"]
+    assert main(["train", *args, f"--output_dir={tmp_path / 'a'}", "--batching.strategy=length_grouped"]) == 0
+    assert capsys.readouterr().out.count("warning: length_grouped batches are far more alike") == 1
+    assert main(["train", *args, f"--output_dir={tmp_path / 'b'}"]) == 0  # packed, bundled: no warning
+    assert "far more alike" not in capsys.readouterr().out
