@@ -154,7 +154,7 @@ class BatchingConfig:
         "auto",
         "packed and token_budget: documents of at most this many tokens are bundled at random (each attending to "
         "itself), so rows and batches mix lengths, tasks and sources like random samples; auto = seq_len / 4 "
-        "(packed), max_tokens_per_batch / 4 (token_budget); 0 = off: rows of one length (one task), which train worse.",
+        "(packed), max_tokens_per_batch / 5 (token_budget); 0 = off: rows of one length (one task), which train worse.",
         minimum=0,
     )
     drop_last: bool = _f(False, "random / length_grouped: drop the last incomplete batch.")

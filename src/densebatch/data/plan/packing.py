@@ -166,17 +166,19 @@ def bundle(plen: np.ndarray, cap: int, rng, fillers: float = FILLER_SHARE) -> Bu
     ``[k cap, (k + 1) cap)``: each piece being at most ``cap`` long, a bundle holds under ``2 cap`` tokens.
     Vectorised: a permutation, a cumulative sum and a bincount."""
     perm = rng.permutation(len(plen))
-    bundled = plen[perm] <= cap
-    if fillers > 0:
-        bundled &= rng.random(len(perm)) >= fillers
+    lens = plen[perm]
+    bundled = lens <= cap
+    if fillers > 0:  # every k-th short piece of the shuffled order: a random share 1/k of them
+        k = max(1, round(1 / fillers))
+        bundled[np.flatnonzero(bundled)[k - 1 :: k]] = False
     sp, alone = perm[bundled], perm[~bundled]
-    sl = plen[sp]
+    sl = lens[bundled]
     bid = (np.cumsum(sl) - sl) // cap  # (bundled pieces,) non-decreasing bundle ids, none skipped
     nb = int(bid[-1]) + 1 if len(bid) else 0
     totals = np.bincount(bid, weights=sl, minlength=nb).astype(np.int64)
     sizes = np.bincount(bid, minlength=nb).astype(np.int64)
     return Bundles(
-        np.concatenate([totals, plen[alone]]),
+        np.concatenate([totals, lens[~bundled]]),
         np.concatenate([sp, alone]),
         np.concatenate([[0], np.cumsum(sizes), len(sp) + np.arange(1, len(alone) + 1)]).astype(np.int64),
     )
@@ -225,6 +227,13 @@ def exact_cuts(r: np.ndarray, k: np.ndarray) -> np.ndarray:
     while cuts[-1]:
         cuts.append(int(arg[cuts[-1]]))
     return np.array(cuts[::-1], np.int64)
+
+
+def desc_stable(x: np.ndarray) -> np.ndarray:
+    """Order by length descending, equal lengths in their current order (items already shuffled)."""
+    if len(x) == 0 or x.max() >= 2**16:
+        return np.argsort(-x, kind="stable")
+    return np.argsort((2**16 - 1 - x).astype(np.uint16), kind="stable")
 
 
 def desc_random_ties(x: np.ndarray, rng) -> np.ndarray:
