@@ -39,7 +39,7 @@ def test_find_lr_starts_from_trains_weights_and_computes_trains_loss(tmp_path, c
     assert step1["step"] == 1 and first == pytest.approx(step1["loss"], abs=1e-6)
     # The control: without the smoothing the loss is another one, so the comparison can tell.
     assert main(["train", *grown, "--train.label_smoothing=0", "--train.max_steps=1", f"--output_dir={tmp_path / 'plain'}"]) == 0
-    assert abs(_records(tmp_path / "plain", "train")[0]["loss"] - first) > 1e-3
+    assert abs(_records(tmp_path / "plain", "train")[0]["loss"] - first) > 1e-4  # 100x the tolerance above (~9e-4 measured)
     capsys.readouterr()
 
 

@@ -1,6 +1,10 @@
 """Planning time from 1k to 10M documents (lognormal lengths, median 300, clipped to 4096), beside TRL.
 
     .venv/bin/python -m benchmarks.planning.plan_bench [--sizes 1000,10000,100000,1000000,10000000] [--trl-max 1000000]
+    .venv/bin/python -m benchmarks.planning.plan_bench --bundles [--sizes 10000000]
+
+``--bundles``: packed and token_budget with bundling (``bundle_tokens: auto``, the default) against the
+length-sorted plans without it (``0``), interleaved in each repeat so that both see the same load.
 
 Median of repeats (5 below 1M documents, 3 from 1M) of wall and process-CPU seconds per strategy,
 seq_len 2048, max_tokens_per_batch 8192. TRL's ``pack_dataset(strategy="bfd")`` is timed when trl
@@ -52,7 +56,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000,10000,100000,1000000,10000000")
     ap.add_argument("--trl-max", type=int, default=1_000_000)
+    ap.add_argument("--bundles", action="store_true", help="bundled vs unbundled packed and token_budget")
     a = ap.parse_args()
+    if a.bundles:
+        bundles(list(map(int, a.sizes.split(","))))
+        return
     print("| documents | " + " | ".join(f"{s} wall / cpu s" for s in STRATEGIES) + " | TRL pack_dataset bfd wall s |")
     print("|" + "---|" * (len(STRATEGIES) + 2))
     for n in map(int, a.sizes.split(",")):
@@ -66,6 +74,25 @@ def main() -> None:
         t = trl_time(x, 2048) if n <= a.trl_max else None
         cells.append("n/a" if t is None else f"{t:.2f}")
         print(f"| {n:,} | " + " | ".join(cells) + " |", flush=True)
+
+
+def bundles(sizes: list[int]) -> None:
+    print("| documents | strategy | bundle_tokens 0: wall / cpu s | auto: wall / cpu s | cpu ratio |")
+    print("|---|---|---|---|---|")
+    for n in sizes:
+        x = lognormal(n)
+        for st in ("packed", "token_budget"):
+            runs: dict[str, list[tuple[float, float]]] = {"0": [], "auto": []}
+            for rep in range(3):
+                for bt in ("0", "auto"):
+                    s = PlanSettings(strategy=st, seq_len=2048, max_tokens_per_batch=8192, bundle_tokens=0 if bt == "0" else bt)
+                    runs[bt].append(timed(lambda x=x, s=s, rep=rep: plan_epoch(x, s, rep, 1), 1))
+            med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in runs.items()}
+            print(
+                f"| {n:,} | {st} | {med['0'][0]:.2f} / {med['0'][1]:.2f} | {med['auto'][0]:.2f} / {med['auto'][1]:.2f} "
+                f"| {med['auto'][1] / med['0'][1]:.2f} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
