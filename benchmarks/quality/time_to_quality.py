@@ -77,7 +77,6 @@ def mixture_args(shared: Path) -> list[str]:
         "--model.block_size=1024",
         "--train.lr=1e-3",
         "--train.warmup_steps=30",
-        "--eval.max_batches=0",
     ]
 
 

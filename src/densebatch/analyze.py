@@ -85,8 +85,8 @@ def analyze(
         stats = plan.stats()
         stats["plan_seconds"] = time.perf_counter() - t0
         many = selection is not None and selection.num_sources > 1
-        stats["homogeneity"] = homogeneity(
-            plan, lengths, selection.source_of if many else None, selection.num_sources if many else 1
+        stats["homogeneity"] = homogeneity(  # on the first shard (a sample of the epoch): no second planning pass
+            plan, lengths, selection.source_of if many else None, selection.num_sources if many else 1, max_shards=1
         )
         if selection is not None:
             facts = {x["name"]: x for x in source_facts or []}
@@ -138,7 +138,8 @@ def format_table(results: dict[str, dict]) -> str:
     ]
     notes.append(
         "alike: how much more alike a batch's documents are than a random sample of the epoch, in length "
-        "(and source, with several): 0 = as random, 1 = all alike (data/plan/homogeneity.py); length-sorted "
+        "(and source, with several), on the first shard of a sharded plan: 0 = as random, 1 = all alike "
+        "(data/plan/homogeneity.py); length-sorted "
         "batches teach one task or source at a time"
     )
     return "\n".join([line(head), *map(line, rows), *notes])

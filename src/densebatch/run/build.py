@@ -158,10 +158,8 @@ def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) 
     """The one warning a run gives when its batches are far more alike, in length or source, than random
     ones (``data/plan/homogeneity.py``), measured on epoch 0's plan (its first shard when sharded)."""
     store = prepared.train
-    names = store.source_names
-    offsets = store.source_offsets() if len(names) > 1 else None
-    source_of = None if offsets is None else (lambda d: np.searchsorted(offsets, d, side="right") - 1)
-    h = homogeneity(loader.plan(0), loader.lengths, source_of, len(names), max_shards=1)
+    source_of = None if store.source is None else (lambda d: store.source[d])  # plans hold store document ids
+    h = homogeneity(loader.plan(0), loader.lengths, source_of, len(store.source_names), max_shards=1)
     return homogeneity_warning_line(h, cfg.batching.strategy)
 
 

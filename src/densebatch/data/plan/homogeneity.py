@@ -91,11 +91,6 @@ def homogeneity(
     return out
 
 
-def describe(h: dict) -> str:
-    """``length 0.93, source 0.41`` (``-`` where not measured)."""
-    return ", ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in h.items())
-
-
 def warning(h: dict, strategy: str) -> str | None:
     """The run's one warning when its batches are far more alike than random ones (None otherwise)."""
     alike = {k: v for k, v in h.items() if v is not None and v > HOMOGENEOUS}
