@@ -33,6 +33,7 @@ from densebatch.config.loading import (
     parse_override,
     save_config,
     to_dict,
+    with_overrides,
 )
 from densebatch.config.model_section import LoraConfig, ModelConfig
 from densebatch.config.run_sections import (
@@ -78,4 +79,5 @@ __all__ = [
     "prompt_fields",
     "save_config",
     "to_dict",
+    "with_overrides",
 ]

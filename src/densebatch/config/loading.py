@@ -171,6 +171,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
+    return config_from_dict(with_overrides(data, overrides), saved)
+
+
+def with_overrides(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> dict:
+    """``data`` (a configuration as plain dicts, changed in place) with ``--section.key=value`` overrides applied."""
     for arg in overrides:
         keys, value = parse_override(arg)
         node = data
@@ -188,7 +193,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             if nxt is None:
                 nxt = node[k] = {}
             node = nxt
-    return config_from_dict(data, saved)
+    return data
 
 
 def config_from_dict(data: dict, saved: bool = False) -> RunConfig:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import yaml
 
 from densebatch.analyze import analyze_main, analyze_prepared, read_lengths
 from densebatch.atomic import staged_dir
-from densebatch.config import RunConfig, config_from_dict, describe, load_config, save_config, to_dict
+from densebatch.config import RunConfig, config_from_dict, describe, load_config, to_dict, with_overrides
 from densebatch.data.inspect import render_documents
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import check_batching
@@ -188,10 +187,7 @@ def _given_config(args, overrides: list[str], saved: RunConfig | None, d: Path) 
         return resolve_config(args.config, overrides)
     if saved is None:
         raise UserError(f"{d} carries no run configuration (config.yaml): pass the run's CONFIG")
-    with tempfile.TemporaryDirectory() as tmp:  # load_config applies overrides to a file's keys
-        path = Path(tmp) / "config.yaml"
-        save_config(saved, path)
-        cfg = load_config(path, overrides, saved=True)
+    cfg = config_from_dict(with_overrides(to_dict(saved), overrides), saved=True)
     check_batching(cfg.batching)
     return cfg
 
