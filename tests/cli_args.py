@@ -8,6 +8,7 @@ TINY = [
     "--data.max_seq_len=256",
     "--batching.seq_len=256",
     "--batching.max_tokens_per_batch=1024",
+    "--train.loss_tokens_per_step=null",  # one batch a step (the demo's 96 loss tokens would be ~4 of these batches)
     "--data.default.num_records=200",
     "--train.progress=false",
     "--eval.accuracy_samples=0",

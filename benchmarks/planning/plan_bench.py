@@ -3,7 +3,7 @@
     .venv/bin/python -m benchmarks.planning.plan_bench [--sizes 1000,10000,100000,1000000,10000000] [--trl-max 1000000]
     .venv/bin/python -m benchmarks.planning.plan_bench --bundles [--sizes 10000000]
 
-``--bundles``: packed and token_budget with bundling (``bundle_tokens: auto``, the default) against the
+``--bundles``: packed, token_budget and length_grouped with bundling (``bundle_tokens: auto``, the default) against the
 length-sorted plans without it (``0``), interleaved in each repeat so that both see the same load.
 
 Median of repeats (5 below 1M documents, 3 from 1M) of wall and process-CPU seconds per strategy,
@@ -56,7 +56,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000,10000,100000,1000000,10000000")
     ap.add_argument("--trl-max", type=int, default=1_000_000)
-    ap.add_argument("--bundles", action="store_true", help="bundled vs unbundled packed and token_budget")
+    ap.add_argument("--bundles", action="store_true", help="bundled vs unbundled packed, token_budget and length_grouped")
     a = ap.parse_args()
     if a.bundles:
         bundles(list(map(int, a.sizes.split(","))))
@@ -81,7 +81,7 @@ def bundles(sizes: list[int]) -> None:
     print("|---|---|---|---|---|")
     for n in sizes:
         x = lognormal(n)
-        for st in ("packed", "token_budget"):
+        for st in ("packed", "token_budget", "length_grouped"):
             runs: dict[str, list[tuple[float, float]]] = {"0": [], "auto": []}
             for rep in range(3):
                 for bt in ("0", "auto"):

@@ -9,16 +9,18 @@ seeds, then each seed): real tokens and fill per step, and the **training time**
 steps' own wall time, evaluations excluded), steps and real tokens until the first evaluation that
 reaches the target, with the final quality.
 
-- ``--set default``: the embedded default (the demo's data, tokenizer, model and learning rate; four
-  tasks whose answers differ in length). Target: exact-match accuracy >= 0.99 on 200 held-out prompts.
+- ``--set default``: the embedded default (the demo's data, tokenizer, model, learning rate and step of
+  ~96 loss tokens, ``train.loss_tokens_per_step``; four tasks whose answers differ in length). Target:
+  exact-match accuracy >= 0.99 on 200 held-out prompts. Setups ending in ``/1`` take one batch a step
+  instead (``loss_tokens_per_step: null``), as the demo did before.
 - ``--set mixture``: the shared instruction data, chat threads and Shakespeare as three sources
   (``bpe:2048``, a 2-layer GPT of width 128, learning rate 1e-3), evaluated per source. Target: the
   eval loss that random padded batches reach at the end (median over the seeds), for the overall
   loss; the per-source losses at the end are printed beside it.
 
 Peers: random padded batches (``random``, 8 rows) and Hugging Face ``group_by_length``, which is
-``length_grouped`` at HF's settings (mega-batches of 50 batches, sorted; tests/data/test_plan.py
-checks that it has Hugging Face's shape). ``*-sorted`` setups are today's plans before bundling
+``length_grouped`` at HF's settings (one document a row, ``bundle_tokens: 0``; mega-batches of 50
+batches, sorted; tests/data/test_plan.py checks that it has Hugging Face's shape). ``*-sorted`` setups are today's plans before bundling
 (``batching.bundle_tokens=0``), kept to show what bundling changed. A run that never reaches the
 target shows ``-``. Results append to ``--out`` as JSON lines, so an interrupted sweep keeps its runs.
 """
@@ -37,16 +39,25 @@ from pathlib import Path
 
 from benchmarks.common import REPO, require_shared_data
 
+ONE_BATCH_A_STEP = "--train.loss_tokens_per_step=null"  # the step is whatever one batch holds
 DEFAULT_SETUPS: dict[str, list[str]] = {
+    # The demo's steps hold ~96 loss tokens (train.loss_tokens_per_step) whatever the batching: these
+    # compare plans at equal loss tokens per step, a step being as many batches as it takes.
     "random-8": ["--batching.strategy=random"],
-    "hf-group_by_length-8": ["--batching.strategy=length_grouped"],
+    "hf-group_by_length-8": ["--batching.strategy=length_grouped", "--batching.bundle_tokens=0"],
+    "length_grouped-8": ["--batching.strategy=length_grouped"],
     "token_budget-1024": ["--batching.strategy=token_budget", "--batching.max_tokens_per_batch=1024"],
     "packed-1024": ["--batching.max_tokens_per_batch=1024"],
-    "packed-1024-sorted": ["--batching.max_tokens_per_batch=1024", "--batching.bundle_tokens=0"],
-    "packed-2048": ["--batching.max_tokens_per_batch=2048"],
-    "packed-4096": ["--batching.max_tokens_per_batch=4096"],
-    "packed-4096-sorted": ["--batching.max_tokens_per_batch=4096", "--batching.bundle_tokens=0"],
+    "packed-4096-sorted": ["--batching.bundle_tokens=0"],
     "demo": [],
+    # One batch a step (the demo before train.loss_tokens_per_step): steps 4-6x smaller than the demo's.
+    "random-8/1": ["--batching.strategy=random", ONE_BATCH_A_STEP],
+    "hf-group_by_length-8/1": ["--batching.strategy=length_grouped", "--batching.bundle_tokens=0", ONE_BATCH_A_STEP],
+    "length_grouped-8/1": ["--batching.strategy=length_grouped", ONE_BATCH_A_STEP],
+    "token_budget-1024/1": ["--batching.strategy=token_budget", "--batching.max_tokens_per_batch=1024", ONE_BATCH_A_STEP],
+    "packed-1024/1": ["--batching.max_tokens_per_batch=1024", ONE_BATCH_A_STEP],
+    "packed-1024-sorted/1": ["--batching.max_tokens_per_batch=1024", "--batching.bundle_tokens=0", ONE_BATCH_A_STEP],
+    "packed-2048/1": ["--batching.max_tokens_per_batch=2048", ONE_BATCH_A_STEP],
 }
 MIXTURE_SETUPS: dict[str, list[str]] = {
     "random-8": ["--batching.strategy=random"],

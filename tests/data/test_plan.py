@@ -66,23 +66,35 @@ def check_coverage(lengths: np.ndarray, s: PlanSettings, plan) -> None:
     assert set(plan.truncated.tolist()) == set(np.flatnonzero((lengths > cap) & (s.long_docs == "truncate")).tolist())
 
 
-def check_budget(s: PlanSettings, plan) -> None:
+def check_budget(s: PlanSettings, plan, lengths=None, sharded: bool = False) -> None:
+    """Each strategy's limits. ``lengths``: the epoch's, for length_grouped's bundles (their cap is a
+    quantile of the lengths); ``sharded``: a plan built shard by shard, whose shards each end in a
+    short batch when rows are bundles."""
     real, slots = plan.batch_stats()
     nrows = np.diff(plan.batch_ptr)
     rl = plan.row_lengths()
+    several = np.diff(plan.row_ptr) > 1  # a bundle of short pieces
+    pieces = plan.stop - plan.start
+    in_bundle = np.isin(np.repeat(np.arange(plan.num_rows), np.diff(plan.row_ptr)), np.flatnonzero(several))
     if s.strategy in ("token_budget", "packed"):
         assert (slots <= s.max_tokens_per_batch).all()
     if s.strategy == "packed":
         assert (rl <= s.seq_len).all() and (nrows <= s.rows_per_packed_batch).all()
     elif s.strategy == "token_budget" and (cap := s.bundle_cap_for(_cap(s))):
-        several = np.diff(plan.row_ptr) > 1  # a bundle of short pieces, under twice the bundle cap in all
-        assert (rl[several] < 2 * cap).all()
-        pieces = plan.stop - plan.start
-        assert (pieces[np.isin(np.repeat(np.arange(plan.num_rows), np.diff(plan.row_ptr)), np.flatnonzero(several))] <= cap).all()
+        assert (rl[several] < 2 * cap).all()  # under twice the bundle cap in all
+        assert (pieces[in_bundle] <= cap).all()
+    elif s.strategy == "length_grouped" and s.bundle_tokens != 0:
+        if lengths is not None and not sharded:
+            cap = s.grouped_bundle_cap(np.asarray(lengths))
+            assert (rl[several] < 2 * cap).all() and (pieces[in_bundle] <= cap).all()
+            if s.bundle_tokens == "auto":  # no row longer than the longest document
+                assert (rl <= max(lengths)).all()
     else:
         assert (np.diff(plan.row_ptr) == 1).all()  # one piece per row
     if s.strategy in ("random", "length_grouped"):
-        assert (nrows <= s.rows_per_batch).all() and (nrows[:-1] == s.rows_per_batch).all()
+        assert (nrows <= s.rows_per_batch).all()
+        if not (sharded and s.strategy == "length_grouped" and s.bundle_tokens != 0):
+            assert (nrows[:-1] == s.rows_per_batch).all()
     assert (nrows >= 1).all()
 
 
@@ -91,7 +103,7 @@ def check_budget(s: PlanSettings, plan) -> None:
 def test_every_document_once_and_budgets_hold(lengths, s, seed, epoch):
     plan = plan_epoch(lengths, s, seed, epoch)
     check_coverage(lengths, s, plan)
-    check_budget(s, plan)
+    check_budget(s, plan, lengths)
 
 
 @FEW
@@ -160,7 +172,7 @@ def test_from_config_reads_batching_config():
 def test_length_grouped_matches_hugging_face_shape():
     """Mega-batches are sorted descending and the longest document comes first."""
     lengths = np.random.default_rng(1).integers(1, 1000, 1000)
-    s = PlanSettings(strategy="length_grouped", rows_per_batch=4, mega_batch_mult=5)
+    s = PlanSettings(strategy="length_grouped", rows_per_batch=4, mega_batch_mult=5, bundle_tokens=0)
     p = plan_epoch(lengths, s, 0, 0)
     assert p.doc[0] == np.argmax(lengths) or lengths[p.doc[0]] == lengths.max()
     ls = lengths[p.doc]
@@ -260,6 +272,34 @@ def test_token_budget_batches_of_bundles_mix_tasks_at_a_high_fill():
     check_budget(s, mixed)
 
 
+def test_length_grouped_rows_of_bundles_mix_tasks_without_larger_batches():
+    """Two tasks of different lengths: Hugging Face's group_by_length (one document a row) makes nearly
+    every batch one task; rows of bundles mix them at a higher fill, and no batch is larger in slots.
+    Only partly here: the long task's documents (90-139) are under twice the short one's (40-59), so a
+    bundle no longer than the longest document (cap 69) holds short documents only; batches mix the
+    tasks by holding both bundles and long documents (measured purity: one document a row 0.50,
+    bundles 0.36, random rows of 8 documents 0.14; a cap of 133 would give 0.23 with batches of up to
+    2,088 slots instead of 1,112)."""
+    rng = np.random.default_rng(0)
+    task = rng.integers(0, 2, 20000)
+    lengths = np.where(task == 1, rng.integers(40, 60, 20000), rng.integers(90, 140, 20000)).astype(np.int64)
+    s = PlanSettings(strategy="length_grouped", rows_per_batch=8)
+
+    def purity(p):
+        batch_of_row = np.repeat(np.arange(p.num_batches), np.diff(p.batch_ptr))
+        return _task_purity(np.repeat(batch_of_row, np.diff(p.row_ptr)), task[p.doc])
+
+    hf = plan_epoch(lengths, dataclasses.replace(s, bundle_tokens=0), 0, 0)
+    bundled = plan_epoch(lengths, s, 0, 0)
+    assert s.grouped_bundle_cap(lengths) == 69  # min(90th percentile 133, half the longest 139 // 2)
+    assert purity(hf) > 0.45  # measured 0.50: one task a batch
+    assert purity(bundled) < 0.8 * purity(hf)
+    assert bundled.stats()["fill_rate"] > hf.stats()["fill_rate"]
+    assert bundled.batch_stats()[1].max() <= hf.batch_stats()[1].max()  # no batch larger than HF's largest
+    check_coverage(lengths, s, bundled)
+    check_budget(s, bundled, lengths)
+
+
 def test_a_share_of_the_short_pieces_is_left_alone_to_fill_gaps():
     plen = np.full(100000, 10, np.int64)
     items = bundle(plen, 100, np.random.default_rng(0))
@@ -330,10 +370,10 @@ def test_every_strategy_places_every_document_exactly_once_on_fixed_inputs(strat
         for seed, epoch in ((0, 0), (1, 0), (1, 3), (2**40 + 5, 1)):
             plan = plan_epoch(lengths, s, seed, epoch)
             check_coverage(lengths, s, plan)
-            check_budget(s, plan)
+            check_budget(s, plan, lengths)
             _tiling(lengths, plan, _cap(s), s.long_docs)
             assert len(plan.dropped) == 0
-            if strategy in ("random", "length_grouped"):  # one whole document per row: a permutation
+            if strategy in ("random", "length_grouped"):  # whole documents, none split: a permutation
                 assert np.array_equal(np.sort(plan.doc), np.arange(len(lengths)))
 
 

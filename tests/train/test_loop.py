@@ -76,6 +76,11 @@ def test_loss_tokens_per_step_groups_batches(tiny, tmp_path):
     recs = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["kind"] == "train"]
     assert [(r["batches"], r["loss_tokens"]) for r in recs] == [(2, 8), (1, 10), (3, 11)]
 
+    # 5 + 9 would overshoot 8 by 6, more than 5 falls short (3): the 9 waits for the next step
+    batches = [tiny.batch_with_loss_tokens(n, seed=i) for i, n in enumerate([5, 9, 4, 3, 6])]
+    t = _trainer(tiny, tmp_path, batches, _cfg(loss_tokens_per_step=8, max_steps=3))
+    assert [[b.num_loss_tokens for b in t.next_step().batches] for _ in range(3)] == [[5], [9], [4, 3]]
+
 
 def test_grad_accum_batches_groups_batches(tiny, tmp_path):
     batches = [tiny.batch_with_loss_tokens(n, seed=n) for n in (1, 2, 3, 4, 5)]

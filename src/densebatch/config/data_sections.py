@@ -135,11 +135,14 @@ class DataConfig:
 class BatchingConfig:
     strategy: Literal["random", "length_grouped", "token_budget", "packed"] = _f(
         "packed",
-        "random: fixed rows per batch; length_grouped: HF-style mega-batches sorted by length; "
+        "random: fixed rows per batch; length_grouped: HF-style mega-batches sorted by length (rows of bundled "
+        "short documents unless bundle_tokens is 0); "
         "token_budget: rows x longest <= max_tokens_per_batch; packed: documents packed into rows of seq_len.",
     )
     mode: Literal["causal", "mlm"] = _f("causal", "causal language modelling, or mlm (masked-LM labels).")
-    rows_per_batch: int = _f(8, "Rows per batch for random and length_grouped.", minimum=1)
+    rows_per_batch: int = _f(
+        8, "Rows per batch for random and length_grouped (a length_grouped row may be a bundle of short documents).", minimum=1
+    )
     max_tokens_per_batch: int | Literal["auto"] = _f(
         8192,
         "Token slots (rows x T) per batch for token_budget and packed; auto = the largest budget whose worst batch "
@@ -152,9 +155,11 @@ class BatchingConfig:
     mega_batch_mult: int = _f(50, "length_grouped: batches per sorted mega-batch (as Hugging Face).", minimum=1)
     bundle_tokens: int | Literal["auto"] = _f(
         "auto",
-        "packed and token_budget: documents of at most this many tokens are bundled at random (each attending to "
-        "itself), so rows and batches mix lengths, tasks and sources like random samples; auto = seq_len / 4 "
-        "(packed), max_tokens_per_batch / 5 (token_budget); 0 = off: rows of one length (one task), which train worse.",
+        "packed, token_budget and length_grouped: documents of at most this many tokens are bundled at random (each "
+        "attending to itself), so rows and batches mix lengths, tasks and sources like random samples; auto = seq_len / 4 "
+        "(packed), max_tokens_per_batch / 5 (token_budget), the 90th percentile of lengths but at most half the longest "
+        "(length_grouped); 0 = off: rows of one length (one task), which train worse; length_grouped with 0 is Hugging "
+        "Face's group_by_length.",
         minimum=0,
     )
     drop_last: bool = _f(False, "random / length_grouped: drop the last incomplete batch.")

@@ -136,7 +136,12 @@ class TrainConfig:
     head: GroupScheduleConfig = _f(GroupScheduleConfig, "Learning-rate schedule of the final norm and output head.")
     batch_schedule: BatchScheduleConfig = _f(BatchScheduleConfig, "Batch-size ramp and back-off / growth.")
     grad_accum_batches: int = _f(1, "Batches per optimizer step (ignored when loss_tokens_per_step is set).", minimum=1)
-    loss_tokens_per_step: int | None = _f(None, "Accumulate batches until this many loss tokens per step.", minimum=1)
+    loss_tokens_per_step: int | None = _f(
+        None,
+        "Loss tokens per optimizer step: a step takes whole batches, as many as bring it nearest this (at least one), "
+        "so the step, and with it how the model learns, does not depend on the batches' layout or size.",
+        minimum=1,
+    )
     label_smoothing: float = _f(
         0.0,
         "Label smoothing of the training loss, in [0, 1): the target distribution is (1 - e) onehot + e / vocab "

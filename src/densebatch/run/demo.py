@@ -24,6 +24,12 @@ DEMO_OVERRIDES: tuple[str, ...] = (
     "--batching.max_tokens_per_batch=4096",
     "--model.block_size=512",
     "--train.max_steps=500",
+    # The step, not the batch, decides how the model learns: ~48 answers (96 loss tokens) a step, whatever
+    # the batching flags lay out (a 4,096-slot packed batch holds ~97, so the demo's steps are one batch
+    # each; 1,024-slot batches are accumulated four to a step). Tied to the batch instead, a smaller batch
+    # meant 4-6x fewer answers a step, and 500 such steps left most runs short of the answers
+    # (docs/benchmarks.md, time to quality).
+    "--train.loss_tokens_per_step=96",
     # 3e-3 made early steps spike (loss 1 -> 3.5) and left every task at chance for 500+ steps on
     # some data orders; at 1e-3 every task was answered right by step 300.
     "--train.lr=1e-3",

@@ -2,12 +2,15 @@
 
 The data layer's ``StepLoader`` plans steps globally for any number of ranks; this adapter groups
 an ordinary iterable of ``Batch`` the same way for one process: ``grad_accum_batches`` batches, or
-batches until ``loss_tokens_per_step`` loss tokens, never across the end of an epoch (a list is
+as many batches as bring the step nearest ``loss_tokens_per_step`` loss tokens (reading one batch
+ahead; an iterable with its own ``state_dict`` is never read ahead, since its saved state would skip
+the batch held, so its steps take batches until they reach the target), never across the end of an epoch (a list is
 re-iterated epoch after epoch; its length is the epoch).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Iterator
 
@@ -16,8 +19,8 @@ from densebatch.config import TrainConfig
 
 
 class BatchSteps:
-    """Steps from a plain iterable of ``Batch`` (one process): ``grad_accum_batches`` batches, or batches
-    until ``loss_tokens_per_step`` loss tokens. A re-iterable (a list) cycles epoch after epoch."""
+    """Steps from a plain iterable of ``Batch`` (one process): ``grad_accum_batches`` batches, or the
+    batches nearest ``loss_tokens_per_step`` loss tokens. A re-iterable (a list) cycles epoch after epoch."""
 
     def __init__(self, batches: Iterable[Batch], cfg: TrainConfig):
         self.batches, self.cfg = batches, cfg
@@ -54,13 +57,19 @@ class BatchSteps:
     def __iter__(self) -> Iterator[Step]:
         it = iter(self.batches)
         limit = None if self.max_epochs is None or not self.per_epoch else math.ceil(self.max_epochs * self.per_epoch - 1e-9)
+        target = self.cfg.loss_tokens_per_step
+        held: list[Batch] = []  # a batch read ahead that belongs to the next step
+        ahead = not hasattr(self.batches, "state_dict")
         while limit is None or self.seen < limit:
             out, tokens = [], 0
-            for batch in it:
+            for batch in itertools.chain(held, it):  # (a generator here would close `it` when left)
+                held = []
+                if ahead and target is not None and out and tokens + batch.num_loss_tokens - target > target - tokens:
+                    held = [batch]  # taking it would overshoot the target by more than stopping falls short
+                    break
                 out.append(batch)
                 tokens += batch.num_loss_tokens
                 epoch_end = self.per_epoch and (self.seen + len(out)) % self.per_epoch == 0
-                target = self.cfg.loss_tokens_per_step
                 full = tokens >= target if target is not None else len(out) >= self.cfg.grad_accum_batches
                 if full or epoch_end or (limit is not None and self.seen + len(out) >= limit):
                     break

@@ -37,6 +37,7 @@ from densebatch.data.plan.packing import (
 from densebatch.data.plan.plan import Plan, _round_up, join_plans, plan_stats  # noqa: F401 (re-exported)
 
 STRATEGIES = ("random", "length_grouped", "token_budget", "packed")
+GROUPED_BUNDLE_QUANTILE = 0.9  # length_grouped, bundle_tokens auto: bundle documents up to this quantile of lengths
 _EXACT_TOKEN_BUDGET_MAX = 20_000  # exact DP up to this many pieces (and work below); greedy (gap -> 0 with n) above
 _EXACT_TOKEN_BUDGET_WORK = 40_000_000  # pieces x DP window: ~0.5 s of numpy
 
@@ -89,6 +90,18 @@ class PlanSettings:
     def bundle_cap(self) -> int:
         """packed: pieces up to this many tokens are bundled before packing (0: none are)."""
         return self.seq_len // 4 if self.bundle_tokens == "auto" else int(self.bundle_tokens)
+
+    def grouped_bundle_cap(self, lengths: np.ndarray) -> int:
+        """length_grouped: documents up to this many tokens are bundled (0: none are). auto = the 90th
+        percentile of the lengths, at most half the longest: bundles (``cap`` to ``2 cap`` tokens) are then
+        about as long as the longer tenth of the documents, so batches still group rows of one length,
+        and no row is longer than the longest document, so the largest batch is no larger than with one
+        document per row. On the embedded default: cap 133 tokens, ~3 documents a row."""
+        if self.bundle_tokens != "auto":
+            return int(self.bundle_tokens)
+        if len(lengths) == 0:
+            return 0
+        return int(min(np.quantile(lengths, GROUPED_BUNDLE_QUANTILE), lengths.max() // 2))
 
     def bundle_cap_for(self, row_cap: int) -> int:
         """token_budget, whose rows hold at most ``row_cap`` tokens: auto = a fifth of the budget (bundles under
@@ -148,9 +161,42 @@ def _plan_random(lengths, s: PlanSettings, rng) -> Plan:
 
 
 def _plan_length_grouped(lengths, s: PlanSettings, rng) -> Plan:
+    """Rows of one item each, ``rows_per_batch`` rows a batch, grouped by length as Hugging Face's
+    ``get_length_grouped_indices`` does (``_grouped_order``).
+
+    An item is a document, or, with bundling (``bundle_tokens``, auto: ``grouped_bundle_cap``), a
+    bundle of short documents drawn at random (``packing.bundle``) whose documents attend only to
+    themselves, as in packed rows. With one document per row (``bundle_tokens: 0``, Hugging Face's
+    ``group_by_length``), a batch is documents of one length, which in instruction data means one
+    task, even one answer: on the embedded default such steps stall at chance where random batches
+    learn (docs/benchmarks.md, time to quality). Bundles are about as long as the longer documents, so
+    rows still group by length, while a bundle's documents are a random sample of the epoch."""
+    cap = s.grouped_bundle_cap(lengths)
+    if cap < 1:
+        return _one_doc_per_row(_grouped_order(lengths, s, rng), lengths, s)
+    items = bundle(lengths, cap, rng, fillers=0.0)
+    order = _grouped_order(items.length, s, rng)
+    n, k = len(order), s.rows_per_batch
+    dropped = np.zeros(0, np.int64)
+    if s.drop_last and n % k:
+        order, dropped = order[: n - n % k], np.sort(items.expand(order[n - n % k :]))
+    pieces = items.expand(order)
+    row_ptr = np.concatenate([[0], np.cumsum(items.counts(order))]).astype(np.int64)
+    return Plan(
+        pieces,
+        np.zeros(len(pieces), np.int64),
+        lengths[pieces],
+        row_ptr,
+        np.append(np.arange(0, len(order), k), len(order)).astype(np.int64),
+        s.pad_to_multiple_of,
+        dropped=dropped,
+    )
+
+
+def _grouped_order(lengths, s: PlanSettings, rng) -> np.ndarray:
     """Hugging Face ``get_length_grouped_indices``: shuffle, sort mega-batches of
     ``mega_batch_mult * rows_per_batch`` by length (descending, stable), then swap the longest
-    document into the very first slot so an out-of-memory shows at step 0."""
+    into the very first slot so an out-of-memory shows at step 0."""
     order = rng.permutation(len(lengths))
     mega = s.mega_batch_mult * s.rows_per_batch
     key = np.arange(len(order)) // mega
@@ -165,7 +211,7 @@ def _plan_length_grouped(lengths, s: PlanSettings, rng) -> Plan:
         heads = order[::mega]  # each mega-batch's longest
         j = int(np.argmax(lengths[heads])) * mega
         order[0], order[j] = order[j], order[0]
-    return _one_doc_per_row(order, lengths, s)
+    return order
 
 
 def _plan_token_budget(lengths, s: PlanSettings, rng) -> Plan:

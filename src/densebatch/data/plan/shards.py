@@ -13,7 +13,8 @@ the epoch's batches are shard 0's, then shard 1's, ...::
 Since every shard is a random sample and every planner shuffles its own batches, this order is as
 random as a whole-corpus plan's; only which documents may share a batch is limited to a shard.
 Shard sizes are multiples of ``rows_per_batch`` (random) or of a mega-batch (length_grouped), so
-those plans are the whole-corpus algorithm on the shuffled order, with one partial batch at the end.
+those plans are the whole-corpus algorithm on the shuffled order, with one partial batch at the end
+(length_grouped with bundles, like packed and token_budget, ends each shard with a partial batch).
 A corpus of at most ``shard_docs`` documents is one shard, planned exactly as ``plan_epoch``.
 
 Held per epoch: per batch its real tokens, slots and rows (int32 unless a value needs int64), 12

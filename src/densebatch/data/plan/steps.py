@@ -14,7 +14,8 @@ or a run ends. A step is a range of the plan's rows ``[start, stop)``::
 - A full step (``fraction`` 1) with fixed accumulation is ``world_size × grad_accum_batches``
   consecutive planned batches; N ranks with k batches each therefore consume, per step, exactly
   the documents one rank with N·k consumes. With ``loss_tokens_per_step`` a step takes whole
-  batches until the global count of loss tokens reaches the target.
+  batches, as many as bring the global count of loss tokens nearest the target (at least one), so
+  that steps hold the target on average whatever the batches' size.
 - ``fraction`` (a batch-size ramp, back-off or growth) scales the step; below one batch the step
   takes a share of a batch's rows, so it can start and end inside a planned batch; at 1 and above
   steps take whole batches. A full step that
@@ -109,9 +110,14 @@ def step_stop(
         r = min(end, int(np.searchsorted(cum_tokens, target, side="left")))  # cum_tokens[r] >= target
         if fraction < 1.0:  # a ramped step: rows until the target, whatever the batches
             return max(r, start + 1)
-        # whole batches (the first may be the rest of one a ramped step began) until the target
+        # whole batches (the first may be the rest of one a ramped step began): as many as bring the
+        # step's loss tokens nearest the target, at least one
         last = max(r, start + 1) - 1  # the row that reaches it
-        return int(min(end, ptr[int(np.searchsorted(ptr, last, side="right"))]))
+        over = int(min(end, ptr[int(np.searchsorted(ptr, last, side="right"))]))  # the batch end at or past it
+        under = int(ptr[int(np.searchsorted(ptr, over, side="left")) - 1])  # the batch end before that one
+        if under > start and target - cum_tokens[under] < cum_tokens[over] - target:
+            return under
+        return over
     nb = plan.num_batches
     rest = (min(ptr[b + 1], end) - start) / (ptr[b + 1] - ptr[b])  # share of batch b still to take
     if fraction >= 1.0:  # a full (or larger) step ends on a batch boundary: the rest of b, then whole batches
