@@ -96,7 +96,7 @@ class PlanSettings:
         percentile of the lengths, at most half the longest: bundles (``cap`` to ``2 cap`` tokens) are then
         about as long as the longer tenth of the documents, so batches still group rows of one length,
         and no row is longer than the longest document, so the largest batch is no larger than with one
-        document per row. On the embedded default: cap 133 tokens, ~3 documents a row."""
+        document per row. On the embedded default: cap 133 tokens, 1.7 documents a row."""
         if self.bundle_tokens != "auto":
             return int(self.bundle_tokens)
         if len(lengths) == 0:
@@ -168,8 +168,8 @@ def _plan_length_grouped(lengths, s: PlanSettings, rng) -> Plan:
     bundle of short documents drawn at random (``packing.bundle``) whose documents attend only to
     themselves, as in packed rows. With one document per row (``bundle_tokens: 0``, Hugging Face's
     ``group_by_length``), a batch is documents of one length, which in instruction data means one
-    task, even one answer: on the embedded default such steps stall at chance where random batches
-    learn (docs/benchmarks.md, time to quality). Bundles are about as long as the longer documents, so
+    task, even one answer: on the embedded default such steps train far worse than random batches
+    (0.76 exact match after 500 steps against 1.0; docs/benchmarks.md, time to quality). Bundles are about as long as the longer documents, so
     rows still group by length, while a bundle's documents are a random sample of the epoch."""
     cap = s.grouped_bundle_cap(lengths)
     if cap < 1:
