@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densebatch.data.plan.packing import (
+    Bundles,
     best_fit_decreasing,
     bundle,
     cut_long,
@@ -157,7 +158,7 @@ def plan_documents(lengths: np.ndarray, settings: PlanSettings, rng: np.random.G
 
 # ------------------------------------------------------------------------------ the planners
 def _plan_random(lengths, s: PlanSettings, rng) -> Plan:
-    return _one_doc_per_row(rng.permutation(len(lengths)), lengths, s)
+    return _one_item_per_row(rng.permutation(len(lengths)), lengths, s)
 
 
 def _plan_length_grouped(lengths, s: PlanSettings, rng) -> Plan:
@@ -169,28 +170,14 @@ def _plan_length_grouped(lengths, s: PlanSettings, rng) -> Plan:
     themselves, as in packed rows. With one document per row (``bundle_tokens: 0``, Hugging Face's
     ``group_by_length``), a batch is documents of one length, which in instruction data means one
     task, even one answer: on the embedded default such steps train far worse than random batches
-    (0.76 exact match after 500 steps against 1.0; docs/benchmarks.md, time to quality). Bundles are about as long as the longer documents, so
-    rows still group by length, while a bundle's documents are a random sample of the epoch."""
+    (0.76 exact match after 500 steps against 1.0; docs/benchmarks.md, time to quality). Bundles are
+    about as long as the longer documents, so rows still group by length, while a bundle's documents
+    are a random sample of the epoch."""
     cap = s.grouped_bundle_cap(lengths)
     if cap < 1:
-        return _one_doc_per_row(_grouped_order(lengths, s, rng), lengths, s)
+        return _one_item_per_row(_grouped_order(lengths, s, rng), lengths, s)
     items = bundle(lengths, cap, rng, fillers=0.0)
-    order = _grouped_order(items.length, s, rng)
-    n, k = len(order), s.rows_per_batch
-    dropped = np.zeros(0, np.int64)
-    if s.drop_last and n % k:
-        order, dropped = order[: n - n % k], np.sort(items.expand(order[n - n % k :]))
-    pieces = items.expand(order)
-    row_ptr = np.concatenate([[0], np.cumsum(items.counts(order))]).astype(np.int64)
-    return Plan(
-        pieces,
-        np.zeros(len(pieces), np.int64),
-        lengths[pieces],
-        row_ptr,
-        np.append(np.arange(0, len(order), k), len(order)).astype(np.int64),
-        s.pad_to_multiple_of,
-        dropped=dropped,
-    )
+    return _one_item_per_row(_grouped_order(items.length, s, rng), lengths, s, items)
 
 
 def _grouped_order(lengths, s: PlanSettings, rng) -> np.ndarray:
@@ -301,17 +288,22 @@ _PLANNERS = {
 
 
 # ---------------------------------------------------------------------------------- helpers
-def _one_doc_per_row(order, lengths, s: PlanSettings) -> Plan:
+def _one_item_per_row(order, lengths, s: PlanSettings, items: Bundles | None = None) -> Plan:
+    """Rows of one item each, in ``order``, ``rows_per_batch`` rows a batch; an item is a document, or
+    with ``items`` a bundle of them (``order`` then indexes the bundles)."""
     n, k = len(order), s.rows_per_batch
     dropped = np.zeros(0, np.int64)
     if s.drop_last and n % k:
-        order, dropped = order[: n - n % k], np.sort(order[n - n % k :])
+        order, rest = order[: n - n % k], order[n - n % k :]
+        dropped = np.sort(rest if items is None else items.expand(rest))
     n = len(order)
+    docs = order.astype(np.int64, copy=False) if items is None else items.expand(order)
+    row_ptr = np.arange(n + 1, dtype=np.int64) if items is None else np.concatenate([[0], np.cumsum(items.counts(order))])
     return Plan(
-        order.astype(np.int64, copy=False),
-        np.zeros(n, np.int64),
-        lengths[order],
-        np.arange(n + 1, dtype=np.int64),
+        docs,
+        np.zeros(len(docs), np.int64),
+        lengths[docs],
+        row_ptr.astype(np.int64, copy=False),
         np.append(np.arange(0, n, k), n).astype(np.int64),
         s.pad_to_multiple_of,
         dropped=dropped,
