@@ -23,6 +23,13 @@ are ``None`` / empty when unknown (a batch built by hand); models then fall back
 ``source_ids`` (when the data has named sources) gives each real token its source's index, so a
 loss can be summed per source exactly over the tokens whose label is not ``IGNORE_INDEX``.
 
+``cu_seqlens`` / ``max_seqlen`` are the segments (documents, pieces and padding runs) of the rows
+flattened end to end, as variable-length attention kernels take them: ``cu_seqlens`` (segments + 1,)
+int32 holds the first token of every segment and the total, ``max_seqlen`` the longest segment.
+The collator computes them from the plan; ``cu_seqlens`` stays on the host (``to`` does not move it,
+``pin_memory`` pins it), so a model builds its attention plan without reading the device back and
+copies the bounds over asynchronously. For the padded row above: ``cu_seqlens = [0, 3, 5, 7]``.
+
 A batch never has zero rows. A rank with no share of a step gets ``Batch.null(pad_id)``: one row
 of one padding token and no loss, so it still runs forward and backward and joins every collective
 of the step (DDP's gradient all-reduce, FSDP's all-gathers) with a zero contribution.
@@ -49,6 +56,8 @@ class Batch:
     max_position: int | None = None  # largest value in positions (None = unknown)
     documents: tuple[int, ...] = ()  # store indices of the documents in this batch (sorted, unique)
     source_ids: Tensor | None = None  # (rows, T) int64: source (of a mixture) of each real token, -1 at padding
+    cu_seqlens: Tensor | None = None  # (segments + 1,) int32 on the host: segment starts over the flattened rows, then rows*T
+    max_seqlen: int | None = None  # longest segment (None = unknown)
 
     @classmethod
     def null(cls, pad_id: int) -> Batch:
@@ -62,6 +71,8 @@ class Batch:
             num_real_tokens=0,
             single_doc_rows=True,
             max_position=0,
+            cu_seqlens=torch.tensor([0, 1], dtype=torch.int32),
+            max_seqlen=1,
         )
 
     @property
@@ -101,6 +112,7 @@ class Batch:
             labels=self.labels.pin_memory(),
             positions=self.positions.pin_memory(),
             source_ids=None if self.source_ids is None else self.source_ids.pin_memory(),
+            cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.pin_memory(),
         )
 
 
@@ -121,3 +133,14 @@ def document_ids(positions: Tensor) -> Tensor:
     Two tokens may attend to each other only when they share a segment id (and causally).
     """
     return torch.cumsum((positions == 0).to(torch.int32), dim=-1)
+
+
+def segment_bounds(positions: Tensor) -> tuple[Tensor, int]:
+    """``(cu_seqlens, max_seqlen)`` of ``positions`` (rows, T) on the host: a segment starts at every
+    ``positions == 0`` and at every row start. For batches built without a collator (tests, tools)."""
+    pos = positions.detach().to("cpu")
+    is_start = pos == 0  # (rows, T)
+    is_start[:, 0] = True
+    starts = torch.nonzero(is_start.reshape(-1)).flatten()  # (S,)
+    cu = torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)  # (S + 1,)
+    return cu, int((cu[1:] - cu[:-1]).max()) if pos.numel() else 0

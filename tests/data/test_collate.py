@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support import memory_store, shared_data_dir
 
-from densebatch.batch import IGNORE_INDEX
+from densebatch.batch import IGNORE_INDEX, segment_bounds
 from densebatch.data.load.collate import CausalCollator, MaskedLMCollator, collator_from_config
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.errors import ConfigError, DataError
@@ -301,6 +301,9 @@ def test_batch_carries_single_doc_rows_max_position_and_documents(docs, data, mu
     assert b.max_position == int(b.positions.max())
     assert b.documents == tuple(sorted({d for r in rows for d, _, _ in r}))
     assert all(type(d) is int for d in b.documents)
+    # the segment bounds attention kernels take: every piece and padding run, over the flattened rows
+    cu, longest = segment_bounds(b.positions)
+    assert b.cu_seqlens.dtype == torch.int32 and b.cu_seqlens.tolist() == cu.tolist() and b.max_seqlen == longest
 
 
 def test_planner_facts_by_hand():
@@ -314,6 +317,10 @@ def test_planner_facts_by_hand():
     padded = coll(store, [[(2, 0, 5)], [(1, 0, 1)]])
     assert padded.positions[1].tolist() == [0, 0, 1, 2, 3] and padded.max_position == 4
     assert coll(store, [[(1, 0, 1)], [(1, 0, 1)]]).documents == (1,)
+    # rows of 5: pieces of 3 and 2; a piece of 2, then 3 of padding
+    bounds = coll(store, [[(0, 0, 3), (1, 0, 2)], [(2, 1, 3)]])
+    assert bounds.cu_seqlens.tolist() == [0, 3, 5, 7, 10] and bounds.max_seqlen == 3
+    assert coll(store, []).cu_seqlens.tolist() == [0]
 
 
 def test_mlm_probability_zero_is_refused_at_load():

@@ -179,8 +179,11 @@ def test_build_model_hf(config_dirs):
     # a tokenizer whose own ids (before any added token) outnumber the model's rows: refused, not grown
     with pytest.raises(ConfigError, match=f"the tokenizer has {V + 20} ids but the model .* has {V} embedding rows"):
         build_model(cfg, vocab_size=V + 20, base_vocab_size=V + 20)
-    with pytest.raises(ConfigError, match="model.attention"):
-        build_model(ModelConfig(kind="hf", path=str(config_dirs["gpt2"]), attention="flex"), vocab_size=V)
+    assert model.attn_implementation == "densebatch"  # the default: no T x T mask
+    with pytest.raises(ConfigError, match="model.attention: 'flex' applies to model.attn_implementation densebatch"):
+        build_model(ModelConfig(kind="hf", path=str(config_dirs["gpt2"]), attn_implementation="sdpa", attention="flex"), V)
+    with pytest.raises(ConfigError, match="model.attention: expected one of .*; got 'nope'"):
+        build_model(ModelConfig(kind="hf", path=str(config_dirs["gpt2"]), attention="nope"), vocab_size=V)
     with pytest.raises(ConfigError, match="config.json"):
         build_model(ModelConfig(kind="hf", path=str(config_dirs["gpt2"] / "missing")), vocab_size=V)
 
@@ -267,3 +270,47 @@ def test_eager_trains_like_sdpa(config_dirs, gen):
 def test_unknown_dtype_is_refused(config_dirs):
     with pytest.raises(ConfigError, match="model.dtype: expected one of float32, bfloat16, float16; got 'float64'"):
         HFCausalLM(config_dirs["llama"], dtype="float64")
+
+
+class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the most elements any operator returned (forward and backward alike)."""
+
+    def __init__(self):
+        super().__init__()
+        self.most, self.op = 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.numel() > self.most:
+                self.most, self.op = t.numel(), func
+        return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_densebatch_attention_never_builds_a_row_by_row_tensor(config_dirs, kind, gen):
+    """A long row of short documents: nothing of T x T elements exists in forward or backward (the 4-D
+    mask path builds (rows, 1, T, T)), and the losses still equal each document alone."""
+    T = 1024
+    lengths = [40] * 25  # 1000 tokens, documents of 40
+    config = two_layer_config(kind)
+    config.max_position_embeddings = config.n_positions = T
+    path = config_dirs[kind].parent / f"{kind}-long"
+    config.save_pretrained(path)
+    model = adapter(path, "densebatch", attention="segmented").train()
+    docs = [random_docs(gen, lengths, V)]
+    batch = pack(docs, seq_len=T)
+    with LargestTensor() as seen:
+        model.token_losses(batch).sum().backward()
+    assert seen.most < T * T // 2, f"{seen.op} returned {seen.most} elements (T x T = {T * T})"
+    with torch.no_grad():
+        got = model.eval().token_losses(batch)[0]
+        t = 0
+        for d in docs[0]:
+            alone = model.token_losses(pack([[d]]))[0]
+            assert (got[t : t + len(d)] - alone).abs().max() <= 1e-5
+            t += len(d)
+    masked = adapter(path, "sdpa").train()  # negative control: the 4-D mask path does build one
+    with LargestTensor() as seen:
+        masked.token_losses(batch).sum().backward()
+    assert seen.most >= T * T

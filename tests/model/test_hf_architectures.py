@@ -3,9 +3,12 @@
 For each tiny random config of ``densebatch.testing.models.ARCHITECTURES`` (width 32, 1-2 layers, a sliding window of
 ``WINDOW`` tokens where the architecture has one, shorter than the longer documents): the per-token
 losses and the logits of each document packed with others equal those of the document alone
-(fp32, 1e-5), through the adapter's own paths (the 4-D document mask for packed rows, no mask for a
-row holding one document). Architectures that cannot be isolated raise a one-line ``ConfigError``
-that says why. docs/hf-models.md has the measured table (benchmarks/model/hf_isolation_table.py).
+(fp32, 1e-5). Packed rows go through ``attn_implementation: densebatch`` (the default: documents one by
+one through transformers' attention interface, on the segmented and the masked backend) and through
+transformers' own kernel with the 4-D document mask; the document alone always goes through
+transformers' own kernel without a mask, so the reference shares no code with densebatch's attention.
+Architectures that cannot be isolated raise a one-line ``ConfigError`` that says why. docs/hf-models.md
+has the measured table (benchmarks/model/hf_isolation_table.py).
 """
 
 from __future__ import annotations
@@ -18,9 +21,13 @@ from densebatch.testing.batches import pack, random_docs
 from densebatch.testing.models import ARCHITECTURES, LENGTHS, SEQ_LEN, VOCAB, WINDOW, packed_vs_alone, write_config_dir
 
 pytest.importorskip("transformers")
-from densebatch.model.hf import _HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
+from densebatch.model.hf import _HIDDEN_PATH_TYPES, _OWN_ATTENTION_CLASSES, REFUSED, HFCausalLM  # noqa: E402
 
 SUPPORTED = [(k, impl) for k, impl in ARCHITECTURES if k not in REFUSED]
+# (kind, attn_implementation, model.attention) of the packed model
+PATHS = [(k, impl, "auto") for k, impl in SUPPORTED] + [
+    (k, "densebatch", backend) for k, _ in SUPPORTED if k not in _OWN_ATTENTION_CLASSES for backend in ("segmented", "masked")
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,17 +35,20 @@ def config_root(tmp_path_factory):
     return tmp_path_factory.mktemp("archs")
 
 
-def build(root, kind: str, impl: str) -> HFCausalLM:
+def build(root, kind: str, impl: str, attention: str = "auto") -> HFCausalLM:
     path = root / kind if (root / kind / "config.json").is_file() else write_config_dir(root, kind)
     torch.manual_seed(0)
-    return HFCausalLM(path, attn_implementation=impl).eval()
+    return HFCausalLM(path, attn_implementation=impl, attention=attention).eval()
 
 
-@pytest.mark.parametrize(("kind", "impl"), SUPPORTED, ids=[k for k, _ in SUPPORTED])
-def test_packed_documents_equal_each_document_alone(config_root, kind, impl, gen):
-    model = build(config_root, kind, impl)
-    loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS])
-    assert loss_diff <= 1e-5 and logit_diff <= 1e-5, f"{kind}/{impl}: losses {loss_diff:.2e}, logits {logit_diff:.2e}"
+@pytest.mark.parametrize(("kind", "impl", "attention"), PATHS, ids=[f"{k}-{i}-{a}" for k, i, a in PATHS])
+def test_packed_documents_equal_each_document_alone(config_root, kind, impl, attention, gen):
+    own = dict(SUPPORTED)[kind]
+    model = build(config_root, kind, impl, attention)
+    reference = build(config_root, kind, own)
+    reference.load_state_dict(model.state_dict())
+    loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS], reference)
+    assert loss_diff <= 1e-5 and logit_diff <= 1e-5, f"{kind}/{impl}/{attention}: losses {loss_diff:.2e}, logits {logit_diff:.2e}"
 
 
 @pytest.mark.parametrize("kind", sorted(set(REFUSED) & set(dict(ARCHITECTURES))))
@@ -53,9 +63,19 @@ def test_falcon_with_alibi_is_refused(tmp_path):
         HFCausalLM(write_config_dir(tmp_path, "falcon", alibi=True))
 
 
-def test_soft_capped_attention_needs_eager(config_root):
-    with pytest.raises(ConfigError, match="model.attn_implementation: gemma2 soft-caps .* set model.attn_implementation: eager"):
+def test_soft_capped_attention_is_refused_under_sdpa(config_root):
+    with pytest.raises(
+        ConfigError, match="model.attn_implementation: gemma2 soft-caps .* set model.attn_implementation: densebatch"
+    ):
         build(config_root, "gemma2", "sdpa")
+
+
+def test_falcon_needs_transformers_own_kernel(tmp_path):
+    with pytest.raises(
+        ConfigError, match="falcon picks its attention classes itself .* set model.attn_implementation: sdpa"
+    ) as e:
+        HFCausalLM(write_config_dir(tmp_path, "falcon"), attn_implementation="densebatch")
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])
@@ -79,3 +99,25 @@ def test_hidden_state_path_matches_the_models_own_logits(config_root, kind, gen)
         fast = model.token_losses(batch)
         model._hidden_path = False
         assert torch.allclose(fast, model.token_losses(batch), atol=1e-5)
+
+
+@pytest.mark.parametrize(("kind", "dropped"), [("mistral", "window"), ("gemma2", "window"), ("gemma2", "softcap")])
+def test_negative_control_densebatch_attention_must_honour_each_layers_options(
+    config_root, tmp_path, kind, dropped, gen, monkeypatch
+):
+    """If densebatch's attention function ignored what a layer passes it (its sliding window, its
+    soft-cap), packed documents would differ from transformers' own result: the test above would see it."""
+    import densebatch.model.hf_attention as hf_attention
+    from densebatch.model.attention import AttnOptions
+
+    # random weights give scores far below Gemma 2's cap of 50, where tanh is the identity: a cap the scores reach
+    root = tmp_path / "capped" if dropped == "softcap" else config_root
+    if dropped == "softcap":
+        write_config_dir(root, kind, attn_logit_softcapping=0.02)
+    model = build(root, kind, "densebatch", "segmented")
+    reference = build(root, kind, dict(ARCHITECTURES)[kind])
+    reference.load_state_dict(model.state_dict())
+    docs = [random_docs(gen, row, VOCAB) for row in LENGTHS]
+    assert packed_vs_alone(model, docs, reference)[0] <= 1e-5
+    monkeypatch.setattr(hf_attention, "AttnOptions", lambda **kw: AttnOptions(**{**kw, dropped: None}))
+    assert packed_vs_alone(model, docs, reference)[0] > 1e-4

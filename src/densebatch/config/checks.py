@@ -29,10 +29,10 @@ def _check(cfg: RunConfig) -> None:
             raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
         prompt_fields(d.prompt_format)
     _check_sources(d)
-    if m.kind == "hf" and m.attention not in ("auto", "masked"):
+    if m.kind == "hf" and m.attn_implementation != "densebatch" and m.attention not in ("auto", "masked"):
         raise ConfigError(
-            f"model.attention: {m.attention!r} is not available for Hugging Face models; use auto or masked "
-            "(SDPA with a 4-D document mask, the backend tests show isolates packed documents)"
+            f"model.attention: {m.attention!r} applies to model.attn_implementation densebatch; under "
+            f"{m.attn_implementation} transformers' kernel takes a 4-D document mask (use auto or masked)"
         )
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: expected a number in [0, 1); got {d.eval_fraction}")
@@ -56,7 +56,7 @@ def _check(cfg: RunConfig) -> None:
 def _check_hf_model(m: ModelConfig) -> None:
     """Keys that only Hugging Face models read, and what LoRA and the weights' dtype allow."""
     if m.kind == "gpt":
-        for key, value, default in (("attn_implementation", m.attn_implementation, "sdpa"), ("dtype", m.dtype, "float32")):
+        for key, value, default in (("attn_implementation", m.attn_implementation, "densebatch"), ("dtype", m.dtype, "float32")):
             if value != default:
                 raise ConfigError(
                     f"model.{key}: applies to model.kind hf; the reference GPT takes {default} (see model.attention)"

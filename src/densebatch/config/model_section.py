@@ -38,10 +38,11 @@ class ModelConfig:
         "causal SDPA per document, any device), masked (SDPA with a block mask).",
     )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    attn_implementation: Literal["sdpa", "eager"] = _f(
-        "sdpa",
-        "hf: transformers' attention; eager for architectures SDPA cannot compute (Gemma 2's soft-capping). Both "
-        "isolate packed documents (flash, flex and paged are refused). See docs/hf-models.md.",
+    attn_implementation: Literal["densebatch", "sdpa", "eager"] = _f(
+        "densebatch",
+        "hf: densebatch (documents attended one by one through transformers' attention interface, model.attention "
+        "picks the kernel: no T x T mask, memory and time grow with the documents), or transformers' own sdpa / eager "
+        "kernels given a 4-D document mask. See docs/hf-models.md.",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32",

@@ -25,6 +25,18 @@ __all__ = [
 ]  # fmt: skip
 
 
+def check_hf_attention(cfg: ModelConfig) -> None:
+    """model.attention picks densebatch's kernel, which only ``attn_implementation: densebatch`` runs;
+    under sdpa / eager transformers' own kernel takes a 4-D document mask (auto or masked)."""
+    if cfg.attn_implementation == "densebatch":
+        resolve_backend(cfg.attention, "cpu", training=False)
+    elif cfg.attention not in ("auto", "masked"):
+        raise ConfigError(
+            f"model.attention: {cfg.attention!r} applies to model.attn_implementation densebatch; under "
+            f"{cfg.attn_implementation} transformers' kernel takes a 4-D document mask (use auto or masked)"
+        )
+
+
 def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None = None) -> nn.Module:
     """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt).
 
@@ -53,14 +65,11 @@ def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None =
     if cfg.kind == "hf":
         if not cfg.path:
             raise ConfigError("model.path: required when model.kind is hf (a local directory with config.json)")
-        if cfg.attention not in ("auto", "masked"):
-            raise ConfigError(
-                f"model.attention: {cfg.attention!r} is not available for Hugging Face models; use auto or masked "
-                "(SDPA with a 4-D document mask, the backend tests show isolates packed documents)"
-            )
+        check_hf_attention(cfg)
         model = HFCausalLM(
             cfg.path,
             attn_implementation=cfg.attn_implementation,
+            attention=cfg.attention,
             gradient_checkpointing=cfg.gradient_checkpointing,
             dtype=cfg.dtype,
         )

@@ -160,11 +160,12 @@ class AttentionPlan:
 
     backend: str  # masked | causal | segmented | flex | varlen
     mask: Tensor | None = None  # masked: (rows, 1, Tq, Tk) bool
-    segments: SegmentPlan | None = None  # segmented (and varlen's fp32 fallback)
+    segments: SegmentPlan | None = None  # segmented (and any backend's fallback to it, built on first use)
     block_mask: object | None = None  # flex: BlockMask
-    cu_seqlens: Tensor | None = None  # varlen: (segments + 1,) int32 over the flattened rows
+    cu_seqlens: Tensor | None = None  # varlen: (segments + 1,) int32 over the flattened rows, on the device
     max_len: int = 0  # varlen: longest segment
-    positions: Tensor | None = None  # varlen: kept for the fp32 fallback
+    positions: Tensor | None = None  # (rows, T): what a fallback to the segmented path is built from
+    host_cu_seqlens: Tensor | None = None  # the batch's segment bounds on the host (no device sync to use them)
 
 
 @dataclass
@@ -182,21 +183,39 @@ class SegmentPlan:
     buckets: list[tuple[int, int]]  # (segments, padded length) per bucket, in slot order
 
 
-def segment_plan(positions: Tensor, ratio: float | None = None, min_len: int | None = None) -> SegmentPlan:
+def segment_plan(
+    positions: Tensor, ratio: float | None = None, min_len: int | None = None, cu_seqlens: Tensor | None = None
+) -> SegmentPlan:
     """Segments of ``positions`` (rows, T), bucketed by length, as gather / scatter indices.
 
-    Vectorised except for a loop over the non-empty buckets (about log(T / min_len) / log(ratio));
-    one host sync (bucket sizes). A row start is a segment start even when its position is not 0.
+    Vectorised except for a loop over the non-empty buckets (about log(T / min_len) / log(ratio)).
+    ``cu_seqlens`` (the batch's segment bounds, on the host: ``Batch.cu_seqlens``) lets the indices be
+    built on the host and copied to the device asynchronously: no device synchronisation. Without it
+    they are found from ``positions`` (one host sync for the bucket sizes). A row start is a segment
+    start even when its position is not 0.
     """
     ratio, min_len = ratio or BUCKET_RATIO, min_len or MIN_BUCKET  # read late: benchmarks tune them
     rows, T = positions.shape
     n_tok = rows * T
     dev = positions.device
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to("cpu", torch.int64)
+        plan = _segment_indices(cu[:-1], torch.diff(cu), n_tok, ratio, min_len)
+        if dev.type == "cpu":
+            return plan
+        move = lambda t: t.pin_memory().to(dev, non_blocking=True)  # noqa: E731
+        return SegmentPlan(move(plan.gather), move(plan.scatter), move(plan.pad_slots), plan.buckets)
     is_start = positions == 0  # (rows, T)
     is_start[:, 0] = True
-    is_start = is_start.reshape(-1)  # (rows * T,)
-    seg_start = torch.nonzero(is_start).flatten()  # (S,)
+    seg_start = torch.nonzero(is_start.reshape(-1)).flatten()  # (S,)
     seg_len = torch.diff(seg_start, append=seg_start.new_tensor([n_tok]))  # (S,)
+    return _segment_indices(seg_start, seg_len, n_tok, ratio, min_len)
+
+
+def _segment_indices(seg_start: Tensor, seg_len: Tensor, n_tok: int, ratio: float, min_len: int) -> SegmentPlan:
+    """The gather / scatter indices of segments starting at ``seg_start`` (S,) of ``seg_len`` (S,) tokens,
+    which tile the ``n_tok`` flattened tokens, on their device."""
+    dev = seg_start.device
     # Bucket k holds lengths in (min_len * ratio^(k-1), min_len * ratio^k]; bucket 0 all <= min_len.
     bucket = torch.ceil(torch.log(seg_len.double() / min_len) / math.log(ratio)).clamp_(min=0).long()  # (S,)
     order = torch.argsort(bucket, stable=True)  # (S,) segments bucket by bucket
@@ -215,7 +234,7 @@ def segment_plan(positions: Tensor, ratio: float | None = None, min_len: int | N
         idx = seg_start[segs, None] + torch.arange(L, device=dev)  # (n, L)
         gathers.append(idx.clamp_(max=n_tok - 1).reshape(-1))
         first_seg, first_slot = first_seg + n, first_slot + n * L
-    seg_of_tok = torch.cumsum(is_start, 0) - 1  # (rows * T,)
+    seg_of_tok = torch.repeat_interleave(torch.arange(seg_start.numel(), device=dev), seg_len, output_size=n_tok)  # (N,)
     offset = torch.arange(n_tok, device=dev) - seg_start[seg_of_tok]  # (rows * T,) index within segment
     scatter = slot_base[seg_of_tok] + offset  # (rows * T,)
     gather = torch.cat(gathers)  # (slots,)
@@ -259,26 +278,94 @@ class _ToTokens(torch.autograd.Function):
         return out.index_fill_(0, seg.pad_slots, 0), None
 
 
-def segmented_attention(q: Tensor, k: Tensor, v: Tensor, seg: SegmentPlan, dropout_p: float = 0.0) -> Tensor:
-    """Causal attention within segments for q, k, v (rows, H, T, D), bucket by bucket. (rows, H, T, D)"""
+def _kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
+    """Causal attention of q (n, H, L, D) over k, v (n, Hkv, L, D) (``mask``, if given, replaces the
+    causal one: (.., L, L) bool, True = may attend), with ``opts``' scale, window and soft-cap. (n, H, L, D)
+
+    SDPA where it can (grouped-query heads through ``enable_gqa``, never repeated); soft-capped scores
+    are computed explicitly (SDPA cannot cap), which is O(L^2) per call like SDPA's math kernel."""
+    L = q.shape[-2]
+    if opts.window is not None and opts.window < L:
+        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # (L, L)
+        idx = torch.arange(L, device=q.device)
+        band = causal & (idx[:, None] - idx[None, :] < opts.window)  # q - k < window, as transformers' overlay
+        mask = band if mask is None else mask & band
+    gqa = k.shape[1] != q.shape[1]
+    if opts.softcap:
+        return _capped_attention(q, k, v, mask, dropout_p, opts)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=opts.scale, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=opts.scale, enable_gqa=gqa)
+
+
+def _capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
+    """Attention with soft-capped scores (Gemma 2: ``cap * tanh(s / cap)``), softmax in float32. (n, H, L, D)"""
+    n, H, L, D = q.shape
+    G = H // k.shape[1]  # query heads per key/value head
+    qg = q.view(n, k.shape[1], G, L, D)  # (n, Hkv, G, L, D): no copy of k, v per query head
+    scale = opts.scale if opts.scale is not None else 1.0 / math.sqrt(D)
+    s = (qg @ k.unsqueeze(2).transpose(-1, -2)).float() * scale  # (n, Hkv, G, L, L)
+    s = torch.tanh(s / opts.softcap) * opts.softcap
+    if mask is None:
+        mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    if mask.dim() == 4:  # (rows, 1, L, L): one per row
+        mask = mask.unsqueeze(1)
+    s = s.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    if dropout_p:
+        p = F.dropout(p, dropout_p)
+    return (p @ v.unsqueeze(2)).reshape(n, H, L, D)
+
+
+@dataclass(frozen=True)
+class AttnOptions:
+    """What an architecture asks of attention beyond documents and causality (transformers passes
+    these per layer: ``scaling``, ``sliding_window``, ``softcap``)."""
+
+    scale: float | None = None  # None: 1 / sqrt(head_dim)
+    window: int | None = None  # a query sees the keys with q - k < window (within its document)
+    softcap: float | None = None  # scores become softcap * tanh(scores / softcap)
+
+
+PLAIN = AttnOptions()
+
+
+def segmented_attention(
+    q: Tensor, k: Tensor, v: Tensor, seg: SegmentPlan, dropout_p: float = 0.0, opts: AttnOptions = PLAIN
+) -> Tensor:
+    """Causal attention within segments for q (rows, H, T, D) and k, v (rows, Hkv, T, D), bucket by
+    bucket. (rows, H, T, D)"""
     rows, H, T, D = q.shape
+    Hkv = k.shape[1]
     # (rows, T, H, D) is the layout the projections produced: flattening it is a view, not a copy.
     sizes = [n * L for n, L in seg.buckets]
     # split (not slicing): its backward is one cat, where each slice's would zero-fill all slots.
-    q, k, v = (_ToSlots.apply(x.transpose(1, 2).reshape(rows * T, H, D), seg).split(sizes) for x in (q, k, v))
+    q = _ToSlots.apply(q.transpose(1, 2).reshape(rows * T, H, D), seg).split(sizes)
+    k, v = (_ToSlots.apply(x.transpose(1, 2).reshape(rows * T, Hkv, D), seg).split(sizes) for x in (k, v))
     outs = []
     for (n, L), qb, kb, vb in zip(seg.buckets, q, k, v):
-        qb, kb, vb = (x.view(n, L, H, D).transpose(1, 2) for x in (qb, kb, vb))  # (n, H, L, D)
-        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=dropout_p, is_causal=True)  # (n, H, L, D)
+        qb = qb.view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
+        kb, vb = (x.view(n, L, Hkv, D).transpose(1, 2) for x in (kb, vb))  # (n, Hkv, L, D)
+        out = _kernel(qb, kb, vb, None, dropout_p, opts)  # (n, H, L, D)
         outs.append(out.transpose(1, 2).reshape(n * L, H, D))
     slots = outs[0] if len(outs) == 1 else torch.cat(outs)  # (slots, H, D)
     return _ToTokens.apply(slots, seg).view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)
 
 
 def plan_attention(
-    positions: Tensor, backend: str, single_doc_rows: bool = False, past_positions: Tensor | None = None
+    positions: Tensor,
+    backend: str,
+    single_doc_rows: bool = False,
+    past_positions: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> AttentionPlan:
     """Build the plan for ``positions`` (rows, T) with an already-resolved ``backend``.
+
+    ``cu_seqlens`` / ``max_seqlen``: the batch's segment bounds (``Batch.cu_seqlens``, host int32, and
+    ``Batch.max_seqlen``), which the collator computed; with them no backend reads the device back
+    (varlen copies the bounds over asynchronously, segmented builds its indices on the host). Without
+    them (a batch built by hand, generation) the bounds are found from ``positions``.
 
     ``past_positions`` (rows, S) are the positions already in a KV cache: queries are the new
     tokens, keys are past + new. Decoding always uses an explicit mask (tiny: Tq is 1).
@@ -290,16 +377,19 @@ def plan_attention(
         q_idx = torch.arange(S, S + T, device=positions.device)
         k_idx = torch.arange(S + T, device=positions.device)
         same = doc[:, S:, None] == doc[:, None, :]  # (rows, T, S + T)
-        return AttentionPlan("masked", mask=(same & (k_idx[None, :] <= q_idx[:, None]))[:, None])
+        return AttentionPlan("masked", mask=(same & (k_idx[None, :] <= q_idx[:, None]))[:, None], positions=positions)
+    host = cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None
     if single_doc_rows and backend != "varlen":
-        return AttentionPlan("causal")
+        return AttentionPlan("causal", positions=positions, host_cu_seqlens=host)
     if backend == "segmented":
-        seg = segment_plan(positions)
+        seg = segment_plan(positions, cu_seqlens=host)
         if len(seg.buckets) == 1 and seg.buckets[0][0] == positions.shape[0]:
-            return AttentionPlan("causal")  # one segment per row: plain causal is exact, no copies
-        return AttentionPlan("segmented", segments=seg)
+            return AttentionPlan(
+                "causal", positions=positions, host_cu_seqlens=host
+            )  # one segment per row: plain causal is exact
+        return AttentionPlan("segmented", segments=seg, positions=positions, host_cu_seqlens=host)
     if backend == "masked":
-        return AttentionPlan("masked", mask=document_mask(positions))
+        return AttentionPlan("masked", mask=document_mask(positions), positions=positions, host_cu_seqlens=host)
     if backend == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -310,8 +400,11 @@ def plan_attention(
 
         rows, T = positions.shape
         block_mask = create_block_mask(same_doc_causal, rows, None, T, T, device=positions.device, _compile=positions.is_cuda)
-        return AttentionPlan("flex", block_mask=block_mask)
+        return AttentionPlan("flex", block_mask=block_mask, positions=positions, host_cu_seqlens=host)
     if backend == "varlen":
+        if host is not None and max_seqlen is not None:
+            cu = host.to(positions.device, non_blocking=True)
+            return AttentionPlan("varlen", cu_seqlens=cu, max_len=max_seqlen, positions=positions, host_cu_seqlens=host)
         flat = positions.reshape(-1)  # (rows * T,)
         # Every row boundary is a segment boundary too: a row starts with position 0.
         starts = torch.nonzero(flat == 0).flatten().to(torch.int32)
@@ -321,38 +414,66 @@ def plan_attention(
     raise AssertionError(f"unresolved backend {backend}")
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float = 0.0) -> Tensor:
-    """Attention of q (rows, H, Tq, D) over k, v (rows, H, Tk, D) under ``plan``. (rows, H, Tq, D)"""
+def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float = 0.0, opts: AttnOptions = PLAIN) -> Tensor:
+    """Attention of q (rows, H, Tq, D) over k, v (rows, Hkv, Tk, D) under ``plan``. (rows, H, Tq, D)
+
+    ``Hkv`` may divide ``H`` (grouped-query attention: key/value heads are shared, not repeated).
+    ``opts`` (scale, sliding window, soft-cap) are honoured by every backend: one that cannot compute
+    them (flex, varlen with a cap or with dropout, which FlashAttention's varlen kernel lacks) hands the
+    layer to the exact segmented path, whose indices are built once per plan."""
     if plan.backend == "causal":
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
+        if opts.window is not None and opts.window < q.shape[-2] or opts.softcap:
+            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
+        return _kernel(q, k, v, None, dropout_p, opts)
     if plan.backend == "masked":
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, dropout_p=dropout_p)
+        if q.shape[-2] != k.shape[-2]:  # decoding against a KV cache: the mask already says everything but the window
+            mask = plan.mask
+            if opts.window is not None:
+                Tq, Tk = q.shape[-2], k.shape[-2]
+                qi = torch.arange(Tk - Tq, Tk, device=q.device)
+                mask = mask & (qi[:, None] - torch.arange(Tk, device=q.device)[None, :] < opts.window)
+            if opts.softcap:
+                return _capped_attention(q, k, v, mask, dropout_p, opts)
+            gqa = k.shape[1] != q.shape[1]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=opts.scale, enable_gqa=gqa)
+        return _kernel(q, k, v, plan.mask, dropout_p, opts)
     if plan.backend == "segmented":
-        return segmented_attention(q, k, v, plan.segments, dropout_p)
+        return segmented_attention(q, k, v, plan.segments, dropout_p, opts)
     if plan.backend == "flex":
+        if opts.window is not None or opts.softcap or k.shape[1] != q.shape[1]:
+            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
         # Flex has no dropout; attention dropout is skipped there (residual dropout still applies).
         if q.is_cuda:
-            return _compiled_flex()(q, k, v, block_mask=plan.block_mask)
+            return _compiled_flex()(q, k, v, block_mask=plan.block_mask, scale=opts.scale)
         from torch.nn.attention.flex_attention import flex_attention
 
-        return flex_attention(q, k, v, block_mask=plan.block_mask)
+        return flex_attention(q, k, v, block_mask=plan.block_mask, scale=opts.scale)
     if plan.backend == "varlen":
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            # FlashAttention has no fp32 kernel: use the exact segmented path (indices built once per plan).
-            if plan.segments is None:
-                plan.segments = segment_plan(plan.positions)
-            return segmented_attention(q, k, v, plan.segments, dropout_p)
+        if q.dtype not in (torch.float16, torch.bfloat16) or opts.softcap or dropout_p:
+            # FlashAttention's varlen kernel has no fp32, no soft-cap and no dropout: the exact segmented path.
+            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
         rows, H, T, D = q.shape
-        flat = lambda x: x.transpose(1, 2).reshape(rows * T, H, D)  # noqa: E731  (rows*T, H, D)
+        Hkv = k.shape[1]
+        flat = lambda x, h: x.transpose(1, 2).reshape(rows * T, h, D)  # noqa: E731  (rows*T, h, D)
+        left = -1 if opts.window is None else opts.window - 1  # FlashAttention's window counts the keys before q
         out = _varlen_fn()(
-            flat(q),
-            flat(k),
-            flat(v),
+            flat(q, H),
+            flat(k, Hkv),
+            flat(v, Hkv),
             plan.cu_seqlens,
             plan.cu_seqlens,
             plan.max_len,
             plan.max_len,
-            window_size=(-1, 0),  # (-1, 0) = causal in varlen_attn
+            scale=opts.scale,
+            window_size=(left, 0),  # (-1, 0) = causal in varlen_attn
+            enable_gqa=Hkv != H,
         )
         return out.view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)
     raise AssertionError(f"unknown plan backend {plan.backend}")
+
+
+def _segments(plan: AttentionPlan) -> SegmentPlan:
+    """The plan's segmented indices, built on first use (a backend handing one layer to the segmented path)."""
+    if plan.segments is None:
+        plan.segments = segment_plan(plan.positions, cu_seqlens=plan.host_cu_seqlens)
+    return plan.segments

@@ -144,16 +144,19 @@ class GPT(nn.Module):
         single_doc_rows: bool = False,
         cache: KVCache | None = None,
         max_position: int | None = None,
+        cu_seqlens: Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> Tensor:
         """Final-normed hidden states. (rows, T, n_embd). ``max_position``: ``positions.max()`` when the
-        caller knows it (a Batch does), which spares a host synchronisation."""
+        caller knows it (a Batch does), which spares a host synchronisation; so do the segment bounds
+        ``cu_seqlens`` / ``max_seqlen`` (``Batch``'s) for the attention plan."""
         top = int(positions.max()) if max_position is None else max_position
         # The run layer checks row lengths against block_size before training: here it is a bug.
         if top >= self.cfg.block_size:
             raise ValueError(f"position {top} is beyond the position table (block_size {self.cfg.block_size})")
         past = cache.positions if cache is not None else None
         backend = self.attention_backend(input_ids.device, positions.shape[-1])
-        plan = plan_attention(positions, backend, single_doc_rows, past)  # once per forward, shared by all layers
+        plan = plan_attention(positions, backend, single_doc_rows, past, cu_seqlens, max_seqlen)  # shared by all layers
         if cache is not None:
             cache.positions = positions if past is None else torch.cat([past, positions], dim=-1)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (rows, T, C)
@@ -181,7 +184,9 @@ class GPT(nn.Module):
         logits (``model/loss_head.py``); ``plain`` projects all loss positions at once.
         """
         single = rows_hold_one_document(batch)
-        h = self.hidden_states(batch.input_ids, batch.positions, single, max_position=batch.max_position)  # (rows, T, C)
+        h = self.hidden_states(
+            batch.input_ids, batch.positions, single, None, batch.max_position, batch.cu_seqlens, batch.max_seqlen
+        )  # (rows, T, C)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         if self.cfg.loss_head == "plain":
             return plain_head_token_losses(h, batch.labels, self.lm_head, eps)

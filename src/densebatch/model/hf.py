@@ -1,38 +1,52 @@
 """Adapter giving any Hugging Face causal LM the densebatch model interface, documents kept apart.
 
-Hugging Face models isolate packed documents only when handed the right mask. With
+Hugging Face models isolate packed documents only when handed the right mask or kernel. With
 ``position_ids`` alone they leak across documents under both ``sdpa`` and ``eager`` when a KV cache
 is in use (``use_cache`` defaults to True, in training too); with ``use_cache=False`` and no mask,
 transformers >= 4.56 derives a document mask itself from the restarts of ``position_ids``. This
-adapter does not rely on that: it passes its own mask. Measured with transformers 5.24 on CPU
-(tests/model/test_hf.py checks it on every run):
+adapter does not rely on that.
+
+``attn_implementation: densebatch`` (the default) registers densebatch's own attention with
+transformers' ``AttentionInterface`` (``model/hf_attention.py``): every layer's attention call gets
+the batch's attention plan (built once per forward from the collator's segment bounds) and runs the
+``model.attention`` backend on it: varlen FlashAttention or flex on CUDA, the per-document segmented
+path on CPU. No T x T mask is ever built, so memory and time grow with the documents, not with the
+row; grouped-query key/values are shared, not repeated; sliding windows, soft-capping, scaling and
+attention dropout are honoured per layer. Transformers builds no mask of its own for an
+implementation it does not know (its mask interface returns early), so nothing O(T^2) remains.
+
+``sdpa`` and ``eager`` keep the older path: a 4-D document mask handed to transformers' own kernels.
+Measured with transformers 5.24 on CPU (tests/model/test_hf.py checks it on every run):
 
 ===================  ===========================  =================================================
 attn_implementation  mask passed here             packed vs alone (max |logit diff|)
 ===================  ===========================  =================================================
+densebatch           none (segment bounds)        ~2e-7  (isolated)
 sdpa                 4-D boolean (rows, 1, T, T)  ~2e-7  (isolated)
 eager                4-D additive float, min/0    ~2e-7  (isolated; a boolean mask leaks: 0.24-0.38)
 flex_attention       -                            GPT-2 refuses it; Llama crashes the process
 ===================  ===========================  =================================================
 
-So ``ALLOWED`` is {sdpa, eager}; anything else raises ``ConfigError``. When every row is one
-document followed by padding (``Batch.single_doc_rows``), neither mask nor positions are passed:
-plain causal attention is exact for the real tokens because the padding comes after them, and
-without ``position_ids`` transformers sees no packing and runs SDPA's causal kernel (no 4-D mask).
+So ``ALLOWED`` is {densebatch, sdpa, eager}; anything else raises ``ConfigError``. Under sdpa/eager,
+when every row is one document followed by padding (``Batch.single_doc_rows``), neither mask nor
+positions are passed: plain causal attention is exact for the real tokens because the padding comes
+after them, and without ``position_ids`` transformers sees no packing and runs SDPA's causal kernel.
 
 A 4-D mask is used by transformers as given, for every layer: a sliding-window architecture
 (Mistral, Phi-3, Starcoder2; Gemma 2 and Qwen2 on some layers) would silently lose its window. So
 the window is drawn into the mask here (``q - k < sliding_window`` within a document), and models
 whose layers differ get one mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``,
 which transformers' Gemma 2 and Qwen2/3 accept in place of a tensor). Architectures that cannot be
-isolated are refused when built (``REFUSED``: ALiBi models), and soft-capped attention (Gemma 2),
-which SDPA cannot compute, needs ``eager``. docs/hf-models.md has the table for every architecture,
+isolated are refused when built (``REFUSED``: ALiBi models); soft-capped attention (Gemma 2), which
+SDPA cannot compute, needs ``densebatch`` or ``eager``; Falcon, which picks its attention classes
+itself, needs ``sdpa`` or ``eager``. docs/hf-models.md has the table for every architecture,
 measured by ``benchmarks/model/hf_isolation_table.py`` and checked by tests/model/test_hf_architectures.py.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 import torch
@@ -41,12 +55,17 @@ from torch import Tensor
 
 from densebatch.batch import Batch
 from densebatch.errors import ConfigError
-from densebatch.model.attention import document_mask, rows_hold_one_document
+from densebatch.model.attention import document_mask, pick_backend, plan_attention, rows_hold_one_document
+from densebatch.model.hf_attention import NAME as DENSEBATCH
+from densebatch.model.hf_attention import planned, register
 from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
 from densebatch.model.quiet import quiet_progress
 
-# attn_implementation -> how the document mask is expressed (see the table above).
-ALLOWED = {"sdpa": "bool", "eager": "additive"}
+# attn_implementation -> how the document mask is expressed (see the table above); densebatch needs none.
+ALLOWED = {DENSEBATCH: None, "sdpa": "bool", "eager": "additive"}
+# Architectures whose attention classes are chosen by their own table of eager / sdpa / flash, so that
+# transformers' attention interface (and densebatch's kernel through it) never reaches them.
+_OWN_ATTENTION_CLASSES = {"falcon"}
 # Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state) (no soft-capping,
 # no logit scale), so token_losses may project only the positions that carry a target, through the
 # fused chunked head (model/loss_head.py) when lm_head is a plain nn.Linear.
@@ -76,10 +95,11 @@ class HFCausalLM(nn.Module):
     def __init__(
         self,
         path: str | Path,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str = DENSEBATCH,
         gradient_checkpointing: bool = False,
         loss_head: str = "fused",
         dtype: str = "float32",
+        attention: str = "auto",
     ) -> None:
         super().__init__()
         if loss_head not in LOSS_HEADS:
@@ -100,6 +120,8 @@ class HFCausalLM(nn.Module):
             raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
         config = AutoConfig.from_pretrained(path)
         check_architecture(config, attn_implementation)
+        if attn_implementation == DENSEBATCH:
+            register()
         # model.dtype: the weights as loaded and trained (float32 master weights by default, whatever
         # the checkpoint's dtype; autocast does the low precision). See docs/hf-models.md.
         kw = dict(attn_implementation=attn_implementation, dtype=DTYPES[dtype])
@@ -123,6 +145,7 @@ class HFCausalLM(nn.Module):
                 f"for {config.model_type}; set one of {', '.join(ALLOWED)} that it supports"
             )
         self.attn_implementation = attn_implementation
+        self.attention = attention  # model.attention: the backend densebatch's kernel runs (auto picks per device)
         self.path = path.resolve()  # the base model a LoRA adapter names
         self.dtype = DTYPES[dtype]
         self.lora = False  # set by model/lora.py's apply_lora
@@ -171,7 +194,24 @@ class HFCausalLM(nn.Module):
         dtype = self.dtype  # the hidden states' dtype outside autocast (eager adds the mask to the scores)
         return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
-    def _inputs(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool) -> dict:
+    def _inputs(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        single_doc_rows: bool,
+        cu_seqlens: Tensor | None = None,
+        max_seqlen: int | None = None,
+    ) -> AbstractContextManager[dict]:
+        """The model's keyword inputs, as a context (densebatch's attention plan is published while it runs)."""
+        if self.attn_implementation == DENSEBATCH:
+            # The plan is built once here and reaches every layer's attention call as a keyword
+            # (transformers forwards unknown keywords to the attention interface), no mask at all.
+            backend = pick_backend(self.attention, input_ids.device, torch.is_grad_enabled(), positions.shape[-1])
+            plan = plan_attention(positions, backend, single_doc_rows, None, cu_seqlens, max_seqlen)
+            return planned(plan, input_ids=input_ids, position_ids=positions, use_cache=False)
+        return nullcontext(self._mask_inputs(input_ids, positions, single_doc_rows))
+
+    def _mask_inputs(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool) -> dict:
         if single_doc_rows:
             # One document per row, starting at column 0: its positions are 0, 1, ... (the model's
             # default), and padding only follows it. Passing no position_ids matters: transformers
@@ -187,7 +227,8 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False) -> Tensor:
         """Logits (rows, T, vocab), each document attending only to itself."""
-        return self.lm(**self._inputs(input_ids, positions, single_doc_rows)).logits
+        with self._inputs(input_ids, positions, single_doc_rows) as inputs:
+            return self.lm(**inputs).logits
 
     label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
 
@@ -197,12 +238,13 @@ class HFCausalLM(nn.Module):
         Architectures in ``_HIDDEN_PATH_TYPES`` project only the positions with a target, through
         the fused chunked head unless ``loss_head="plain"``; others compute the model's own logits.
         """
-        inputs = self._inputs(batch.input_ids, batch.positions, rows_hold_one_document(batch))
+        single = rows_hold_one_document(batch)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
-        if not self._hidden_path:
-            logits = self.lm(**inputs).logits  # (rows, T, vocab)
-            return plain_head_token_losses(logits, batch.labels, nn.Identity(), eps)
-        h = self.lm.base_model(**inputs).last_hidden_state  # (rows, T, C)
+        with self._inputs(batch.input_ids, batch.positions, single, batch.cu_seqlens, batch.max_seqlen) as inputs:
+            if not self._hidden_path:
+                logits = self.lm(**inputs).logits  # (rows, T, vocab)
+                return plain_head_token_losses(logits, batch.labels, nn.Identity(), eps)
+            h = self.lm.base_model(**inputs).last_hidden_state  # (rows, T, C)
         head = self.lm.get_output_embeddings()  # a frozen nn.Linear under LoRA, or PEFT's wrapper (trainable tokens)
         if self.loss_head == "plain" or type(head) is not nn.Linear:
             return plain_head_token_losses(h, batch.labels, head, eps)
@@ -341,10 +383,15 @@ def check_architecture(config, attn_implementation: str) -> None:
     kind = getattr(config, "model_type", "?")
     if kind in REFUSED or (kind == "falcon" and getattr(config, "alibi", False)):
         raise ConfigError(f"model.path: {kind} is not supported: it {REFUSED.get(kind, _ALIBI)}")
-    if getattr(config, "attn_logit_softcapping", None) and attn_implementation != "eager":
+    if getattr(config, "attn_logit_softcapping", None) and attn_implementation == "sdpa":
         raise ConfigError(
-            f"model.attn_implementation: {kind} soft-caps its attention scores, which only eager computes "
-            f"(SDPA would give other logits); set model.attn_implementation: eager"
+            f"model.attn_implementation: {kind} soft-caps its attention scores, which SDPA cannot compute "
+            f"(it would give other logits); set model.attn_implementation: {DENSEBATCH} (or eager)"
+        )
+    if kind in _OWN_ATTENTION_CLASSES and attn_implementation == DENSEBATCH:
+        raise ConfigError(
+            f"model.attn_implementation: {kind} picks its attention classes itself (eager, sdpa or flash), so "
+            f"densebatch's document attention cannot reach it; set model.attn_implementation: sdpa (a T x T document mask)"
         )
 
 

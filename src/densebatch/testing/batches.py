@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.batch import IGNORE_INDEX, Batch, segment_bounds
 
 # Three rows of packed document lengths, one document of length 1 (it carries no target).
 PACKED_LENGTHS = [[7, 12, 5], [20], [3, 9, 1, 6]]
@@ -36,7 +36,8 @@ def pack(rows: list[list[list[int]]], seq_len: int | None = None, pad_id: int = 
         assert t <= T, "documents longer than the row"
         pos[r, t:] = torch.arange(T - t)
         real += t
-    return Batch(ids, labels, pos, int((labels != IGNORE_INDEX).sum()), real)
+    cu, longest = segment_bounds(pos)
+    return Batch(ids, labels, pos, int((labels != IGNORE_INDEX).sum()), real, cu_seqlens=cu, max_seqlen=longest)
 
 
 def random_docs(gen: torch.Generator, lengths: list[int], vocab: int) -> list[list[int]]:

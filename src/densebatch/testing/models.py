@@ -67,7 +67,8 @@ WINDOW = 6  # sliding-window attention span, shorter than the longer documents o
 # Rows of documents (lengths) packed for the comparison: several longer than WINDOW, so a forgotten window shows.
 LENGTHS = [[9, 14, 5], [20], [3, 11, 1, 7]]
 SEQ_LEN = 32
-# (model_type, attn_implementation): what the isolation table and test cover.
+# (model_type, transformers' own attn_implementation for it): what the isolation table and test cover,
+# each also under attn_implementation densebatch (but Falcon, which densebatch's kernel cannot reach).
 ARCHITECTURES = [
     ("gpt2", "sdpa"),
     ("llama", "sdpa"),
@@ -144,9 +145,12 @@ def write_config_dir(root: Path, model_type: str, **overrides) -> Path:
     return out
 
 
-def packed_vs_alone(model, docs_by_row: list[list[list[int]]]) -> tuple[float, float]:
+def packed_vs_alone(model, docs_by_row: list[list[list[int]]], reference=None) -> tuple[float, float]:
     """(max |loss difference|, max |logit difference|) between each document packed in its row (the
-    4-D document mask) and the same document alone in a row (no mask: the model's causal attention)."""
+    model's document attention) and the same document alone in a row through ``reference`` (the same
+    weights under another attention implementation, e.g. transformers' own kernel; default: ``model``
+    itself, plain causal attention over one document)."""
+    reference = model if reference is None else reference
     packed = pack(docs_by_row, seq_len=SEQ_LEN)
     worst_loss = worst_logit = 0.0
     with torch.no_grad():
@@ -156,8 +160,8 @@ def packed_vs_alone(model, docs_by_row: list[list[list[int]]]) -> tuple[float, f
             t = 0
             for d in docs:
                 alone = pack([[d]])
-                worst_loss = max(worst_loss, (losses[r, t : t + len(d)] - model.token_losses(alone)[0]).abs().max().item())
-                alone_logits = model(alone.input_ids, alone.positions, single_doc_rows=True)[0]  # (len(d), vocab)
+                worst_loss = max(worst_loss, (losses[r, t : t + len(d)] - reference.token_losses(alone)[0]).abs().max().item())
+                alone_logits = reference(alone.input_ids, alone.positions, single_doc_rows=True)[0]  # (len(d), vocab)
                 worst_logit = max(worst_logit, (logits[r, t : t + len(d)] - alone_logits).abs().max().item())
                 t += len(d)
     return worst_loss, worst_logit

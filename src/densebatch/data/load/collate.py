@@ -50,6 +50,7 @@ class _Gathered:
     max_position: int  # largest value in positions (pieces and padding runs)
     documents: tuple[int, ...]  # sorted unique store indices
     source_ids: np.ndarray | None  # (rows, T) int64, -1 at padding; None when the store has no sources
+    cu_seqlens: np.ndarray  # (segments + 1,) int32: pieces and padding runs over the flattened rows
 
     def batch(self, input_ids: np.ndarray | torch.Tensor, labels: torch.Tensor, num_loss_tokens: int) -> Batch:
         return Batch(
@@ -62,6 +63,8 @@ class _Gathered:
             max_position=self.max_position,
             documents=self.documents,
             source_ids=None if self.source_ids is None else torch.from_numpy(self.source_ids),
+            cu_seqlens=torch.from_numpy(self.cu_seqlens),
+            max_seqlen=int(self.cu_seqlens.size > 1 and np.diff(self.cu_seqlens).max()),
         )
 
 
@@ -116,6 +119,12 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
         source_ids = source_ids.reshape(shape)
     # The largest position, from lengths alone: the longest piece or the longest padding run.
     longest_run = max(int(lens.max(initial=0)), int((T - row_len).max(initial=0)))
+    # Segments row by row: the row's pieces in order, then its padding run (if any).
+    pad = T - row_len  # (rows,)
+    order = np.argsort(np.concatenate([2 * row, 2 * np.arange(nrows) + 1]), kind="stable")
+    seg = np.concatenate([lens, pad])[order]
+    seg = seg[seg > 0]
+    cu_seqlens = np.concatenate([[0], np.cumsum(seg)]).astype(np.int32)
     return _Gathered(
         input_ids.reshape(shape),
         positions.reshape(shape),
@@ -126,6 +135,7 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
         max_position=max(0, longest_run - 1),
         documents=tuple(int(d) for d in np.unique(doc)),
         source_ids=source_ids,
+        cu_seqlens=cu_seqlens,
     )
 
 

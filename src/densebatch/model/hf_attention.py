@@ -1,0 +1,85 @@
+"""densebatch's document attention as a transformers attention implementation (``"densebatch"``).
+
+transformers (>= 4.48, 5.x) looks every layer's attention function up by name in
+``AttentionInterface`` and calls it as ``fn(module, query, key, value, attention_mask, *, dropout,
+scaling, sliding_window, softcap, **kwargs)`` with query (rows, H, T, D) and key/value
+(rows, Hkv, T, D), expecting (rows, T, H, D) back. Keywords given to the model's ``forward`` reach it
+unchanged, so the adapter passes the batch's ``AttentionPlan`` as ``densebatch_plan`` and this
+function runs ``attention.attend`` on it, with the layer's own scale, window and soft-cap. For a name
+it has no mask function for, transformers builds no mask at all (``masking_utils``: "custom attention
+without equivalent mask creation"), so no T x T tensor exists anywhere in the forward.
+
+A few architectures drop unknown keywords on the way down (StableLM in transformers 5.24): for them
+the plan is also published in ``_ACTIVE`` while the adapter's forward runs, and kept as the last plan
+for the backward pass's recomputation under activation checkpointing (which runs before the next
+forward). A call with no plan at all comes from code that runs the transformers model directly (its
+own ``generate``): it gets what transformers' SDPA computes without a mask (causal attention over one
+unpadded sequence; the last queries of a KV cache see every key), since densebatch registers no mask
+function for transformers to build T x T masks with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor
+
+from densebatch.model.attention import AttentionPlan, AttnOptions, attend
+
+NAME = "densebatch"
+PLAN_KEY = "densebatch_plan"
+
+
+class _Active:
+    plan: AttentionPlan | None = None  # the plan of the adapter's forward now running
+    last: AttentionPlan | None = None  # the plan of the latest forward (for its backward's recomputation)
+
+
+_ACTIVE = _Active()
+
+
+@contextmanager
+def planned(plan: AttentionPlan, **inputs) -> Iterator[dict]:
+    """The model's keyword inputs with ``plan`` attached, and the plan published for models that drop it."""
+    _ACTIVE.plan = _ACTIVE.last = plan
+    try:
+        yield {**inputs, PLAN_KEY: plan}
+    finally:
+        _ACTIVE.plan = None
+
+
+def densebatch_attention(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[Tensor, None]:
+    """Causal attention within documents for one layer. Returns ((rows, T, H, D), no weights)."""
+    plan = kwargs.get(PLAN_KEY) or _ACTIVE.plan
+    if plan is None and torch._C._current_graph_task_id() != -1:  # recomputed in a backward pass
+        plan = _ACTIVE.last
+    opts = AttnOptions(scale=scaling, window=sliding_window or None, softcap=softcap or None)
+    if plan is None:  # the transformers model run directly: one unpadded sequence per row
+        Tq, Tk = query.shape[-2], key.shape[-2]
+        if Tq == Tk:
+            plan = AttentionPlan("causal")
+        else:  # queries are the last Tq of Tk positions (a KV cache)
+            q_at = torch.arange(Tk - Tq, Tk, device=query.device)
+            plan = AttentionPlan("masked", mask=(torch.arange(Tk, device=query.device)[None, :] <= q_at[:, None]))
+    out = attend(query, key, value, plan, dropout, opts)  # (rows, H, T, D)
+    return out.transpose(1, 2), None
+
+
+def register() -> None:
+    """Make ``attn_implementation="densebatch"`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(NAME, densebatch_attention)
