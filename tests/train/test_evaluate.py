@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from densebatch.errors import ConfigError
-from densebatch.train.evaluate import autocast, check_precision, evaluate, perplexity
+from densebatch.train.evaluate import allow_tf32, autocast, check_precision, evaluate, perplexity, resolve_precision
 
 
 def test_eval_loss_does_not_depend_on_batching(tiny):
@@ -61,3 +61,18 @@ def test_precision_checks():
         check_precision(cpu, "fp16")
     with autocast(cpu, "bf16"):
         assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+
+
+def test_auto_precision_is_fp32_on_cpu_and_bf16_on_a_cuda_gpu_with_bf16(monkeypatch):
+    cpu = torch.device("cpu")
+    assert resolve_precision(cpu, "auto") == "fp32" and not allow_tf32(cpu)
+    with autocast(cpu, "auto"):  # fp32 on CPU: autocast is not even entered
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    assert resolve_precision(cpu, "bf16") == "bf16"
+    with pytest.raises(ConfigError, match="expected auto, fp32, bf16 or fp16"):
+        resolve_precision(cpu, "fp8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision(torch.device("cuda"), "auto") == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_precision(torch.device("cuda"), "auto") == "fp32"

@@ -152,7 +152,11 @@ class TrainConfig:
     grad_clip_mode: Literal["fixed", "adaptive"] = _f(
         "fixed", "fixed threshold, or adaptive (z-score of running grad-norm statistics)."
     )
-    precision: Literal["fp32", "bf16", "fp16"] = _f("fp32", "fp32, bf16 (autocast) or fp16 (autocast + loss scaling).")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = _f(
+        "auto",
+        "auto (bf16 autocast with TF32 matmuls on a CUDA GPU that has bf16, fp32 on CPU), fp32, bf16 (autocast) or "
+        "fp16 (autocast + loss scaling).",
+    )
     compile: bool = _f(False, "torch.compile the model.")
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto (cuda when present), cpu or cuda.")
     log_every: int = _f(1, "Write metrics every this many steps.", minimum=1)

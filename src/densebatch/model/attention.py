@@ -477,3 +477,9 @@ def _segments(plan: AttentionPlan) -> SegmentPlan:
     if plan.segments is None:
         plan.segments = segment_plan(plan.positions, cu_seqlens=plan.host_cu_seqlens)
     return plan.segments
+
+
+# What compiled blocks call: attention and its plan stay eager (the plan's Python facts, bucket sizes and
+# the longest segment, change every batch; as graph inputs they would recompile every step), and the
+# compiled region ends before it and resumes after it.
+attend_eagerly = torch.compiler.disable(attend)

@@ -22,7 +22,14 @@ from torch.utils.checkpoint import checkpoint
 
 from densebatch.batch import Batch
 from densebatch.errors import ConfigError
-from densebatch.model.attention import BACKENDS, AttentionPlan, attend, pick_backend, plan_attention, rows_hold_one_document
+from densebatch.model.attention import (
+    BACKENDS,
+    AttentionPlan,
+    attend_eagerly,
+    pick_backend,
+    plan_attention,
+    rows_hold_one_document,
+)
 from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
 
 KIND = "densebatch-gpt"  # written to config.json so load_model knows what it is reading
@@ -72,7 +79,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.view(rows, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (rows, H, T, D)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (rows, H, S+T, D)
-        y = attend(q, k, v, plan, self.dropout if self.training else 0.0)  # (rows, H, T, D)
+        y = attend_eagerly(q, k, v, plan, self.dropout if self.training else 0.0)  # (rows, H, T, D)
         y = y.transpose(1, 2).reshape(rows, T, C)  # (rows, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -175,6 +182,14 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, positions, single_doc_rows, cache))
 
     label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
+
+    def compile_blocks(self) -> None:
+        """``train.compile``: every block compiled in place (``torch.compile``, shapes dynamic from the
+        first batch, so a token_budget epoch of ever-new (rows, T) compiles once); attention and its plan
+        run eagerly between the compiled parts (``attend_eagerly``). Embeddings, loss head and the plan
+        stay eager: the head is already one fused chunked kernel."""
+        for block in self.blocks:
+            block.compile(dynamic=True)
 
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)

@@ -250,6 +250,25 @@ class HFCausalLM(nn.Module):
             return plain_head_token_losses(h, batch.labels, head, eps)
         return head_token_losses(h, batch.labels, head.weight, head.bias, batch.num_loss_tokens, label_smoothing=eps)
 
+    def compile_blocks(self) -> None:
+        """``train.compile``: every repeated layer compiled in place (``torch.compile``, dynamic shapes);
+        under ``densebatch`` attention runs eagerly between the compiled parts (``attend_eagerly``), the
+        plan built once outside. Embeddings and the loss head stay eager."""
+        layers = self._layers()
+        if layers is None:
+            self.lm.compile(dynamic=True)
+            return
+        for layer in layers:
+            layer.compile(dynamic=True)
+
+    def _layers(self) -> nn.ModuleList | None:
+        """The repeated layers: the largest ModuleList."""
+        return max(
+            (m for m in self.lm.modules() if isinstance(m, nn.ModuleList)),
+            key=lambda m: sum(p.numel() for p in m.parameters()),
+            default=None,
+        )
+
     # -------------------------------------------------------------------------------- structure
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:
         """embeddings: input/output embedding matrices and any other nn.Embedding (e.g. GPT-2's
@@ -266,11 +285,7 @@ class HFCausalLM(nn.Module):
                     out.append(p)
             return out
 
-        layers = max(
-            (m for m in self.lm.modules() if isinstance(m, nn.ModuleList)),
-            key=lambda m: sum(p.numel() for p in m.parameters()),
-            default=None,
-        )
+        layers = self._layers()
         embeddings = take(self.lm.get_input_embeddings().parameters())
         blocks = take(layers.parameters()) if layers is not None else []
         embeddings += take(p for m in self.lm.modules() if isinstance(m, nn.Embedding) for p in m.parameters())

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from densebatch.model.attention import AttentionPlan, AttnOptions, attend
+from densebatch.model.attention import AttentionPlan, AttnOptions, attend_eagerly
 
 NAME = "densebatch"
 PLAN_KEY = "densebatch_plan"
@@ -74,7 +74,7 @@ def densebatch_attention(
         else:  # queries are the last Tq of Tk positions (a KV cache)
             q_at = torch.arange(Tk - Tq, Tk, device=query.device)
             plan = AttentionPlan("masked", mask=(torch.arange(Tk, device=query.device)[None, :] <= q_at[:, None]))
-    out = attend(query, key, value, plan, dropout, opts)  # (rows, H, T, D)
+    out = attend_eagerly(query, key, value, plan, dropout, opts)  # (rows, H, T, D)
     return out.transpose(1, 2), None
 
 

@@ -26,9 +26,10 @@ from torch import nn
 from densebatch.batch import Batch, Step
 from densebatch.config import TrainConfig
 from densebatch.train.batch_steps import BatchSteps
+from densebatch.train.compiled import CompileCount, compile_for_training
 from densebatch.train.contracts import StepSource
 from densebatch.train.distributed import Distributed, TokenLosses
-from densebatch.train.evaluate import EvalResult, by_source, check_precision, evaluate
+from densebatch.train.evaluate import EvalResult, allow_tf32, by_source, evaluate, resolve_precision
 from densebatch.train.guard import AnomalyGuard, FixedClipper
 from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
 from densebatch.train.oom import OOMLog, Passes, accumulate
@@ -78,14 +79,17 @@ class Trainer:
         self.cfg, self.eval_cfg = cfg, eval_cfg
         self.dist = dist or Distributed()
         self.device = resolve_device(device if device is not None else cfg.device)
-        check_precision(self.device, cfg.precision)
+        self.precision = resolve_precision(self.device, cfg.precision)  # auto: bf16 on a CUDA GPU that has it, else fp32
+        self.tf32 = allow_tf32(self.device)
         self.model = model.to(self.device)
+        self.compiled: CompileCount | None = None
         if cfg.compile:
-            self.model.compile()  # in place: forward is compiled, state_dict keys stay unprefixed
+            self.compiled = CompileCount.start()
+            compile_for_training(self.model)
         self.forward = forward if forward is not None else TokenLosses(self.model)
         self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model, cfg)
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]  # what the optimizer updates
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.precision == "fp16")
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.data: StepSource = data if isinstance(data, StepSource) else BatchSteps(data, cfg)
         self.batch_schedule = batch_schedule.attach(self.data) if batch_schedule is not None else None  # train/schedule.py
         self.guard = guard if guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
@@ -194,7 +198,7 @@ class Trainer:
         """What the step's forward and backward passes use (``train/oom.py``)."""
         return Passes(
             forward=self.forward, optimizer=self.optimizer, scaler=self.scaler, device=self.device,
-            precision=self.cfg.precision, dist=self.dist, sync=self.sync_gradients, source_sums=self.source_sums,
+            precision=self.precision, dist=self.dist, sync=self.sync_gradients, source_sums=self.source_sums,
             num_sources=len(self.source_names) if self.source_names else 0, console=self.console, oom=self.oom,
         )  # fmt: skip
 
@@ -269,7 +273,7 @@ class Trainer:
     def evaluate_batches(self, batches: Iterable[Batch], max_batches: int | None = None) -> EvalResult:
         """``evaluate`` on ``batches`` through this trainer's model wrapper, device, precision and ranks."""
         return evaluate(
-            self.model, batches, device=self.device, precision=self.cfg.precision, max_batches=max_batches,
+            self.model, batches, device=self.device, precision=self.precision, max_batches=max_batches,
             all_reduce_sum=self.dist.all_reduce_sum if self.dist.enabled else None, forward=self.forward,
             source_names=self.source_names,
         )  # fmt: skip
@@ -354,6 +358,8 @@ class Trainer:
                     reason = "max_epochs" if self._epoch_limit() is not None else "data_exhausted"
                     break
                 self.train_step(step)
+                if self.compiled is not None:
+                    self.compiled.after_step()
             if reason != "interrupted" and self.state.last_eval_step != self.state.step:
                 self.evaluate_now()
         finally:
@@ -369,6 +375,8 @@ class Trainer:
         text = format_summary(summary)
         if self.health is not None and self.health.warnings:
             text += "\n" + self.health.format_summary()
+        if self.compiled is not None:
+            text += "\n" + self.compiled.line()
         if self._show_console:
             print(text, flush=True)
         return TrainResult(stop_reason=reason, summary=summary, text=text)
@@ -388,6 +396,9 @@ class Trainer:
             "output_dir": str(self.output_dir),
             "processes": self.dist.world_size,
             "device": str(self.device),
-            "precision": self.cfg.precision,
+            "precision": self.precision
+            + (" (auto)" if self.cfg.precision == "auto" else "")
+            + (", TF32 matmuls" if self.tf32 else ""),
+            **(self.compiled.record() if self.compiled is not None else {}),
             "warnings": [w.as_record() for w in self.health.summary()] if self.health is not None else [],
         }
