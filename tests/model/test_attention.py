@@ -7,9 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from densebatch.batch import segment_bounds
 from densebatch.errors import ConfigError
 from densebatch.model.attention import (
     SEGMENTED_MIN_LEN,
+    AttnOptions,
     attend,
     document_mask,
     only_padding_after_first_document,
@@ -174,3 +176,45 @@ def test_segmented_runs_in_bfloat16():
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 3e-2
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(st.lists(st.integers(1, 90), min_size=1, max_size=6), min_size=1, max_size=4), st.integers(0, 40))
+def test_segment_plan_from_the_batchs_host_bounds_equals_the_one_found_on_the_device(rows, extra):
+    """The collator's cu_seqlens give the same gather / scatter / padding indices and buckets as the
+    segments read back from positions (the host path computes them with numpy, no device op)."""
+    T = max(sum(r) for r in rows) + extra
+    pos = positions_of(rows, T)
+    cu, _ = segment_bounds(pos)
+    host, found = segment_plan(pos, cu_seqlens=cu), segment_plan(pos)
+    assert host.buckets == found.buckets
+    for a, b in ((host.gather, found.gather), (host.scatter, found.scatter), (host.pad_slots, found.pad_slots)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["segmented", "masked"])
+@pytest.mark.parametrize(("window", "softcap", "kv_heads"), [(None, None, 1), (5, None, 2), (None, 0.5, 2), (7, 0.3, 1)])
+def test_grouped_query_heads_windows_and_soft_caps_match_a_per_document_reference(backend, window, softcap, kv_heads):
+    """What transformers' layers pass (fewer key/value heads, a sliding window, a soft-cap, a scale) gives,
+    for every document of packed rows, what plain attention over that document alone gives."""
+    rows, T, H, D = [[9, 14, 5], [20], [3, 11, 1, 7]], 32, 4, 8
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(len(rows), H, T, D, generator=gen)
+    k, v = (torch.randn(len(rows), kv_heads, T, D, generator=gen) for _ in range(2))
+    pos = positions_of(rows, T)
+    cu, longest = segment_bounds(pos)
+    opts = AttnOptions(scale=0.2, window=window, softcap=softcap)
+    out = attend(q, k, v, plan_attention(pos, backend, cu_seqlens=cu, max_seqlen=longest), opts=opts)
+    for r, lengths in enumerate(rows):
+        t = 0
+        for n in lengths:
+            qd, kd, vd = q[r, :, t : t + n], k[r, :, t : t + n], v[r, :, t : t + n]  # (heads, n, D)
+            kd, vd = (x.repeat_interleave(H // kv_heads, dim=0) for x in (kd, vd))
+            s = qd @ kd.transpose(-1, -2) * 0.2  # (H, n, n)
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            i = torch.arange(n)
+            allowed = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
+            ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vd
+            assert torch.allclose(out[r, :, t : t + n], ref, atol=1e-5)
+            t += n

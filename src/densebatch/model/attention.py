@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -199,17 +200,44 @@ def segment_plan(
     n_tok = rows * T
     dev = positions.device
     if cu_seqlens is not None:
-        cu = cu_seqlens.to("cpu", torch.int64)
-        plan = _segment_indices(cu[:-1], torch.diff(cu), n_tok, ratio, min_len)
-        if dev.type == "cpu":
-            return plan
-        move = lambda t: t.pin_memory().to(dev, non_blocking=True)  # noqa: E731
-        return SegmentPlan(move(plan.gather), move(plan.scatter), move(plan.pad_slots), plan.buckets)
+        return _host_segment_plan(cu_seqlens.numpy().astype(np.int64), n_tok, ratio, min_len, dev)
     is_start = positions == 0  # (rows, T)
     is_start[:, 0] = True
     seg_start = torch.nonzero(is_start.reshape(-1)).flatten()  # (S,)
     seg_len = torch.diff(seg_start, append=seg_start.new_tensor([n_tok]))  # (S,)
     return _segment_indices(seg_start, seg_len, n_tok, ratio, min_len)
+
+
+def _host_segment_plan(cu: np.ndarray, n_tok: int, ratio: float, min_len: int, dev: torch.device) -> SegmentPlan:
+    """``_segment_indices`` computed by the host (numpy) from the batch's bounds ``cu`` (S + 1,): no
+    device operation at all until the finished indices are copied over (asynchronously from pinned
+    memory on an accelerator)."""
+    start, length = cu[:-1], np.diff(cu)  # (S,)
+    bucket = np.maximum(np.ceil(np.log(np.maximum(length, 1) / min_len) / math.log(ratio)), 0).astype(np.int64)
+    order = np.argsort(bucket, kind="stable")
+    counts = np.bincount(bucket)
+    longest = np.zeros_like(counts)
+    np.maximum.at(longest, bucket, length)
+    buckets = [(int(n), int(L)) for n, L in zip(counts, longest) if n > 0]
+    slot_base = np.empty_like(start)
+    gathers, pads = [], []
+    first_seg = first_slot = 0
+    for n, L in buckets:
+        segs = order[first_seg : first_seg + n]
+        base = first_slot + L * np.arange(n)
+        slot_base[segs] = base
+        gathers.append(np.minimum(start[segs, None] + np.arange(L), n_tok - 1).reshape(-1))
+        pad = np.arange(L)[None, :] >= length[segs, None]  # (n, L) slots after a segment's end
+        pads.append((base[:, None] + np.arange(L))[pad])
+        first_seg, first_slot = first_seg + n, first_slot + n * L
+    seg_of_tok = np.repeat(np.arange(len(start)), length)  # (N,)
+    scatter = slot_base[seg_of_tok] + np.arange(n_tok) - start[seg_of_tok]
+    parts = np.concatenate(gathers), scatter, np.concatenate(pads) if pads else np.zeros(0, np.int64)
+    if dev.type == "cpu":
+        gather, scatter_t, pad_slots = (torch.from_numpy(np.ascontiguousarray(a)) for a in parts)
+    else:
+        gather, scatter_t, pad_slots = (torch.from_numpy(a).pin_memory().to(dev, non_blocking=True) for a in parts)
+    return SegmentPlan(gather, scatter_t, pad_slots, buckets)
 
 
 def _segment_indices(seg_start: Tensor, seg_len: Tensor, n_tok: int, ratio: float, min_len: int) -> SegmentPlan:

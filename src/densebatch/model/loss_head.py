@@ -201,8 +201,8 @@ def head_token_losses(
     rows, T, C = h.shape
     flat_labels = labels.reshape(-1)  # (N,)
     keep = flat_labels != IGNORE_INDEX  # (N,)
-    if num_loss_tokens is None or h.device.type == "cpu":
-        idx = torch.nonzero(keep).squeeze(1)  # (n,) exact; on CPU a "sync" costs nothing
+    if num_loss_tokens is None:
+        idx = torch.nonzero(keep).squeeze(1)  # (n,) found on the host
     else:
         idx = torch.nonzero_static(keep, size=int(num_loss_tokens)).squeeze(1)  # (n,) no host sync
     chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])

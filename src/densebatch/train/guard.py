@@ -211,21 +211,12 @@ class AdaptiveClipper:
         self.clipped_steps = int(state["clipped_steps"])
 
 
-def clip_gradients(
-    parameters: Iterable[torch.Tensor],
-    max_norm: float = 0.0,
-    clipper: AdaptiveClipper | FixedClipper | None = None,
-) -> tuple[float, float]:
-    """Clip gradients in place; returns ``(total_norm before clipping, threshold used)``.
-
-    ``max_norm`` 0 or inf = no clipping (the norm is still computed, for the guard and the logs);
-    with ``clipper`` its threshold is used instead. A non-finite norm leaves the gradients untouched:
-    scaling by NaN would only spread it, and the guard skips that step anyway.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    if not params:
-        return 0.0, float(max_norm) if max_norm > 0 else math.inf
-    grads = [p.grad for p in params]
+def gradient_norm(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The 2-norm of the gradients of ``params`` (those with one) as a 0-d tensor on their device, the
+    whole norm under FSDP2 too; None when there is no gradient."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return None
     if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
         total = torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
     else:
@@ -234,7 +225,30 @@ def clip_gradients(
         )
     if hasattr(total, "full_tensor"):  # FSDP2: DTensor shards of the norm; every rank needs the whole
         total = total.full_tensor()
-    norm = float(total)
+    return total
+
+
+def clip_gradients(
+    parameters: Iterable[torch.Tensor],
+    max_norm: float = 0.0,
+    clipper: AdaptiveClipper | FixedClipper | None = None,
+    total: torch.Tensor | None = None,
+    norm: float | None = None,
+) -> tuple[float, float]:
+    """Clip gradients in place; returns ``(total_norm before clipping, threshold used)``.
+
+    ``max_norm`` 0 or inf = no clipping (the norm is still computed, for the guard and the logs);
+    with ``clipper`` its threshold is used instead. A non-finite norm leaves the gradients untouched:
+    scaling by NaN would only spread it, and the guard skips that step anyway. ``total`` / ``norm``: the
+    norm already computed (``gradient_norm``) and read back by the caller (with its other reads).
+    """
+    params = [p for p in parameters if p.grad is not None]
+    if not params:
+        return 0.0, float(max_norm) if max_norm > 0 else math.inf
+    grads = [p.grad for p in params]
+    if total is None:
+        total = gradient_norm(params)
+    norm = float(total) if norm is None else norm
     limit = clipper.step(norm) if clipper is not None else (float(max_norm) if max_norm > 0 else math.inf)
     if math.isfinite(norm) and math.isfinite(limit) and norm > limit:
         if hasattr(torch.nn.utils, "clip_grads_with_norm_") and not hasattr(grads[0], "full_tensor"):

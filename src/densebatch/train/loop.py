@@ -36,7 +36,7 @@ from densebatch.train.oom import OOMLog, Passes, accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes, step_record
-from densebatch.train.update import apply_update
+from densebatch.train.update import StepStats, apply_update
 
 
 def resolve_device(name: str | torch.device) -> torch.device:
@@ -168,8 +168,10 @@ class Trainer:
         when it is on (``scaler.unscale_`` removes it). The passes run in ``train/oom.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
         batches = list(batches)
-        counts = torch.tensor([float(sum(b.num_loss_tokens for b in batches))], dtype=torch.float64)
-        total = float(self.dist.all_reduce_sum(counts.to(self.device)).item())  # the normaliser of every batch
+        total = float(sum(b.num_loss_tokens for b in batches))  # the normaliser of every batch: the host knows it
+        if self.dist.enabled:
+            counts = torch.tensor([total], dtype=torch.float64, device=self.device)
+            total = float(self.dist.all_reduce_sum(counts).item())
         # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
         denom = total / self.dist.world_size if total > 0 else 1.0
         k = len(self.source_names) if self.source_names else 0
@@ -180,19 +182,9 @@ class Trainer:
         sums[0] = loss
         if k:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
             sums = torch.cat([sums, self.source_sums])
-        values = self.dist.all_reduce_sum(sums).tolist()
-        loss_sum, real, slots = values[:3]
-        out = {
-            "loss": loss_sum / total if total > 0 else math.nan,
-            "loss_tokens": int(total),
-            "real_tokens": int(real),
-            "slot_tokens": int(slots),
-            "batches": len(batches),
-            "oom_splits": splits,
-        }
-        if k:
-            out["loss_by_source"], out["loss_tokens_share_by_source"] = by_source(values[3:], self.source_names)
-        return out
+        known = {"loss_tokens": int(total), "batches": len(batches), "oom_splits": splits}
+        # read back at the step's end, with the gradient norm (train/update.py), or on first use
+        return StepStats(known, self.dist.all_reduce_sum(sums), total, self.source_names if k else None, by_source)
 
     def passes(self) -> Passes:
         """What the step's forward and backward passes use (``train/oom.py``)."""
@@ -223,7 +215,8 @@ class Trainer:
         lr = self._set_lr(step)
         stats = self.forward_backward(step.batches)
         t1 = time.perf_counter()
-        outcome, grad_norm, limit = self.apply_update(stats)
+        outcome, grad_norm, limit = self.apply_update(stats)  # reads the device once: stats and gradient norm
+        stats.read()  # (a no-op unless the update had no gradient to read with them)
         t2 = time.perf_counter()
         return self._finish_step(step, stats, outcome, lr, grad_norm, limit, (t0, t1, t2))
 

@@ -13,8 +13,42 @@ from collections.abc import Iterable
 
 import torch
 
-from densebatch.train.guard import AnomalyGuard, Verdict, clip_gradients
+from densebatch.train.guard import AnomalyGuard, Verdict, clip_gradients, gradient_norm
 from densebatch.train.state import StepOutcome
+
+
+class StepStats(dict):
+    """A step's loss and token counts over all ranks. What only the device knows (the loss sum, the
+    real and slot counts after the all-reduce, the sums per source) is read back once, on first use,
+    in one transfer; ``read(norm)`` appends the gradient norm to that same transfer, so a step reads
+    the device once at its end (``apply_update`` does this)."""
+
+    def __init__(self, known: dict, sums: torch.Tensor, total: float, source_names: list[str] | None, by_source):
+        super().__init__(known)
+        self._pending = (sums, total, source_names, by_source)
+
+    def read(self, extra: torch.Tensor | None = None) -> float | None:
+        """Fill in the device's values (with ``extra``, a one-element tensor, in the same transfer); ``extra``'s value."""
+        if self._pending is None:
+            return None if extra is None else float(extra)
+        sums, total, names, by_source = self._pending
+        self._pending = None
+        if extra is not None:
+            sums = torch.cat([sums, extra.detach().reshape(1).to(sums)])
+        values = sums.tolist()
+        loss_sum, real, slots = values[:3]
+        self.update({"loss": loss_sum / total if total > 0 else math.nan, "real_tokens": int(real), "slot_tokens": int(slots)})
+        if names:
+            self["loss_by_source"], self["loss_tokens_share_by_source"] = by_source(values[3 : 3 + 2 * len(names)], names)
+        return values[-1] if extra is not None else None
+
+    def __missing__(self, key):
+        self.read()
+        return dict.__getitem__(self, key)
+
+    def get(self, key, default=None):
+        self.read()
+        return super().get(key, default)
 
 
 def apply_update(
@@ -28,9 +62,14 @@ def apply_update(
     """(outcome, gradient norm before clipping, clip limit); ``guard`` None: every finite step is applied."""
     if stats["loss_tokens"] == 0:
         optimizer.zero_grad(set_to_none=True)
+        if isinstance(stats, StepStats):
+            stats.read()
         return StepOutcome.EMPTY, math.nan, math.nan  # nothing to learn from: no update, no verdict
     scaler.unscale_(optimizer)  # clip and judge the true gradient, not the fp16-scaled one
-    grad_norm, limit = clip_gradients(params, clipper=clipper)
+    params = [p for p in params if p.grad is not None]
+    total = gradient_norm(params)  # on the device
+    norm = stats.read(total) if isinstance(stats, StepStats) and total is not None else None  # the step's one read
+    grad_norm, limit = clip_gradients(params, clipper=clipper, total=total, norm=norm)
     if scaler.is_enabled() and math.isfinite(stats["loss"]) and not math.isfinite(grad_norm):
         outcome = StepOutcome.OVERFLOW
     elif guard is None:
