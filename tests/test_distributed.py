@@ -115,6 +115,33 @@ def test_fsdp_equals_ddp_and_holds_half_the_state_per_rank(tmp, ddp):
     assert a.keys() == b.keys() and all(a[k].shape == b[k].shape for k in a)
 
 
+def test_fsdp_accumulation_reduces_once_a_step_and_bf16_shards_train_like_one_process(tmp):
+    """Under FSDP2 with 2 micro-batches a step, each FSDP unit (2 blocks and the root) reduce-scatters its
+    gradients once a step, not after every micro-batch; with train.precision bf16 the shards are
+    all-gathered in bf16 (MixedPrecisionPolicy) and the losses stay within bf16 rounding of one process
+    with the same 4 batches a step in fp32."""
+    import sys
+
+    from support import BIN
+
+    steps, counts = 4, tmp / "counts"
+    cfg = _config(tmp, train={"max_steps": steps, "grad_accum_batches": 2})
+    driver = Path(__file__).parent / "collective_driver.py"
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", sys.executable, str(driver)]
+    args = ["train", str(cfg), f"--output_dir={tmp / 'fsdp-bf16'}", "--train.distributed=fsdp", "--train.precision=bf16"]
+    env = subprocess_env() | {"DENSEBATCH_COUNTS": str(counts)}
+    r = subprocess.run([*cmd, *args], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        assert json.loads((counts / f"rank{rank}.json").read_text())["foreach_reduce"] == steps * 3
+    one = ["train", str(cfg), f"--output_dir={tmp / 'one-accum4'}", "--train.grad_accum_batches=4"]
+    assert in_process(one) == 0
+    got, ref = losses(tmp / "fsdp-bf16"), losses(tmp / "one-accum4")
+    assert [s for s, _ in got] == [s for s, _ in ref] == list(range(1, steps + 1))
+    assert all(abs(x - y) <= 2e-2 * abs(y) for (_, x), (_, y) in zip(got, ref)), (got, ref)
+    assert "bf16" in (tmp / "fsdp-bf16" / "config.yaml").read_text()
+
+
 def test_token_driven_steps_and_idle_ranks_match_one_process(tmp):
     """loss_tokens_per_step decided globally: both ranks take the same steps as one process would,
     including epoch tails where one rank's share is a null batch (max_epochs 2, odd batch counts)."""

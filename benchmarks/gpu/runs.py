@@ -1,5 +1,5 @@
-"""The runs of the GPU benchmark (``bench.py``): densebatch, Hugging Face Trainer and the dense
-ceiling at the same memory cap, each timed per optimizer step with CUDA synchronised at step ends."""
+"""The runs of the GPU benchmark (``bench.py``): densebatch and Hugging Face Trainer on the same model,
+documents and real tokens per step, each timed per optimizer step with CUDA synchronised at step ends."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ def sync(device: torch.device) -> None:
 
 
 class Result:
-    def __init__(self, method: str, seconds: list[float], real: list[int], slots: list[int], peak_mem: float):
-        self.method, self.seconds, self.real, self.slots, self.peak_mem = method, seconds, real, slots, peak_mem
+    def __init__(self, method: str, seconds, real, slots, peak_mem: float, losses=(), note: str = ""):
+        self.method, self.seconds, self.real, self.slots, self.peak_mem = method, list(seconds), list(real), list(slots), peak_mem
+        self.losses, self.note = list(losses), note
 
     @property
     def tokens_per_s(self) -> float:
@@ -30,8 +31,14 @@ class Result:
     def fill(self) -> float:
         return sum(self.real) / max(1, sum(self.slots))
 
+    @property
+    def real_per_step(self) -> float:
+        return sum(self.real) / max(1, len(self.real))
 
-def _reset_mem(device):
+
+def reset(device: torch.device) -> None:
+    """A clean slate between runs: no compiled graphs, no cached blocks, peak memory counters reset."""
+    torch._dynamo.reset()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
@@ -41,12 +48,28 @@ def gib(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.1f}"
 
 
-def _peak_mem(device) -> float:
+def peak_mem(device) -> float:
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
 
 
+def best_hf_attention(device: torch.device) -> str:
+    """What a Hugging Face user would pick for packed (flattened) rows: flash_attention_2 when the package
+    imports, else flex_attention on CUDA, else sdpa (which then builds a mask from position_ids)."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            return "flex_attention"
+    return "sdpa"
+
+
 # -------------------------------------------------------------------------------------- runners
-def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
+def run_densebatch(a, store, device, model_dir: Path, precision: str, compile_: bool, kind: str = "hf") -> Result:
+    """densebatch ``packed``, ``a.slots`` token slots a step in rows of ``a.seq_len``: the same Hugging
+    Face model as the peers (``kind`` hf, attention densebatch: varlen FlashAttention on CUDA), or the
+    reference GPT of the same shape (``kind`` gpt, GPT-2 only)."""
     from densebatch.config import BatchingConfig, ModelConfig, TrainConfig
     from densebatch.data.load.collate import collator_from_config
     from densebatch.data.load.loader import StepLoader
@@ -61,14 +84,18 @@ def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
     )
     torch.manual_seed(a.seed)
     if kind == "gpt":
-        mcfg = ModelConfig(
-            kind="gpt", n_layer=a.layers, n_head=a.heads, n_embd=a.width, block_size=a.seq_len, attention=a.attention
-        )
+        mcfg = ModelConfig(kind="gpt", n_layer=a.layers, n_head=a.heads, n_embd=a.width, block_size=a.seq_len)
     else:
         mcfg = ModelConfig(kind="hf", path=str(model_dir))
     model = build_model(mcfg, a.vocab)
     tcfg = TrainConfig(
-        max_steps=a.warmup_steps + a.steps, lr=3e-4, precision=a.precision, device=device.type, progress=False, compile=a.compile
+        max_steps=a.warmup_steps + a.steps,
+        lr=3e-4,
+        precision=precision,
+        device=device.type,
+        progress=False,
+        compile=compile_,
+        loss_tokens_per_step=None,
     )
     ends, recs = [], []
 
@@ -77,25 +104,25 @@ def run_densebatch(a, store, device, kind: str, model_dir: Path) -> Result:
         ends.append(time.perf_counter())
         recs.append(dict(result.record))
 
-    _reset_mem(device)
+    reset(device)
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
             model, loader, tcfg, output_dir=out, placement=Placement(device=device), reporting=Reporting(console=False)
         )
         trainer.after_step = after_step
-        backend = getattr(trainer.model, "attention_backend", None)
-        if callable(backend):
-            print(f"  densebatch attention backend: {backend(device)}", flush=True)
         trainer.run()
         trainer.reset_data_iterator()
+        note = trainer.compiled.line() if trainer.compiled is not None else ""
     w = a.warmup_steps
     m = recs[w:]
     return Result(
-        "db_packed" if kind == "gpt" else "db_packed_hf",
-        list(np.diff(ends[w - 1 :])),
+        "densebatch",
+        np.diff(ends[w - 1 :]),
         [r["real_tokens"] for r in m],
         [r["slot_tokens"] for r in m],
-        _peak_mem(device),
+        peak_mem(device),
+        [r["loss"] for r in recs],
+        note,
     )
 
 
@@ -120,77 +147,78 @@ class PadCollator:
         return {"input_ids": ids, "labels": labels, "attention_mask": am}
 
 
-def run_hf(a, store, device, model_dir: Path) -> Result:
-    from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainerCallback, TrainingArguments
+class Flattening:
+    """transformers' ``DataCollatorWithFlattening`` (the examples of a batch concatenated into one row,
+    ``position_ids`` restarting per example; flash-attention kwargs when the attention is flash), logging
+    (real, slots) per batch."""
 
-    feats = [{"input_ids": store.document(i)[0]} for i in range(len(store))]
-    collator = PadCollator(a.vocab - 1)
+    def __init__(self, flash: bool):
+        from transformers import DataCollatorWithFlattening
+
+        self.inner, self.log = DataCollatorWithFlattening(return_flash_attn_kwargs=flash), []
+
+    def __call__(self, features):
+        out = self.inner(features)
+        n = int(out["input_ids"].numel())
+        self.log.append((n, n))
+        return out
+
+
+def run_hf(a, store, device, model_dir: Path, precision: str, compile_: bool, flatten: bool) -> Result:
+    """``transformers.Trainer``: ``flatten`` = ``DataCollatorWithFlattening`` + the best attention there is
+    (HF's recommended packing); otherwise padded batches under ``group_by_length`` with SDPA. Both take
+    ``a.examples`` documents a step, so their real tokens per step match densebatch's on average."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+    feats = [{"input_ids": store.document(i)[0].tolist()} for i in range(len(store))]
+    attn = best_hf_attention(device) if flatten else "sdpa"
+    collator = Flattening(attn == "flash_attention_2") if flatten else PadCollator(a.vocab - 1)
     ends: list[float] = []
+    losses: list[float] = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
             sync(device)
             ends.append(time.perf_counter())
 
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(float(logs["loss"]))
+
     torch.manual_seed(a.seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation="sdpa")
-    rows = max(1, a.slots // a.seq_len)
-    _reset_mem(device)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation=attn)
+    reset(device)
     with tempfile.TemporaryDirectory() as out:
         kw = dict(
             output_dir=out,
-            per_device_train_batch_size=rows,
+            per_device_train_batch_size=a.examples,
             max_steps=a.warmup_steps + a.steps,
             learning_rate=3e-4,
-            train_sampling_strategy="group_by_length",
             report_to="none",
             save_strategy="no",
-            logging_strategy="no",
+            logging_strategy="steps",
+            logging_steps=1,
             disable_tqdm=True,
             remove_unused_columns=False,
             seed=a.seed,
             data_seed=a.seed,
-            torch_compile=a.compile,
+            torch_compile=compile_,
         )
+        if not flatten:
+            kw["train_sampling_strategy"] = "group_by_length"
         if device.type == "cuda":
-            kw.update(bf16=a.precision == "bf16", optim="adamw_torch_fused", dataloader_pin_memory=True)
+            kw.update(bf16=precision == "bf16", optim="adamw_torch_fused", dataloader_pin_memory=True)
         else:
             kw.update(use_cpu=True, dataloader_pin_memory=False)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            Trainer(
+            trainer = Trainer(
                 model=model, args=TrainingArguments(**kw), train_dataset=feats, data_collator=collator, callbacks=[Timer()]
-            ).train()
+            )
+            trainer.remove_callback(PrinterCallback)  # the losses are logged every step for Timer, not printed
+            trainer.train()
     w = a.warmup_steps
     m = collator.log[w : w + a.steps]
-    return Result("hf_group_by_length", list(np.diff(ends[w - 1 :])), [x for x, _ in m], [y for _, y in m], _peak_mem(device))
-
-
-def run_ceiling(a, store, device, model_dir: Path) -> Result:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(a.seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation="sdpa").to(device)
-    model.train()
-    fused = {"fused": True}  # HF Trainer's default optimizer (adamw_torch_fused), on CPU too
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
-    rows = max(1, a.slots // a.seq_len)
-    n = rows * a.seq_len
-    toks = torch.from_numpy(np.asarray(store.tokens, np.int64))
-    steps = a.warmup_steps + a.steps
-    ends = []
-    use_amp = a.precision == "bf16"
-    _reset_mem(device)
-    for s in range(steps):
-        start = (s * n) % max(1, len(toks) - n)
-        x = toks[start : start + n].view(rows, a.seq_len).to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
-            loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(device)
-        ends.append(time.perf_counter())
-    w = a.warmup_steps
-    return Result("ceiling", list(np.diff(ends[w - 1 :])), [n] * a.steps, [n] * a.steps, _peak_mem(device))
+    return Result(
+        "hf", np.diff(ends[w - 1 :]), [x for x, _ in m], [y for _, y in m], peak_mem(device), losses, f"attention {attn}"
+    )

@@ -27,7 +27,7 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
     try:
         s = setup(cfg, dist)
         cfg = resolve_budget(cfg, s.model, s.prepared, dist)
-        forward = wrap_model(s.model, cfg.train.distributed, dist)
+        forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
         loader, eval_data = build_loaders(cfg, s.prepared, dist)  # the eval data give the held-out batches
         trainer = Trainer(
             s.model, loader, trainer_config(cfg), output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),

@@ -58,7 +58,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     prepared, model, device = s.prepared, s.model, s.device
     tok = prepared.tokenizer
     cfg = resolve_budget(cfg, model, prepared, dist)  # batching.max_tokens_per_batch: auto, before any wrapping
-    forward = wrap_model(model, cfg.train.distributed, dist)
+    forward = wrap_model(model, cfg.train.distributed, dist, cfg.train.precision)
     loader, eval_data = build_loaders(cfg, prepared, dist)
     if dist.is_main and (alike := homogeneity_warning(cfg, prepared, loader)) is not None:
         print(alike, flush=True)

@@ -9,7 +9,9 @@ all-reduced values, so all ranks agree without one of them deciding alone.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -17,6 +19,7 @@ import torch.distributed as tdist
 from torch import Tensor, nn
 
 from densebatch.batch import Batch
+from densebatch.train.evaluate import AUTOCAST_DTYPES, resolve_precision
 
 
 @dataclass
@@ -125,11 +128,16 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def wrap_model(model: nn.Module, mode: str, dist: Distributed) -> nn.Module:
+def wrap_model(model: nn.Module, mode: str, dist: Distributed, precision: str = "fp32") -> nn.Module:
     """The module every training pass goes through: ``TokenLosses(model)``, replicated with DDP or
     sharded with FSDP2 (``fully_shard`` on each block, then on the root) when there are several
     ranks. ``model`` must already be on ``dist.device``; build the optimizer afterwards (FSDP turns
-    parameters into DTensor shards in place)."""
+    parameters into DTensor shards in place).
+
+    ``precision`` (``train.precision``, ``auto`` resolved for the device): under FSDP2 in bf16 / fp16 the
+    shards are all-gathered in that dtype (``MixedPrecisionPolicy(param_dtype=...)``: half the bytes of
+    fp32) and gradients reduce-scattered in fp32 (``reduce_dtype``); the fp32 shards stay the master
+    weights the optimizer updates."""
     forward = TokenLosses(model)
     if not dist.enabled:
         return forward
@@ -139,10 +147,37 @@ def wrap_model(model: nn.Module, mode: str, dist: Distributed) -> nn.Module:
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         return DDP(forward, device_ids=ids)
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        low = resolve_precision(dist.device, precision)
+        policy = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[low], reduce_dtype=torch.float32) if low != "fp32" else None
+        kw = {"mp_policy": policy} if policy is not None else {}
         for block in repeated_blocks(model):
-            fully_shard(block)
-        fully_shard(forward)
+            fully_shard(block, **kw)
+        fully_shard(forward, **kw)
         return forward
     raise ValueError(f"train.distributed: expected auto, ddp or fsdp; got {mode!r}")
+
+
+@contextlib.contextmanager
+def gradient_sync(forward: nn.Module, last: bool) -> Iterator[None]:
+    """Gradients reduced over ranks on a step's last backward only: DDP's ``no_sync`` for the others;
+    under FSDP2, ``set_requires_gradient_sync(False)`` for the others (unsharded gradients accumulate
+    locally and are reduce-scattered once, at the last backward, instead of after every micro-batch)."""
+    if last:
+        yield
+        return
+    no_sync = getattr(forward, "no_sync", None)
+    if no_sync is not None:
+        with no_sync():
+            yield
+        return
+    set_sync = getattr(forward, "set_requires_gradient_sync", None)
+    if set_sync is None:
+        yield
+        return
+    set_sync(False)
+    try:
+        yield
+    finally:
+        set_sync(True)

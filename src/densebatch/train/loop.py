@@ -28,7 +28,7 @@ from densebatch.config import TrainConfig
 from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.compiled import CompileCount, compile_for_training
 from densebatch.train.contracts import StepSource
-from densebatch.train.distributed import Distributed, TokenLosses
+from densebatch.train.distributed import Distributed, TokenLosses, gradient_sync
 from densebatch.train.evaluate import EvalResult, allow_tf32, by_source, evaluate, resolve_precision
 from densebatch.train.guard import AnomalyGuard, FixedClipper
 from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
@@ -195,9 +195,9 @@ class Trainer:
         )  # fmt: skip
 
     def sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
-        """Gradients are reduced over ranks on the step's last backward only (DDP ``no_sync``)."""
-        no_sync = getattr(self.forward, "no_sync", None)
-        return no_sync() if no_sync is not None and not last else contextlib.nullcontext()
+        """Gradients are reduced over ranks on the step's last backward only (DDP ``no_sync``, FSDP2
+        ``set_requires_gradient_sync``: train/distributed.py ``gradient_sync``)."""
+        return gradient_sync(self.forward, last)
 
     def _set_lr(self, step: Step) -> float:
         st = self.state

@@ -205,11 +205,13 @@ def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, i
 
 def _pass(p: Passes, batch: Batch, denom: float, last: bool, stage: _Stage) -> Tensor:
     batch = to_device(batch, p.device)
-    with p.sync(last), autocast(p.device, p.precision):
-        losses = p.forward(batch)  # (rows, T) float32, 0 where label == -100
-    summed = losses.float().sum()
-    if p.source_sums is not None:
-        p.source_sums += source_sums(batch, losses, p.num_sources)
-    stage.backward = True
-    p.scaler.scale(summed / denom).backward()
+    # the backward too runs inside the sync context: DDP decides at forward time, FSDP2 at backward time
+    with p.sync(last):
+        with autocast(p.device, p.precision):
+            losses = p.forward(batch)  # (rows, T) float32, 0 where label == -100
+        summed = losses.float().sum()
+        if p.source_sums is not None:
+            p.source_sums += source_sums(batch, losses, p.num_sources)
+        stage.backward = True
+        p.scaler.scale(summed / denom).backward()
     return summed.detach().double()

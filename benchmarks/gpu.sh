@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
-# GPU throughput and MFU of densebatch `packed` vs Hugging Face Trainer `group_by_length` at the same
-# memory cap: a GPT-2 124M-shaped model with random weights, random token documents with the lengths
-# of oasst-threads.jsonl. No downloads; about 1-3 minutes on one H100/H200 (hard limit 5 minutes).
+# The GPU check: densebatch against Hugging Face Trainer (DataCollatorWithFlattening + the best attention
+# importable, and group_by_length), GPT-2 124M and a ~0.5B Llama built from configs (random weights),
+# contexts 2,048 and 8,192, the same documents and real tokens a step; eager and compiled; one fp16 run.
+# No downloads; at most ~8 minutes on one H100/H200 including installs (GPU_BENCH_LIMIT_S).
 #
-#   bash benchmarks/gpu/gpu.sh                   # the benchmark (needs CUDA)
-#   bash benchmarks/gpu/gpu.sh --dry-run         # tiny config on CPU: proves the script end to end
-#   bash benchmarks/gpu/gpu.sh --slots 65536     # any option of python -m benchmarks.gpu.bench (--help lists them)
+#   bash benchmarks/gpu.sh              # the benchmark (needs CUDA); the table goes into docs/benchmarks.md
+#   bash benchmarks/gpu.sh --dry-run    # the same runs, CI-sized, on CPU: proves the script end to end
+#   bash benchmarks/gpu.sh --models gpt2 --seq-lens 2048   # any option of python -m benchmarks.gpu.bench
 #
 # Python: $PYTHON if set, else the repository's .venv, else .venv-gpu (created here with the system
 # site-packages, so a machine's preinstalled CUDA torch is used), else python3. densebatch is used
-# from src/ (PYTHONPATH) and the benchmark runs as a module from the repository root, so no install is needed. Missing transformers / accelerate are installed
-# only when a package index is reachable; otherwise the Hugging Face rows are skipped and said so.
+# from src/ (PYTHONPATH) and the benchmark runs as a module from the repository root, so no install is
+# needed. Missing transformers / accelerate are installed when a package index is reachable.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-LIMIT_S="${GPU_BENCH_LIMIT_S:-290}"
+LIMIT_S="${GPU_BENCH_LIMIT_S:-470}"
+[[ " $* " == *" --dry-run "* ]] && LIMIT_S="${GPU_BENCH_LIMIT_S:-1000}"  # CPU: the compiled runs take minutes
 
 say() { printf '[gpu.sh] %s\n' "$*"; }
 
@@ -64,7 +66,7 @@ for mod in numpy yaml safetensors tqdm transformers accelerate; do
     say "$mod missing: trying pip install $pkg (works only with a reachable package index)"
     if ! timeout 60 "$PY" -m pip install --quiet "$pkg" >/dev/null 2>&1; then
       case "$mod" in
-        transformers|accelerate) say "WARNING: $pkg unavailable: the Hugging Face rows will be skipped" ;;
+        transformers|accelerate) say "ERROR: $pkg is required (the Hugging Face models and peers) and could not be installed"; exit 2 ;;
         *) say "ERROR: $pkg is required by densebatch and could not be installed"; exit 2 ;;
       esac
     fi
@@ -81,7 +83,7 @@ else
   "$PY" -m benchmarks.gpu.bench "$@" || status=$?
 fi
 if [[ $status -eq 124 ]]; then
-  say "ERROR: stopped after ${LIMIT_S} s (lower --steps or --slots)"
+  say "ERROR: stopped after ${LIMIT_S} s (lower --steps, --slots or --budget-s)"
 elif [[ $status -ne 0 ]]; then
   say "ERROR: benchmarks.gpu.bench exited with status $status"
 else
