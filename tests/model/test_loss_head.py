@@ -238,3 +238,17 @@ def test_the_losses_are_a_tensor_of_their_own_not_a_view(fused):
     assert out.shape == (2, 5) and not out._is_view()
     out.sum().backward()  # the expanded (stride 0) gradient of a sum, the trainer's case
     assert h.grad is not None and head.weight.grad is not None
+
+
+def test_chunks_are_sized_per_device_and_low_precision_products_accumulate_in_float32():
+    from densebatch.model.loss_head import _add_product, _fp32_out_matmul, chunk_tokens_for
+
+    assert chunk_tokens_for(50257) == 2**27 // (4 * 50257)  # CPU: 128 MiB of float32 logits
+    assert chunk_tokens_for(32000, device="cuda") == 2**30 // (4 * 32000)  # GPU: 1 GiB, large products
+    assert not _fp32_out_matmul(torch.device("cpu"))  # torch 2.13 has no fp32-output bf16 product on CPU
+    gen = torch.Generator().manual_seed(0)
+    d, h = torch.randn(64, 16, generator=gen), torch.randn(16, 8, generator=gen)
+    grad = torch.zeros(64, 8)
+    out = _add_product(grad, d.bfloat16(), h.bfloat16())
+    assert out.dtype == torch.float32 and out is grad
+    assert torch.allclose(out, d @ h, rtol=2e-2, atol=5e-2)

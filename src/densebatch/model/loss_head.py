@@ -38,11 +38,45 @@ from densebatch.batch import IGNORE_INDEX
 # chunks (32 MiB) made the head 11% slower than the plain one, 652 make it 16% faster, and larger
 # chunks gain little more (docs/benchmarks.md, "Loss head: speed and memory").
 CHUNK_BYTES = 128 * 2**20
+# On a GPU each chunk is a handful of kernel launches and two reads of the head: larger chunks (8,192
+# positions at a 32k vocabulary) keep the matrix products large. Chosen, not yet measured on a GPU.
+DEVICE_CHUNK_BYTES = {"cuda": 1024 * 2**20}
 LOSS_HEADS = ("fused", "plain")
 
 
-def chunk_tokens_for(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
+def chunk_tokens_for(vocab_size: int, chunk_bytes: int | None = None, device: torch.device | str = "cpu") -> int:
+    """Positions per chunk: ``chunk_bytes`` of float32 logits (by default the device's: ``DEVICE_CHUNK_BYTES``,
+    else ``CHUNK_BYTES``)."""
+    if chunk_bytes is None:
+        chunk_bytes = DEVICE_CHUNK_BYTES.get(torch.device(device).type, CHUNK_BYTES)
     return max(16, chunk_bytes // (4 * vocab_size))
+
+
+_FP32_OUT: dict[str, bool] = {}
+
+
+def _fp32_out_matmul(device: torch.device) -> bool:
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` runs on bf16/fp16 inputs here (CUDA in
+    torch >= 2.8; not on CPU): then the weight gradient is accumulated in fp32 by the product itself."""
+    key = device.type
+    if key not in _FP32_OUT:
+        try:
+            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
+            _FP32_OUT[key] = torch.addmm(torch.zeros(2, 2, device=device), a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, NotImplementedError, TypeError):
+            _FP32_OUT[key] = False
+    return _FP32_OUT[key]
+
+
+def _add_product(grad_w: Tensor, d_t: Tensor, hc: Tensor) -> Tensor:
+    """``grad_w + d_t @ hc`` into the float32 ``grad_w``: one fp32-output product when the inputs are low
+    precision and the device has it (no bf16 rounding of each chunk's product), else the product in the
+    inputs' dtype added in fp32."""
+    if d_t.dtype == torch.float32:
+        return grad_w.addmm_(d_t, hc)
+    if _fp32_out_matmul(grad_w.device):
+        return torch.addmm(grad_w, d_t, hc, out_dtype=torch.float32)
+    return grad_w.add_((d_t @ hc).float())
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -99,10 +133,7 @@ class _FusedLinearCE(torch.autograd.Function):
             _subtract_target(z, yc, eps)  # d loss / d logits
             d = z.to(dtype)  # (c, V)
             grad_h[a : a + chunk] = (d @ w).to(h.dtype)
-            if dtype == torch.float32:
-                grad_w.addmm_(d.t(), hc)
-            else:
-                grad_w += (d.t() @ hc).float()
+            grad_w = _add_product(grad_w, d.t(), hc)
             if grad_b is not None:
                 grad_b += d.sum(0, dtype=torch.float32)
         ctx.chunk, ctx.dtype, ctx.has_bias, ctx.eps = chunk, dtype, bias is not None, eps
@@ -180,7 +211,7 @@ def _weighted_head_grads(h, weight, bias, idx, targets, g, chunk, dtype, eps: fl
         d = torch.softmax(F.linear(hc, w, b).float(), dim=1)  # (c, V)
         _subtract_target(d, yc, eps)
         d.mul_(g[a : a + chunk, None])
-        grad_w += (d.to(dtype).t() @ hc).float()
+        grad_w = _add_product(grad_w, d.to(dtype).t(), hc)
         if grad_b is not None:
             grad_b += d.sum(0)
     return grad_w, grad_b
@@ -205,7 +236,7 @@ def head_token_losses(
         idx = torch.nonzero(keep).squeeze(1)  # (n,) found on the host
     else:
         idx = torch.nonzero_static(keep, size=int(num_loss_tokens)).squeeze(1)  # (n,) no host sync
-    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
+    chunk = chunk_tokens or chunk_tokens_for(weight.shape[0], device=h.device)
     # Gradient work happens in the forward pass, so it must know now whether a backward will follow.
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
     targets = flat_labels.index_select(0, idx)  # (n,)
