@@ -29,7 +29,7 @@ causal kernel (0.97 s, 2.35 s); bucket padding is ~5% of slots.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -167,6 +167,7 @@ class AttentionPlan:
     max_len: int = 0  # varlen: longest segment
     positions: Tensor | None = None  # (rows, T): what a fallback to the segmented path is built from
     host_cu_seqlens: Tensor | None = None  # the batch's segment bounds on the host (no device sync to use them)
+    flex_masks: dict = field(default_factory=dict)  # flex: block masks by sliding window (None: none), built on first use
 
 
 @dataclass
@@ -419,16 +420,9 @@ def plan_attention(
     if backend == "masked":
         return AttentionPlan("masked", mask=document_mask(positions), positions=positions, host_cu_seqlens=host)
     if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        doc = document_ids(positions)  # (rows, T)
-
-        def same_doc_causal(b, h, q, k):
-            return (doc[b, q] == doc[b, k]) & (q >= k)
-
-        rows, T = positions.shape
-        block_mask = create_block_mask(same_doc_causal, rows, None, T, T, device=positions.device, _compile=positions.is_cuda)
-        return AttentionPlan("flex", block_mask=block_mask, positions=positions, host_cu_seqlens=host)
+        plan = AttentionPlan("flex", positions=positions, host_cu_seqlens=host)
+        plan.block_mask = _flex_mask(plan, None)
+        return plan
     if backend == "varlen":
         if host is not None and max_seqlen is not None:
             cu = host.to(positions.device, non_blocking=True)
@@ -446,9 +440,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
     """Attention of q (rows, H, Tq, D) over k, v (rows, Hkv, Tk, D) under ``plan``. (rows, H, Tq, D)
 
     ``Hkv`` may divide ``H`` (grouped-query attention: key/value heads are shared, not repeated).
-    ``opts`` (scale, sliding window, soft-cap) are honoured by every backend: one that cannot compute
-    them (flex, varlen with a cap or with dropout, which FlashAttention's varlen kernel lacks) hands the
-    layer to the exact segmented path, whose indices are built once per plan."""
+    ``opts`` (scale, sliding window, soft-cap) are honoured by every backend; a kernel that cannot
+    compute something hands the layer on: varlen (no fp32, no soft-cap, no dropout in FlashAttention's
+    varlen kernel) to flex with a document block mask on CUDA, attention dropout (which flex lacks) to the
+    exact segmented path, whose indices are built once per plan."""
     if plan.backend == "causal":
         if opts.window is not None and opts.window < q.shape[-2] or opts.softcap:
             return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
@@ -468,17 +463,15 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
     if plan.backend == "segmented":
         return segmented_attention(q, k, v, plan.segments, dropout_p, opts)
     if plan.backend == "flex":
-        if opts.window is not None or opts.softcap or k.shape[1] != q.shape[1]:
+        if dropout_p:  # flex has no attention dropout: the segmented path honours it
             return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
-        # Flex has no dropout; attention dropout is skipped there (residual dropout still applies).
-        if q.is_cuda:
-            return _compiled_flex()(q, k, v, block_mask=plan.block_mask, scale=opts.scale)
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=plan.block_mask, scale=opts.scale)
+        return _flex_attention(q, k, v, plan, opts)
     if plan.backend == "varlen":
         if q.dtype not in (torch.float16, torch.bfloat16) or opts.softcap or dropout_p:
-            # FlashAttention's varlen kernel has no fp32, no soft-cap and no dropout: the exact segmented path.
+            # FlashAttention's varlen kernel has no fp32, no soft-cap and no dropout: flex with a document
+            # block mask where it runs (CUDA; no dropout), else the exact segmented path.
+            if not dropout_p and q.is_cuda and _flex_available():
+                return _flex_attention(q, k, v, plan, opts)
             return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
         rows, H, T, D = q.shape
         Hkv = k.shape[1]
@@ -498,6 +491,41 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
         )
         return out.view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)
     raise AssertionError(f"unknown plan backend {plan.backend}")
+
+
+def _flex_mask(plan: AttentionPlan, window: int | None):
+    """The plan's document block mask (causal; within ``window`` when given), built once per window."""
+    if window not in plan.flex_masks:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc = document_ids(plan.positions)  # (rows, T)
+
+        def same_doc_causal(b, h, q, k):
+            ok = (doc[b, q] == doc[b, k]) & (q >= k)
+            return ok if window is None else ok & (q - k < window)
+
+        rows, T = plan.positions.shape
+        pos = plan.positions
+        plan.flex_masks[window] = create_block_mask(same_doc_causal, rows, None, T, T, device=pos.device, _compile=pos.is_cuda)
+    return plan.flex_masks[window]
+
+
+def _flex_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, opts: AttnOptions) -> Tensor:
+    """FlexAttention over the plan's documents: the window in the block mask, the soft-cap as a score
+    modification (after the scale, as Gemma 2), grouped-query heads shared (``enable_gqa``). (rows, H, T, D)"""
+    score_mod = None
+    if opts.softcap:
+        cap = opts.softcap
+
+        def score_mod(score, b, h, q_idx, k_idx):
+            return cap * torch.tanh(score / cap)
+
+    if q.is_cuda:
+        fn = _compiled_flex()
+    else:
+        from torch.nn.attention.flex_attention import flex_attention as fn
+    block_mask = _flex_mask(plan, opts.window)
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=opts.scale, enable_gqa=k.shape[1] != q.shape[1])
 
 
 def _segments(plan: AttentionPlan) -> SegmentPlan:
