@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import densebatch.model.attention as attention
+import densebatch.model.segmented as segmented
 from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.model import GPT, GPTConfig
 
@@ -97,7 +98,7 @@ def main() -> None:
     name = lambda b, r: b if r is None else f"seg@{r:g}"  # noqa: E731
     header = "| width | batch | " + " | ".join(name(b, r) for b, r in variants) + " | masked / segmented |"
     table = [header, "|" + "---|" * (header.count("|") - 1)]
-    default_ratio = attention.BUCKET_RATIO
+    default_ratio = segmented.BUCKET_RATIO
     for width in (int(w) for w in args.widths.split(",")):
         cfg = GPTConfig(vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=width, block_size=T)
         model = GPT(cfg).train()
@@ -110,7 +111,7 @@ def main() -> None:
                 for i in list(range(len(variants)))[shift:] + list(range(len(variants)))[:shift]:
                     backend, ratio = variants[i]
                     model.cfg.attention = "masked" if backend == "causal" else backend
-                    attention.BUCKET_RATIO = ratio or default_ratio
+                    segmented.BUCKET_RATIO = ratio or default_ratio
                     t0 = time.perf_counter()
                     step(model, batch, causal=backend == "causal")
                     if rep >= args.warmup:
@@ -125,7 +126,7 @@ def main() -> None:
             )
             table.append(f"| {width} | {rows}x{T} | " + " | ".join(cells) + f" | {ratio} |")
             print(table[-1], flush=True)
-    attention.BUCKET_RATIO = default_ratio
+    segmented.BUCKET_RATIO = default_ratio
     print(f"\nseconds per forward+backward, median of {args.repeats} (after {args.warmup} warm-up)\n")
     print("\n".join(table))
 

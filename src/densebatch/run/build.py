@@ -30,7 +30,7 @@ from densebatch.data.prepare.tokenizers import resolve_tokenizer_spec
 from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
-from densebatch.model.hf import check_causal_lm_dir
+from densebatch.model.hf_checks import check_causal_lm_dir
 from densebatch.model.lora import lora_summary
 from densebatch.run.demo import DEMO_OVERRIDES, is_demo
 from densebatch.train.distributed import Distributed
