@@ -4,7 +4,8 @@
         [--seeds 0 1 2] [--steps N] [--every K] [--out results.jsonl]
 
 Each setup trains with the installed command line (``python -m densebatch.cli train``), one run at a
-time, evaluating every K steps, and reads its ``metrics.jsonl``. Reported per setup (median over the
+time, seed by seed with the setups interleaved (so that the machine's drift falls on all of them alike),
+evaluating every K steps, and reads its ``metrics.jsonl``. Reported per setup (median over the
 seeds, then each seed): real tokens and fill per step, and the **training time** (the sum of the
 steps' own wall time, evaluations excluded), steps and real tokens until the first evaluation that
 reaches the target, with the final quality.
@@ -16,7 +17,9 @@ reaches the target, with the final quality.
 - ``--set mixture``: the shared instruction data, chat threads and Shakespeare as three sources
   (``bpe:2048``, a 2-layer GPT of width 128, learning rate 1e-3), evaluated per source. Target: the
   eval loss that random padded batches reach at the end (median over the seeds), for the overall
-  loss; the per-source losses at the end are printed beside it.
+  loss; the per-source losses at the end are printed beside it. ``packed-2816`` / ``token_budget-2816``
+  hold as many real tokens a step as random's 8 padded rows (~2,450), so they compare at equal real
+  tokens per step; ``packed-2048`` holds 18% fewer.
 
 Peers: random padded batches (``random``, 8 rows) and Hugging Face ``group_by_length``, which is
 ``length_grouped`` at HF's settings (one document a row, ``bundle_tokens: 0``; mega-batches of 50
