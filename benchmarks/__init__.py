@@ -7,7 +7,7 @@ docs/benchmarks.md lists every command beside the figures it gave.
 - ``throughput``: training throughput against Hugging Face Trainer and plain loops, where a step's
   time goes, the cost of the per-step metrics.
 - ``model``: attention backends, the loss head's speed and memory, Hugging Face adapter tolerances.
-- ``gpu``: throughput and MFU on a CUDA device (``bash benchmarks/gpu/gpu.sh``).
+- ``gpu``: throughput, MFU and memory on a CUDA device against Hugging Face Trainer (``bash benchmarks/gpu.sh``).
 - ``finders``: the learning-rate finder against grids of whole training runs.
 - ``common``: what several groups share (../shared/data, its sets and their lengths, the GPT-2 config).
 
