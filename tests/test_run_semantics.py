@@ -142,3 +142,15 @@ def test_a_finished_run_leaves_no_prefetch_thread(tmp_path):
     args = ["train", *TINY, f"--output_dir={tmp_path / 'o'}", f"--data.cache_dir={tmp_path / 'c'}", "--train.max_steps=2"]
     assert main([*args, "--batching.prefetch=2"]) == 0
     assert not [t.name for t in threading.enumerate() if t.name == "densebatch-prefetch" and t.is_alive()]
+
+
+def test_a_step_in_loss_tokens_says_how_many_batches_it_takes(tmp_path, capsys):
+    """train.loss_tokens_per_step decides the step, the batching flags the batch: the run says what that makes."""
+    args = [*BASE_TINY, "--train.max_steps=1", "--eval.every_steps=0", "--data.eval_fraction=0"]
+    assert main(["train", f"--output_dir={tmp_path / 'a'}", *args, "--train.loss_tokens_per_step=200"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("train.loss_tokens_per_step"))
+    assert "train.loss_tokens_per_step 200: " in line and " batches a step on average (" in line
+    per_step = float(line.split(": ")[1].split()[0])
+    assert per_step > 1.0  # a batch of 1,024 slots holds fewer than 200 loss tokens here
+    assert main(["train", f"--output_dir={tmp_path / 'b'}", *args]) == 0  # one batch a step: nothing to say
+    assert "batches a step" not in capsys.readouterr().out

@@ -163,6 +163,19 @@ def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) 
     return homogeneity_warning_line(h, cfg.batching.strategy)
 
 
+def step_size_line(loader: StepLoader) -> str | None:
+    """What ``train.loss_tokens_per_step`` makes of a step on this plan: batches a step on average (the
+    step is chosen in loss tokens, the batch by memory, so the batching flags alone do not say it)."""
+    target = loader.loss_tokens_per_step
+    if not target:
+        return None
+    steps, batches = loader.steps_per_epoch(), loader.batches_per_epoch
+    return (
+        f"train.loss_tokens_per_step {target}: {batches / max(1, steps):.1f} batches a step on average "
+        f"({steps} steps an epoch of {batches} batches)"
+    )
+
+
 @dataclass
 class Setup:
     """What ``setup`` built: the configuration, the ranks, the documents and the model on its device."""

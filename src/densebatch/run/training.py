@@ -23,7 +23,7 @@ from densebatch.data.accuracy import AccuracyCheck
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model, generate_batch, save_model
 from densebatch.run.auto import resolve_budget, resolve_lr, trainer_config
-from densebatch.run.build import build_loaders, homogeneity_warning, resolve_config, setup
+from densebatch.run.build import build_loaders, homogeneity_warning, resolve_config, setup, step_size_line
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
 from densebatch.run.lock import RunLock
 from densebatch.run.resume import resolve_run
@@ -62,6 +62,8 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     loader, eval_data = build_loaders(cfg, prepared, dist)
     if dist.is_main and (alike := homogeneity_warning(cfg, prepared, loader)) is not None:
         print(alike, flush=True)
+    if dist.is_main and (sizes := step_size_line(loader)) is not None:
+        print(sizes, flush=True)
     t = trainer_config(cfg)  # train.lr: auto holds a placeholder until resolve_lr below
     if t.batch_schedule.backoff_patience and eval_data is None:
         raise ConfigError(
