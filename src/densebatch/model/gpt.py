@@ -183,14 +183,6 @@ class GPT(nn.Module):
 
     label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
 
-    def compile_blocks(self) -> None:
-        """``train.compile``: every block compiled in place (``torch.compile``, shapes dynamic from the
-        first batch, so a token_budget epoch of ever-new (rows, T) compiles once); attention and its plan
-        run eagerly between the compiled parts (``attend_eagerly``). Embeddings, loss head and the plan
-        stay eager: the head is already one fused chunked kernel."""
-        for block in self.blocks:
-            block.compile(dynamic=True)
-
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
 

@@ -247,17 +247,6 @@ class HFCausalLM(nn.Module):
             return plain_head_token_losses(h, batch.labels, head, eps)
         return head_token_losses(h, batch.labels, head.weight, head.bias, batch.num_loss_tokens, label_smoothing=eps)
 
-    def compile_blocks(self) -> None:
-        """``train.compile``: every repeated layer compiled in place (``torch.compile``, dynamic shapes);
-        under ``densebatch`` attention runs eagerly between the compiled parts (``attend_eagerly``), the
-        plan built once outside. Embeddings and the loss head stay eager."""
-        layers = self._layers()
-        if layers is None:
-            self.lm.compile(dynamic=True)
-            return
-        for layer in layers:
-            layer.compile(dynamic=True)
-
     def _layers(self) -> nn.ModuleList | None:
         """The repeated layers: the largest ModuleList."""
         return max(

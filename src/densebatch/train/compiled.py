@@ -1,9 +1,10 @@
 """``train.compile``: compile what training runs, and count what was compiled.
 
 ``nn.Module.compile()`` wraps ``__call__`` only, and training never calls the model: it calls
-``token_losses``. So a model that offers ``compile_blocks`` (the reference GPT, the Hugging Face adapter)
-compiles its repeated blocks in place, with dynamic shapes, attention kept eager between the compiled
-parts (its plan's Python facts change every batch); any other model gets ``token_losses`` compiled.
+``token_losses``. So the model's repeated blocks (``distributed.repeated_blocks``, what FSDP2 shards:
+the GPT's blocks, a Hugging Face model's decoder layers) are compiled in place, with dynamic shapes;
+attention runs eagerly between the compiled parts (``model/attention.py`` ``attend_eagerly``: its
+plan's Python facts change every batch). A model without repeated blocks gets ``token_losses`` compiled.
 
 Shapes: with ``dynamic=True`` a token_budget epoch, whose every batch has a new (rows, T), compiles each
 graph once; switching between training and evaluation (grad mode) compiles it once more. ``CompileCount``
@@ -18,12 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from densebatch.train.distributed import repeated_blocks
+
 
 def compile_for_training(model: nn.Module) -> None:
-    blocks = getattr(model, "compile_blocks", None)
-    if callable(blocks):
-        blocks()
-    else:
+    blocks = repeated_blocks(model)
+    for block in blocks:
+        block.compile(dynamic=True)
+    if not blocks:
         model.token_losses = torch.compile(model.token_losses, dynamic=True)
 
 
