@@ -62,15 +62,16 @@ def install_faults(faults: dict) -> None:
 
         nth, which = int(spec["save"]), spec.get("file", "model")
         saves = {"n": 0}
-        orig_save_file, orig_write_json = checkpoint.save_file, checkpoint._write_json
+        orig_save_file, orig_write_json = checkpoint.write_safetensors, checkpoint._write_json
 
         def save_file(tensors, filename, metadata=None):
             if Path(filename).name == "model.safetensors":
                 saves["n"] += 1
-            orig_save_file(tensors, filename, metadata=metadata)
+            written = orig_save_file(tensors, filename, metadata=metadata)
             if saves["n"] == nth and Path(filename).name == f"{which}.safetensors":
                 _torn(filename)
                 _kill_self()
+            return written
 
         def write_json(path, obj):
             orig_write_json(path, obj)
@@ -78,7 +79,7 @@ def install_faults(faults: dict) -> None:
                 _torn(path)
                 _kill_self()
 
-        checkpoint.save_file, checkpoint._write_json = save_file, write_json
+        checkpoint.write_safetensors, checkpoint._write_json = save_file, write_json
     if spec := faults.get("loss_fault"):
         from densebatch.model.gpt import GPT
 
@@ -109,19 +110,20 @@ def install_faults(faults: dict) -> None:
         from densebatch.train.session import Session
 
         stopping, marker, seconds = {"now": False}, Path(slow["marker"]), float(slow["seconds"])
-        orig_session_save, orig_save_file = Session.save, checkpoint.save_file
+        orig_session_save, orig_save_file = Session.save, checkpoint.write_safetensors
 
         def session_save(self):
             stopping["now"] = self.trainer.should_stop
             return orig_session_save(self)
 
         def slow_save_file(tensors, filename, metadata=None):
-            orig_save_file(tensors, filename, metadata=metadata)
+            written = orig_save_file(tensors, filename, metadata=metadata)
             if stopping["now"] and Path(filename).name == "model.safetensors":
                 marker.write_text(str(filename))
                 time.sleep(seconds)
+            return written
 
-        Session.save, checkpoint.save_file = session_save, slow_save_file
+        Session.save, checkpoint.write_safetensors = session_save, slow_save_file
     if hold := faults.get("hold_prepare"):
         from densebatch.data.prepare import pipeline
 

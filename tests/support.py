@@ -70,9 +70,11 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
 
 
-def torchrun(args: list[str], nproc: int = 2) -> list[str]:
-    """The command of ``densebatch ARGS`` under ``torchrun --standalone`` with ``nproc`` processes."""
-    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "--no-python", str(BIN / "densebatch"), *args]
+def torchrun(args: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
+    """The command of ``densebatch ARGS`` (or ``python SCRIPT ARGS``) under ``torchrun --standalone`` with
+    ``nproc`` processes."""
+    program = [str(BIN / "densebatch")] if script is None else [sys.executable, str(script)]
+    return [str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={nproc}", "--no-python", *program, *args]
 
 
 def torchrun_node(port: int, rdzv_id: str, args: list[str]) -> list[str]:

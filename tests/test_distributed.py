@@ -211,3 +211,30 @@ def test_two_nodes_on_localhost_equal_ddp(tmp, ddp):
     results = [n.communicate(timeout=300) for n in nodes]
     assert all(n.returncode == 0 for n in nodes), results[0][1][-2000:] + results[1][1][-2000:]
     assert close(losses(out), losses(ddp))
+
+
+def test_an_fsdp_run_saves_shards_and_resumes_on_one_and_on_three_processes_within_1e5(tmp):
+    """FSDP on 2 processes, 3 batches each a step (6 a step: 1, 2 and 3 processes split them evenly);
+    checkpoints hold each rank's shards and no pickle; the continuation from step 4 on 1 process and on
+    3 processes equals the 2-process run's within 1e-5, step by step."""
+    cfg = _config(tmp, train={"max_steps": 8, "grad_accum_batches": 3})
+    ref = tmp / "fsdp-shards"
+    r = launch(["train", str(cfg), f"--output_dir={ref}", "--train.distributed=fsdp"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    ck = ref / "checkpoints" / "step-000004"
+    names = sorted(p.name for p in ck.iterdir())
+    assert {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "state.json", "manifest.json"} <= set(names)
+    assert all(n.endswith((".safetensors", ".json")) for n in names)
+    for nproc in (1, 3):
+        out = tmp / f"fsdp-on-{nproc}"
+        shutil.copytree(ref, out)
+        shutil.rmtree(out / "checkpoints" / "step-000008")
+        shutil.rmtree(out / "final")
+        args = ["train", str(cfg), f"--output_dir={out}", "--resume"]
+        if nproc == 1:
+            assert in_process(args) == 0
+        else:
+            r = launch(args, nproc=3)
+            assert r.returncode == 0, r.stderr[-3000:]
+        resumed, reference = losses(out), losses(ref)
+        assert resumed[:4] == reference[:4] and close(resumed, reference), (nproc, resumed, reference)

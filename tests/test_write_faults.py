@@ -52,7 +52,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_stops_in_one
     cfg = fd.write_config(tmp_path / "run.yaml", tmp_path / "out", cache, **sections)
     out, ck = tmp_path / "out", tmp_path / "out" / "checkpoints"
 
-    saves, orig_save_file, orig_write_json = {"n": 0}, checkpoint.save_file, checkpoint._write_json
+    saves, orig_save_file, orig_write_json = {"n": 0}, checkpoint.write_safetensors, checkpoint._write_json
 
     def save_file(tensors, filename, metadata=None):  # the disk fills during the 2nd save (step 4)
         if Path(filename).name == "model.safetensors":
@@ -60,7 +60,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_stops_in_one
         if saves["n"] == 2 and Path(filename).name == where:
             Path(filename).write_bytes(b"\0" * 64)  # what fitted
             raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-        orig_save_file(tensors, filename, metadata=metadata)
+        return orig_save_file(tensors, filename, metadata=metadata)
 
     def write_json(path, obj):
         if saves["n"] == 2 and Path(path).name == where:
@@ -68,7 +68,7 @@ def test_a_full_disk_during_a_checkpoint_keeps_the_previous_one_and_stops_in_one
             raise OSError(errno.ENOSPC, ENOSPC, str(path))
         orig_write_json(path, obj)
 
-    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(checkpoint, "write_safetensors", save_file)
     monkeypatch.setattr(checkpoint, "_write_json", write_json)
     capsys.readouterr()
     assert fd.run_in_process(["train", str(cfg)]) == 2

@@ -171,14 +171,9 @@ def check_writable(directory: str | Path, what: str) -> None:
                 break
 
 
-@contextlib.contextmanager
-def staged_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
-    """Yield an empty temporary directory beside ``final``; publish it as ``final`` on success.
-
-    With ``replace=False`` an existing ``final`` (another writer won the race) is kept and the staged
-    copy discarded. Every file is fsynced before the rename, the parent directory after it. ``UserError``
-    (the directory and the operation, one line) when the temporary directory cannot be created.
-    """
+def make_staging(final: str | Path) -> Path:
+    """An empty temporary directory beside ``final`` (``temp_name``), for ``publish`` to name ``final``.
+    ``UserError`` (the directory and the operation, one line) when it cannot be created."""
     final = Path(final)
     tmp = temp_name(final)
     try:
@@ -186,8 +181,14 @@ def staged_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
         tmp.mkdir()
     except OSError as e:  # not writable, a file in the way, no space: before anything was written
         raise UserError(f"{final.parent}: cannot be written (creating a directory for {final.name}: {io_reason(e)})") from e
+    return tmp
+
+
+def publish(tmp: Path, final: Path, replace: bool = True) -> None:
+    """Name the filled directory ``tmp`` ``final``: every file in it and the directory fsynced first, the
+    parent after the rename. An existing ``final`` is renamed aside and removed, or with
+    ``replace=False`` kept, ``tmp`` then discarded. On any failure ``tmp`` is removed."""
     try:
-        yield tmp
         fix_modes(tmp)
         os.chmod(tmp, 0o755 & ~_umask())
         for root, _, files in os.walk(tmp):
@@ -204,3 +205,21 @@ def staged_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def staged_dir(final: str | Path, replace: bool = True) -> Iterator[Path]:
+    """Yield an empty temporary directory beside ``final``; publish it as ``final`` on success.
+
+    With ``replace=False`` an existing ``final`` (another writer won the race) is kept and the staged
+    copy discarded. Every file is fsynced before the rename, the parent directory after it. ``UserError``
+    (the directory and the operation, one line) when the temporary directory cannot be created.
+    """
+    final = Path(final)
+    tmp = make_staging(final)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish(tmp, final, replace)

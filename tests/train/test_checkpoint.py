@@ -218,12 +218,13 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
         root = sys.argv[1]
         state = {"w": torch.full((1 << 20,), 1.0)}
         ck.save_checkpoint(root, 1, state, {"m": torch.ones(4)})
-        real = ck.save_file
+        real = ck.write_safetensors
         def dying(tensors, path, metadata=None):
-            real(tensors, path, metadata=metadata)
-            if path.endswith("optimizer.safetensors"):
+            written = real(tensors, path, metadata=metadata)
+            if str(path).endswith("optimizer.safetensors"):
                 os.kill(os.getpid(), signal.SIGKILL)
-        ck.save_file = dying
+            return written
+        ck.write_safetensors = dying
         ck.save_checkpoint(root, 2, {"w": torch.full((1 << 20,), 2.0)}, {"m": torch.ones(4)})
     """,
         tmp_path,

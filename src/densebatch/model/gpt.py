@@ -230,9 +230,18 @@ class GPT(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items() if k != "lm_head.weight"}
+        full = self.state_dict()
+        state = {name: full[k].detach().cpu().contiguous() for k, name in self.export_names(list(full)).items()}
         save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-        (path / "config.json").write_text(json.dumps({"densebatch_kind": KIND, **asdict(self.cfg)}, indent=2))
+        self.write_config(path)
+
+    def export_names(self, keys: list[str]) -> dict[str, str]:
+        """State-dict key -> name in the saved weights (the output head is the input embedding: not stored)."""
+        return {k: k for k in keys if k != "lm_head.weight"}
+
+    def write_config(self, path: str | Path) -> None:
+        """``config.json``, beside weights written under ``export_names``."""
+        (Path(path) / "config.json").write_text(json.dumps({"densebatch_kind": KIND, **asdict(self.cfg)}, indent=2))
 
     @classmethod
     def load(cls, path: str | Path) -> GPT:

@@ -341,6 +341,20 @@ class HFCausalLM(nn.Module):
         with quiet_progress():
             self.hf.save_pretrained(path, save_embedding_layers=False)
 
+    def export_names(self, keys: list[str]) -> dict[str, str] | None:
+        """State-dict key -> name in ``save_pretrained``'s weight files (tied duplicates are the writer's to
+        drop: they are one tensor); None under LoRA, whose saved form is PEFT's adapter."""
+        if self.lora:
+            return None
+        return {k: k.removeprefix("hf.") for k in keys}
+
+    def write_config(self, path: str | Path) -> None:
+        """``config.json`` (and ``generation_config.json``) as ``save_pretrained`` writes them, without weights."""
+        self.hf.config.save_pretrained(path)
+        generation = getattr(self.hf, "generation_config", None)
+        if generation is not None and self.hf.can_generate():
+            generation.save_pretrained(path)
+
     def save_merged(self, path: str | Path) -> None:
         """A plain Hugging Face model (``from_pretrained`` loads it): LoRA adapters merged into the
         weights they adapt (``merge_and_unload``, in place: this model is spent afterwards)."""

@@ -146,7 +146,7 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
             skipped.append(f"{p}: {why}")
             _warn(dist, f"checkpoint {p}: {why} — skipped")
 
-        path = latest_valid(out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=skip)
+        path = latest_valid(out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=skip, dist=dist)
     found = holds_a_run(out)  # after latest_valid removed the leftovers of dead saves
     if path is None:
         if found and not overwrite and resume:
@@ -170,7 +170,7 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
         dist.barrier()
         return requested, None
-    extra = load_checkpoint(path, parts=("extra",)).extra_state
+    extra = load_checkpoint(path, parts=("extra",), verified=True).extra_state  # hashed once, just above
     requested = keep_resolved(requested, extra["config"])  # `auto` asked again: the value the run found
     plan = plan_resume(extra["config"], requested, overrides)
     cfg = plan.config

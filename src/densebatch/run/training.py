@@ -10,21 +10,19 @@ and runs. At the end rank 0 writes ``output_dir/final`` (model, tokenizer, confi
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
-from densebatch.atomic import io_reason, staged_dir, write_file
 from densebatch.config import RunConfig, save_config, to_dict
 from densebatch.data.accuracy import AccuracyCheck
-from densebatch.errors import ConfigError, UserError
-from densebatch.model import build_model, generate_batch, save_model
+from densebatch.errors import ConfigError
+from densebatch.model import generate_batch
 from densebatch.run.auto import resolve_budget, resolve_lr, trainer_config
 from densebatch.run.build import build_loaders, homogeneity_warning, resolve_config, setup, step_size_line
-from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
+from densebatch.run.final import write_final
+from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR
 from densebatch.run.lock import RunLock
 from densebatch.run.resume import resolve_run
 from densebatch.train.checkpoint import CheckpointManager
@@ -36,7 +34,6 @@ from densebatch.train.observe.monitor import METRICS_FILE, truncate_metrics
 from densebatch.train.observe.plots import PLOTS_DIR, plot_run
 from densebatch.train.observe.sinks import build_sinks as sinks_for
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
-from densebatch.train.portable import is_sharded, model_state
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.session import Session
 
@@ -85,7 +82,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         ),
     )  # fmt: skip
     cfg = resolve_lr(cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which it leaves as it was
-    ckpt = CheckpointManager(out / CHECKPOINT_DIR, cfg.checkpoint.keep_last, cfg.checkpoint.mirror_dir)
+    ckpt = CheckpointManager(out / CHECKPOINT_DIR, cfg.checkpoint.keep_last, cfg.checkpoint.mirror_dir, dist)
     session = Session(trainer, ckpt, cfg.checkpoint.every_steps, t.guard.rollback_lr_factor, config=to_dict(cfg))
     if resume_from is not None:
         session.restore(resume_from)
@@ -99,15 +96,9 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         if dist.is_main:
             print("stopped by signal; continue with --resume", flush=True)
         return 0
-    final_model = trainer.model
-    if is_sharded(trainer.model):  # FSDP: gather the full weights (every rank takes part) into a plain copy
-        state = model_state(trainer.model)
-        if dist.is_main:
-            final_model = build_model(cfg.model, tok.vocab_size, tok.base_vocab_size)  # LoRA: the same modules
-            final_model.load_state_dict(state)
+    final = out / FINAL_DIR
+    write_final(final, trainer.model, tok, cfg, trainer.state.step, dist)  # every rank: FSDP streams the weights
     if dist.is_main:
-        final = out / FINAL_DIR
-        write_final(final, final_model, tok, cfg, trainer.state.step)
         if accuracy is not None and accuracy.samples:
             acc = (trainer.state.last_eval or {}).get("accuracy", math.nan)
             print(f"exact-match accuracy on {len(accuracy.samples)} held-out prompts: {acc:.3f}\n{accuracy.show()}")
@@ -115,22 +106,6 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         if cfg.train.plots:
             write_plots(out)
     return 0
-
-
-def write_final(final: Path, model, tok, cfg: RunConfig, step: int) -> None:
-    """``output_dir/final`` (model, tokenizer, config, step), atomically; a write that fails (no space left)
-    is one line: nothing half-written is left, and the run's last checkpoint holds what training made."""
-    try:
-        with staged_dir(final) as tmp:
-            save_model(model, tmp)
-            tok.save(tmp)
-            save_config(cfg, tmp / "config.yaml")
-            write_file(tmp / FINAL_STATE, json.dumps({"step": step}))
-    except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors (ENOSPC too) as SafetensorError
-        raise UserError(
-            f"{final}: cannot be written: {io_reason(e)}; the run is complete in its last checkpoint "
-            f"({final.parent / CHECKPOINT_DIR}): free some space, then write the model with densebatch export"
-        ) from e
 
 
 def accuracy_check(cfg: RunConfig, prepared, dist: Distributed) -> AccuracyCheck | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.distributed as tdist
@@ -29,6 +29,7 @@ class Distributed:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     initialized_here: bool = False  # this object started the process group (and tears it down)
+    group: object = None  # the process group of the collectives below (None: the default one)
 
     @property
     def is_main(self) -> bool:
@@ -44,7 +45,8 @@ class Distributed:
         if not self.enabled:
             return t
         out = t.detach().clone()
-        tdist.all_reduce(out, op={"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op])
+        op_ = {"sum": tdist.ReduceOp.SUM, "max": tdist.ReduceOp.MAX, "min": tdist.ReduceOp.MIN}[op]
+        tdist.all_reduce(out, op=op_, group=self.group)
         return out
 
     def all_reduce_sum(self, t: Tensor) -> Tensor:
@@ -52,14 +54,14 @@ class Distributed:
 
     def barrier(self) -> None:
         if self.enabled:
-            tdist.barrier()
+            tdist.barrier(group=self.group)
 
     def broadcast_object(self, obj, src: int = 0):
         """``obj`` as rank ``src`` has it (a JSON-able value), on every rank."""
         if not self.enabled:
             return obj
         box = [obj]
-        tdist.broadcast_object_list(box, src=src)
+        tdist.broadcast_object_list(box, src=src, group=self.group)
         return box[0]
 
     def gather_object(self, obj) -> list:
@@ -67,7 +69,7 @@ class Distributed:
         if not self.enabled:
             return [obj]
         out: list = [None] * self.world_size
-        tdist.all_gather_object(out, obj)
+        tdist.all_gather_object(out, obj, group=self.group)
         return out
 
     def agree(self, flag: bool) -> bool:
@@ -75,6 +77,14 @@ class Distributed:
         if not self.enabled:
             return flag
         return bool(self.all_reduce(torch.tensor([int(flag)], device=self.device), "max").item())
+
+    def side_channel(self) -> Distributed:
+        """The same ranks on a process group of their own (gloo, host objects only), for collectives run by
+        a background thread (checkpoint writes) beside the training loop's: the order of collectives must
+        match on every rank within each group, never across them. Every rank calls this, in the same order."""
+        if not self.enabled:
+            return self
+        return replace(self, group=tdist.new_group(backend="gloo"), device=torch.device("cpu"), initialized_here=False)
 
     def close(self) -> None:
         if self.initialized_here and tdist.is_initialized():

@@ -1,18 +1,15 @@
 """Model and optimizer state in a form that does not depend on how many processes hold it.
 
-A checkpoint stores the *full* model state dict and the optimizer state keyed by parameter name
-(fully qualified name, FQN) instead of by position::
+Both are keyed by parameter name (fully qualified name, FQN) instead of by position::
 
     {"state": {"blocks.0.attn.qkv.weight": {"step": t, "exp_avg": t, "exp_avg_sq": t}, ...},
      "param_groups": [{"params": ["wte.weight", ...], "lr_mult": 1.0, "weight_decay": 0.0, ...}]}
 
-so one process, N DDP replicas and N FSDP shards all write the same bytes for the same values, and
-any of them can resume what another saved (N ranks to M, FSDP to DDP, ...). Under FSDP2 the full
-state is gathered with ``torch.distributed.checkpoint.state_dict`` (every rank must call: it is a
-collective; tensors land on the CPU) and scattered back into shards on load. Gathering rather than
-saving per-rank shards keeps checkpoints pickle-free (torch.distributed.checkpoint writes a pickled
-``.metadata``), loadable by ``from_pretrained`` and elastic in world size, at the price of holding
-one full copy on the CPU while saving.
+so one process, N DDP replicas and N FSDP ranks describe the same values with the same keys. Under
+FSDP2 the tensors are this rank's ``DTensor`` shards (``torch.distributed.checkpoint.state_dict`` with
+``full_state_dict=False``: no gathering, no copy): a checkpoint stores each rank's rows
+(``train/checkpoint_shards.py``) and a resume on any number of ranks reads back the rows each needs.
+Nothing here gathers a whole model into one process.
 """
 
 from __future__ import annotations
@@ -28,28 +25,47 @@ def is_sharded(model: nn.Module) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
-def _options(cpu_offload: bool):
+def _options(full: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+    return StateDictOptions(full_state_dict=full)
+
+
+def _holds_shards(tree: Any) -> bool:
+    if isinstance(tree, dict):
+        return any(_holds_shards(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_holds_shards(v) for v in tree)
+    return hasattr(tree, "to_local")
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The full state dict (a collective under FSDP: call on every rank)."""
+    """The state dict: whole tensors, or this rank's DTensor shards under FSDP (every rank calls)."""
     if not is_sharded(model):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    return get_model_state_dict(model, options=_options(True))
+    return get_model_state_dict(model, options=_options(False))
+
+
+def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state, gathered to rank 0's CPU under FSDP (the other ranks get an empty dict; every rank
+    calls): only for what has no sharded form (a LoRA adapter's final save)."""
+    if not is_sharded(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state`` (whole tensors, or DTensor shards shaped like the model's own) into ``model``."""
     if not is_sharded(model):
         model.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    set_model_state_dict(model, state, options=_options(False))
+    set_model_state_dict(model, state, options=_options(not _holds_shards(state)))
 
 
 def _names(model: nn.Module) -> dict[int, str]:
@@ -57,11 +73,12 @@ def _names(model: nn.Module) -> dict[int, str]:
 
 
 def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state keyed by parameter name (a collective under FSDP)."""
+    """The optimizer's state keyed by parameter name (this rank's DTensor shards under FSDP; every rank
+    calls). An optimizer that has not stepped yet gets its state made first (zeros, as its first step would)."""
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer, options=_options(True))
+        return get_optimizer_state_dict(model, optimizer, options=_options(False))
     names = _names(model)
     sd = optimizer.state_dict()
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]  # position -> name
@@ -73,7 +90,7 @@ def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, sta
     if is_sharded(model):
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(model, optimizer, state, options=_options(False))
+        set_optimizer_state_dict(model, optimizer, state, options=_options(not _holds_shards(state)))
         return
     names = _names(model)
     if len(state["param_groups"]) != len(optimizer.param_groups):

@@ -32,9 +32,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from densebatch.train.checkpoint import CheckpointManager
-from densebatch.train.checkpoint_format import CheckpointError
+from densebatch.train.checkpoint_format import encode_tree
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
-from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
+from densebatch.train.portable import is_sharded, load_model_state, load_optimizer_state, model_state, optimizer_state
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 # Counters of what was consumed (data, wall time, skipped steps): a rollback keeps them, because it
@@ -66,31 +66,32 @@ class Session:
 
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path | None:
-        """Write a checkpoint of the current step: every rank takes part in gathering the state (FSDP),
-        rank 0 writes it (model and optimizer in the portable form of ``train/portable.py``, every
-        rank's RNG states), and every rank waits until it is complete."""
+        """Write a checkpoint of the current step: model and optimizer in the portable form of
+        ``train/portable.py`` (under FSDP every rank writes its own shards), the trainer's parts and every
+        rank's RNG states (rank 0 writes those). Every rank takes part and returns once it is complete; a
+        save that failed raises on every rank (none is left waiting at the next collective)."""
         t = self.trainer
-        model, optim = model_state(t.model), optimizer_state(t.model, t.optimizer)  # collectives under FSDP
+        model, optim = model_state(t.model), optimizer_state(t.model, t.optimizer)
         rngs = t.dist.gather_object(capture_rng_state())
         extra = {"parts": t.trainer_state(), "rng": rngs, "config": self.config, "world_size": t.dist.world_size}
-        path, failure = None, None
-        if t.dist.is_main:
-            try:
-                path = self.checkpoints.save(t.state.step, model, optim, extra)
-            except Exception as e:  # e.g. CheckpointError: no space left on device
-                failure = e
-        # Nobody runs ahead of (or resumes from) a checkpoint being written, and a save that failed stops
-        # every rank (none is left waiting for rank 0 at the next collective).
-        if t.dist.agree(failure is not None):
-            raise failure or CheckpointError(f"step {t.state.step}: rank 0 could not write the checkpoint (see its message)")
+        path = self.checkpoints.save(t.state.step, model, optim, extra, dist=t.dist)
         self.last_saved_step = t.state.step
         self.since_save.clear()
-        return path
+        return path if t.dist.is_main else None
+
+    def _load(self, path: Path):
+        """The checkpoint at ``path`` (verified already, by ``latest_valid``), each rank reading the rows of
+        the shards its own model and optimizer hold."""
+        t = self.trainer
+        targets = None
+        if is_sharded(t.model):
+            targets = {"model": keyed(model_state(t.model)), "optimizer": keyed(optimizer_state(t.model, t.optimizer))}
+        return self.checkpoints.load(path, device="cpu", targets=targets, verified=True)
 
     def restore(self, path: Path) -> None:
         """Resume exactly: model, optimizer, every trainer part and every RNG from ``path``."""
         t = self.trainer
-        ck = self.checkpoints.load(path, device="cpu")
+        ck = self._load(path)
         self._load_weights(ck)
         t.load_trainer_state(ck.extra_state["parts"])
         rngs = ck.extra_state["rng"]
@@ -125,7 +126,7 @@ class Session:
         else:
             consumed = {k: getattr(t.state, k) for k in CONSUMED}
             lr_scale = t.state.lr_scale * self.rollback_lr_factor
-            ck = self.checkpoints.load(target, device="cpu")
+            ck = self._load(target)
             self._load_weights(ck)
             t.load_trainer_state(ck.extra_state["parts"], only=ROLLBACK_RESTORES)
             for k, v in consumed.items():
@@ -158,6 +159,12 @@ class Session:
         finally:
             restore_signal_handlers(previous, stopped_by_signal=self.trainer.should_stop)
         return result
+
+
+def keyed(state) -> dict:
+    """The tensors of ``state`` by the keys a checkpoint stores them under (``encode_tree``'s paths)."""
+    encode_tree(state, [], tensors := {})
+    return tensors
 
 
 def install_signal_handlers(trainer: Trainer, log: Callable[[str], None]) -> dict:

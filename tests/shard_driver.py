@@ -1,0 +1,78 @@
+"""``torchrun ... shard_driver.py save|load DIR``: a sharded checkpoint of an FSDP2 model written on N ranks, read on M.
+
+Run by tests/train/test_sharded_checkpoint.py (and, with one process, in the test process itself):
+
+- ``save DIR``: the reference GPT (seed 0) sharded with ``fully_shard`` over the ranks, two AdamW steps
+  on seeded data, each followed by ``save_checkpoint`` (every rank writes its shards) into
+  ``DIR/checkpoints``; then the whole model and optimizer state of step 2, gathered, into
+  ``DIR/expected.safetensors`` (rank 0).
+- ``load DIR``: the same model sharded over this run's ranks, the checkpoint read back (each rank only
+  its rows), then the whole state gathered into ``DIR/loaded-<ranks>.safetensors`` (rank 0).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from densebatch.testing.models import tiny_gpt
+from densebatch.train.checkpoint import latest_valid, load_checkpoint, save_checkpoint
+from densebatch.train.distributed import Distributed, repeated_blocks
+from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
+from densebatch.train.session import keyed
+
+VOCAB = 101
+
+
+def build(dist: Distributed):
+    model = tiny_gpt(VOCAB)
+    if dist.enabled:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in repeated_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def whole(state) -> dict[str, torch.Tensor]:
+    """Every tensor of ``state`` whole (a collective for DTensors), by checkpoint key, on the CPU."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in keyed(state).items()}
+
+
+def main(mode: str, root: Path, dist: Distributed) -> None:
+    model, optim = build(dist)
+    if mode == "save":
+        g = torch.Generator().manual_seed(1)
+        for step in (1, 2):
+            ids = torch.randint(0, VOCAB, (4, 16), generator=g)
+            positions = torch.arange(16).expand(4, 16)
+            model(ids, positions).float().pow(2).mean().backward()  # any loss: the point is non-trivial optimizer state
+            optim.step()
+            optim.zero_grad()
+            states = (model_state(model), optimizer_state(model, optim))
+            save_checkpoint(root / "checkpoints", step, *states, {"note": "shard driver"}, dist=dist)
+        out = root / "expected.safetensors"
+    else:
+        path = latest_valid(root / "checkpoints", dist=dist)
+        targets = {"model": keyed(model_state(model)), "optimizer": keyed(optimizer_state(model, optim))}
+        ck = load_checkpoint(path, targets=targets if dist.enabled else None, verified=True)
+        load_model_state(model, ck.model_state)
+        load_optimizer_state(model, optim, ck.optimizer_state)
+        states = (model_state(model), optimizer_state(model, optim))
+        out = root / f"loaded-{dist.world_size}.safetensors"
+    tensors = {f"model.{k}": v for k, v in whole(states[0]).items()} | {f"optimizer.{k}": v for k, v in whole(states[1]).items()}
+    if dist.is_main:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    d = Distributed.from_environment("cpu")
+    try:
+        main(sys.argv[1], Path(sys.argv[2]), d)
+    finally:
+        d.close()

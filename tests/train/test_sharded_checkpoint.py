@@ -1,0 +1,112 @@
+"""Sharded checkpoints (FSDP2 on gloo, CPU): every rank writes its own rows, no pickle anywhere, and a
+checkpoint written on 2 ranks reads back on 1 and on 3 equal tensor by tensor (tests/shard_driver.py)."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support import subprocess_env, torchrun
+
+from densebatch.train.checkpoint import CheckpointWarning, latest_valid, load_checkpoint, verify
+from densebatch.train.checkpoint_dirs import sha256_file
+
+pytestmark = pytest.mark.slow
+DRIVER = Path(__file__).resolve().parents[1] / "shard_driver.py"
+
+
+def drive(mode: str, root: Path, nproc: int) -> None:
+    if nproc == 1:
+        cmd = [sys.executable, str(DRIVER), mode, str(root)]
+    else:
+        cmd = torchrun([mode, str(root)], nproc, script=DRIVER)
+    r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("shards")
+    drive("save", root, 2)
+    return root
+
+
+def test_each_rank_writes_its_own_rows_and_rank_0_the_index(saved):
+    ck = saved / "checkpoints" / "step-000002"
+    names = sorted(p.name for p in ck.iterdir())
+    assert names == [
+        "manifest.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors", "state.json",
+    ]  # fmt: skip
+    state = json.loads((ck / "state.json").read_text())
+    assert state["format_version"] == 2 and state["writers"] == 2
+    wte = state["parts"]["model"]["tensors"]["wte.weight"]
+    assert wte["shape"] == [101, 32] and [(s["start"], s["rows"]) for s in wte["shards"]] == [(0, 51), (51, 50)]
+    assert state["parts"]["model"]["aliases"] == {"lm_head.weight": "wte.weight"}  # tied: stored once
+    whole = load_file(str(saved / "expected.safetensors"))
+    model_bytes = sum(
+        t.numel() * t.element_size() for k, t in whole.items() if k.startswith("model.") and k != "model.lm_head.weight"
+    )
+    for rank in (1, 2):  # each file about half the model: no rank wrote the whole
+        size = (ck / f"model-0000{rank}-of-00002.safetensors").stat().st_size
+        assert 0.45 * model_bytes < size < 0.55 * model_bytes + 8192, (size, model_bytes)
+    manifest = json.loads((ck / "manifest.json").read_text())["files"]
+    assert sorted(manifest) == [n for n in names if n != "manifest.json"]
+    assert all(sha256_file(ck / n) == e["sha256"] for n, e in manifest.items())  # hashed while written
+
+
+@pytest.mark.parametrize("nproc", [1, 3])
+def test_a_checkpoint_of_two_ranks_loads_on_one_and_on_three_equal_tensor_by_tensor(saved, nproc):
+    drive("load", saved, nproc)
+    expected, loaded = load_file(str(saved / "expected.safetensors")), load_file(str(saved / f"loaded-{nproc}.safetensors"))
+    assert expected.keys() == loaded.keys() and len(expected) > 100
+    assert [k for k in expected if not torch.equal(expected[k], loaded[k])] == []
+
+
+def test_a_missing_or_corrupt_shard_falls_back_to_the_previous_checkpoint(saved, tmp_path):
+    for damage in ("missing", "flipped"):
+        root = tmp_path / damage
+        shutil.copytree(saved / "checkpoints", root)
+        shard = root / "step-000002" / "optimizer-00002-of-00002.safetensors"
+        if damage == "missing":
+            shard.unlink()
+        else:
+            data = bytearray(shard.read_bytes())
+            data[-5] ^= 0x01
+            shard.write_bytes(bytes(data))
+        why = "missing" if damage == "missing" else "SHA-256 mismatch"
+        with pytest.warns(CheckpointWarning, match=f"step-000002: optimizer-00002-of-00002.safetensors {why}"):
+            assert latest_valid(root) == root / "step-000001"
+
+
+class Payload:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.write_text, (self.marker, "code ran"))
+
+
+def test_a_planted_pickle_shard_is_refused_without_running(saved, tmp_path):
+    root = tmp_path / "run"
+    shutil.copytree(saved / "checkpoints", root)
+    ck, marker = root / "step-000002", tmp_path / "marker"
+    shard = ck / "model-00002-of-00002.safetensors"
+    shard.write_bytes(pickle.dumps(Payload(marker)))
+    manifest = json.loads((ck / "manifest.json").read_text())
+    manifest["files"][shard.name] = {"size": shard.stat().st_size, "sha256": sha256_file(shard)}  # hashes that match
+    (ck / "manifest.json").write_text(json.dumps(manifest))
+    ok, why = verify(ck)
+    assert not ok and why.startswith("model-00002-of-00002.safetensors: not a safetensors file"), why
+    with pytest.raises(Exception, match="not a valid checkpoint"):
+        load_checkpoint(ck)
+    with pytest.warns(CheckpointWarning):
+        assert latest_valid(root) == root / "step-000001"
+    assert not marker.exists()
