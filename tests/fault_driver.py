@@ -232,6 +232,11 @@ def metrics(output_dir: Path) -> list[dict]:
     return out
 
 
+def records(output_dir: Path) -> list[dict]:
+    """Every record of ``output_dir/metrics.jsonl``."""
+    return [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
 def train_losses(output_dir: Path) -> list[tuple[int, float | None]]:
     """``(step, loss)`` of every train record, in file order (floats exactly as written)."""
     return [(r["step"], r["loss"]) for r in metrics(output_dir) if r.get("kind") == "train"]

@@ -214,12 +214,12 @@ def test_two_nodes_on_localhost_equal_ddp(tmp, ddp):
 
 
 def test_an_fsdp_run_saves_shards_and_resumes_on_one_and_on_three_processes_within_1e5(tmp):
-    """FSDP on 2 processes, 3 batches each a step (6 a step: 1, 2 and 3 processes split them evenly);
-    checkpoints hold each rank's shards and no pickle; the continuation from step 4 on 1 process and on
-    3 processes equals the 2-process run's within 1e-5, step by step."""
+    """FSDP on 2 processes, 3 batches each a step (6 a step: 1, 2 and 3 processes split them evenly),
+    checkpoints written in the background; they hold each rank's shards and no pickle; the continuation
+    from step 4 on 1 process and on 3 processes equals the 2-process run's within 1e-5, step by step."""
     cfg = _config(tmp, train={"max_steps": 8, "grad_accum_batches": 3})
     ref = tmp / "fsdp-shards"
-    r = launch(["train", str(cfg), f"--output_dir={ref}", "--train.distributed=fsdp"])
+    r = launch(["train", str(cfg), f"--output_dir={ref}", "--train.distributed=fsdp", "--checkpoint.async=true"])
     assert r.returncode == 0, r.stderr[-3000:]
     ck = ref / "checkpoints" / "step-000004"
     names = sorted(p.name for p in ck.iterdir())

@@ -20,10 +20,11 @@ import signal
 
 import fault_driver as fd
 import pytest
+import torch
 
 import densebatch.train.session as session
 from densebatch.data.load.loader import StepLoader
-from densebatch.train.checkpoint import list_checkpoints, verify
+from densebatch.train.checkpoint import list_checkpoints, load_checkpoint, verify
 
 STEPS = 16
 
@@ -150,3 +151,31 @@ def test_killed_once_resumes_bit_for_bit(tmp_path, cache_dir, strategy, monkeypa
     differing = [s for (s, a), (_, b) in zip(wrong, reference) if a != b]
     assert differing, "the negative control resumed identically: the comparison would not catch the fault"
     assert min(differing) == resumed_from + 1  # the first resumed step already differs; the kept ones do not
+
+
+def test_killed_during_a_background_write_keeps_the_previous_checkpoint_and_resumes_bit_for_bit(tmp_path, cache_dir, capsys):
+    """checkpoint.async: training goes on while a checkpoint is written; the process dies by SIGKILL in the
+    middle of the 3rd background write (step 6, optimizer file torn): step 4's checkpoint stays the newest
+    valid one, holds the same tensors as a synchronous save of step 4, and the resume is bit for bit."""
+    sections = _sections("token_budget")
+    sections["checkpoint"] = {"keep_last": STEPS}  # the reference keeps its step-4 checkpoint to compare with
+    reference = _reference(tmp_path, cache_dir, **sections)
+    sections["checkpoint"] = {"keep_last": STEPS, "async": True}
+    args, out = _setup(tmp_path, cache_dir, "crashed", **sections)
+    _killed(fd.run(args, {"kill_in_save": {"save": 3, "file": "optimizer"}}))
+    root = out / "checkpoints"
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-step-000006")]  # the write that died
+    assert [s for s, _ in list_checkpoints(root)] == [4, 2]
+    saves = [r for r in fd.records(out) if r["kind"] == "checkpoint"]
+    assert [r["step"] for r in saves] == [2, 4, 6] and all(r["background"] and r["blocked_s"] >= 0 for r in saves)
+    ours, sync = (load_checkpoint(d / "checkpoints" / "step-000004") for d in (out, tmp_path / "reference"))
+    for a, b in ((ours.model_state, sync.model_state), (ours.optimizer_state["state"], sync.optimizer_state["state"])):
+        assert a.keys() == b.keys() and all(torch.equal(x, y) for x, y in zip(_tensors(a), _tensors(b)))
+    assert _resume_in_process(args, out, capsys)[0] == reference
+    _assert_clean(out)
+
+
+def _tensors(tree):
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    return [tree] if isinstance(tree, torch.Tensor) else []

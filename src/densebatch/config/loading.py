@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import json
@@ -13,6 +14,7 @@ from typing import Any, Literal
 import yaml
 
 from densebatch.config.checks import _check
+from densebatch.config.field import key_of
 from densebatch.config.moved import refuse_moved, upgrade_saved
 from densebatch.config.run_sections import RunConfig
 from densebatch.errors import ConfigError
@@ -114,7 +116,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
+    fields = {key_of(f): f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     for name in unknown:
         refuse_moved(f"{prefix}.{name}" if prefix else name)
@@ -130,15 +132,15 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         key = f"{prefix}.{name}" if prefix else name
         if name not in data:
             continue
-        tp = hints[name]
+        tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, data[name], key)
+            kwargs[f.name] = _build(tp, data[name], key)
             continue
         value = _coerce(key, data[name], tp)
         minimum = f.metadata.get("minimum")
         if minimum is not None and isinstance(value, (int, float)) and value < minimum:  # not "auto"
             raise ConfigError(f"{key}: expected a value >= {minimum}; got {value!r}")
-        kwargs[name] = value
+        kwargs[f.name] = value
     return cls(**kwargs)
 
 
@@ -204,8 +206,15 @@ def config_from_dict(data: dict, saved: bool = False) -> RunConfig:
     return cfg
 
 
-def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+def to_dict(cfg: Any) -> Any:
+    """The configuration as plain data, keyed as in YAML (``key_of``)."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {key_of(f): to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, (list, tuple)):
+        return type(cfg)(to_dict(v) for v in cfg)
+    if isinstance(cfg, dict):
+        return {k: to_dict(v) for k, v in cfg.items()}
+    return copy.deepcopy(cfg)
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> None:
@@ -224,7 +233,7 @@ def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, st
     rows = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        key = f"{prefix}.{f.name}" if prefix else f.name
+        key = f"{prefix}.{key_of(f)}" if prefix else key_of(f)
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             rows.extend(describe(tp, key))

@@ -195,6 +195,12 @@ class CheckpointConfig:
     keep_last: int = _f(3, "Keep the newest this many checkpoints.", minimum=1)
     mirror_dir: str | None = _f(None, "Second location that receives a verified copy of every checkpoint.")
     resume: Literal["never", "auto"] = _f("never", "auto: continue from the newest verified checkpoint; never: start fresh.")
+    async_: bool = _f(
+        False,
+        "Write checkpoints in the background: each rank stages its share in host memory and training goes on while "
+        "it is written; the next save, a rollback and the end of the run wait for it (metrics: blocked_s per save).",
+        key="async",
+    )
 
 
 @dataclass

@@ -53,6 +53,7 @@ RESUMABLE = frozenset(
         "checkpoint.keep_last",
         "checkpoint.mirror_dir",
         "checkpoint.resume",
+        "checkpoint.async",  # when a checkpoint is written, not what it holds
         "batching.prefetch",
         "train.distributed",  # ddp and fsdp compute the same updates (≤ 1e-5): a resume may switch
     }

@@ -83,7 +83,10 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     )  # fmt: skip
     cfg = resolve_lr(cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which it leaves as it was
     ckpt = CheckpointManager(out / CHECKPOINT_DIR, cfg.checkpoint.keep_last, cfg.checkpoint.mirror_dir, dist)
-    session = Session(trainer, ckpt, cfg.checkpoint.every_steps, t.guard.rollback_lr_factor, config=to_dict(cfg))
+    session = Session(
+        trainer, ckpt, cfg.checkpoint.every_steps, t.guard.rollback_lr_factor, config=to_dict(cfg),
+        background_saves=cfg.checkpoint.async_,
+    )  # fmt: skip
     if resume_from is not None:
         session.restore(resume_from)
         if dist.is_main:

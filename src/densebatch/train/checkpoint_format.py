@@ -19,7 +19,7 @@ class CheckpointError(UserError):
 
 def encode_tree(obj: Any, path: list[str], tensors: dict[str, Any]) -> Any:
     """JSON-able tree of ``obj``; tensors / arrays go to ``tensors`` under their dotted path."""
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
+    if isinstance(obj, (torch.Tensor, np.ndarray)) or hasattr(obj, "to_local"):  # to_local: a shard (DTensor, staged)
         key = ".".join(path) or "tensor"
         while key in tensors:  # "a.b" as a key and as a nested path: keep both apart
             key += "_"

@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from densebatch.train.checkpoint import CheckpointManager
+from densebatch.train.checkpoint_async import CheckpointWriter
 from densebatch.train.checkpoint_format import encode_tree
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
 from densebatch.train.portable import is_sharded, load_model_state, load_optimizer_state, model_state, optimizer_state
@@ -55,8 +56,10 @@ class Session:
         rollback_lr_factor: float = 0.5,
         config: dict | None = None,
         log: Callable[[str], None] | None = None,
+        background_saves: bool = False,
     ):
         self.trainer, self.checkpoints = trainer, checkpoints
+        self.writer = CheckpointWriter(checkpoints, trainer.dist, background_saves)  # every rank, in order
         self.every_steps, self.rollback_lr_factor, self.config = every_steps, rollback_lr_factor, config
         self.log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self.last_saved_step = -1
@@ -74,10 +77,15 @@ class Session:
         model, optim = model_state(t.model), optimizer_state(t.model, t.optimizer)
         rngs = t.dist.gather_object(capture_rng_state())
         extra = {"parts": t.trainer_state(), "rng": rngs, "config": self.config, "world_size": t.dist.world_size}
-        path = self.checkpoints.save(t.state.step, model, optim, extra, dist=t.dist)
+        path, blocked = self.writer.save(t.state.step, model, optim, extra)
+        # blocked_s: what training waited; a background write's own seconds are known once it is done,
+        # so each record carries the previous write's (write_s of a synchronous save is blocked_s)
+        record = {"kind": "checkpoint", "step": t.state.step, "background": self.writer.background, "blocked_s": blocked}
+        record["previous_write_s" if self.writer.background else "write_s"] = self.writer.previous_write_s
+        t.write_record(record)
         self.last_saved_step = t.state.step
         self.since_save.clear()
-        return path if t.dist.is_main else None
+        return path
 
     def _load(self, path: Path):
         """The checkpoint at ``path`` (verified already, by ``latest_valid``), each rank reading the rows of
@@ -119,6 +127,7 @@ class Session:
         t = self.trainer
         bad_step = t.state.step
         skipped = list(self.since_save)
+        self.writer.wait()  # the newest checkpoint may be the one being written
         target = self.checkpoints.latest_valid()
         event: dict = {"kind": "rollback", "step": bad_step, "loss": result.record.get("loss")}
         if target is None:
@@ -152,10 +161,10 @@ class Session:
         previous = install_signal_handlers(self.trainer, self.log)
         try:
             result = self.trainer.run()
-            if self.last_saved_step != self.trainer.state.step:
-                path = self.save()
-                if path is not None:
-                    print(f"checkpoint: {path}", flush=True)
+            path = self.save() if self.last_saved_step != self.trainer.state.step else None
+            path = self.writer.wait() or path  # the run ends once its last checkpoint is complete
+            if path is not None:
+                print(f"checkpoint: {path}", flush=True)
         finally:
             restore_signal_handlers(previous, stopped_by_signal=self.trainer.should_stop)
         return result
