@@ -8,10 +8,17 @@ Run by tests/train/test_sharded_checkpoint.py (and, with one process, in the tes
   ``DIR/expected.safetensors`` (rank 0).
 - ``load DIR``: the same model sharded over this run's ranks, the checkpoint read back (each rank only
   its rows), then the whole state gathered into ``DIR/loaded-<ranks>.safetensors`` (rank 0).
+- ``build DIR``: the same model built on the meta device, sharded, then materialised rank by rank
+  (``train/meta_init.py``); its whole weights gathered into ``DIR/built-<ranks>.safetensors`` (rank 0),
+  with each rank's count of materialised parameter elements in ``DIR/built-<ranks>-rank<r>.json``.
+- ``build-hf DIR``: the Hugging Face model in ``DIR/hf`` (3 tokens added to its vocabulary) built empty,
+  sharded, each rank reading its rows from the safetensors files; gathered into
+  ``DIR/built-hf-<ranks>.safetensors`` (rank 0).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -43,7 +50,57 @@ def whole(state) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().cpu().clone() for k, v in keyed(state).items()}
 
 
+def build_on_meta(root: Path, dist: Distributed) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from densebatch.train.meta_init import materialise, record_init
+
+    model, record = record_init(lambda: tiny_gpt(VOCAB))  # tiny_gpt seeds the generator itself
+    assert all(p.is_meta for p in model.parameters())
+    for block in repeated_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    torch.manual_seed(0)
+    materialise(model, record, "cpu")
+    local = sum(p.to_local().numel() for p in model.parameters())
+    (root / f"built-{dist.world_size}-rank{dist.rank}.json").write_text(json.dumps({"local_numel": local}))
+    state = whole(model_state(model))
+    if dist.is_main:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"built-{dist.world_size}.safetensors"))
+
+
+def hf_model(root: Path, empty_weights: bool):
+    """The Hugging Face model in ``root/hf`` with 3 tokens added to its vocabulary (rows: the mean)."""
+    from densebatch.config import ModelConfig
+    from densebatch.model import build_model
+
+    cfg = ModelConfig(kind="hf", path=str(root / "hf"))
+    vocab = json.loads((root / "hf" / "config.json").read_text())["vocab_size"]
+    return build_model(cfg, vocab + 3, vocab, empty_weights=empty_weights)
+
+
+def build_hf_from_files(root: Path, dist: Distributed) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    from densebatch.model.hf_weights import fill_from_files
+    from densebatch.train.meta_init import InitRecord, materialise
+
+    model = hf_model(root, empty_weights=True)
+    assert all(p.is_meta for p in model.parameters())
+    for block in repeated_blocks(model):
+        fully_shard(block)
+    fully_shard(model)
+    materialise(model, InitRecord(fill=lambda shards: fill_from_files(model, shards)), "cpu")
+    state = whole(model_state(model))
+    if dist.is_main:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"built-hf-{dist.world_size}.safetensors"))
+
+
 def main(mode: str, root: Path, dist: Distributed) -> None:
+    if mode == "build":
+        return build_on_meta(root, dist)
+    if mode == "build-hf":
+        return build_hf_from_files(root, dist)
     model, optim = build(dist)
     if mode == "save":
         g = torch.Generator().manual_seed(1)

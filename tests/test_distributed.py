@@ -238,3 +238,37 @@ def test_an_fsdp_run_saves_shards_and_resumes_on_one_and_on_three_processes_with
             assert r.returncode == 0, r.stderr[-3000:]
         resumed, reference = losses(out), losses(ref)
         assert resumed[:4] == reference[:4] and close(resumed, reference), (nproc, resumed, reference)
+
+
+def test_an_fsdp_hugging_face_run_reads_its_weights_in_slices_and_from_pretrained_loads_its_final(tmp):
+    """A Hugging Face Llama (safetensors, 2 added tokens) trained under FSDP on 2 processes: each rank
+    read only its rows of the weights (the run says so), the final model is streamed to final/ (no rank
+    gathers it whole) and ``from_pretrained(final)`` gives the logits of the last checkpoint's weights."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from densebatch.model.hf import HFCausalLM
+    from densebatch.testing.models import tiny_config
+    from densebatch.train.checkpoint import load_checkpoint
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=259, tie_word_embeddings=False, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp / "hf-base")
+    out = tmp / "hf-fsdp"
+    args = [
+        "train", str(_config(tmp, train={"max_steps": 4})), f"--output_dir={out}", "--train.distributed=fsdp",
+        "--model.kind=hf", f"--model.path={tmp / 'hf-base'}", "--data.tokenizer=default", "--data.add_special_tokens=<|user|>,<|bot|>",
+    ]  # fmt: skip
+    r = launch(args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "model: built on the meta device; each of 2 ranks materialised only its shards" in r.stdout, r.stdout
+    final = out / "final"
+    assert (final / "model.safetensors").is_file() and (final / "config.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
+    trained = HFCausalLM(final).eval()  # the same architecture, weights then replaced by the checkpoint's
+    trained.load_state_dict(load_checkpoint(out / "checkpoints" / "step-000004", parts=("model",)).model_state)
+    ids = torch.randint(0, 261, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = trained.hf(input_ids=ids).logits
+        got = loaded(input_ids=ids).logits
+    assert got.shape == want.shape and (got - want).abs().max().item() <= 1e-5

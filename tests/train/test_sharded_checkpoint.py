@@ -110,3 +110,42 @@ def test_a_planted_pickle_shard_is_refused_without_running(saved, tmp_path):
     with pytest.warns(CheckpointWarning):
         assert latest_valid(root) == root / "step-000001"
     assert not marker.exists()
+
+
+def test_a_model_built_on_meta_and_materialised_per_rank_is_bit_identical_to_the_whole_build(tmp_path):
+    """Two ranks materialise only their rows of the reference GPT (the meta build's record replayed on
+    the CPU generator from the same seed): gathered, the weights equal a one-process build bit for bit."""
+    drive("build", tmp_path, 2)
+    from densebatch.testing.models import tiny_gpt
+
+    built = load_file(str(tmp_path / "built-2.safetensors"))
+    whole = tiny_gpt(101).state_dict()
+    assert built.keys() == whole.keys()
+    assert [k for k in whole if not torch.equal(whole[k], built[k])] == []
+    total = sum(p.numel() for p in tiny_gpt(101).parameters())
+    held = [json.loads((tmp_path / f"built-2-rank{r}.json").read_text())["local_numel"] for r in (0, 1)]
+    assert sum(held) == total and max(held) < 0.55 * total  # each rank holds its half, no rank the model
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_a_hugging_face_model_read_in_slices_per_rank_equals_from_pretrained(tmp_path, kind):
+    """Two ranks each read only their rows of a Hugging Face model's safetensors weights (3 added tokens:
+    their rows the mean of the others, computed from the file): gathered, equal to the one-process build
+    (``from_pretrained`` and ``resize_vocab``) bit for bit; gpt2 ties its head to the input embedding."""
+    pytest.importorskip("transformers")
+    from densebatch.testing.models import two_layer_config
+
+    torch.manual_seed(0)
+    import transformers
+
+    transformers.AutoModelForCausalLM.from_config(two_layer_config(kind)).save_pretrained(tmp_path / "hf")
+    drive("build-hf", tmp_path, 2)
+    import shard_driver
+
+    expected = shard_driver.hf_model(tmp_path, empty_weights=False).state_dict()
+    built = load_file(str(tmp_path / "built-hf-2.safetensors"))
+    assert built.keys() <= expected.keys() and len(built) > 10
+    assert [k for k in built if not torch.equal(expected[k], built[k])] == []
+    vocab = shard_driver.json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"]
+    emb = next(v for k, v in built.items() if "embed_tokens" in k or "wte" in k)
+    assert emb.shape[0] == vocab + 3 and torch.equal(emb[-1], emb[:vocab].float().mean(0))

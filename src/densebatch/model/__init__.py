@@ -37,13 +37,15 @@ def check_hf_attention(cfg: ModelConfig) -> None:
         )
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None = None) -> nn.Module:
+def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None = None, empty_weights: bool = False) -> nn.Module:
     """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt).
 
     ``base_vocab_size``: the tokenizer's size before the tokens densebatch added (``tok.base_vocab_size``);
     a Hugging Face model gives those new ids rows set to the mean of the rows it had
     (``HFCausalLM.resize_vocab``), and under LoRA trains them. None: only rows past the model's own
     table are new. The reference GPT is built for the whole vocabulary at random, so it needs none.
+    ``empty_weights`` (Hugging Face, no LoRA): parameters on the meta device, to be read from the weight
+    files shard by shard (``model/hf_weights.py``).
     """
     if cfg.kind == "gpt":
         resolve_backend(cfg.attention, "cpu", training=False)  # a ModelConfig built by hand: name check
@@ -72,6 +74,7 @@ def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None =
             attention=cfg.attention,
             gradient_checkpointing=cfg.gradient_checkpointing,
             dtype=cfg.dtype,
+            empty_weights=empty_weights,
         )
         known = base_vocab_size or 0
         if known > model.vocab_size:  # ids the model has never seen would get rows of nothing it learned

@@ -64,6 +64,7 @@ from densebatch.model.hf_checks import (  # noqa: F401  (REFUSED, _OWN_ATTENTION
     check_causal_lm_dir,
     layer_windows,
 )
+from densebatch.model.hf_weights import empty_parameters
 from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
 from densebatch.model.quiet import quiet_progress
 
@@ -97,7 +98,10 @@ class HFCausalLM(nn.Module):
         loss_head: str = "fused",
         dtype: str = "float32",
         attention: str = "auto",
+        empty_weights: bool = False,
     ) -> None:
+        """``empty_weights``: the structure only, parameters on the meta device, for a sharded build that
+        reads each rank's rows from the weight files (``model/hf_weights.py``)."""
         super().__init__()
         if loss_head not in LOSS_HEADS:
             raise ValueError(f"loss_head: expected one of {', '.join(LOSS_HEADS)}; got {loss_head!r}")
@@ -124,7 +128,10 @@ class HFCausalLM(nn.Module):
         kw = dict(attn_implementation=attn_implementation, dtype=DTYPES[dtype])
         try:
             with quiet_progress():
-                if has_weights(path):
+                if empty_weights:
+                    with empty_parameters():
+                        self.hf = AutoModelForCausalLM.from_config(config, **kw)
+                elif has_weights(path):
                     self.hf = AutoModelForCausalLM.from_pretrained(path, **kw)
                 else:
                     self.hf = AutoModelForCausalLM.from_config(config, **kw)
@@ -308,6 +315,7 @@ class HFCausalLM(nn.Module):
         start = min(rows, known if known is not None else rows)
         if start >= vocab_size:
             return []
+        self.new_rows = (start, vocab_size)  # a sharded build fills these rows itself
         if start < 1:
             raise ConfigError(f"data.tokenizer: no base vocabulary to initialise {vocab_size} new token rows from")
         with torch.no_grad():
@@ -354,6 +362,14 @@ class HFCausalLM(nn.Module):
         generation = getattr(self.hf, "generation_config", None)
         if generation is not None and self.hf.can_generate():
             generation.save_pretrained(path)
+
+    def vocab_table_names(self) -> set[str]:
+        """Parameter names of the input embedding, an untied output head and its bias (what added tokens grow)."""
+        ids = {id(input_embedding_weight(self.hf))}
+        head = self.hf.get_output_embeddings()
+        if head is not None:
+            ids |= {id(head.weight)} | ({id(head.bias)} if getattr(head, "bias", None) is not None else set())
+        return {n for n, p in self.named_parameters() if id(p) in ids}
 
     def save_merged(self, path: str | Path) -> None:
         """A plain Hugging Face model (``from_pretrained`` loads it): LoRA adapters merged into the

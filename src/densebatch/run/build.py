@@ -31,10 +31,12 @@ from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
 from densebatch.model.hf_checks import check_causal_lm_dir
+from densebatch.model.hf_weights import fill_from_files, missing_weights, weight_files
 from densebatch.model.lora import lora_summary
 from densebatch.run.demo import DEMO_OVERRIDES, is_demo
 from densebatch.train.distributed import Distributed
 from densebatch.train.loop import resolve_device
+from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init
 
 
 def resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
@@ -113,15 +115,56 @@ def check_truncation(cfg: RunConfig, prepared: Prepared) -> str | None:
     return f"batching.long_docs: truncate cuts {what}"
 
 
-def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device):
-    """The run's model on ``device``, not wrapped: seeded first (its initial weights depend only on
-    ``seed``), added tokens' rows the mean of the others, the run's label smoothing, context checked."""
+def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device, on_meta: bool = False):
+    """(the run's model, not wrapped; the record of its initialisation or None; why it was not built on the
+    meta device, or None): seeded first (its initial weights depend only on ``seed``), added tokens' rows
+    the mean of the others, the run's label smoothing, context checked. On ``device``; or with ``on_meta``
+    and a model whose initialisation can be replayed (``train/meta_init.py``), on the meta device with the
+    record, for ``materialise_run_model`` once it is sharded."""
     tok = prepared.tokenizer
-    seed_everything(cfg.seed)
-    model = build_model(cfg.model, tok.vocab_size, tok.base_vocab_size)
+
+    def build(empty_weights: bool = False):
+        seed_everything(cfg.seed)
+        return build_model(cfg.model, tok.vocab_size, tok.base_vocab_size, empty_weights)
+
+    record, why = None, None
+    if on_meta and cfg.model.kind == "hf":
+        model, record, why = _hf_on_meta(cfg, build)
+    elif on_meta:
+        try:
+            model, record = record_init(build)
+        except MetaInitError as e:
+            model, why = build(), str(e)
+    else:
+        model = build()
     check_context(model, cfg, prepared)
     model.label_smoothing = cfg.train.label_smoothing
-    return model.to(device)
+    return (model if record is not None else model.to(device)), record, why
+
+
+def _hf_on_meta(cfg: RunConfig, build):
+    """(model, record, why not) of a Hugging Face model whose weights each rank reads in slices."""
+    if cfg.model.lora.r:
+        return build(), None, "LoRA adapters are initialised at random around the loaded weights"
+    if weight_files(cfg.model.path) is None:
+        return build(), None, "no safetensors weights to read in slices"
+    model = build(empty_weights=True)
+    names = [n for n, _ in model.named_parameters()]
+    if missing := missing_weights(model, names):
+        return build(), None, f"the weight files lack {missing[0]} (and {len(missing) - 1} more)"
+    return model, InitRecord(fill=lambda shards: fill_from_files(model, shards)), None
+
+
+def materialise_run_model(cfg: RunConfig, model, record: InitRecord, device: torch.device, dist: Distributed) -> None:
+    """Each rank's shards of a model built on the meta device, bit for bit those of the whole build."""
+    seed_everything(cfg.seed)
+    materialise(model, record, device)
+    if dist.is_main:
+        n = sum(p.numel() for p in model.parameters())
+        print(
+            f"model: built on the meta device; each of {dist.world_size} ranks materialised only its shards of {n / 1e6:.1f}M parameters",
+            flush=True,
+        )
 
 
 def eval_settings(cfg: RunConfig, store: DocumentStore) -> PlanSettings:
@@ -185,12 +228,14 @@ class Setup:
     prepared: Prepared
     model: torch.nn.Module
     device: torch.device
+    init: InitRecord | None = None  # the model is on the meta device until materialise_run_model
 
 
-def setup(cfg: RunConfig, dist: Distributed) -> Setup:
+def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     """Documents and model as every training command builds them (``cfg`` already resolved). What can be
     refused without work is refused first: a wrong ``model.path``, an ``output_dir`` that cannot be written
-    (``data.cache_dir`` is tried when an entry is to be written: a complete entry reads without writing)."""
+    (``data.cache_dir`` is tried when an entry is to be written: a complete entry reads without writing).
+    ``on_meta``: the model is to be sharded, built on the meta device where it can be (``build_run_model``)."""
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
         check_causal_lm_dir(cfg.model.path)
     problem = None
@@ -205,7 +250,12 @@ def setup(cfg: RunConfig, dist: Distributed) -> Setup:
     if (cut := check_truncation(cfg, prepared)) is not None and dist.is_main:
         print(cut, flush=True)
     device = dist.device if dist.enabled else resolve_device(cfg.train.device)
-    model = build_run_model(cfg, prepared, device)
+    model, record, why = build_run_model(cfg, prepared, device, on_meta)
+    if dist.is_main and why is not None:
+        print(
+            f"model: built whole on each rank, then sharded (its initialisation cannot be replayed shard by shard: {why})",
+            flush=True,
+        )
     if dist.is_main and (line := lora_summary(model)) is not None:
         print(line, flush=True)
-    return Setup(cfg, dist, prepared, model, device)
+    return Setup(cfg, dist, prepared, model, device, record)

@@ -20,7 +20,14 @@ from densebatch.data.accuracy import AccuracyCheck
 from densebatch.errors import ConfigError
 from densebatch.model import generate_batch
 from densebatch.run.auto import resolve_budget, resolve_lr, trainer_config
-from densebatch.run.build import build_loaders, homogeneity_warning, resolve_config, setup, step_size_line
+from densebatch.run.build import (
+    build_loaders,
+    homogeneity_warning,
+    materialise_run_model,
+    resolve_config,
+    setup,
+    step_size_line,
+)
 from densebatch.run.final import write_final
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR
 from densebatch.run.lock import RunLock
@@ -51,11 +58,16 @@ def train(path: str | None, overrides: list[str], resume: bool = False, overwrit
 def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
     cfg, resume_from = resolve_run(requested, overrides, resume, overwrite, dist)
     out = Path(cfg.output_dir)
-    s = setup(cfg, dist)  # documents (rank 0 first), then the seeded model on its device: run/build.py
+    # FSDP: the model is built on the meta device and each rank materialises only its shards (no process
+    # holds it whole), unless the budget finder needs it whole first
+    sharded = cfg.train.distributed == "fsdp" and dist.enabled and cfg.batching.max_tokens_per_batch != "auto"
+    s = setup(cfg, dist, on_meta=sharded)  # documents (rank 0 first), then the seeded model: run/build.py
     prepared, model, device = s.prepared, s.model, s.device
     tok = prepared.tokenizer
     cfg = resolve_budget(cfg, model, prepared, dist)  # batching.max_tokens_per_batch: auto, before any wrapping
     forward = wrap_model(model, cfg.train.distributed, dist, cfg.train.precision)
+    if s.init is not None:
+        materialise_run_model(cfg, model, s.init, device, dist)
     loader, eval_data = build_loaders(cfg, prepared, dist)
     if dist.is_main and (alike := homogeneity_warning(cfg, prepared, loader)) is not None:
         print(alike, flush=True)
