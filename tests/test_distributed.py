@@ -243,7 +243,8 @@ def test_an_fsdp_run_saves_shards_and_resumes_on_one_and_on_three_processes_with
 def test_an_fsdp_hugging_face_run_reads_its_weights_in_slices_and_from_pretrained_loads_its_final(tmp):
     """A Hugging Face Llama (safetensors, 2 added tokens) trained under FSDP on 2 processes: each rank
     read only its rows of the weights (the run says so), the final model is streamed to final/ (no rank
-    gathers it whole) and ``from_pretrained(final)`` gives the logits of the last checkpoint's weights."""
+    gathers it whole) in the sharded layout of save_pretrained (files of 40 kB here, an index), and
+    ``from_pretrained(final)`` gives the logits of the last checkpoint's weights."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -259,11 +260,22 @@ def test_an_fsdp_hugging_face_run_reads_its_weights_in_slices_and_from_pretraine
         "train", str(_config(tmp, train={"max_steps": 4})), f"--output_dir={out}", "--train.distributed=fsdp",
         "--model.kind=hf", f"--model.path={tmp / 'hf-base'}", "--data.tokenizer=default", "--data.add_special_tokens=<|user|>,<|bot|>",
     ]  # fmt: skip
-    r = launch(args)
+    import sys
+
+    from support import BIN
+
+    driver = Path(__file__).parent / "final_driver.py"  # final/ in files of at most 40 kB, as for a large model
+    cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", sys.executable, str(driver)]
+    r = subprocess.run([*cmd, *args], env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "model: built on the meta device; each of 2 ranks materialised only its shards" in r.stdout, r.stdout
     final = out / "final"
-    assert (final / "model.safetensors").is_file() and (final / "config.json").is_file()
+    index = json.loads((final / "model.safetensors.index.json").read_text())
+    files = sorted({*index["weight_map"].values()})
+    assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors" and (final / "config.json").is_file()
+    assert not (final / "model.safetensors").exists()
+    saved = json.loads((final / "config.json").read_text())
+    assert saved["architectures"] == ["LlamaForCausalLM"] and saved["dtype"] == "float32" and saved["vocab_size"] == 261
     loaded = transformers.AutoModelForCausalLM.from_pretrained(final).eval()
     trained = HFCausalLM(final).eval()  # the same architecture, weights then replaced by the checkpoint's
     trained.load_state_dict(load_checkpoint(out / "checkpoints" / "step-000004", parts=("model",)).model_state)

@@ -131,6 +131,10 @@ class HFCausalLM(nn.Module):
                 if empty_weights:
                     with empty_parameters():
                         self.hf = AutoModelForCausalLM.from_config(config, **kw)
+                    if (path / "generation_config.json").is_file():  # what from_pretrained would have read
+                        from transformers import GenerationConfig
+
+                        self.hf.generation_config = GenerationConfig.from_pretrained(path)
                 elif has_weights(path):
                     self.hf = AutoModelForCausalLM.from_pretrained(path, **kw)
                 else:
@@ -357,7 +361,10 @@ class HFCausalLM(nn.Module):
         return {k: k.removeprefix("hf.") for k in keys}
 
     def write_config(self, path: str | Path) -> None:
-        """``config.json`` (and ``generation_config.json``) as ``save_pretrained`` writes them, without weights."""
+        """``config.json`` (and ``generation_config.json``) as ``save_pretrained`` writes them, without weights:
+        with the weights' dtype and the architecture's class name (``fully_shard`` prefixes it with FSDP)."""
+        self.hf.config.dtype = str(self.dtype).split(".")[1]
+        self.hf.config.architectures = [type(self.hf).__name__.removeprefix("FSDP")]
         self.hf.config.save_pretrained(path)
         generation = getattr(self.hf, "generation_config", None)
         if generation is not None and self.hf.can_generate():

@@ -4,8 +4,9 @@ For a sharded build (``model.kind: hf`` under FSDP): ``empty_parameters()`` make
 module creates a meta tensor (buffers, such as rotary frequencies, stay real: they are computed, not
 loaded), so ``HFCausalLM(path, empty_weights=True)`` has the model's structure and no weights. Once it
 is sharded, ``fill_from_files`` gives each rank's rows of each parameter from the files
-(``model.safetensors`` or the shards that ``model.safetensors.index.json`` names), read through
-memory-mapped slices, cast to the model's dtype: the values ``from_pretrained`` would give. Rows of
+(``model.safetensors`` or the shards that ``model.safetensors.index.json`` names), read by positioned
+reads straight into the rank's shard (no memory map: the pages are not the process's), cast to the
+model's dtype: the values ``from_pretrained`` would give. Rows of
 tokens added to the vocabulary get the mean of the rows before them, computed as
 ``HFCausalLM.resize_vocab`` computes it (from the whole table: one tensor, not the model).
 """
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from densebatch.errors import ConfigError
+from densebatch.tensor_files import RowReader
 
 INDEX = "model.safetensors.index.json"
 
@@ -63,31 +65,30 @@ def missing_weights(model, names: list[str]) -> list[str]:
 
 def fill_from_files(model, shards: dict[str, tuple[torch.Tensor, int]]) -> None:
     """Copy into each ``local`` tensor (``name -> (local, first row)``, names as ``model.named_parameters``)
-    its rows from the files, and the mean rows of added tokens (``model.new_rows``)."""
+    its rows from the files (positioned reads, straight into ``local`` when the dtypes agree), and the
+    mean rows of added tokens (``model.new_rows``)."""
     files = weight_files(model.path)
     if files is None:
         raise ConfigError(f"{model.path}: no safetensors weights to read")
     start, stop = getattr(model, "new_rows", None) or (0, 0)
     tables = model.vocab_table_names() if stop > start else set()
-    handles: dict[str, object] = {}
-    with contextlib.ExitStack() as stack:
+    with RowReader(model.path) as reader, torch.no_grad():
         for name, (local, first) in shards.items():
             key = name.removeprefix("hf.")
             file = files[key]
-            if file not in handles:
-                handles[file] = stack.enter_context(safe_open(str(Path(model.path) / file), framework="pt"))
-            piece = handles[file].get_slice(key)
-            rows = piece.get_shape()[0] if piece.get_shape() else 0
-            with torch.no_grad():
-                if not local.dim():
-                    local.copy_(handles[file].get_tensor(key).to(local.dtype))
-                    continue
-                lo, hi = first, min(first + local.shape[0], rows)
-                if lo < hi:
-                    local[: hi - lo].copy_(piece[lo:hi].to(local.dtype))
-                if name in tables:
-                    base = handles[file].get_slice(key)[:start].to(local.dtype)
-                    mean = base.float().mean(0).to(local.dtype)  # as resize_vocab: rows of the base table
-                    a, b = max(first, start), min(first + local.shape[0], stop)
-                    if a < b:
-                        local[a - first : b - first] = mean
+            shape = reader.shape(file, key)
+            if not local.dim():
+                local.copy_(reader.rows(file, key).to(local.dtype))
+                continue
+            lo, hi = first, min(first + local.shape[0], shape[0])
+            if lo < hi:
+                target = local[: hi - lo]
+                read = reader.rows(file, key, lo, hi, out=target if target.dtype == reader.dtype(file, key) else None)
+                if read is not target:
+                    target.copy_(read.to(local.dtype))
+            if name in tables:
+                base = reader.rows(file, key, 0, start).to(local.dtype)  # one table: as resize_vocab computes it
+                mean = base.float().mean(0).to(local.dtype)
+                a, b = max(first, start), min(first + local.shape[0], stop)
+                if a < b:
+                    local[a - first : b - first] = mean

@@ -1,7 +1,8 @@
 """``auto`` values, resolved in one place: the token budget and the learning rate a run (or a finder) uses.
 
 - ``batching.max_tokens_per_batch: auto`` is resolved right after the model is built and moved to
-  its device, before any DDP / FSDP wrapping (``resolve_budget``: ``train/finders/budget_finder.py``,
+  its device, before DDP wrapping, or under FSDP once it is sharded, through the sharded module, so
+  that the probes measure what a rank holds (``resolve_budget``: ``train/finders/budget_finder.py``,
   with the worst batches of the run's own plan at each probed budget).
 - ``train.lr: auto`` is resolved once the trainer exists (``resolve_lr``: ``train/finders/lr_finder.py``
   on the trainer's own model, optimizer and data, which it leaves as they were). The trainer is
@@ -60,25 +61,27 @@ def budget_search(cfg: RunConfig, prepared: Prepared):
     return worst, snap, low, high
 
 
-def fit_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed) -> BudgetResult:
-    """Run the budget finder on ``model`` (already on its device, not wrapped) with a throw-away optimizer."""
+def fit_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, forward=None) -> BudgetResult:
+    """Run the budget finder on ``model`` (on its device) with a throw-away optimizer; ``forward``: the
+    sharded module training goes through (FSDP), so the probes measure the sharded step."""
     worst, snap, low, high = budget_search(cfg, prepared)
     optimizer = build_optimizer(model, replace(cfg.train, lr=0.0))
     t, f = cfg.train, cfg.finder
     say(dist, "finding the token budget (batching.max_tokens_per_batch: auto):")
     result = find_budget(
         model, optimizer, worst, snap, low, high, limit_gb=t.memory_limit_gb, margin=f.memory_reserve, precision=t.precision,
-        dist=dist, max_probes=f.max_probes, throughput_share=f.throughput_share, log=(lambda s: say(dist, s)),
+        dist=dist, max_probes=f.max_probes, throughput_share=f.throughput_share, log=(lambda s: say(dist, s)), forward=forward,
     )  # fmt: skip
     del optimizer  # its state went back to empty; the trainer builds its own
     return result
 
 
-def resolve_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed) -> RunConfig:
-    """``cfg`` with ``batching.max_tokens_per_batch: auto`` replaced by the budget found (printed)."""
+def resolve_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, forward=None) -> RunConfig:
+    """``cfg`` with ``batching.max_tokens_per_batch: auto`` replaced by the budget found (printed); under
+    FSDP, found on the sharded model through ``forward``."""
     if cfg.batching.max_tokens_per_batch != "auto":
         return cfg
-    result = fit_budget(cfg, model, prepared, dist)
+    result = fit_budget(cfg, model, prepared, dist, forward)
     say(dist, result.report())
     say(dist, f"batching.max_tokens_per_batch: auto → {result.budget} (written to {Path(cfg.output_dir) / 'config.yaml'})")
     return replace(cfg, batching=replace(cfg.batching, max_tokens_per_batch=result.budget))

@@ -162,7 +162,7 @@ def materialise_run_model(cfg: RunConfig, model, record: InitRecord, device: tor
     if dist.is_main:
         n = sum(p.numel() for p in model.parameters())
         print(
-            f"model: built on the meta device; each of {dist.world_size} ranks materialised only its shards of {n / 1e6:.1f}M parameters",
+            f"model: built on the meta device; each of {dist.world_size} ranks materialised only its shards of {n:,} parameters",
             flush=True,
         )
 

@@ -23,9 +23,9 @@ from densebatch.config import RunConfig, save_config
 from densebatch.errors import UserError
 from densebatch.model import build_model, save_model
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_STATE
+from densebatch.tensor_files import header_bytes, tensor_bytes
 from densebatch.train.distributed import Distributed
 from densebatch.train.portable import full_model_state, is_sharded, model_state
-from densebatch.train.shard_files import header_bytes, tensor_bytes
 
 SHARD_BYTES = 5 * 2**30  # save_pretrained's long-standing default shard size
 INDEX = "model.safetensors.index.json"
@@ -68,8 +68,10 @@ def _cannot(final: Path, e: BaseException) -> UserError:
     )
 
 
-def shard_plan(sizes: list[int], limit: int = SHARD_BYTES) -> list[list[int]]:
-    """Consecutive tensors (by index) grouped into files of at most ``limit`` bytes (a larger tensor alone)."""
+def shard_plan(sizes: list[int], limit: int | None = None) -> list[list[int]]:
+    """Consecutive tensors (by index) grouped into files of at most ``limit`` bytes (default ``SHARD_BYTES``;
+    a larger tensor alone)."""
+    limit = SHARD_BYTES if limit is None else limit
     files: list[list[int]] = [[]]
     used = 0
     for i, size in enumerate(sizes):

@@ -59,15 +59,18 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     cfg, resume_from = resolve_run(requested, overrides, resume, overwrite, dist)
     out = Path(cfg.output_dir)
     # FSDP: the model is built on the meta device and each rank materialises only its shards (no process
-    # holds it whole), unless the budget finder needs it whole first
-    sharded = cfg.train.distributed == "fsdp" and dist.enabled and cfg.batching.max_tokens_per_batch != "auto"
+    # holds it whole); the budget finder then sizes the sharded step
+    sharded = cfg.train.distributed == "fsdp" and dist.enabled
     s = setup(cfg, dist, on_meta=sharded)  # documents (rank 0 first), then the seeded model: run/build.py
     prepared, model, device = s.prepared, s.model, s.device
     tok = prepared.tokenizer
-    cfg = resolve_budget(cfg, model, prepared, dist)  # batching.max_tokens_per_batch: auto, before any wrapping
+    if not sharded:
+        cfg = resolve_budget(cfg, model, prepared, dist)  # batching.max_tokens_per_batch: auto, before DDP wraps it
     forward = wrap_model(model, cfg.train.distributed, dist, cfg.train.precision)
     if s.init is not None:
         materialise_run_model(cfg, model, s.init, device, dist)
+    if sharded:
+        cfg = resolve_budget(cfg, model, prepared, dist, forward)
     loader, eval_data = build_loaders(cfg, prepared, dist)
     if dist.is_main and (alike := homogeneity_warning(cfg, prepared, loader)) is not None:
         print(alike, flush=True)

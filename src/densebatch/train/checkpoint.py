@@ -11,7 +11,7 @@ A checkpoint is a directory ``step-000120/``:
   and non-string keys tagged so they come back as they went in) and, for every tensor key, its dtype,
   global shape and the shards that hold it (file, first row, rows);
 - ``manifest.json``, written last: size and SHA-256 of every file. Each rank hashes its files while it
-  writes them (``train/shard_files.py``), rank 0 writes ``state.json`` and the manifest once every rank's
+  writes them (``tensor_files.py``), rank 0 writes ``state.json`` and the manifest once every rank's
   files are complete.
 
 Guarantees: a directory named ``step-N`` is complete (staged as ``.tmp-step-N-<pid>-<random>``, manifest
@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 
 from densebatch.atomic import io_reason, make_staging, publish
 from densebatch.errors import UserError
+from densebatch.tensor_files import RowReader, write_safetensors
 from densebatch.train.checkpoint_dirs import (
     FORMAT_VERSION,
     MANIFEST,
@@ -66,7 +67,6 @@ from densebatch.train.checkpoint_shards import (
     shard_entries,
     split_for_rank,
 )
-from densebatch.train.shard_files import RowReader, write_safetensors
 
 __all__ = [
     "MANIFEST", "PARTS", "STATE", "Checkpoint", "CheckpointError", "CheckpointManager", "CheckpointWarning",

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from densebatch.tensor_files import DTYPE_NAMES, RowReader
 from densebatch.train.checkpoint_format import CheckpointError, dedupe_tensors
-from densebatch.train.shard_files import DTYPE_NAMES, RowReader
 
 _DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 

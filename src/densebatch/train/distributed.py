@@ -141,8 +141,9 @@ def repeated_blocks(model: nn.Module) -> list[nn.Module]:
 def wrap_model(model: nn.Module, mode: str, dist: Distributed, precision: str = "fp32") -> nn.Module:
     """The module every training pass goes through: ``TokenLosses(model)``, replicated with DDP or
     sharded with FSDP2 (``fully_shard`` on each block, then on the root) when there are several
-    ranks. ``model`` must already be on ``dist.device``; build the optimizer afterwards (FSDP turns
-    parameters into DTensor shards in place).
+    ranks. ``model`` must already be on ``dist.device`` (or, for FSDP, on the meta device, to be
+    materialised shard by shard afterwards: ``train/meta_init.py``); build the optimizer afterwards
+    (FSDP turns parameters into DTensor shards in place).
 
     ``precision`` (``train.precision``, ``auto`` resolved for the device): under FSDP2 in bf16 / fp16 the
     shards are all-gathered in that dtype (``MixedPrecisionPolicy(param_dtype=...)``: half the bytes of

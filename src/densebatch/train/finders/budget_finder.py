@@ -187,9 +187,12 @@ def find_budget(
     max_probes: int = 10,
     throughput_share: float = 0.9,
     log: Callable[[str], None] | None = None,
+    forward: Callable[[Batch], torch.Tensor] | None = None,
 ) -> BudgetResult:
     """The largest budget in ``[low, high]`` (``snap`` rounds a budget down to a valid one) whose
-    ``worst(budget)`` batches each run a whole step within the memory; see the module docstring."""
+    ``worst(budget)`` batches each run a whole step within the memory; see the module docstring.
+    ``forward``: what maps a batch to per-token losses (default ``model.token_losses``; under FSDP the
+    sharded root module, whose hooks gather each unit's weights); every rank runs the same probes."""
     dist = dist or Distributed()
     device = next(model.parameters()).device
     meter = MemoryMeter(device)
@@ -208,7 +211,7 @@ def find_budget(
     try:
         while len(probes) < max_probes:
             batches = worst(budget)
-            peak, fits, tps = _probe(model, optimizer, batches, precision, meter, limit)
+            peak, fits, tps = _probe(forward or model.token_losses, optimizer, batches, precision, meter, limit)
             fits, tps = not dist.agree(not fits), dist.broadcast_object(tps)  # rank 0's speed for the report
             probes.append(
                 Probe(
@@ -272,7 +275,7 @@ def _next_budget(fitted, lo: int | None, hi: int | None, limit: int, base: int, 
 
 
 def _probe(
-    model, optimizer, batches: list[Batch], precision: str, meter: MemoryMeter, limit: int
+    losses_of, optimizer, batches: list[Batch], precision: str, meter: MemoryMeter, limit: int
 ) -> tuple[int, bool, float | None]:
     """(peak bytes, fits, real tokens/s) of a whole step on each of ``batches``; no collectives."""
     device = meter.device
@@ -281,7 +284,7 @@ def _probe(
     oom = False
     try:
         for batch in batches:
-            _step(model, optimizer, batch, device, precision)
+            _step(losses_of, optimizer, batch, device, precision)
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise
@@ -296,7 +299,7 @@ def _probe(
     seconds = math.inf
     for _ in range(TIMED):  # the fastest of a few: other processes only ever slow a step down
         t0 = time.perf_counter()
-        _step(model, optimizer, timed, device, precision)
+        _step(losses_of, optimizer, timed, device, precision)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = min(seconds, time.perf_counter() - t0)
@@ -304,11 +307,11 @@ def _probe(
     return peak, True, timed.num_real_tokens / seconds if seconds > 0 else None
 
 
-def _step(model, optimizer, batch: Batch, device: torch.device, precision: str) -> None:
+def _step(losses_of, optimizer, batch: Batch, device: torch.device, precision: str) -> None:
     optimizer.zero_grad(set_to_none=True)
     batch = to_device(batch, device)
     with autocast(device, precision):
-        losses = model.token_losses(batch)  # (rows, T)
+        losses = losses_of(batch)  # (rows, T)
     (losses.float().sum() / max(1, batch.num_loss_tokens)).backward()
     optimizer.step()
 
