@@ -11,9 +11,9 @@ Run by tests/train/test_sharded_checkpoint.py (and, with one process, in the tes
 - ``build DIR``: the same model built on the meta device, sharded, then materialised rank by rank
   (``train/meta_init.py``); its whole weights gathered into ``DIR/built-<ranks>.safetensors`` (rank 0),
   with each rank's count of materialised parameter elements in ``DIR/built-<ranks>-rank<r>.json``.
-- ``build-hf DIR``: the Hugging Face model in ``DIR/hf`` (3 tokens added to its vocabulary) built empty,
+- ``build-hf DIR``: each Hugging Face model ``DIR/hf-*`` (3 tokens added to its vocabulary) built empty,
   sharded, each rank reading its rows from the safetensors files; gathered into
-  ``DIR/built-hf-<ranks>.safetensors`` (rank 0).
+  ``DIR/built-hf-*.safetensors`` (rank 0).
 """
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ def build_on_meta(root: Path, dist: Distributed) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"built-{dist.world_size}.safetensors"))
 
 
-def hf_model(root: Path, empty_weights: bool):
-    """The Hugging Face model in ``root/hf`` with 3 tokens added to its vocabulary (rows: the mean)."""
+def hf_model(path: Path, empty_weights: bool):
+    """The Hugging Face model in ``path`` with 3 tokens added to its vocabulary (rows: the mean)."""
     from densebatch.config import ModelConfig
     from densebatch.model import build_model
 
-    cfg = ModelConfig(kind="hf", path=str(root / "hf"))
-    vocab = json.loads((root / "hf" / "config.json").read_text())["vocab_size"]
+    cfg = ModelConfig(kind="hf", path=str(path))
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     return build_model(cfg, vocab + 3, vocab, empty_weights=empty_weights)
 
 
@@ -85,15 +85,16 @@ def build_hf_from_files(root: Path, dist: Distributed) -> None:
     from densebatch.model.hf_weights import fill_from_files
     from densebatch.train.meta_init import InitRecord, materialise
 
-    model = hf_model(root, empty_weights=True)
-    assert all(p.is_meta for p in model.parameters())
-    for block in repeated_blocks(model):
-        fully_shard(block)
-    fully_shard(model)
-    materialise(model, InitRecord(fill=lambda shards: fill_from_files(model, shards)), "cpu")
-    state = whole(model_state(model))
-    if dist.is_main:
-        save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"built-hf-{dist.world_size}.safetensors"))
+    for path in sorted(root.glob("hf-*")):
+        model = hf_model(path, empty_weights=True)
+        assert all(p.is_meta for p in model.parameters())
+        for block in repeated_blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        materialise(model, InitRecord(fill=lambda shards, m=model: fill_from_files(m, shards)), "cpu")
+        state = whole(model_state(model))
+        if dist.is_main:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"built-{path.name}.safetensors"))
 
 
 def main(mode: str, root: Path, dist: Distributed) -> None:

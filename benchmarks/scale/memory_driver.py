@@ -12,7 +12,7 @@ hook, the phases are wrapped here:
 - ``resume``: restoring a checkpoint (``Session.restore``);
 - ``final``: writing ``output_dir/final``;
 - ``run``: the whole process (never reset: the peak over everything);
-- ``<phase>_from``: the resident memory when the phase first began (its peak less this is its own cost).
+- ``<phase>_own``: the most one call of the phase added to the resident memory it began with.
 
 At exit each rank writes ``$DENSEBATCH_MEMORY/rank<RANK>.json``: MiB per phase, and the resident memory
 just before the build began (``before_build``: the interpreter, torch and the prepared data).
@@ -50,12 +50,14 @@ def _reset() -> None:
 
 def _phase(name: str, fn):
     def wrapped(*args, **kwargs):
-        peaks.setdefault(f"{name}_from", _status("VmRSS"))  # resident when the phase first began
+        before = _status("VmRSS")
         _reset()
         try:
             return fn(*args, **kwargs)
         finally:
-            peaks[name] = max(peaks.get(name, 0.0), _status("VmHWM"))
+            peak = _status("VmHWM")
+            peaks[name] = max(peaks.get(name, 0.0), peak)
+            peaks[f"{name}_own"] = max(peaks.get(f"{name}_own", 0.0), peak - before)
 
     return wrapped
 

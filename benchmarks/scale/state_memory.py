@@ -77,10 +77,10 @@ def run(work: Path, name: str, nproc: int, args: list[str]) -> list[dict]:
 
 
 def _cell(r: dict, phase: str) -> str:
-    """The phase's peak, and what it added over the resident memory when it began (``+N``)."""
+    """The phase's peak, and the most one call of it added over the resident memory it began with (``+N``)."""
     if phase not in r:
         return "—"
-    own = f" (+{r[phase] - r[phase + '_from']:,.0f})" if phase + "_from" in r else ""
+    own = f" (+{r[phase + '_own']:,.0f})" if phase + "_own" in r else ""
     return f"{r[phase]:,.0f}{own}"
 
 
