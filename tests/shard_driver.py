@@ -1,4 +1,4 @@
-"""``torchrun ... shard_driver.py save|load DIR``: a sharded checkpoint of an FSDP2 model written on N ranks, read on M.
+"""``torchrun ... shard_driver.py MODE[,MODE...] DIR``: a sharded checkpoint of an FSDP2 model written on N ranks, read on M.
 
 Run by tests/train/test_sharded_checkpoint.py (and, with one process, in the test process itself):
 
@@ -131,6 +131,7 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     d = Distributed.from_environment("cpu")
     try:
-        main(sys.argv[1], Path(sys.argv[2]), d)
+        for mode in sys.argv[1].split(","):  # several modes in one launch: interpreter start-up is most of a test's time
+            main(mode, Path(sys.argv[2]), d)
     finally:
         d.close()

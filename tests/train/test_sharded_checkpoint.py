@@ -31,10 +31,26 @@ def drive(mode: str, root: Path, nproc: int) -> None:
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+HF_KINDS = ("llama", "gpt2")
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
+    """One 2-process launch: the sharded checkpoint, the meta build and the Hugging Face builds."""
     root = tmp_path_factory.mktemp("shards")
-    drive("save", root, 2)
+    modes = "save,build"
+    try:
+        import transformers
+
+        from densebatch.testing.models import two_layer_config
+
+        for kind in HF_KINDS:
+            torch.manual_seed(0)
+            transformers.AutoModelForCausalLM.from_config(two_layer_config(kind)).save_pretrained(root / f"hf-{kind}")
+        modes += ",build-hf"
+    except ImportError:
+        pass
+    drive(modes, root, 2)
     return root
 
 
@@ -112,10 +128,10 @@ def test_a_planted_pickle_shard_is_refused_without_running(saved, tmp_path):
     assert not marker.exists()
 
 
-def test_a_model_built_on_meta_and_materialised_per_rank_is_bit_identical_to_the_whole_build(tmp_path):
+def test_a_model_built_on_meta_and_materialised_per_rank_is_bit_identical_to_the_whole_build(saved):
     """Two ranks materialise only their rows of the reference GPT (the meta build's record replayed on
     the CPU generator from the same seed): gathered, the weights equal a one-process build bit for bit."""
-    drive("build", tmp_path, 2)
+    tmp_path = saved
     from densebatch.testing.models import tiny_gpt
 
     built = load_file(str(tmp_path / "built-2.safetensors"))
@@ -127,20 +143,15 @@ def test_a_model_built_on_meta_and_materialised_per_rank_is_bit_identical_to_the
     assert sum(held) == total and max(held) < 0.55 * total  # each rank holds its half, no rank the model
 
 
-def test_a_hugging_face_model_read_in_slices_per_rank_equals_from_pretrained(tmp_path):
+def test_a_hugging_face_model_read_in_slices_per_rank_equals_from_pretrained(saved):
     """Two ranks each read only their rows of a Hugging Face model's safetensors weights (3 added tokens:
     their rows the mean of the others, computed from the file): gathered, equal to the one-process build
     (``from_pretrained`` and ``resize_vocab``) bit for bit; Llama with an untied head, GPT-2 tied."""
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     import shard_driver
 
-    from densebatch.testing.models import two_layer_config
-
-    for kind in ("llama", "gpt2"):
-        torch.manual_seed(0)
-        transformers.AutoModelForCausalLM.from_config(two_layer_config(kind)).save_pretrained(tmp_path / f"hf-{kind}")
-    drive("build-hf", tmp_path, 2)
-    for kind in ("llama", "gpt2"):
+    tmp_path = saved
+    for kind in HF_KINDS:
         expected = shard_driver.hf_model(tmp_path / f"hf-{kind}", empty_weights=False).state_dict()
         built = load_file(str(tmp_path / f"built-hf-{kind}.safetensors"))
         assert built.keys() <= expected.keys() and len(built) > 10

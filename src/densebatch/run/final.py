@@ -126,7 +126,10 @@ def _stream_final(final: Path, model, names: dict[str, str], tok, cfg: RunConfig
                     failure = e
             del whole
         if out is not None:
-            out.close()
+            try:
+                out.close()  # flushes: a full disk can show here
+            except OSError as e:
+                failure = failure or e
     if dist.is_main:
         try:
             if failure is None:

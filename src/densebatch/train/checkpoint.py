@@ -175,7 +175,7 @@ def _write_staged(tmp: Path, final: Path, step: int, states: tuple, dist) -> tup
         try:
             if bad := [(r, w["error"]) for r, w in enumerate(everyone) if "error" in w]:
                 raise failure or CheckpointError(f"rank {bad[0][0]}: {bad[0][1]}")
-            _finish(tmp, final, step, states, everyone)
+            _finish(tmp, final, step, states, everyone, writers)
             outcome = str(final)
         except (OSError, SafetensorError, CheckpointError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -199,7 +199,7 @@ def _write_rank_files(tmp: Path, rank: int, writers: int, states: tuple) -> dict
     return {"files": files, "parts": parts}
 
 
-def _finish(tmp: Path, final: Path, step: int, states: tuple, everyone: list[dict]) -> None:
+def _finish(tmp: Path, final: Path, step: int, states: tuple, everyone: list[dict], writers: int) -> None:
     """Rank 0, once every rank's files are in ``tmp``: ``state.json``, then the manifest, then the name."""
     parts = {}
     for part in PARTS:
@@ -211,7 +211,7 @@ def _finish(tmp: Path, final: Path, step: int, states: tuple, everyone: list[dic
         }
     # Module versions that load_state_dict hands to _load_from_state_dict (e.g. BatchNorm's).
     parts["model"]["metadata"] = encode_tree(getattr(states[0], "_metadata", None), ["_metadata"], {})
-    _write_json(tmp / STATE, {"format_version": FORMAT_VERSION, "step": step, "writers": len(everyone), "parts": parts})
+    _write_json(tmp / STATE, {"format_version": FORMAT_VERSION, "step": step, "writers": writers, "parts": parts})
     files = {name: entry for w in everyone for name, entry in w["files"].items()}
     files[STATE] = {"size": (tmp / STATE).stat().st_size, "sha256": sha256_file(tmp / STATE)}
     _write_json(tmp / MANIFEST, {"format_version": FORMAT_VERSION, "step": step, "files": dict(sorted(files.items()))})
