@@ -7,7 +7,6 @@ import json
 import pickle
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,22 @@ from support import subprocess_env, torchrun
 from densebatch.train.checkpoint import CheckpointWarning, latest_valid, load_checkpoint, verify
 from densebatch.train.checkpoint_dirs import sha256_file
 
-pytestmark = pytest.mark.slow
+# one worker runs the whole module: its module-scoped runs are then made once, not once per worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded_checkpoint")]
 DRIVER = Path(__file__).resolve().parents[1] / "shard_driver.py"
 
 
 def drive(mode: str, root: Path, nproc: int) -> None:
-    if nproc == 1:
-        cmd = [sys.executable, str(DRIVER), mode, str(root)]
-    else:
-        cmd = torchrun([mode, str(root)], nproc, script=DRIVER)
-    r = subprocess.run(cmd, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    if nproc == 1:  # one process needs no launcher: in this process
+        import shard_driver
+
+        from densebatch.train.distributed import Distributed
+
+        shard_driver.main(mode, root, Distributed())
+        return
+    r = subprocess.run(
+        torchrun([mode, str(root)], nproc, script=DRIVER), env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
