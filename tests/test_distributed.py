@@ -22,8 +22,7 @@ from support import free_port, subprocess_env, torchrun, torchrun_node
 
 from densebatch.cli import main
 
-# one worker runs the whole module: its module-scoped runs are then made once, not once per worker
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("distributed")]
+pytestmark = pytest.mark.slow
 CONFIG = {
     "seed": 0,
     # 200 generated records -> ~81 short training documents; packed rows of 256, 2 rows a batch:

@@ -17,8 +17,7 @@ from support import subprocess_env, torchrun
 from densebatch.train.checkpoint import CheckpointWarning, latest_valid, load_checkpoint, verify
 from densebatch.train.checkpoint_dirs import sha256_file
 
-# one worker runs the whole module: its module-scoped runs are then made once, not once per worker
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sharded_checkpoint")]
+pytestmark = pytest.mark.slow
 DRIVER = Path(__file__).resolve().parents[1] / "shard_driver.py"
 
 
