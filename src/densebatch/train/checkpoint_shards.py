@@ -36,10 +36,17 @@ def file_name(part: str, rank: int, writers: int) -> str:
     return f"{part}.safetensors" if writers == 1 else f"{part}-{rank + 1:05d}-of-{writers:05d}.safetensors"
 
 
+def first_row(t) -> int:
+    """The global index of the first row of DTensor ``t``'s local shard (0 for a 0-dimensional tensor)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return int(offset[0]) if t.dim() else 0
+
+
 def _row_share(t) -> tuple[torch.Tensor | None, int]:
     """(the rows of DTensor ``t`` this rank writes, or None; the global index of its first row)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     coordinate = t.device_mesh.get_coordinate()
     if coordinate is None:  # not a member of the mesh: holds nothing
@@ -49,8 +56,7 @@ def _row_share(t) -> tuple[torch.Tensor | None, int]:
         raise CheckpointError(f"cannot save a tensor placed {t.placements}: only row-sharded (Shard(0)) or replicated ones")
     if any(coordinate[i] for i, p in enumerate(t.placements) if isinstance(p, Replicate)):
         return None, 0  # another replica of the same rows writes them
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), int(offset[0]) if t.dim() else 0
+    return t.to_local(), first_row(t)
 
 
 def split_for_rank(tensors: dict[str, Any], rank: int) -> tuple[dict[str, tuple[torch.Tensor, int, tuple]], dict[str, str]]:
@@ -157,13 +163,13 @@ def read_part(reader: RowReader, index: dict[str, dict], targets: dict[str, Any]
 
 def _as_target(reader: RowReader, entry: dict, target) -> Any:
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0) for p in target.placements):
         raise CheckpointError(f"tensor {entry['key']}: cannot load into a tensor placed {target.placements}")
-    local_shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
-    start = int(offset[0]) if target.dim() else 0
-    local = read_rows(reader, entry, start, start + local_shape[0]) if target.dim() else read_rows(reader, entry, 0, 0)
+    start = first_row(target)
+    local = (
+        read_rows(reader, entry, start, start + target.to_local().shape[0]) if target.dim() else read_rows(reader, entry, 0, 0)
+    )
     local = local.to(device=target.to_local().device, dtype=target.dtype)
     return DTensor.from_local(
         local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()

@@ -25,6 +25,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from densebatch.train.checkpoint_shards import first_row
+
 FULL_WRITES = ("normal_", "uniform_", "zero_", "fill_")  # overwrite every element: earlier values do not matter
 
 
@@ -86,10 +88,7 @@ def _rows_of(param) -> tuple[torch.Tensor, int]:
     """(this rank's local tensor of a parameter, its first row's global index)."""
     if not hasattr(param, "to_local"):
         return param.data, 0
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return param.to_local(), int(offset[0]) if param.dim() else 0
+    return param.to_local(), first_row(param)
 
 
 def materialise(model: nn.Module, record: InitRecord, device: torch.device | str) -> None:
