@@ -11,9 +11,11 @@ Run by tests/train/test_sharded_checkpoint.py (and, with one process, in the tes
 - ``build DIR``: the same model built on the meta device, sharded, then materialised rank by rank
   (``train/meta_init.py``); its whole weights gathered into ``DIR/built-<ranks>.safetensors`` (rank 0),
   with each rank's count of materialised parameter elements in ``DIR/built-<ranks>-rank<r>.json``.
-- ``build-hf DIR``: each Hugging Face model ``DIR/hf-*`` (3 tokens added to its vocabulary) built empty,
-  sharded, each rank reading its rows from the safetensors files; gathered into
-  ``DIR/built-hf-*.safetensors`` (rank 0).
+- ``build-hf DIR``: each Hugging Face model ``DIR/hf-*`` (3 tokens added to its vocabulary), without and
+  with LoRA adapters, built empty by ``run.build.hf_on_meta``, sharded, each rank reading its rows from
+  the safetensors files and replaying the adapters' initialisation; gathered into
+  ``DIR/built-hf-*[-lora].safetensors`` (rank 0), with 3 numbers drawn after it in ``...-draws.json``;
+  the LoRA model's adapter saved as a final model is, in ``DIR/adapter-hf-*``.
 """
 
 from __future__ import annotations
@@ -69,32 +71,47 @@ def build_on_meta(root: Path, dist: Distributed) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"built-{dist.world_size}.safetensors"))
 
 
-def hf_model(path: Path, empty_weights: bool):
-    """The Hugging Face model in ``path`` with 3 tokens added to its vocabulary (rows: the mean)."""
-    from densebatch.config import ModelConfig
+SEED = 5
+
+
+def hf_model(path: Path, lora: int = 0, empty_weights: bool = False, after_load=None):
+    """The Hugging Face model in ``path`` with 3 tokens added to its vocabulary (rows: the mean), LoRA
+    adapters of rank ``lora`` when not 0, built after seeding with ``SEED``."""
+    from densebatch.config import LoraConfig, ModelConfig
     from densebatch.model import build_model
 
-    cfg = ModelConfig(kind="hf", path=str(path))
+    cfg = ModelConfig(kind="hf", path=str(path), lora=LoraConfig(r=lora))
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-    return build_model(cfg, vocab + 3, vocab, empty_weights=empty_weights)
+    torch.manual_seed(SEED)
+    return build_model(cfg, vocab + 3, vocab, empty_weights, after_load)
 
 
 def build_hf_from_files(root: Path, dist: Distributed) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    from densebatch.model.hf_weights import fill_from_files
-    from densebatch.train.meta_init import InitRecord, materialise
+    from densebatch.run.build import hf_on_meta
+    from densebatch.run.final import gathered_adapter
+    from densebatch.train.meta_init import materialise
 
     for path in sorted(root.glob("hf-*")):
-        model = hf_model(path, empty_weights=True)
-        assert all(p.is_meta for p in model.parameters())
-        for block in repeated_blocks(model):
-            fully_shard(block)
-        fully_shard(model)
-        materialise(model, InitRecord(fill=lambda shards, m=model: fill_from_files(m, shards)), "cpu")
-        state = whole(model_state(model))
-        if dist.is_main:
-            save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"built-{path.name}.safetensors"))
+        for lora in (0, 4):
+            model, record, why = hf_on_meta(str(path), lambda lora=lora, path=path, **kw: hf_model(path, lora, **kw))
+            assert why is None and all(p.is_meta for p in model.parameters()), why
+            for block in repeated_blocks(model):
+                fully_shard(block)
+            fully_shard(model)
+            torch.manual_seed(SEED)
+            materialise(model, record, "cpu")
+            draws = torch.rand(3).tolist()  # the generator where the whole build leaves it
+            state = whole(model_state(model))
+            if dist.is_main:
+                name = f"built-{path.name}" + ("-lora" if lora else "")
+                save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"{name}.safetensors"))
+                (root / f"{name}-draws.json").write_text(json.dumps(draws))
+            if lora:  # its final form: PEFT's adapter, only the adapter gathered
+                adapter = gathered_adapter(model)
+                if dist.is_main:
+                    model.save(root / f"adapter-{path.name}", adapter=adapter)
 
 
 def main(mode: str, root: Path, dist: Distributed) -> None:

@@ -242,7 +242,8 @@ def test_an_fsdp_hugging_face_run_reads_its_weights_in_slices_and_from_pretraine
     """A Hugging Face Llama (safetensors, 2 added tokens) trained under FSDP on 2 processes: each rank
     read only its rows of the weights (the run says so), the final model is streamed to final/ (no rank
     gathers it whole) in the sharded layout of save_pretrained (files of 40 kB here, an index), and
-    ``from_pretrained(final)`` gives the logits of the last checkpoint's weights."""
+    ``from_pretrained(final)`` gives the logits of the last checkpoint's weights. Its token budget is
+    ``auto``: found after sharding, on the sharded model, both ranks probing and agreeing."""
     transformers = pytest.importorskip("transformers")
     import torch
 
@@ -257,6 +258,7 @@ def test_an_fsdp_hugging_face_run_reads_its_weights_in_slices_and_from_pretraine
     args = [
         "train", str(_config(tmp, train={"max_steps": 4})), f"--output_dir={out}", "--train.distributed=fsdp",
         "--model.kind=hf", f"--model.path={tmp / 'hf-base'}", "--data.tokenizer=default", "--data.add_special_tokens=<|user|>,<|bot|>",
+        "--batching.max_tokens_per_batch=auto", "--train.memory_limit_gb=4", "--finder.max_probes=3",
     ]  # fmt: skip
     import sys
 
@@ -266,7 +268,10 @@ def test_an_fsdp_hugging_face_run_reads_its_weights_in_slices_and_from_pretraine
     cmd = [str(BIN / "torchrun"), "--standalone", "--nproc_per_node=2", "--no-python", sys.executable, str(driver)]
     r = subprocess.run([*cmd, *args], env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "model: built on the meta device; each of 2 ranks materialised only its shards" in r.stdout, r.stdout
+    built = r.stdout.index("model: built on the meta device; each of 2 ranks materialised only its shards")
+    assert r.stdout.index("finding the token budget") > built and "limit per rank 3.600, 3.600 GB" in r.stdout, r.stdout
+    budget = yaml.safe_load((out / "config.yaml").read_text())["batching"]["max_tokens_per_batch"]
+    assert isinstance(budget, int) and budget >= 512 and f"auto → {budget}" in r.stdout
     final = out / "final"
     index = json.loads((final / "model.safetensors.index.json").read_text())
     files = sorted({*index["weight_map"].values()})

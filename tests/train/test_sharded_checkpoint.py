@@ -150,16 +150,31 @@ def test_a_model_built_on_meta_and_materialised_per_rank_is_bit_identical_to_the
 def test_a_hugging_face_model_read_in_slices_per_rank_equals_from_pretrained(saved):
     """Two ranks each read only their rows of a Hugging Face model's safetensors weights (3 added tokens:
     their rows the mean of the others, computed from the file): gathered, equal to the one-process build
-    (``from_pretrained`` and ``resize_vocab``) bit for bit; Llama with an untied head, GPT-2 tied."""
-    pytest.importorskip("transformers")
+    (``from_pretrained`` and ``resize_vocab``) bit for bit; Llama with an untied head, GPT-2 tied. With
+    LoRA adapters too: the adapters' initialisation replayed from the seed, PEFT's trainable rows of the
+    added tokens filled, and the generator left where the whole build leaves it."""
+    pytest.importorskip("peft")
     import shard_driver
 
     tmp_path = saved
     for kind in HF_KINDS:
-        expected = shard_driver.hf_model(tmp_path / f"hf-{kind}", empty_weights=False).state_dict()
-        built = load_file(str(tmp_path / f"built-hf-{kind}.safetensors"))
-        assert built.keys() <= expected.keys() and len(built) > 10
-        assert [k for k in built if not torch.equal(expected[k], built[k])] == []
         vocab = json.loads((tmp_path / f"hf-{kind}" / "config.json").read_text())["vocab_size"]
-        emb = next(v for k, v in built.items() if "embed_tokens" in k or "wte" in k)
-        assert emb.shape[0] == vocab + 3 and torch.equal(emb[-1], emb[:vocab].float().mean(0))
+        for lora, suffix in ((0, ""), (4, "-lora")):
+            model = shard_driver.hf_model(tmp_path / f"hf-{kind}", lora)
+            draws = torch.rand(3).tolist()
+            expected = model.state_dict()
+            built = load_file(str(tmp_path / f"built-hf-{kind}{suffix}.safetensors"))
+            assert built.keys() <= expected.keys() and len(built) > 10
+            assert [k for k in built if not torch.equal(expected[k], built[k])] == []
+            assert json.loads((tmp_path / f"built-hf-{kind}{suffix}-draws.json").read_text()) == draws
+            emb = next(
+                v for k, v in built.items() if ("embed_tokens" in k or "wte" in k) and "lora" not in k and "delta" not in k
+            )
+            assert emb.shape[0] == vocab + 3 and torch.equal(emb[-1], emb[:vocab].float().mean(0))
+            if lora:
+                adapters = {k: v for k, v in built.items() if "lora_A" in k or "trainable_tokens_delta" in k}
+                assert len(adapters) >= 3 and all(v.abs().sum() > 0 for v in adapters.values())
+                model.save(tmp_path / f"whole-adapter-{kind}")
+                want = load_file(str(tmp_path / f"whole-adapter-{kind}" / "adapter_model.safetensors"))
+                got = load_file(str(tmp_path / f"adapter-hf-{kind}" / "adapter_model.safetensors"))
+                assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -9,6 +9,8 @@ transformers is needed only for ``model.kind: hf``, and peft only for ``model.lo
 
 from __future__ import annotations
 
+import contextlib
+
 import torch.nn as nn
 
 from densebatch.config import ModelConfig
@@ -37,15 +39,22 @@ def check_hf_attention(cfg: ModelConfig) -> None:
         )
 
 
-def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None = None, empty_weights: bool = False) -> nn.Module:
+def build_model(
+    cfg: ModelConfig,
+    vocab_size: int,
+    base_vocab_size: int | None = None,
+    empty_weights: bool = False,
+    after_load: contextlib.AbstractContextManager | None = None,
+) -> nn.Module:
     """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt).
 
     ``base_vocab_size``: the tokenizer's size before the tokens densebatch added (``tok.base_vocab_size``);
     a Hugging Face model gives those new ids rows set to the mean of the rows it had
     (``HFCausalLM.resize_vocab``), and under LoRA trains them. None: only rows past the model's own
     table are new. The reference GPT is built for the whole vocabulary at random, so it needs none.
-    ``empty_weights`` (Hugging Face, no LoRA): parameters on the meta device, to be read from the weight
-    files shard by shard (``model/hf_weights.py``).
+    ``empty_weights`` (Hugging Face): parameters on the meta device, to be read from the weight files
+    shard by shard (``model/hf_weights.py``); ``after_load`` is entered around what follows the load
+    (the vocabulary grown, LoRA adapters added), for ``train/meta_init.recording``.
     """
     if cfg.kind == "gpt":
         resolve_backend(cfg.attention, "cpu", training=False)  # a ModelConfig built by hand: name check
@@ -83,8 +92,9 @@ def build_model(cfg: ModelConfig, vocab_size: int, base_vocab_size: int | None =
                 f"embedding rows, so ids {model.vocab_size}..{known - 1} mean nothing to it; use the model's own tokenizer "
                 "(data.tokenizer: auto); tokens of your own go in data.add_tokens, which grows the model for them"
             )
-        new_ids = model.resize_vocab(vocab_size, base_vocab_size)
-        if cfg.lora.r:
-            apply_lora(model, cfg.lora, new_ids)
+        with after_load or contextlib.nullcontext():
+            new_ids = model.resize_vocab(vocab_size, base_vocab_size)
+            if cfg.lora.r:
+                apply_lora(model, cfg.lora, new_ids)
         return model
     raise ConfigError(f"model.kind: expected gpt or hf; got {cfg.kind!r}")

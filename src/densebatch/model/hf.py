@@ -334,11 +334,12 @@ class HFCausalLM(nn.Module):
         return list(range(start, vocab_size))
 
     # ------------------------------------------------------------------------------------- I/O
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, adapter: dict[str, Tensor] | None = None) -> None:
         """``save_pretrained`` (safetensors): ``AutoModelForCausalLM.from_pretrained(path)`` loads it.
         Under LoRA, the adapter alone (PEFT's ``save_pretrained``: adapter_config.json and
         adapter_model.safetensors, naming this base model by its absolute path); ``save_merged``
-        writes the plain model.
+        writes the plain model. ``adapter``: the adapter's tensors whole (by state-dict key), for a
+        model whose own are shards.
 
         PEFT would also save both whole embedding tables once they grew (``save_embedding_layers``
         "auto"): vocabulary x width each, the size of a small model. They carry nothing new: the base
@@ -351,7 +352,8 @@ class HFCausalLM(nn.Module):
         for config in self.hf.peft_config.values():
             config.base_model_name_or_path = str(self.path)
         with quiet_progress():
-            self.hf.save_pretrained(path, save_embedding_layers=False)
+            state = None if adapter is None else {k.removeprefix("hf."): v for k, v in adapter.items()}
+            self.hf.save_pretrained(path, save_embedding_layers=False, state_dict=state)
 
     def export_names(self, keys: list[str]) -> dict[str, str] | None:
         """State-dict key -> name in ``save_pretrained``'s weight files (tied duplicates are the writer's to

@@ -57,24 +57,53 @@ def weight_files(path: str | Path) -> dict[str, str] | None:
     return None
 
 
+_PEFT_WRAPPERS = (".base_layer.", ".token_adapter.")  # the module PEFT wraps a layer in, between two names
+_TOKEN_ROWS = (".trainable_tokens_delta.", ".trainable_tokens_original.")  # PEFT's trainable rows of added tokens
+
+
+def file_key(model, name: str) -> str:
+    """The weight files' name of ``HFCausalLM`` parameter ``name`` (under LoRA, of the layer PEFT wrapped)."""
+    key = name.removeprefix("hf.")
+    if getattr(model, "lora", False):
+        key = key.removeprefix("base_model.model.")
+        for part in _PEFT_WRAPPERS:
+            key = key.replace(part, ".")
+    return key
+
+
+def token_rows_table(key: str) -> str | None:
+    """For PEFT's trainable rows of the added tokens (a file key), the weight of the table they start from."""
+    part = next((p for p in _TOKEN_ROWS if p in key), None)
+    return key.split(part)[0] + ".weight" if part else None
+
+
 def missing_weights(model, names: list[str]) -> list[str]:
-    """Which of the parameter ``names`` (of ``HFCausalLM``) its files do not hold."""
+    """Which of the parameter ``names`` (of ``HFCausalLM``, not LoRA adapters) its files do not hold."""
     files = weight_files(model.path) or {}
-    return [n for n in names if n.removeprefix("hf.") not in files]
+    return [n for n in names if (k := file_key(model, n)) not in files and token_rows_table(k) not in files]
 
 
 def fill_from_files(model, shards: dict[str, tuple[torch.Tensor, int]]) -> None:
-    """Copy into each ``local`` tensor (``name -> (local, first row)``, names as ``model.named_parameters``)
-    its rows from the files (positioned reads, straight into ``local`` when the dtypes agree), and the
-    mean rows of added tokens (``model.new_rows``)."""
+    """Copy into each ``local`` tensor (``name -> (local, first row)``, names as ``model.named_parameters``
+    or ``named_buffers``) its rows from the files (positioned reads, straight into ``local`` when the
+    dtypes agree), and the mean rows of added tokens (``model.new_rows``), in their tables and (LoRA) in
+    PEFT's trainable rows for them."""
     files = weight_files(model.path)
     if files is None:
         raise ConfigError(f"{model.path}: no safetensors weights to read")
     start, stop = getattr(model, "new_rows", None) or (0, 0)
-    tables = model.vocab_table_names() if stop > start else set()
+    tables = set()  # the tables added tokens grow (under LoRA: those PEFT's trainable tokens wrap, and a head bias)
+    if stop > start and getattr(model, "lora", False):
+        tables = {file_key(model, n) for n in shards if ".token_adapter.base_layer." in n}
+        tables |= {k.removesuffix(".weight") + ".bias" for k in tables}
+    elif stop > start:
+        tables = {file_key(model, n) for n in model.vocab_table_names()}
     with RowReader(model.path) as reader, torch.no_grad():
         for name, (local, first) in shards.items():
-            key = name.removeprefix("hf.")
+            key = file_key(model, name)
+            if (table := token_rows_table(key)) is not None:  # every row is an added token's (new_rows)
+                local.copy_(_mean_row(reader, files[table], table, start, local.dtype).expand_as(local))
+                continue
             file = files[key]
             shape = reader.shape(file, key)
             if not local.dim():
@@ -86,9 +115,12 @@ def fill_from_files(model, shards: dict[str, tuple[torch.Tensor, int]]) -> None:
                 read = reader.rows(file, key, lo, hi, out=target if target.dtype == reader.dtype(file, key) else None)
                 if read is not target:
                     target.copy_(read.to(local.dtype))
-            if name in tables:
-                base = reader.rows(file, key, 0, start).to(local.dtype)  # one table: as resize_vocab computes it
-                mean = base.float().mean(0).to(local.dtype)
+            if key in tables:
                 a, b = max(first, start), min(first + local.shape[0], stop)
                 if a < b:
-                    local[a - first : b - first] = mean
+                    local[a - first : b - first] = _mean_row(reader, file, key, start, local.dtype)
+
+
+def _mean_row(reader: RowReader, file: str, key: str, start: int, dtype: torch.dtype) -> torch.Tensor:
+    """The mean of a table's first ``start`` rows, as ``HFCausalLM.resize_vocab`` computes it (one table)."""
+    return reader.rows(file, key, 0, start).to(dtype).float().mean(0).to(dtype)

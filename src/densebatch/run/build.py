@@ -36,7 +36,7 @@ from densebatch.model.lora import lora_summary
 from densebatch.run.demo import DEMO_OVERRIDES, is_demo
 from densebatch.train.distributed import Distributed
 from densebatch.train.loop import resolve_device
-from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init
+from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init, recording, storage_key
 
 
 def resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
@@ -123,13 +123,13 @@ def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device, on
     record, for ``materialise_run_model`` once it is sharded."""
     tok = prepared.tokenizer
 
-    def build(empty_weights: bool = False):
+    def build(empty_weights: bool = False, after_load=None):
         seed_everything(cfg.seed)
-        return build_model(cfg.model, tok.vocab_size, tok.base_vocab_size, empty_weights)
+        return build_model(cfg.model, tok.vocab_size, tok.base_vocab_size, empty_weights, after_load)
 
     record, why = None, None
     if on_meta and cfg.model.kind == "hf":
-        model, record, why = _hf_on_meta(cfg, build)
+        model, record, why = hf_on_meta(cfg.model.path, build)
     elif on_meta:
         try:
             model, record = record_init(build)
@@ -142,17 +142,22 @@ def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device, on
     return (model if record is not None else model.to(device)), record, why
 
 
-def _hf_on_meta(cfg: RunConfig, build):
-    """(model, record, why not) of a Hugging Face model whose weights each rank reads in slices."""
-    if cfg.model.lora.r:
-        return build(), None, "LoRA adapters are initialised at random around the loaded weights"
-    if weight_files(cfg.model.path) is None:
+def hf_on_meta(path: str, build):
+    """(model, record, why not) of the Hugging Face model in ``path``, built by ``build(empty_weights=,
+    after_load=)`` (``build_model`` after seeding), whose weights each rank reads in slices; LoRA
+    adapters replayed from the record of what the whole build draws after loading (meta_init)."""
+    if weight_files(path) is None:
         return build(), None, "no safetensors weights to read in slices"
-    model = build(empty_weights=True)
-    names = [n for n, _ in model.named_parameters()]
-    if missing := missing_weights(model, names):
+    record = InitRecord()
+    model = build(empty_weights=True, after_load=recording(record))
+    params = dict(model.named_parameters())
+    if missing := missing_weights(model, [n for n in params if "lora_" not in n]):
         return build(), None, f"the weight files lack {missing[0]} (and {len(missing) - 1} more)"
-    return model, InitRecord(fill=lambda shards: fill_from_files(model, shards)), None
+    record.names = {storage_key(p): n for n, p in params.items() if "lora_" in n}  # what the ops make
+    if problem := record.problem_of(record.names):
+        return build(), None, f"a LoRA adapter's initialisation {problem}"
+    record.fill = lambda shards: fill_from_files(model, shards)
+    return model, record, None
 
 
 def materialise_run_model(cfg: RunConfig, model, record: InitRecord, device: torch.device, dist: Distributed) -> None:

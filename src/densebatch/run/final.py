@@ -6,8 +6,8 @@ rank 0 appends its bytes to the open file and drops it), into the files ``save_p
 a large model: ``model.safetensors``, or past ``SHARD_BYTES`` ``model-00001-of-0000K.safetensors`` and
 ``model.safetensors.index.json`` (total size, and which file holds each weight). The header of each file
 is written first, from the shapes and dtypes every rank knows without gathering anything. Peak memory of
-rank 0 is then one tensor, not one model. A LoRA model under FSDP is the exception: its final form is
-PEFT's adapter, built on rank 0 from the gathered state.
+rank 0 is then one tensor, not one model. A LoRA model's final form is PEFT's adapter: under FSDP only
+the adapter's tensors (the trainable ones) are gathered, and rank 0 writes them as PEFT does.
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ import json
 import shutil
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
 from densebatch.atomic import io_reason, make_staging, publish, staged_dir, write_file
 from densebatch.config import RunConfig, save_config
 from densebatch.errors import UserError
-from densebatch.model import build_model, save_model
+from densebatch.model import save_model
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_STATE
 from densebatch.tensor_files import header_bytes, tensor_bytes
 from densebatch.train.distributed import Distributed
-from densebatch.train.portable import full_model_state, is_sharded, model_state
+from densebatch.train.portable import is_sharded, model_state
 
 SHARD_BYTES = 5 * 2**30  # save_pretrained's long-standing default shard size
 INDEX = "model.safetensors.index.json"
@@ -41,18 +42,26 @@ def write_final(final: Path, model, tok, cfg: RunConfig, step: int, dist: Distri
         if is_sharded(model) and names is not None:
             _stream_final(final, model, names, tok, cfg, step, dist)
             return
-        if is_sharded(model):  # LoRA under FSDP: the adapter, from the gathered state
-            state = full_model_state(model)
-            if dist.is_main:
-                plain = build_model(cfg.model, tok.vocab_size, tok.base_vocab_size)
-                plain.load_state_dict(state)
-                model = plain
+        adapter = gathered_adapter(model) if is_sharded(model) else None  # LoRA under FSDP
         if dist.is_main:
             with staged_dir(final) as tmp:
-                save_model(model, tmp)
+                if adapter is None:
+                    save_model(model, tmp)
+                else:
+                    model.save(tmp, adapter=adapter)
                 _write_rest(tmp, tok, cfg, step)
     except (OSError, SafetensorError) as e:  # safetensors reports its I/O errors (ENOSPC too) as SafetensorError
         raise _cannot(final, e) from e
+
+
+def gathered_adapter(model) -> dict[str, torch.Tensor]:
+    """A LoRA model's trainable tensors (the adapter; PEFT saves no other) whole on the CPU, by state-dict
+    key; a collective under FSDP, where nothing else of the model is gathered."""
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
 
 
 def _write_rest(tmp: Path, tok, cfg: RunConfig, step: int) -> None:

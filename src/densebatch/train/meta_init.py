@@ -14,11 +14,18 @@ What cannot be replayed is refused (``MetaInitError``) before anything is alloca
 builds the whole model instead: an operation that reads another tensor (``copy_`` from a loaded
 weight), one on part of a parameter (a view), or buffers (their values come from factory calls, not
 in-place operations).
+
+A model whose weights come from files (``InitRecord.fill``) records only what a whole build does
+after loading (``recording``: growing the vocabulary, adding LoRA adapters). The record's ``names``
+then holds only the parameters whose values it makes (the adapters); every other recorded operation
+is replayed for its random draws alone, so the generator reaches each adapter's initialisation in
+the state the whole build left it in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -37,11 +44,16 @@ class MetaInitError(Exception):
 @dataclass
 class InitRecord:
     ops: list = field(default_factory=list)  # (storage key, aten op, args after the tensor, kwargs, shape, dtype)
-    names: dict = field(default_factory=dict)  # storage key -> parameter name (tied parameters: the first)
-    problem: str | None = None
-    # Instead of replaying ops: fill(shards) gives every rank's rows ({name: (local tensor, first row)}),
-    # e.g. read from weight files; the model's buffers are real already and kept
+    names: dict = field(default_factory=dict)  # storage key -> name of a parameter whose value the ops make
+    problems: dict = field(default_factory=dict)  # storage key -> why its ops cannot be replayed
+    # Before the ops are replayed: fill(shards) gives every rank's rows of the parameters the ops do not
+    # make, and of buffers left on the meta device ({name: (local tensor, first row)}), e.g. read from
+    # weight files; the model's real buffers are kept
     fill: Callable[[dict], None] | None = None
+
+    def problem_of(self, keys) -> str | None:
+        """Why the values of the storages ``keys`` cannot be replayed (the first reason), or None."""
+        return next((self.problems[k] for k in keys if k in self.problems), None)
 
 
 def _key(t: torch.Tensor) -> int:
@@ -61,24 +73,37 @@ class _Recorder(TorchDispatchMode):
             bool(schema.arguments) and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write
         )
         if in_place and isinstance(target, torch.Tensor) and target.is_meta:
-            others = [a for a in list(args[1:]) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-            if others and self.record.problem is None:
-                self.record.problem = f"{func} reads another tensor"
-            if (target.storage_offset() or not target.is_contiguous()) and self.record.problem is None:
-                self.record.problem = f"{func} writes part of a tensor"
+            key, problems = _key(target), self.record.problems
+            if any(isinstance(a, torch.Tensor) for a in list(args[1:]) + list(kwargs.values())):
+                problems.setdefault(key, f"{func} reads another tensor")
+            if target.storage_offset() or not target.is_contiguous():
+                problems.setdefault(key, f"{func} writes part of a tensor")
             self.record.ops.append((_key(target), func, args[1:], dict(kwargs), tuple(target.shape), target.dtype))
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def recording(record: InitRecord) -> Iterator[None]:
+    """Tensors made inside go on the meta device, and every in-place operation on one joins ``record``."""
+    with torch.device("meta"), _Recorder(record):
+        yield
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The key of ``t``'s storage in a record (tied parameters share one)."""
+    return _key(t)
 
 
 def record_init(build: Callable[[], nn.Module]) -> tuple[nn.Module, InitRecord]:
     """``build()`` on the meta device, and the record of how its parameters were initialised."""
     record = InitRecord()
-    with torch.device("meta"), _Recorder(record):
+    with recording(record):
         model = build()
-    if record.problem is None and any(True for _ in model.buffers()):
-        record.problem = "the model has buffers"
-    if record.problem is not None:
-        raise MetaInitError(record.problem)
+    problem = record.problem_of(_key(p) for p in model.parameters())
+    if problem is None and any(True for _ in model.buffers()):
+        problem = "the model has buffers"
+    if problem is not None:
+        raise MetaInitError(problem)
     for name, p in model.named_parameters():
         record.names.setdefault(_key(p), name)
     return model, record
@@ -102,8 +127,9 @@ def materialise(model: nn.Module, record: InitRecord, device: torch.device | str
                 b.copy_(buffers[name])
     params = dict(model.named_parameters())
     if record.fill is not None:
-        record.fill({name: _rows_of(p) for name, p in params.items()})
-        return
+        made = set(record.names.values())
+        shards = {name: _rows_of(p) for name, p in params.items() if name not in made}
+        record.fill(shards | {name: (b, 0) for name, b in model.named_buffers() if name not in buffers})
     last = {key: i for i, (key, *_) in enumerate(record.ops)}
     full_write = {}  # storage -> index of the last op from which its value is rebuilt
     for i, (key, func, *_rest) in enumerate(record.ops):
@@ -112,7 +138,8 @@ def materialise(model: nn.Module, record: InitRecord, device: torch.device | str
     live: dict[int, torch.Tensor] = {}
     for i, (key, func, args, kwargs, shape, dtype) in enumerate(record.ops):
         if i < full_write.get(key, 0) or key not in record.names:
-            func(torch.empty(shape, dtype=dtype), *args, **kwargs)  # only its draws matter
+            if not any(isinstance(a, torch.Tensor) for a in list(args) + list(kwargs.values())):  # a copy draws nothing
+                func(torch.empty(shape, dtype=dtype), *args, **kwargs)  # only its draws matter
             continue
         t = live.setdefault(key, torch.empty(shape, dtype=dtype))
         func(t, *args, **kwargs)

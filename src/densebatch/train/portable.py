@@ -48,16 +48,6 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=_options(False))
 
 
-def full_model_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The whole state, gathered to rank 0's CPU under FSDP (the other ranks get an empty dict; every rank
-    calls): only for what has no sharded form (a LoRA adapter's final save)."""
-    if not is_sharded(model):
-        return model.state_dict()
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def load_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load ``state`` (whole tensors, or DTensor shards shaped like the model's own) into ``model``."""
     if not is_sharded(model):
