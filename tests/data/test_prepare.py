@@ -211,26 +211,48 @@ def test_eval_split_is_deterministic_disjoint_and_order_free(data_cfg, tmp_path,
     assert e.summary.cleaning_dropped == {"dedupe": 20}  # train records repeating eval ones are dropped
 
 
-def test_cache_hit_rebuild_and_untrusted_half_written_dir(data_cfg, tmp_path, records, write_jsonl):
-    path = write_jsonl(tmp_path / "a.jsonl", records)
-    first = prepare(data_cfg(path=str(path)))
-    assert not first.summary.cache_hit
-    again = prepare(data_cfg(path=str(path)))
-    assert again.summary.cache_hit and again.cache_dir == first.cache_dir and "cache hit" in str(again.summary)
-    changed = prepare(data_cfg(path=str(path), max_seq_len=512))
-    assert not changed.summary.cache_hit and changed.cache_dir != first.cache_dir
-    # The same size and mtime but other bytes: the content hash notices.
-    st = path.stat()
-    path.write_text(path.read_text().replace("hi", "yo"))
+def test_cache_hit_rebuild_and_untrusted_half_written_dir(data_cfg, tmp_path, records, write_jsonl, monkeypatch):
     import os
 
+    import densebatch.data.prepare.cache as cache
+    import densebatch.data.prepare.pipeline as pipeline
+    from densebatch.data.prepare.documents import Builder
+
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+
+    def cfg(**kw):
+        return data_cfg(path=str(path), eval_fraction=0.1, **kw)
+
+    first = prepare(cfg())
+    assert not first.summary.cache_hit
+    with monkeypatch.context() as m:  # a hit reads no input byte (no hash, no parse) and no held-out record
+        m.setattr(cache, "_file_digest", lambda p: pytest.fail("a cache hit hashed the input"))
+        m.setattr(Builder, "read", lambda *a: pytest.fail("a cache hit read the input"))
+        m.setattr(pipeline, "read_eval_records", lambda p: pytest.fail("a cache hit read the held-out records"))
+        again = prepare(cfg())
+    assert again.summary.cache_hit and again.cache_dir == first.cache_dir and "cache hit" in str(again.summary)
+    assert len(again.eval_records) == len(first.eval_records) > 0  # read when asked for
+    changed = prepare(cfg(max_seq_len=512))
+    assert not changed.summary.cache_hit and changed.cache_dir != first.cache_dir
+    # The same bytes, a new modification time: identity says new (prepared again), the content hash says the same.
+    st = path.stat()
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert prepare(cfg()).cache_dir != first.cache_dir
+    hashed = prepare(cfg(verify_inputs="hash"))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert prepare(data_cfg(path=str(path))).cache_dir != first.cache_dir
+    assert prepare(cfg()).cache_dir == first.cache_dir  # the identity it was prepared with
+    assert prepare(cfg(verify_inputs="hash")).cache_dir == hashed.cache_dir != first.cache_dir
+    # The same size and modification time but other bytes: only the content hash notices.
+    path.write_text(path.read_text().replace("hi", "yo"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert prepare(cfg()).cache_dir == first.cache_dir
+    assert prepare(cfg(verify_inputs="hash")).cache_dir != hashed.cache_dir
     # A directory left without its marker (a crash) is rebuilt, not trusted.
     path.write_text(path.read_text().replace("yo", "hi"))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     (first.cache_dir / MARKER).unlink()
     shutil.rmtree(first.cache_dir / "eval", ignore_errors=True)
-    rebuilt = prepare(data_cfg(path=str(path)))
+    rebuilt = prepare(cfg())
     assert not rebuilt.summary.cache_hit and (first.cache_dir / MARKER).is_file()
 
 

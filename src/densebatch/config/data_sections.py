@@ -126,7 +126,13 @@ class DataConfig:
     on_bad_record: Literal["error", "skip"] = _f(
         "error", "A malformed record stops the run (error) or is counted and skipped (skip)."
     )
-    cache_dir: str = _f(".densebatch-cache", "Where tokenised documents are cached (keyed by content hash).")
+    cache_dir: str = _f(".densebatch-cache", "Where tokenised documents are cached (keyed by the inputs and the settings).")
+    verify_inputs: Literal["identity", "hash"] = _f(
+        "identity",
+        "How the cache knows its inputs: identity (each input file's path, size and modification time: a cache hit "
+        "reads no input) or hash (SHA-256 of every input byte, read on every run: for inputs rewritten in place "
+        "with their size and modification time kept).",
+    )
     default: DefaultDataConfig = _f(DefaultDataConfig, "The embedded default dataset.")
 
 

@@ -131,7 +131,8 @@ def accuracy_check(cfg: RunConfig, prepared, dist: Distributed) -> AccuracyCheck
     on rank 0, and not under FSDP (generation would need every rank's shards)."""
     sharded = cfg.train.distributed == "fsdp" and dist.enabled
     demo_data = cfg.data.path is None and not cfg.data.sources
-    if demo_data and prepared.eval_records and cfg.eval.accuracy_samples and dist.is_main and not sharded:
+    # the held-out records are read here, by the one rank that scores them, and only when they are scored
+    if demo_data and cfg.eval.accuracy_samples and dist.is_main and not sharded and prepared.eval_records:
         return AccuracyCheck(prepared.eval_records, cfg.data, prepared.tokenizer, cfg.eval.accuracy_samples)
     return None
 

@@ -1,4 +1,4 @@
-"""The prepared-documents cache: an entry's key (input bytes + every setting that changes tokens) and
+"""The prepared-documents cache: an entry's key (the inputs' identity + every setting that changes tokens) and
 reading an entry back, checked, so that a damaged or stale entry is a one-line error, not a traceback.
 
 An entry ``cache_dir/<key>/`` holds ``train/`` and ``eval/`` document stores, ``summary.json``,
@@ -34,14 +34,18 @@ from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_token
 from densebatch.errors import DataError, UserError
 from densebatch.locks import FileLock, describe
 
-CACHE_VERSION = 2  # 2: stores carry source.npy; tokenizers may add tokens
+CACHE_VERSION = 3  # 2: stores carry source.npy; tokenizers may add tokens; 3: inputs known by identity
 LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
 
 
+def _files(path: Path) -> list[Path]:
+    return sorted(q for q in path.rglob("*") if q.is_file()) if path.is_dir() else [path]
+
+
 def _file_digest(path: Path) -> str:
+    """SHA-256 of every byte of ``path`` (every file of a directory, with its name): ``verify_inputs: hash``."""
     h = hashlib.sha256()
-    files = sorted(q for q in path.rglob("*") if q.is_file()) if path.is_dir() else [path]
-    for f in files:
+    for f in _files(path):
         h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode() + b"\0")
         with open(f, "rb") as fh:
             for chunk in iter(lambda: fh.read(1 << 20), b""):
@@ -49,11 +53,31 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def _file_identity(path: Path) -> list:
+    """The absolute path, then each file's name, size and modification time (ns): what a cache hit checks
+    without reading any input (``verify_inputs: identity``); editing, replacing, growing or moving a
+    file changes it."""
+    root = path.resolve()
+    out: list = [str(root)]
+    for f in _files(root):
+        st = f.stat()
+        out.append([str(f.relative_to(root)) if root.is_dir() else f.name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def input_key(path: str | None, how: str):
+    """What stands for the input ``path`` in a cache key (None: no such input)."""
+    if path is None:
+        return None
+    return _file_digest(Path(path)) if how == "hash" else {"identity": _file_identity(Path(path))}
+
+
 def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
-    """Hash of the input bytes and every setting that changes the prepared tokens."""
+    """Hash of the inputs (their identity, or with ``verify_inputs: hash`` their bytes) and every setting
+    that changes the prepared tokens."""
     settings = dataclasses.asdict(cfg)
     # a source's key: the tokenizer's fingerprint covers the added tokens, and other sources are theirs
-    for k in ("path", "eval_path", "cache_dir", "sources", "add_tokens", "add_special_tokens"):
+    for k in ("path", "eval_path", "cache_dir", "sources", "add_tokens", "add_special_tokens", "verify_inputs"):
         settings.pop(k)
     if cfg.path is not None:
         settings.pop("default")
@@ -63,8 +87,8 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
         "settings": settings,
         "tokenizer": tok.fingerprint(),
         "pad_id": tok.pad_id,
-        "input": default_dataset.VERSION if cfg.path is None else _file_digest(Path(cfg.path)),
-        "eval_input": None if cfg.eval_path is None else _file_digest(Path(cfg.eval_path)),
+        "input": default_dataset.VERSION if cfg.path is None else input_key(cfg.path, cfg.verify_inputs),
+        "eval_input": input_key(cfg.eval_path, cfg.verify_inputs),
     }
     if cfg.template == "chat_template":  # the texts are the tokenizer's template's
         material["chat_template"] = [tok.chat_template, tok.template_variables]
@@ -81,10 +105,8 @@ def check_meta(store: DocumentStore, tok: Tokenizer) -> None:
         raise ValueError(f"meta.json of {store.path.name} does not match its documents or the tokenizer")
 
 
-def load_entry(
-    final: Path, tok: Tokenizer
-) -> tuple[DocumentStore, DocumentStore | None, Tokenizer, PrepareSummary, list[dict]] | None:
-    """(train, eval, tokenizer, summary, eval records) of the complete entry ``final``; None when
+def load_entry(final: Path, tok: Tokenizer) -> tuple[DocumentStore, DocumentStore | None, Tokenizer, PrepareSummary] | None:
+    """(train, eval, tokenizer, summary) of the complete entry ``final``; None when
     there is none. An entry that is complete but does not read back raises a one-line ``DataError``."""
     if not marker_ok(final) or not DocumentStore.is_complete(final / "train"):
         return None
@@ -93,8 +115,6 @@ def load_entry(
             tok = load_tokenizer(final / LEARNED_TOKENIZER, tok.requested_pad_id)
         summary = PrepareSummary.from_dict(json.loads((final / "summary.json").read_text(encoding="utf-8")))
         has_eval = DocumentStore.is_complete(final / "eval")
-        lines = (final / "eval_records.jsonl").read_text(encoding="utf-8").splitlines()
-        eval_records = [json.loads(line) for line in lines if line]
         train = DocumentStore.open(final / "train")
         evals = DocumentStore.open(final / "eval") if has_eval else None
         for store in (train, evals) if evals is not None else (train,):
@@ -107,7 +127,20 @@ def load_entry(
             f"{final}: the cached documents cannot be used ({why}); delete that directory and run again "
             "(it is rebuilt from the data)"
         ) from None
-    return train, evals, tok, summary, eval_records
+    return train, evals, tok, summary
+
+
+def read_eval_records(final: Path) -> list[dict]:
+    """The held-out records of entry ``final`` (for exact-match accuracy): read only when asked for, by
+    the process that scores them. A file that does not read back is a one-line ``DataError``."""
+    try:
+        lines = (final / "eval_records.jsonl").read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines if line]
+    except (OSError, ValueError) as e:
+        raise DataError(
+            f"{final}: the cached held-out records cannot be read ({(str(e).splitlines() or [type(e).__name__])[0]}); "
+            "delete that directory and run again (it is rebuilt from the data)"
+        ) from None
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""prepare: records → tokenised documents on disk (train + eval DocumentStores), cached by content hash.
+"""prepare: records → tokenised documents on disk (train + eval DocumentStores), cached by inputs and settings.
 
 ``prepare(cfg: DataConfig, seed=0) -> Prepared``. For each source (``data.path``, or each of
 ``data.sources``), in order, for each record in file order (``documents.Builder``):
@@ -20,8 +20,8 @@ seed, and stable when records are appended. Duplicates are dropped before the sp
 ``clean.dedupe`` is on, so no prompt can land on both sides; with ``eval_path``, train records that
 repeat an eval record are dropped too.
 
-Cache (``data/prepare/cache.py``): ``cache_dir/<key>/`` where key hashes the input bytes (SHA-256 over chunks, every file of a
-directory) and every setting that changes tokens (format, fields, template, loss, cleaning,
+Cache (``data/prepare/cache.py``): ``cache_dir/<key>/`` where key hashes the inputs' identity (path, size and
+modification time of every file; with ``data.verify_inputs: hash`` their bytes) and every setting that changes tokens (format, fields, template, loss, cleaning,
 tokenizer content, pad id, max_seq_len, overlong, eval split, on_bad_record, the default dataset's
 settings). Built in a temporary directory, fsynced, renamed into place, marker last: a crash never
 leaves a directory that a later run trusts; built under the entry's lock, so two processes preparing
@@ -34,6 +34,7 @@ embedded default (6,000 records, byte-level) 0.6 s / under 0.01 s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import time
@@ -46,7 +47,7 @@ import numpy as np
 from densebatch.atomic import io_reason
 from densebatch.config import DataConfig
 from densebatch.data.plan.store_epochs import epoch_shares
-from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, entry_lock, load_entry
+from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, entry_lock, load_entry, read_eval_records
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
@@ -62,10 +63,14 @@ class Prepared:
     eval: DocumentStore | None
     tokenizer: Tokenizer
     summary: PrepareSummary
-    eval_records: list[dict]  # the held-out records that became eval documents (for exact-match accuracy)
     cache_dir: Path
     weights: tuple[float, ...] | None = None  # data.sources' weights, in store order; None = natural shares
     source_names: list[str] = field(default_factory=list)
+
+    @functools.cached_property
+    def eval_records(self) -> list[dict]:
+        """The held-out records that became eval documents (for exact-match accuracy), read on first use."""
+        return read_eval_records(self.cache_dir)
 
 
 # --------------------------------------------------------------------------------- one source
@@ -104,9 +109,9 @@ def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
     entry = load_entry(final, tok)
     if entry is None:
         return None
-    train, evals, tok, summary, eval_records = entry
+    train, evals, tok, summary = entry
     summary.cache_hit, summary.seconds, summary.cache_path = True, time.perf_counter() - t0, str(final)
-    return Prepared(train, evals, tok, summary, eval_records, final)
+    return Prepared(train, evals, tok, summary, final)
 
 
 def _cached_or_built(final: Path, tok: Tokenizer, t0: float, build: Callable[[], Tokenizer]) -> Prepared:
