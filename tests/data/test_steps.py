@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.steps import StepSettings, cumulative_row_loss_tokens, micro_batches, share, step_stop
+from densebatch.data.prepare.store import document_loss_tokens
 
 
 def _plan(lengths, strategy="token_budget", seed=0, **kw):
@@ -72,8 +73,7 @@ def test_token_driven_steps_take_the_whole_batches_nearest_the_target_on_every_r
     lengths = [9, 3, 17, 5, 30, 2, 2, 8, 11, 6] * 3
     plan = _plan(lengths, "random", rows_per_batch=2)
     offsets = np.concatenate([[0], np.cumsum(lengths)])
-    mask = np.ones(offsets[-1], np.int64)
-    cum = cumulative_row_loss_tokens(plan, offsets, np.concatenate([[0], np.cumsum(mask)]))
+    cum = _cum(plan, offsets, np.ones(offsets[-1], np.uint8))
     assert cum[-1] == sum(L - 1 for L in lengths)  # every token but the first of each document
     s = StepSettings(loss_tokens_per_step=40, world_size=3)
     steps = _steps(plan, s, cum=cum)
@@ -96,8 +96,55 @@ def test_row_loss_tokens_count_targets_as_the_collator_labels_them():
     """A split document keeps the target at every cut: 10 tokens split 4/4/2 carry 9 targets, not 7."""
     plan = _plan([10], "packed", seq_len=4, max_tokens_per_batch=4)
     offsets = np.array([0, 10])
-    cum = cumulative_row_loss_tokens(plan, offsets, np.arange(11))  # every loss-mask entry 1
+    cum = _cum(plan, offsets, np.ones(10, np.uint8))
     assert plan.num_rows == 3 and cum[-1] == 9
+
+
+def _cum(plan, offsets, mask, rate=None):
+    return cumulative_row_loss_tokens(plan, offsets, mask, document_loss_tokens(offsets, mask), rate)
+
+
+def _reference(plan, offsets, mask):
+    """The loss tokens of each row's pieces, counted target by target as the causal collator labels them."""
+    per_row = []
+    for r in range(plan.num_rows):
+        n = 0
+        for p in range(plan.row_ptr[r], plan.row_ptr[r + 1]):
+            d, a, b = int(plan.doc[p]), int(plan.start[p]), int(plan.stop[p])
+            length = offsets[d + 1] - offsets[d]
+            n += int(mask[offsets[d] + a + 1 : offsets[d] + min(b + 1, length)].sum())
+        per_row.append(n)
+    return np.concatenate([[0], np.cumsum(per_row)])
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    lengths=st.lists(st.integers(1, 70), min_size=1, max_size=40),
+    strategy=st.sampled_from(["random", "token_budget", "packed", "length_grouped"]),
+    density=st.floats(0.0, 1.0),
+    window=st.sampled_from([8, 64, 1 << 22]),
+    seed=st.integers(0, 3),
+)
+def test_row_loss_tokens_from_per_document_counts_equal_the_token_by_token_count(lengths, strategy, density, window, seed):
+    """Whole documents counted from their per-document totals, split ones from the mask read window by
+    window (windows of 8 and 64 tokens cut documents and pieces): the same prefix sums as counting every
+    target, for every strategy, so step boundaries are today's."""
+    import densebatch.data.plan.steps as steps_mod
+    import densebatch.data.prepare.store as store_mod
+
+    plan = _plan(lengths, strategy, seed=seed, seq_len=24, max_tokens_per_batch=48)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    mask = (np.random.default_rng(seed).random(offsets[-1]) < density).astype(np.uint8)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(steps_mod, "WINDOW_TOKENS", window)
+        m.setattr(store_mod, "WINDOW_TOKENS", window)
+        assert np.array_equal(_cum(plan, offsets, mask), _reference(plan, offsets, mask))
+        doc_loss = document_loss_tokens(offsets, mask)
+    assert doc_loss.dtype == np.uint32 and [int(x) for x in doc_loss] == [
+        int(mask[offsets[d] + 1 : offsets[d + 1]].sum()) for d in range(len(lengths))
+    ]
+    rated = _cum(plan, offsets, mask, rate=0.25)  # masked-LM: each target position counts its expected share
+    assert np.allclose(rated, _reference(plan, offsets, np.ones_like(mask)) * 0.25)
 
 
 def test_fractional_steps_take_a_share_of_a_batch_and_resume_inside_it():

@@ -65,7 +65,6 @@ class StepLoader:
         self.epoch, self.row, self.steps_done = 0, 0, 0
         self._plans: dict[int, Plan | EpochRows] = {}
         self._cum: dict[int, np.ndarray] = {}
-        self._cum_mask: np.ndarray | None = None
         self._lock = threading.Lock()  # the prefetch thread plans too
         self._generation = 0
 
@@ -88,12 +87,11 @@ class StepLoader:
         plan = self.plan(epoch)
         with self._lock:
             if epoch not in self._cum:
-                if self._cum_mask is None:
-                    mask = np.asarray(self.store.loss_mask, dtype=np.int64)
-                    if getattr(self.collator, "mlm_probability", None) is not None:  # drawn at collate time
-                        mask = np.full(len(mask), self.collator.mlm_probability)
-                    self._cum_mask = np.concatenate([[0], np.cumsum(mask)])
-                self._cum[epoch] = cumulative_row_loss_tokens(plan, np.asarray(self.store.offsets), self._cum_mask)
+                rate = getattr(self.collator, "mlm_probability", None)  # masked-LM: drawn at collate time
+                store = self.store
+                self._cum[epoch] = cumulative_row_loss_tokens(
+                    plan, np.asarray(store.offsets), store.loss_mask, store.doc_loss_tokens, rate
+                )
             return self._cum[epoch]
 
     def _epoch_stop_row(self, epoch: int) -> int | None:

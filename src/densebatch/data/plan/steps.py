@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densebatch.data.plan.planner import Plan
+from densebatch.data.prepare.store import WINDOW_TOKENS
 
 
 @dataclass(frozen=True)
@@ -61,26 +62,53 @@ class StepSettings:
         return self.world_size * self.grad_accum_batches
 
 
-def cumulative_row_loss_tokens(plan: Plan, offsets: np.ndarray, cum_mask: np.ndarray) -> np.ndarray:
+
+
+def cumulative_row_loss_tokens(
+    plan: Plan, offsets: np.ndarray, loss_mask: np.ndarray, doc_loss: np.ndarray, rate: float | None = None
+) -> np.ndarray:
     """Prefix sums of the loss tokens per row of ``plan``: ``out[i]`` = loss tokens of rows ``[0, i)``.
 
-    ``cum_mask`` is ``concatenate([[0], cumsum(loss_mask)])`` over the store's flat tokens. A piece
-    ``(doc, start, stop)`` has targets at tokens ``start + 1`` up to ``stop`` of its document (the
+    A piece ``(doc, start, stop)`` has targets at tokens ``start + 1`` up to ``stop`` of its document (the
     last one only when the document continues past the piece), each counted where the loss mask is 1,
-    exactly as the causal collator labels them.
+    exactly as the causal collator labels them. A whole document counts ``doc_loss[doc]``
+    (``DocumentStore.doc_loss_tokens``: 4 bytes a document, written at prepare time); only the pieces of split
+    documents read the mask, window by window, so memory grows with the plan, never with the tokens.
+    ``rate`` (masked-LM): every target position counts ``rate`` (the expected share masked).
     """
     if hasattr(plan, "shard_plans"):  # an ``EpochRows``: shard by shard, never every piece at once
-        out, total = [np.zeros(1, np.int64)], 0
+        out, total = [np.zeros(1, np.float64 if rate is not None else np.int64)], 0
         for part in plan.shard_plans():
-            c = cumulative_row_loss_tokens(part, offsets, cum_mask)
+            c = cumulative_row_loss_tokens(part, offsets, loss_mask, doc_loss, rate)
             out.append(c[1:] + total)
-            total += int(c[-1])
+            total += c[-1]
         return np.concatenate(out)
-    doc_len = offsets[plan.doc + 1] - offsets[plan.doc]
-    first = offsets[plan.doc] + plan.start + 1
-    last = offsets[plan.doc] + np.minimum(plan.stop + 1, doc_len)  # exclusive
-    per_piece = np.concatenate([[0], np.cumsum(cum_mask[last] - cum_mask[first], dtype=np.int64)])
-    return per_piece[plan.row_ptr]
+    doc = plan.doc
+    doc_len = offsets[doc + 1] - offsets[doc]
+    first = offsets[doc] + plan.start + 1
+    last = offsets[doc] + np.minimum(plan.stop + 1, doc_len)  # exclusive
+    if rate is not None:
+        per = (last - first) * float(rate)
+    else:
+        whole = (plan.start == 0) & (plan.stop >= doc_len)
+        per = np.where(whole, np.asarray(doc_loss)[doc], 0).astype(np.int64)
+        _add_split_pieces(per, np.flatnonzero(~whole), first, last, loss_mask)
+    return np.concatenate([[0], np.cumsum(per)])[plan.row_ptr]
+
+
+def _add_split_pieces(per: np.ndarray, idx: np.ndarray, first: np.ndarray, last: np.ndarray, loss_mask) -> None:
+    """``per[idx]`` = the mask's ones in ``[first, last)`` of each of those pieces, windows in token order."""
+    if not len(idx):
+        return
+    idx = idx[np.argsort(first[idx], kind="stable")]
+    f, e = first[idx], last[idx]
+    i = 0
+    while i < len(idx):
+        j = max(i + 1, int(np.searchsorted(f, f[i] + WINDOW_TOKENS, side="left")))
+        a, b = int(f[i]), int(e[i:j].max())
+        c = np.concatenate([[0], np.cumsum(np.asarray(loss_mask[a:b]), dtype=np.int64)])
+        per[idx[i:j]] = np.maximum(c[np.maximum(e[i:j] - a, 0)] - c[f[i:j] - a], 0)
+        i = j
 
 
 def step_stop(

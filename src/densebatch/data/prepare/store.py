@@ -5,6 +5,7 @@ Layout of a store directory::
     tokens.npy     int32  (total_tokens,)   all documents back to back
     offsets.npy    int64  (n + 1,)          document i is tokens[offsets[i]:offsets[i+1]]
     loss_mask.npy  uint8  (total_tokens,)   1 = this token, *as a target*, carries loss
+    doc_loss.npy   uint32 (n,)              loss tokens of each whole document (step sizes by loss tokens)
     source.npy     int16  (n,)              optional: the source (of a mixture) of each document
     meta.json      eos_id, pad_id, vocab_size, mask_id, special_ids, tokenizer, sources (names), ...
     COMPLETE       written last: file sizes; a directory without it (or with other sizes) is not a store
@@ -20,6 +21,7 @@ only a ``.tmp-*`` directory, never a directory that ``open`` would trust.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,6 +33,7 @@ from densebatch.atomic import staged_dir
 from densebatch.errors import DataError
 
 MARKER = "COMPLETE"
+WINDOW_TOKENS = 1 << 22  # tokens of the loss mask summed at once (32 MB of prefix sums), whatever the corpus
 _ARRAYS = ("tokens", "offsets", "loss_mask")
 
 
@@ -62,12 +65,31 @@ def write_store_files(
         assert len(source) == len(offsets) - 1 and (np.diff(source) >= 0).all(), "documents lie source after source"
         arrays["source"] = source.astype(np.int16, copy=False)
         meta = dict(meta, source_documents=np.bincount(source, minlength=len(meta.get("sources") or [0])).tolist())
+    arrays["doc_loss"] = document_loss_tokens(arrays["offsets"], arrays["loss_mask"])
     for name, arr in arrays.items():
         np.save(directory / f"{name}.npy", arr, allow_pickle=False)
     meta = dict(meta, num_documents=len(offsets) - 1, num_tokens=int(len(tokens)), num_loss_tokens=int(loss_mask.sum()))
     (directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
     names = [f"{n}.npy" for n in arrays] + ["meta.json"]
     write_marker(directory, {"sizes": {n: (directory / n).stat().st_size for n in names}})
+
+
+def document_loss_tokens(offsets: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """(n,) uint32: the loss tokens of each whole document (the mask's ones at its targets: every token but
+    the first). Read window by window: memory is one window, not the corpus."""
+    offsets = np.asarray(offsets, np.int64)
+    n = len(offsets) - 1
+    out = np.zeros(n, np.uint32)
+    d = 0
+    while d < n:  # documents [d, e): at most one window of tokens, or one longer document
+        e = max(d + 1, int(np.searchsorted(offsets, offsets[d] + WINDOW_TOKENS, side="right")) - 1)
+        e = min(e, n)
+        a, b = int(offsets[d]), int(offsets[e])
+        c = np.concatenate([[0], np.cumsum(np.asarray(loss_mask[a:b]), dtype=np.int64)])
+        ends = offsets[d + 1 : e + 1]
+        out[d:e] = c[ends - a] - c[np.minimum(offsets[d:e] + 1, ends) - a]  # targets: every token but the first
+        d = e
+    return out
 
 
 @contextlib.contextmanager
@@ -114,6 +136,14 @@ class DocumentStore:
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
         source = np.load(d / "source.npy", allow_pickle=False) if (d / "source.npy").is_file() else None
         return cls(arrays["tokens"], np.asarray(arrays["offsets"]), arrays["loss_mask"], meta, d, source)
+
+    @functools.cached_property
+    def doc_loss_tokens(self) -> np.ndarray:
+        """(n,) uint32: loss tokens of each whole document (``doc_loss.npy``, memory-mapped; computed for a
+        store built in memory)."""
+        if self.path is not None and (self.path / "doc_loss.npy").is_file():
+            return np.load(self.path / "doc_loss.npy", mmap_mode="r", allow_pickle=False)
+        return document_loss_tokens(self.offsets, self.loss_mask)
 
     @staticmethod
     def is_complete(directory: str | Path) -> bool:
