@@ -62,8 +62,6 @@ class StepSettings:
         return self.world_size * self.grad_accum_batches
 
 
-
-
 def cumulative_row_loss_tokens(
     plan: Plan, offsets: np.ndarray, loss_mask: np.ndarray, doc_loss: np.ndarray, rate: float | None = None
 ) -> np.ndarray:
