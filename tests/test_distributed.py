@@ -31,7 +31,7 @@ CONFIG = {
     "batching": {"strategy": "packed", "max_tokens_per_batch": 512, "seq_len": 256},
     "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 256},
     "train": {"max_steps": 16, "lr": 3e-3, "warmup_steps": 2, "progress": False, "device": "cpu"},
-    "eval": {"accuracy_samples": 0},
+    "eval": {"accuracy_samples": 0, "max_batches": 1},  # a global cap: 2 processes score the batch 1 scores
     "checkpoint": {"every_steps": 4, "keep_last": 4},
 }
 
@@ -96,6 +96,9 @@ def test_ddp_equals_one_process_with_doubled_accumulation(tmp, ddp):
         r["real_tokens"] for r in records(tmp / "one") if r["kind"] == "train"
     ]
     assert (ddp / "final" / "model.safetensors").is_file()
+    evals = [[r for r in records(d) if r["kind"] == "eval"] for d in (ddp, tmp / "one")]
+    assert [(r["tokens"], r["batches"]) for r in evals[0]] == [(r["tokens"], 1) for r in evals[1]]  # eval.max_batches 1
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-5 * b["loss"] for a, b in zip(*evals)) and evals[0]
 
 
 def test_fsdp_equals_ddp_and_holds_half_the_state_per_rank(tmp, ddp):

@@ -104,3 +104,42 @@ def test_max_epochs_ends_the_iteration_inside_an_epoch():
     steps = list(a)
     n = a.batches_per_epoch
     assert len(steps) == n + -(-n // 2) and 1.5 <= steps[-1].epoch < 1.5 + 1 / n  # ceil: never short of the limit
+
+
+def _real(batches):
+    return [b for b in batches if b.num_real_tokens]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_an_evaluation_cap_is_global_so_n_ranks_score_exactly_what_one_does(world):
+    """eval.max_batches counts the plan's batches over all ranks: ranks together score the same batches as
+    one process (each batch on one rank; the others padded with null batches, so every rank runs as many
+    forward passes), never world x the cap."""
+    one = list(_loader(0, "token_budget").iter_epoch(0, 5))
+    assert len(one) == 5 and len(_real(one)) == 5
+    ranks = [list(_loader(0, "token_budget", world_size=world, rank=r).iter_epoch(0, 5)) for r in range(world)]
+    assert len({len(b) for b in ranks}) == 1  # as many passes on every rank
+    got = sorted((b.input_ids.tolist() for r in ranks for b in _real(r)), key=str)
+    assert got == sorted((b.input_ids.tolist() for b in one), key=str)
+    everything = list(_loader(0, "token_budget").iter_epoch(0))
+    assert len(everything) > 5 and all(_same(a, b) for a, b in zip(one, everything[:5]))
+
+
+def test_eval_max_tokens_selects_the_same_documents_every_time_whatever_the_ranks():
+    import numpy as np
+
+    from densebatch.data.plan.store_epochs import eval_documents
+
+    lengths = np.random.default_rng(0).integers(5, 400, 1000)
+    docs = eval_documents(lengths, 20_000, seed=3)
+    assert docs is not None and np.array_equal(docs, eval_documents(lengths, 20_000, seed=3))  # fixed by the seed
+    assert (np.diff(docs) > 0).all() and 19_000 < lengths[docs].sum() <= 20_000  # store order, filled to the cap
+    assert not np.array_equal(docs, eval_documents(lengths, 20_000, seed=4))
+    assert eval_documents(lengths, int(lengths.sum()), seed=3) is None and eval_documents(lengths, None, 3) is None
+    assert len(eval_documents(lengths, 1, seed=3)) == 1  # at least one document
+    store = random_store(60)
+    sub = store.subset(np.array([3, 7, 40]))
+    assert len(sub) == 3 and all(
+        np.array_equal(sub.document(i)[0], store.document(d)[0]) and np.array_equal(sub.document(i)[1], store.document(d)[1])
+        for i, d in enumerate([3, 7, 40])
+    )

@@ -307,3 +307,23 @@ def test_damaged_cache_entry_is_a_one_line_error_naming_the_directory(data_cfg, 
     assert str(entry) in str(e.value) and "\n" not in str(e.value)
     shutil.rmtree(entry)  # what the message says to do
     assert len(prepare(data_cfg(path=str(path))).train) == len(records)
+
+
+def test_densebatch_prepare_never_imports_torch(data_cfg, tmp_path, records, write_jsonl):
+    """``densebatch prepare`` needs the data layer only: a cache hit of any input size costs what reading
+    the entry costs (half a second on a 1 GB input, docs/data.md), not torch's seconds of import."""
+    import subprocess
+    import sys
+
+    from support import subprocess_env
+
+    path = write_jsonl(tmp_path / "a.jsonl", records)
+    code = (
+        "import sys; from densebatch.cli import main\n"
+        f"args = ['prepare', '--data.path={path}', '--data.cache_dir={tmp_path / 'cache'}']\n"
+        "assert main(args) == 0 and main(args) == 0\n"
+        "assert 'torch' not in sys.modules, 'prepare imported torch'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "built:" in r.stdout and "cache hit:" in r.stdout

@@ -183,7 +183,15 @@ class TrainConfig:
 @dataclass
 class EvalConfig:
     every_steps: int = _f(0, "Evaluate every this many steps (0 = only at the end).", minimum=0)
-    max_batches: int | None = _f(None, "Cap on evaluation batches (none = the whole split).", minimum=1)
+    max_tokens: int | None = _f(
+        1_048_576,
+        "Cap on the held-out tokens an evaluation scores: a fixed, seeded selection of whole documents, the same at every "
+        "evaluation and on any number of processes (none = the whole split).",
+        minimum=1,
+    )
+    max_batches: int | None = _f(
+        None, "Cap on evaluation batches, over all processes together (none = every batch of the selection).", minimum=1
+    )
     patience: int = _f(0, "Early stopping: evaluations without improvement before stopping (0 = off).", minimum=0)
     accuracy_samples: int = _f(200, "Embedded default: held-out prompts answered greedily for exact-match accuracy.", minimum=0)
     max_new_tokens: int = _f(64, "Longest generated answer in the accuracy check.", minimum=1)

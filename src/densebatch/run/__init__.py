@@ -10,12 +10,7 @@ defaults plus ``run/demo.py``'s ``DEMO_OVERRIDES`` (written out in ``configs/def
 from __future__ import annotations
 
 from densebatch.errors import UserError
-from densebatch.run import commands
-from densebatch.run.auto import resolved_budget
-from densebatch.run.build import resolve_config
-from densebatch.run.find import find_batch_command, find_lr_command
-from densebatch.run.plot import plot_command
-from densebatch.run.training import train
+from densebatch.run.configure import resolve_config
 
 NO_OVERRIDES = {
     "generate": "it uses the checkpoint's configuration",
@@ -25,7 +20,18 @@ NO_OVERRIDES = {
 
 
 def dispatch(args, overrides: list[str]) -> int:
+    """Each command imports what it needs when it runs: ``prepare`` never imports torch."""
     cmd = args.command
+    if cmd == "prepare":
+        from densebatch.run.data_commands import prepare_command  # late: the data layer only, no torch
+
+        return prepare_command(resolve_config(args.config, overrides), args)
+    from densebatch.run import commands  # late (as below): these import torch, which prepare never needs
+    from densebatch.run.auto import resolved_budget  # late
+    from densebatch.run.find import find_batch_command, find_lr_command  # late
+    from densebatch.run.plot import plot_command  # late
+    from densebatch.run.training import train  # late
+
     if cmd in NO_OVERRIDES:
         if overrides:
             raise UserError(f"{cmd} takes no --section.key overrides: {NO_OVERRIDES[cmd]}")
@@ -40,7 +46,6 @@ def dispatch(args, overrides: list[str]) -> int:
     if cmd == "analyze":  # it plans batches: an `auto` budget is the one a run found
         cfg = resolved_budget(cfg)
     handlers = {
-        "prepare": commands.prepare_command,
         "inspect": commands.inspect_command,
         "analyze": commands.analyze_command,
         "config": commands.config_command,

@@ -16,40 +16,27 @@ import numpy as np
 import torch
 
 from densebatch.atomic import check_writable
-from densebatch.config import RunConfig, load_config
+from densebatch.config import RunConfig
 from densebatch.data.load.collate import collator_from_config
 from densebatch.data.load.loader import StepLoader
 from densebatch.data.plan.homogeneity import homogeneity
 from densebatch.data.plan.homogeneity import warning as homogeneity_warning_line
 from densebatch.data.plan.planner import PlanSettings
-from densebatch.data.plan.rules import check_batching, full_context_settings, longest_train_row, loss_tokens_cut, truncation_cap
+from densebatch.data.plan.rules import full_context_settings, longest_train_row, loss_tokens_cut, truncation_cap
 from densebatch.data.plan.steps import StepSettings
+from densebatch.data.plan.store_epochs import eval_documents
 from densebatch.data.prepare.pipeline import Prepared, prepare
 from densebatch.data.prepare.store import DocumentStore
-from densebatch.data.prepare.tokenizers import resolve_tokenizer_spec
 from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
 from densebatch.model.hf_checks import check_causal_lm_dir
 from densebatch.model.hf_weights import fill_from_files, missing_weights, weight_files
 from densebatch.model.lora import lora_summary
-from densebatch.run.demo import DEMO_OVERRIDES, is_demo
+from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
 from densebatch.train.distributed import Distributed
 from densebatch.train.loop import resolve_device
 from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init, recording, storage_key
-
-
-def resolve_config(path: str | None, overrides: list[str]) -> RunConfig:
-    """The run configuration: ``path`` (or, with neither a file nor data of one's own, the demo's
-    settings) plus overrides, checked against the batching strategy's rules. Without a file but with
-    ``--data.path``, the dataclass defaults apply."""
-    base = list(DEMO_OVERRIDES) if is_demo(path, overrides) else []
-    cfg = load_config(path, base + list(overrides))
-    check_batching(cfg.batching)
-    # data.tokenizer auto: a Hugging Face model's own tokenizer when its directory has one (resolved
-    # here, so the saved config names the tokenizer actually used).
-    cfg.data.tokenizer = resolve_tokenizer_spec(cfg.data.tokenizer, cfg.model.path if cfg.model.kind == "hf" else None)
-    return cfg
 
 
 def seed_everything(seed: int) -> None:
@@ -179,9 +166,30 @@ def eval_settings(cfg: RunConfig, store: DocumentStore) -> PlanSettings:
     return full_context_settings(PlanSettings.from_config(cfg.batching), int(np.max(store.lengths)))
 
 
+def eval_store(cfg: RunConfig, store: DocumentStore) -> DocumentStore:
+    """What every evaluation scores of ``store`` (an eval split): its documents that ``eval.max_tokens``
+    selects (``store_epochs.eval_documents``), the whole split when it fits."""
+    docs = eval_documents(store.lengths, cfg.eval.max_tokens, cfg.seed)
+    return store if docs is None else store.subset(docs)
+
+
+def eval_cap_line(cfg: RunConfig, store: DocumentStore) -> str | None:
+    """The line a run prints when ``eval.max_tokens`` leaves part of the eval split out (None: it scores all)."""
+    docs = eval_documents(store.lengths, cfg.eval.max_tokens, cfg.seed)
+    if docs is None:
+        return None
+    kept = int(np.asarray(store.lengths)[docs].sum())
+    return (
+        f"eval.max_tokens {cfg.eval.max_tokens:,}: every evaluation scores the same {len(docs):,} of {len(store):,} "
+        f"held-out documents ({kept:,} of {store.num_tokens:,} tokens, chosen by the seed)"
+    )
+
+
 def eval_loader(cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None) -> StepLoader:
-    """The loader of ``store`` (an eval split) under ``eval_settings``: one batch a step, no prefetch."""
+    """The loader of ``store`` (an eval split; only what ``eval.max_tokens`` selects) under
+    ``eval_settings``: one batch a step, no prefetch. Cap its batches with ``iter_epoch(0, eval.max_batches)``."""
     dist = dist or Distributed()
+    store = eval_store(cfg, store)
     collator = collator_from_config(cfg.batching, store.meta, cfg.seed)
     steps = StepSettings(1, None, dist.world_size, dist.rank)
     return StepLoader(store, eval_settings(cfg, store), collator, cfg.seed, steps, prefetch=0)
@@ -199,7 +207,7 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
     if prepared.eval is None:
         return loader, None
     evaluation = eval_loader(cfg, prepared.eval, dist)
-    return loader, lambda: evaluation.iter_epoch(0)
+    return loader, lambda: evaluation.iter_epoch(0, cfg.eval.max_batches)  # a global cap: N ranks score what 1 does
 
 
 def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) -> str | None:

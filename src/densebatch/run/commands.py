@@ -19,7 +19,6 @@ from densebatch.data.plan.rules import check_batching
 from densebatch.data.prepare.cache import LEARNED_TOKENIZER
 from densebatch.data.prepare.pipeline import prepare as prepare_data
 from densebatch.data.prepare.tokenizers import has_tokenizer_files, load_data_tokenizer, load_tokenizer
-from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import UserError
 from densebatch.model import GPT, build_model, load_model
 from densebatch.model import generate as generate_ids
@@ -32,15 +31,6 @@ from densebatch.run.owned import eval_view, note_lines, prompt_for, same_documen
 from densebatch.train.checkpoint import Checkpoint, checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
 from densebatch.train.loop import resolve_device
-
-
-def prepare_command(cfg: RunConfig, args) -> int:
-    prepared = prepare_data(cfg.data, cfg.seed)
-    print(prepared.summary)
-    if (line := added_tokens_line(prepared.tokenizer.added)) is not None:
-        print(line)
-    print(f"documents: {prepared.cache_dir}")
-    return 0
 
 
 def inspect_command(cfg: RunConfig, args) -> int:
@@ -233,10 +223,9 @@ def eval_command(args, overrides: list[str]) -> int:
     loader = eval_loader(cfg, prepared.eval)  # full-context rows, as the evaluations of a run (run/build.py)
     result = evaluate_batches(
         model.to(device),
-        loader.iter_epoch(0),
+        loader.iter_epoch(0, cfg.eval.max_batches),
         device=device,
         precision=cfg.train.precision,
-        max_batches=cfg.eval.max_batches,
         source_names=prepared.eval.source_names,
     )
     out = result.as_dict() | {"strategy": cfg.batching.strategy, "checkpoint": str(args.checkpoint), "weights": which}

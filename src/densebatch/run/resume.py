@@ -46,6 +46,7 @@ RESUMABLE = frozenset(
         "train.report_to",
         "eval.every_steps",
         "eval.max_batches",
+        "eval.max_tokens",
         "eval.patience",
         "eval.accuracy_samples",
         "eval.max_new_tokens",
@@ -58,7 +59,7 @@ RESUMABLE = frozenset(
         "train.distributed",  # ddp and fsdp compute the same updates (≤ 1e-5): a resume may switch
     }
 )
-EVALUATION_KEYS = frozenset({"eval.every_steps", "eval.max_batches"})  # move what back-offs / early stopping see
+EVALUATION_KEYS = frozenset({"eval.every_steps", "eval.max_batches", "eval.max_tokens"})  # move what back-offs / early stopping see
 
 
 @dataclass

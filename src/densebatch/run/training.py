@@ -22,6 +22,7 @@ from densebatch.model import generate_batch
 from densebatch.run.auto import resolve_budget, resolve_lr, trainer_config
 from densebatch.run.build import (
     build_loaders,
+    eval_cap_line,
     homogeneity_warning,
     materialise_run_model,
     resolve_config,
@@ -76,6 +77,8 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         print(alike, flush=True)
     if dist.is_main and (sizes := step_size_line(loader)) is not None:
         print(sizes, flush=True)
+    if dist.is_main and prepared.eval is not None and (cap := eval_cap_line(cfg, prepared.eval)) is not None:
+        print(cap, flush=True)
     t = trainer_config(cfg)  # train.lr: auto holds a placeholder until resolve_lr below
     if t.batch_schedule.backoff_patience and eval_data is None:
         raise ConfigError(

@@ -202,16 +202,18 @@ class StepLoader:
             self.epoch, self.row, self.steps_done = epoch, stop, count + 1
             yield step
 
-    def iter_epoch(self, epoch: int = 0) -> Iterator[Batch]:
+    def iter_epoch(self, epoch: int = 0, max_batches: int | None = None) -> Iterator[Batch]:
         """One deterministic pass over this rank's share of ``epoch`` (evaluation), null-padded so
-        every rank yields as many batches; leaves the loader's state alone."""
+        every rank yields as many batches; leaves the loader's state alone. ``max_batches``: only the
+        plan's first so many batches, over all ranks together (N ranks score what one does)."""
         plan = self.plan(epoch)
         ptr = plan.batch_ptr
-        n = -(-plan.num_batches // self.world_size)  # batches per rank
+        total = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches)
+        n = -(-total // self.world_size)  # batches per rank
         keys = [(epoch, b) for b in range(self.rank, n * self.world_size, self.world_size)]
 
         def build(epoch: int, b: int) -> Batch:
-            if b >= plan.num_batches:
+            if b >= total:
                 return Batch.null(self.pad_id)
             return self._collate(plan, epoch, np.arange(ptr[b], ptr[b + 1], dtype=np.int64))
 

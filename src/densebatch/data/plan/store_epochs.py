@@ -74,3 +74,19 @@ def materialise(sharded: ShardedPlan) -> Plan:
 def epoch_shares(store, weights, seed: int, epoch: int = 0) -> dict[str, dict]:
     """{source: documents, tokens, share} of the tokens epoch ``epoch`` selects (before planning)."""
     return select(store, weights, seed, epoch).stats()
+
+
+EVAL_STREAM = 0xE7A1  # the eval selection's own random stream: no other draw of the run moves it
+
+
+def eval_documents(lengths: np.ndarray, max_tokens: int | None, seed: int) -> np.ndarray | None:
+    """The held-out documents every evaluation scores under ``eval.max_tokens``: a seeded random
+    selection (the run's seed), the same at every evaluation and on every number of ranks, taken in
+    that order while their tokens fit the cap (at least one document), returned in store order; None
+    when the whole split fits."""
+    lengths = np.asarray(lengths, np.int64)
+    if max_tokens is None or int(lengths.sum()) <= max_tokens:
+        return None
+    order = np.random.default_rng([seed, EVAL_STREAM]).permutation(len(lengths))
+    k = max(1, int(np.searchsorted(np.cumsum(lengths[order]), max_tokens, side="right")))
+    return np.sort(order[:k])

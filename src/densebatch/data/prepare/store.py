@@ -206,6 +206,15 @@ class DocumentStore:
             raise ValueError("source: documents must lie source after source (ascending source ids)")
         return cls(tokens, np.cumsum(lengths, dtype=np.int64), mask, dict(meta or {}), None, src)
 
+    def subset(self, docs: np.ndarray) -> DocumentStore:
+        """An in-memory store of documents ``docs`` (ascending indices), in that order, with their sources
+        and this store's meta (a copy of their tokens: for small selections, such as an eval cap)."""
+        docs = np.asarray(docs, np.int64)
+        parts = [self.document(int(d)) for d in docs]
+        src = None if self.source is None else np.asarray(self.source)[docs]
+        meta = {k: v for k, v in self.meta.items() if k not in ("num_documents", "num_tokens", "num_loss_tokens")}
+        return DocumentStore.from_documents(parts, meta, src)
+
     def save(self, directory: str | Path) -> DocumentStore:
         """Write atomically to ``directory`` (replacing an incomplete one) and return the opened copy."""
         final = Path(directory)
