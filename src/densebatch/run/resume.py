@@ -59,7 +59,9 @@ RESUMABLE = frozenset(
         "train.distributed",  # ddp and fsdp compute the same updates (≤ 1e-5): a resume may switch
     }
 )
-EVALUATION_KEYS = frozenset({"eval.every_steps", "eval.max_batches", "eval.max_tokens"})  # move what back-offs / early stopping see
+EVALUATION_KEYS = frozenset(
+    {"eval.every_steps", "eval.max_batches", "eval.max_tokens"}
+)  # move what back-offs / early stopping see
 
 
 @dataclass
