@@ -198,7 +198,7 @@ def test_cleaning_through_prepare(data_cfg, tmp_path, write_jsonl):
 def test_eval_split_is_deterministic_disjoint_and_order_free(data_cfg, tmp_path, write_jsonl):
     recs = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(200)]
     p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", recs)), eval_fraction=0.1))
-    assert (len(p.train), len(p.eval)) == (180, 20) and len(p.eval_records) == 20
+    assert (len(p.train), len(p.eval)) == (180, 20) and p.eval_records == []  # records: the embedded dataset's only
     train_texts = {full for full, _ in _texts(p)}
     eval_texts = {full for full, _ in _texts(p, p.eval)}
     assert not train_texts & eval_texts
@@ -231,7 +231,7 @@ def test_cache_hit_rebuild_and_untrusted_half_written_dir(data_cfg, tmp_path, re
         m.setattr(pipeline, "read_eval_records", lambda p: pytest.fail("a cache hit read the held-out records"))
         again = prepare(cfg())
     assert again.summary.cache_hit and again.cache_dir == first.cache_dir and "cache hit" in str(again.summary)
-    assert len(again.eval_records) == len(first.eval_records) > 0  # read when asked for
+    assert again.eval_records == first.eval_records  # read when asked for
     changed = prepare(cfg(max_seq_len=512))
     assert not changed.summary.cache_hit and changed.cache_dir != first.cache_dir
     # The same bytes, a new modification time: identity says new (prepared again), the content hash says the same.

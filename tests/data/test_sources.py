@@ -159,3 +159,19 @@ def test_json_array_read_as_jsonl_says_to_set_data_format(tmp_path, records):
     p.write_text(json.dumps(records, indent=1))
     first = next(iter(iter_records(p)))
     assert isinstance(first, BadRecord) and "data.format: json" in first.message
+
+
+def test_text_read_line_by_line_gives_the_lines_of_the_whole_text(tmp_path):
+    """The text format streams its file (memory: one paragraph) and still splits lines as ``str.splitlines``
+    of the whole decoded text does: every separator it knows, a byte-order mark, undecodable bytes."""
+    import random
+
+    from densebatch.data.prepare.sources import _text_file_lines
+
+    rng = random.Random(0)
+    alphabet = ["a", "b", " ", "\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x85", "\u2028", "é", "\n\n"]
+    for t in range(200):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60)))
+        raw = ("\ufeff" if t % 3 == 0 else "").encode() + text.encode() + (b"\xff\n\xe2\x82\n" if t % 5 == 0 else b"")
+        (tmp_path / "t.txt").write_bytes(raw)
+        assert list(_text_file_lines(tmp_path / "t.txt")) == raw.decode("utf-8-sig", "surrogateescape").splitlines()

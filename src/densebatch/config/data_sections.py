@@ -123,6 +123,12 @@ class DataConfig:
     overlong: Literal["truncate", "drop"] = _f(
         "truncate", "Documents over max_seq_len: truncate (keeping a final target) or drop."
     )
+    num_proc: int = _f(
+        0,
+        "Worker processes that tokenise the records, chunk by chunk (0 = the cores available); the prepared documents "
+        "are the same for any number.",
+        minimum=0,
+    )
     on_bad_record: Literal["error", "skip"] = _f(
         "error", "A malformed record stops the run (error) or is counted and skipped (skip)."
     )

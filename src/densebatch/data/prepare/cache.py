@@ -77,7 +77,7 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
     that changes the prepared tokens."""
     settings = dataclasses.asdict(cfg)
     # a source's key: the tokenizer's fingerprint covers the added tokens, and other sources are theirs
-    for k in ("path", "eval_path", "cache_dir", "sources", "add_tokens", "add_special_tokens", "verify_inputs"):
+    for k in ("path", "eval_path", "cache_dir", "sources", "add_tokens", "add_special_tokens", "verify_inputs", "num_proc"):
         settings.pop(k)
     if cfg.path is not None:
         settings.pop("default")

@@ -9,8 +9,11 @@ documents by content hash. ``prepare`` drives it and stores the result.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import itertools
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +23,7 @@ from densebatch.config import DataConfig
 from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.chat_template import ChatTemplate
 from densebatch.data.prepare.clean import Cleaner
-from densebatch.data.prepare.sources import SURROGATE, BadRecord, has_undecodable, iter_records
+from densebatch.data.prepare.sources import SURROGATE, BadRecord, LineRange, has_undecodable, iter_records, read_jsonl_range
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, missing_fields, render
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, train_bpe
@@ -36,6 +39,11 @@ class Doc:
     tokens: np.ndarray  # int32
     mask: np.ndarray  # uint8
     record: dict | None
+    text_key: bytes | None = None  # hash of the rendered text, for an exact dedupe done later (``Builder.defer_dedupe``)
+
+
+# What ``finish_one`` did to a document; the first two keep it
+KEPT, TRUNCATED, DROPPED_OVERLONG, DROPPED_NO_TARGET, DROPPED_NO_LOSS = range(5)
 
 
 def record_key(record: dict) -> bytes:
@@ -47,13 +55,23 @@ def record_key(record: dict) -> bytes:
 class Builder:
     """Turns records into documents, counting every record it does not keep."""
 
-    def __init__(self, cfg: DataConfig, tok: Tokenizer, summary: PrepareSummary) -> None:
+    def __init__(
+        self, cfg: DataConfig, tok: Tokenizer, summary: PrepareSummary, defer_dedupe: bool = False, collect_bad: bool = False
+    ) -> None:
+        """``defer_dedupe``: keep every record the exact dedupe would judge, with its rendered text's hash
+        (``Doc.text_key``), for a caller that sees all of them to decide (a chunk of a streamed prepare);
+        ``collect_bad``: bad records go to ``self.bad_records`` in order, neither raised nor counted."""
         self.cfg, self.tok, self.s = cfg, tok, summary
-        self.cleaner = Cleaner(cfg.clean)
+        self.defer_dedupe = defer_dedupe and cfg.clean.dedupe
+        self.cleaner = Cleaner(dataclasses.replace(cfg.clean, dedupe=False) if self.defer_dedupe else cfg.clean)
+        self.bad_records: list[BadRecord] | None = [] if collect_bad else None
         # the tokenizer's own chat template (a ConfigError at once when it has none)
         self.chat = ChatTemplate.of(tok) if cfg.template == "chat_template" else None
 
     def bad(self, b: BadRecord) -> None:
+        if self.bad_records is not None:
+            self.bad_records.append(b)
+            return
         if self.cfg.on_bad_record == "error":
             if b.reason == "bad_token_ids":  # the fix is the tokenizer, not skipping every record
                 raise DataError(str(b))
@@ -62,24 +80,37 @@ class Builder:
         self.s.skip_examples.setdefault(b.reason, str(b))
 
     def read(self, path: str | None, fmt: str) -> list[tuple[str, dict]]:
+        if fmt == "text" and self.cfg.text_split == "chunks" and path is not None:
+            return self._whole_text(Path(path))
+        return list(self.stream(path, fmt))
+
+    def stream(self, path: str | None, fmt: str, part: LineRange | None = None) -> Iterator[tuple[str, dict]]:
+        """The good records of ``path`` (None: the embedded default dataset; ``part``: those lines of a
+        JSONL file only) in order, one at a time; malformed ones are reported (``bad``) as they are met."""
+        if part is not None:
+            for item in read_jsonl_range(part):
+                self.s.records_read += 1
+                if isinstance(item, BadRecord):
+                    self.bad(item)
+                else:
+                    yield item
+            return
         if path is None:
             d = self.cfg.default
-            self.s.records_read += d.num_records
-            return [
-                (f"default dataset: record {i}", r) for i, r in enumerate(default_dataset.generate_records(d.num_records, d.seed))
-            ]
-        if fmt == "text" and self.cfg.text_split == "chunks":
-            return self._whole_text(Path(path))
-        out = []
+            for i, r in enumerate(default_dataset.generate_records(d.num_records, d.seed)):
+                self.s.records_read += 1
+                yield f"default dataset: record {i}", r
+            return
+        first = True
         for item in iter_records(path, fmt):
             self.s.records_read += 1
             if isinstance(item, BadRecord):
                 self.bad(item)
-            else:
-                out.append(item)
-        if fmt in COLUMNAR and out:
-            self._check_columns(path, list(out[0][1]))
-        return out
+                continue
+            if first and fmt in COLUMNAR:
+                self._check_columns(path, list(item[1]))
+            first = False
+            yield item
 
     def _check_columns(self, path: str, columns: list[str]) -> None:
         """A file whose columns lack a field the template reads is one error (every row would fail alike,
@@ -101,12 +132,12 @@ class Builder:
 
     def documents(self, items: list[tuple[str, dict]], pretokenized_ok: bool = True) -> list[Doc]:
         """Render, clean, filter and tokenize ``items`` (in order); bad ones are reported."""
-        rendered: list[tuple[dict, list]] = []
-        docs: list[Doc] = []
-        for where, rec in items:
+        rendered: list[tuple[int, dict, list, bytes | None]] = []
+        docs: list[tuple[int, Doc]] = []
+        for pos, (where, rec) in enumerate(items):
             if pretokenized_ok and self.cfg.fields.input_ids in rec:
                 try:
-                    docs.append(self._pretokenized(rec))
+                    docs.append((pos, self._pretokenized(rec)))
                 except RecordError as e:
                     self.bad(BadRecord(where, e.reason, e.message))
                 continue
@@ -121,24 +152,41 @@ class Builder:
                 self.cleaner.drop("emptied")
                 continue
             self.cleaner.finish_record()
-            if self.cleaner.keep("".join(t for t, _ in segments)):
-                rendered.append((rec, segments))
-        return docs + self._tokenize(rendered)
+            text = "".join(t for t, _ in segments)
+            if self.cleaner.keep(text):
+                rendered.append((pos, rec, segments, text_key(text) if self.defer_dedupe else None))
+        docs += self._tokenize(rendered)
+        docs.sort(key=lambda x: x[0])  # input order, pre-tokenised records among the others
+        return [d for _, d in docs]
 
-    def _tokenize(self, rendered: list[tuple[dict, list]]) -> list[Doc]:
+    def _tokenize(self, rendered: list[tuple[int, dict, list, bytes | None]]) -> list[tuple[int, Doc]]:
+        """Each record's segments tokenised on their own and laid end to end with the end-of-text, the
+        loss mask by segment; built as one flat array a batch (each document a view of it)."""
         docs = []
-        eos = np.array([self.tok.eos_id], np.int32)
         for lo in range(0, len(rendered), _ENCODE_CHUNK):
             part = rendered[lo : lo + _ENCODE_CHUNK]
-            ids = iter(self.tok.encode_batch([t for _, segs in part for t, _ in segs]))
-            for rec, segs in part:
-                pieces = [np.asarray(next(ids), np.int32) for _ in segs]
-                masks = [np.full(len(p), flag, np.uint8) for p, (_, flag) in zip(pieces, segs)]
-                # The end-of-text carries loss when the text before it does (a response, an assistant turn).
-                eos_flag = next((flag for t, flag in reversed(segs) if t.strip()), True)
-                tokens = np.concatenate(pieces + [eos])
-                mask = np.concatenate(masks + [np.array([eos_flag], np.uint8)])
-                docs.append(Doc(record_key(rec), tokens, mask, rec))
+            ids = self.tok.encode_batch([t for _, _, segs, _ in part for t, _ in segs])
+            seg_len = np.fromiter(map(len, ids), np.int64, len(ids))
+            segs_per_doc = np.fromiter((len(segs) for _, _, segs, _ in part), np.int64, len(part))
+            flags = np.fromiter((flag for _, _, segs, _ in part for _, flag in segs), np.uint8, len(ids))
+            # The end-of-text carries loss when the text before it does (a response, an assistant turn).
+            eos_flags = [next((flag for t, flag in reversed(segs) if t.strip()), True) for _, _, segs, _ in part]
+            doc_ends = np.cumsum(segs_per_doc)
+            doc_len = np.add.reduceat(seg_len, doc_ends - segs_per_doc) if len(ids) else np.zeros(0, np.int64)
+            doc_len = np.where(segs_per_doc > 0, doc_len, 0) + 1
+            bounds = np.concatenate([[0], np.cumsum(doc_len)])
+            tokens = np.empty(int(bounds[-1]), np.int32)
+            mask = np.empty(int(bounds[-1]), np.uint8)
+            eos_at = bounds[1:] - 1
+            body = np.ones(len(tokens), bool)
+            body[eos_at] = False
+            tokens[body] = np.fromiter(itertools.chain.from_iterable(ids), np.int32, int(seg_len.sum()))
+            mask[body] = np.repeat(flags, seg_len)
+            tokens[eos_at] = self.tok.eos_id
+            mask[eos_at] = np.asarray(eos_flags, np.uint8)
+            for j, (pos, rec, _segs, tkey) in enumerate(part):
+                a, b = int(bounds[j]), int(bounds[j + 1])
+                docs.append((pos, Doc(record_key(rec), tokens[a:b], mask[a:b], rec, tkey)))
         return docs
 
     def _pretokenized(self, rec: dict) -> Doc:
@@ -193,21 +241,41 @@ class Builder:
         """Overlong policy, and drop documents with no loss-carrying target; all counted."""
         out = []
         for d in docs:
-            d.mask[0] = 0  # the first token is never a target
-            if len(d.tokens) > self.cfg.max_seq_len:
-                if self.cfg.overlong == "drop":
-                    self.s.dropped_overlong += 1
-                    continue
-                d.tokens, d.mask = d.tokens[: self.cfg.max_seq_len], d.mask[: self.cfg.max_seq_len]
-                if not d.mask.any():
-                    self.s.dropped_no_target += 1
-                    continue
-                self.s.truncated += 1
-            if not d.mask.any():
-                self.s.dropped_no_loss += 1
-                continue
-            out.append(d)
+            outcome = finish_one(d, self.cfg)
+            count_outcome(self.s, outcome)
+            if outcome <= TRUNCATED:
+                out.append(d)
         return out
+
+
+def finish_one(d: Doc, cfg: DataConfig) -> int:
+    """Apply the overlong policy to ``d`` (in place) and say what became of it (``KEPT`` ... ``DROPPED_NO_LOSS``)."""
+    d.mask[0] = 0  # the first token is never a target
+    if len(d.tokens) > cfg.max_seq_len:
+        if cfg.overlong == "drop":
+            return DROPPED_OVERLONG
+        d.tokens, d.mask = d.tokens[: cfg.max_seq_len], d.mask[: cfg.max_seq_len]
+        if not d.mask.any():
+            return DROPPED_NO_TARGET
+        return TRUNCATED if d.mask.any() else DROPPED_NO_LOSS
+    return KEPT if d.mask.any() else DROPPED_NO_LOSS
+
+
+def count_outcome(s: PrepareSummary, outcome: int, n: int = 1) -> None:
+    """Add ``n`` documents that ``finish_one`` judged ``outcome`` to the summary's counts."""
+    if outcome == TRUNCATED:
+        s.truncated += n
+    elif outcome == DROPPED_OVERLONG:
+        s.dropped_overlong += n
+    elif outcome == DROPPED_NO_TARGET:
+        s.dropped_no_target += n
+    elif outcome == DROPPED_NO_LOSS:
+        s.dropped_no_loss += n
+
+
+def text_key(text: str) -> bytes:
+    """The exact-dedupe hash of a rendered text (as ``Cleaner.keep`` computes it)."""
+    return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).digest()
 
 
 def split_eval(docs: list[Doc], fraction: float) -> tuple[list[Doc], list[Doc]]:

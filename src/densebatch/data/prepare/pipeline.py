@@ -52,6 +52,7 @@ from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eva
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
 from densebatch.data.prepare.store import DocumentStore, staged_store, write_marker, write_store_files
+from densebatch.data.prepare.stream import assemble, keeps_records, prepare_chunks, remove_stage, streamable, workers
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
 from densebatch.errors import DataError
@@ -153,14 +154,21 @@ def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: 
                     (tmp / split).mkdir()
                     meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
                     write_store_files(tmp / split, *arrays[:3], meta, arrays[3])
-            lines = [json.dumps(r, ensure_ascii=False, default=str) for r in records]
-            (tmp / "eval_records.jsonl").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
-            (tmp / "summary.json").write_text(json.dumps(summary.as_dict(), indent=1), encoding="utf-8")
-            write_marker(tmp, {"sizes": {n: (tmp / n).stat().st_size for n in ("summary.json", "eval_records.jsonl")}})
+            _write_entry_files(tmp, records, summary)
     except OSError as e:
-        raise DataError(
-            f"data.cache_dir {final.parent}: cannot be written (the documents of {final.name}: {io_reason(e)})"
-        ) from e
+        raise _cannot_write(final, e) from e
+
+
+def _write_entry_files(tmp: Path, records: list, summary: PrepareSummary) -> None:
+    """The held-out records, the summary and the entry's marker (last), beside its stores."""
+    lines = [json.dumps(r, ensure_ascii=False, default=str) for r in records]
+    (tmp / "eval_records.jsonl").write_text("".join(x + "\n" for x in lines), encoding="utf-8")
+    (tmp / "summary.json").write_text(json.dumps(summary.as_dict(), indent=1), encoding="utf-8")
+    write_marker(tmp, {"sizes": {n: (tmp / n).stat().st_size for n in ("summary.json", "eval_records.jsonl")}})
+
+
+def _cannot_write(final: Path, e: OSError) -> DataError:
+    return DataError(f"data.cache_dir {final.parent}: cannot be written (the documents of {final.name}: {io_reason(e)})")
 
 
 def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, read: tuple | None = None) -> Prepared:
@@ -178,6 +186,8 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
         tokenizer=tok.name,
         eval_source=_eval_source(cfg),
     )
+    if read is None and streamable(cfg, fmt, tok):
+        return _build_streamed(final, name, cfg, fmt, tok, s)
     b = Builder(cfg, tok, s)
     if read is None:
         items = b.read(cfg.path, fmt)
@@ -195,15 +205,36 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
     if cfg.eval_path is None:
         train_docs, eval_docs = split_eval(train_docs, cfg.eval_fraction)
     train_docs, eval_docs = b.finish(train_docs), b.finish(eval_docs)
-    s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(b.cleaner.dropped)
+    s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
     if not train_docs:
         raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
     s.fill_counts(train_docs, eval_docs)
     s.sources = [s.source_facts(name, s.source)]
     zeros = lambda docs: np.zeros(len(docs), np.int16)  # noqa: E731 - one source: every document is source 0
     evals = (*_arrays(eval_docs), zeros(eval_docs)) if eval_docs else None
-    records = [d.record for d in eval_docs if d.record is not None]
+    records = [d.record for d in eval_docs if d.record is not None] if keeps_records(cfg) else []
     _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s)
+    return tok
+
+
+def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, s: PrepareSummary) -> Tokenizer:
+    """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``): the
+    documents of ``_build_one``'s in-memory path, with memory bounded by the chunk."""
+    b = Builder(cfg, tok, s)
+    stage = final.with_name(f".chunks-{final.name}")  # kept if this run dies: the next one goes on from it
+    chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
+    meta = dict(_meta(tok, cfg, "train"), sources=[name])
+    try:
+        with staged_store(final) as tmp:
+            if cfg.tokenizer.startswith("bpe:"):
+                tok.save(tmp / LEARNED_TOKENIZER)
+            records, _ = assemble(b, chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta)
+            s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
+            s.sources = [s.source_facts(name, s.source)]
+            _write_entry_files(tmp, records, s)
+    except OSError as e:
+        raise _cannot_write(final, e) from e
+    remove_stage(stage)
     return tok
 
 

@@ -14,6 +14,7 @@ Problems with the whole file (missing, empty, not parseable at all) always raise
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import re
 import sys
@@ -102,10 +103,55 @@ def _undecodable_where(raw: bytes) -> str:
         return f"byte {e.start} is not valid UTF-8"
 
 
-def _jsonl(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
+@dataclass(frozen=True)
+class LineRange:
+    """Lines ``first_line`` ... of a JSONL file, bytes ``[start, stop)``; ``last``: the file's last range
+    (blank lines at its end are harmless; before any later line they are reported)."""
+
+    path: str
+    start: int
+    stop: int
+    first_line: int
+    last_line: int
+    last: bool
+
+
+def jsonl_ranges(path: str | Path, lines: int) -> Iterator[LineRange]:
+    """``path`` cut into ranges of ``lines`` non-blank lines each (the last may hold fewer), every cut
+    just before a non-blank line, so each range reads on its own exactly as the whole file reads (its
+    blank lines are followed by a record, or end the file). Reads lines, parses nothing."""
+    p = Path(path)
+    _check_file(p)
+    start = pos = 0
+    first = lineno = 1
+    count = 0
+    with open(p, "rb") as f:
+        for raw in f:
+            if raw.strip() and count == lines:  # a full range ends before this non-blank line
+                yield LineRange(str(p), start, pos, first, lineno - 1, False)
+                start, first, count = pos, lineno, 0
+            count += bool(raw.strip())
+            pos += len(raw)
+            lineno += 1
+    if count == 0 and start == 0:
+        next(iter_records(p, "jsonl"), None)  # the one-line error for a file without records
+    yield LineRange(str(p), start, pos, first, lineno - 1, True)
+
+
+def read_jsonl_range(r: LineRange) -> Iterator[tuple[str, dict] | BadRecord]:
+    """The records of one range, as ``iter_records`` yields them for those lines of the whole file."""
+    return _jsonl(Path(r.path), r)
+
+
+def _jsonl(p: Path, part: LineRange | None = None) -> Iterator[tuple[str, dict] | BadRecord]:
     blank: list[int] = []
     with open(p, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        first = 1
+        if part is not None:
+            f.seek(part.start)
+            first = part.first_line
+        lines = f if part is None else _lines_until(f, part.stop - part.start)
+        for lineno, raw in enumerate(lines, first):
             where = f"{p}:{lineno}"
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]  # a UTF-8 byte-order mark is not content
@@ -134,6 +180,19 @@ def _jsonl(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
                 yield BadRecord(where, "wrong_type", f"expected a JSON object per line, got {type(obj).__name__}")
                 continue
             yield where, obj
+        if part is not None and not part.last:  # a record follows in the next range: these were between records
+            for b in blank:
+                yield BadRecord(f"{p}:{b}", "blank_line", "blank line (JSONL holds one JSON object on every line)")
+
+
+def _lines_until(f, size: int) -> Iterator[bytes]:
+    """The lines of ``f`` from where it stands, ``size`` bytes of them."""
+    while size > 0:
+        raw = f.readline()
+        if not raw:
+            return
+        size -= len(raw)
+        yield raw
 
 
 def _jsonl_error(line: str, e: json.JSONDecodeError, lineno: int) -> str:
@@ -229,11 +288,10 @@ def _csv(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
 
 
 def _text_lines(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
-    """The text format yields one record per paragraph; ``prepare`` regroups them for chunking."""
-    text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
-    lines = text.splitlines()
+    """The text format yields one record per paragraph; ``prepare`` regroups them for chunking. Read line by
+    line (memory: one paragraph), with the lines ``str.splitlines`` of the whole text would give."""
     start, buf = 0, []
-    for lineno, line in enumerate(lines + [""], 1):
+    for lineno, line in enumerate(itertools.chain(_text_file_lines(p), [""]), 1):
         if line.strip():
             if not buf:
                 start = lineno
@@ -245,6 +303,13 @@ def _text_lines(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
                 yield BadRecord(f"{p}:{start}", "undecodable_bytes", "undecodable bytes; the file must be UTF-8")
             else:
                 yield f"{p}:{start}", {"text": para}
+
+
+def _text_file_lines(p: Path) -> Iterator[str]:
+    with open(p, "rb") as f:
+        for i, raw in enumerate(f):
+            text = raw.decode("utf-8-sig" if i == 0 else "utf-8", "surrogateescape")
+            yield from text.splitlines()  # also \r, \x0b, \x0c, \x1c-\x1e, \x85, \u2028, \u2029 inside a line
 
 
 def _require_pyarrow(what: str):

@@ -74,6 +74,50 @@ def write_store_files(
     write_marker(directory, {"sizes": {n: (directory / n).stat().st_size for n in names}})
 
 
+class StoreWriter:
+    """A single-source store's files written document by document into a new directory, for a corpus that
+    is never in memory whole: the sizes are known up front (``num_documents``, ``num_tokens``), so the
+    ``.npy`` headers come first and each document's tokens and mask are appended as they come. The
+    files are byte for byte those ``write_store_files`` writes for the same documents (source 0 each)."""
+
+    def __init__(self, directory: Path, meta: dict, num_documents: int, num_tokens: int) -> None:
+        directory.mkdir()
+        self.directory, self.meta = directory, meta
+        self.lengths = np.zeros(num_documents, np.int64)
+        self.doc_loss = np.zeros(num_documents, np.uint32)
+        self.n, self.tokens_left, self.loss = 0, num_tokens, 0
+        self.files = {name: open(directory / f"{name}.npy", "wb") for name in ("tokens", "loss_mask")}  # noqa: SIM115
+        for name, dtype in (("tokens", np.int32), ("loss_mask", np.uint8)):
+            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (num_tokens,)}
+            np.lib.format.write_array_header_1_0(self.files[name], header)
+
+    def extend(self, tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents laid end to end: their ``tokens`` and ``mask``, cut by ``lengths``."""
+        lengths = np.asarray(lengths, np.int64)
+        k = len(lengths)
+        self.files["tokens"].write(np.ascontiguousarray(tokens, np.int32).tobytes())
+        self.files["loss_mask"].write(np.ascontiguousarray(mask, np.uint8).tobytes())
+        self.lengths[self.n : self.n + k] = lengths
+        self.doc_loss[self.n : self.n + k] = document_loss_tokens(np.concatenate([[0], np.cumsum(lengths)]), mask)
+        self.loss += int(np.asarray(mask).sum(dtype=np.int64))
+        self.n += k
+        self.tokens_left -= len(tokens)
+
+    def close(self) -> None:
+        for f in self.files.values():
+            f.close()
+        assert self.n == len(self.lengths) and self.tokens_left == 0, "the documents announced were not all written"
+        d = self.directory
+        np.save(d / "offsets.npy", np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64), allow_pickle=False)
+        np.save(d / "source.npy", np.zeros(self.n, np.int16), allow_pickle=False)
+        np.save(d / "doc_loss.npy", self.doc_loss, allow_pickle=False)
+        num_tokens = int(self.lengths.sum())
+        meta = dict(self.meta, source_documents=[self.n], num_documents=self.n, num_tokens=num_tokens, num_loss_tokens=self.loss)
+        (d / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+        names = [f"{n}.npy" for n in ("tokens", "offsets", "loss_mask", "source", "doc_loss")] + ["meta.json"]
+        write_marker(d, {"sizes": {n: (d / n).stat().st_size for n in names}})
+
+
 def document_loss_tokens(offsets: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
     """(n,) uint32: the loss tokens of each whole document (the mask's ones at its targets: every token but
     the first). Read window by window: memory is one window, not the corpus."""

@@ -214,8 +214,12 @@ class HFTokenizer(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         # add_special_tokens=False: densebatch appends the end-of-text itself, by position.
-        texts = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in texts]
-        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+        try:
+            "".join(texts).encode("utf-8")  # one pass: undecodable bytes (surrogates) are rare
+        except UnicodeEncodeError:
+            texts = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in texts]
+        fast = getattr(self._tok, "encode_batch_fast", None)  # the same ids without character offsets
+        return [e.ids for e in (fast or self._tok.encode_batch)(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)

@@ -1,0 +1,317 @@
+"""Streaming, parallel preparation of one source: memory bounded by the chunk, not the corpus.
+
+The records are read in input order, ``CHUNK_RECORDS`` good records a chunk. Each chunk is rendered,
+cleaned, filtered, tokenised and finished (``documents.Builder``) by a pool of ``data.num_proc``
+worker processes (inline when there is one chunk or one process), which write it to
+``cache_dir/.chunks-<key>/chunk-000123.npz`` (its documents' tokens, loss mask, lengths, content
+hashes, rendered-text hashes and what ``finish_one`` did to each) with its held-out-candidate records
+and its bad records beside it; the ``.npz`` is renamed into place last, so a chunk file is complete
+or absent. What needs every document happens once all chunks are written, in input order, on
+per-document arrays only (about 30 bytes a document): the exact dedupe (the first copy of a rendered
+text is kept), the eval split (the smallest content hashes, as ``documents.split_eval``), the counts.
+The stores are then written by appending each chunk's kept documents to the split's files
+(``store.StoreWriter``), one chunk in memory at a time.
+
+The documents, their order and every count are those of the in-memory path (``pipeline._build_one``),
+byte for byte, for any number of workers (tested). A run that dies keeps its chunk files: the next
+prepare of the same inputs and settings reads the input again but tokenises only the chunks that are
+missing. A worker that dies fails the prepare with one line naming the chunk's first and last record.
+Not streamed (they need every record before the first document): a learned ``bpe:N`` tokenizer,
+``data.eval_path`` (train records that repeat an eval record are dropped) and ``text_split: chunks``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from itertools import chain, islice
+from pathlib import Path
+
+import numpy as np
+
+from densebatch.atomic import pid_alive
+from densebatch.config import DataConfig
+from densebatch.data.prepare.documents import (
+    DROPPED_NO_LOSS,
+    DROPPED_NO_TARGET,
+    DROPPED_OVERLONG,
+    TRUNCATED,
+    Builder,
+    count_outcome,
+    finish_one,
+)
+from densebatch.data.prepare.sources import BadRecord, LineRange, jsonl_ranges
+from densebatch.data.prepare.store import StoreWriter
+from densebatch.data.prepare.summary import PrepareSummary, percentiles
+from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer
+from densebatch.errors import DataError
+
+CHUNK_RECORDS = 4096  # good records a chunk: a worker's unit of work and of resumption
+_FILES = "chunk-{:06d}"
+
+
+def streamable(cfg: DataConfig, fmt: str, tok: Tokenizer) -> bool:
+    """Whether this source is prepared chunk by chunk (see the module docstring for what is not)."""
+    return not isinstance(tok, PendingBPE) and cfg.eval_path is None and not (fmt == "text" and cfg.text_split == "chunks")
+
+
+def workers(cfg: DataConfig) -> int:
+    """``data.num_proc``, or (0) the cores this process may run on."""
+    if cfg.num_proc:
+        return cfg.num_proc
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+# ----------------------------------------------------------------------------------------- a chunk
+_TOK: Tokenizer | None = None
+
+
+_RUNNING: Path | None = None  # this worker's marker of the chunk it prepares
+
+
+def _init_worker(tok: Tokenizer) -> None:
+    global _TOK
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")  # parallel across processes, not inside each
+    _TOK = tok
+    signal.signal(signal.SIGTERM, _stopped)
+
+
+def _stopped(signum, frame) -> None:
+    """Stopped by the pool (another worker died): not the process to blame, so its marker goes."""
+    if _RUNNING is not None:
+        _RUNNING.unlink(missing_ok=True)
+    os._exit(128 + signum)
+
+
+def _run_chunk(cfg: DataConfig, index: int, work, stage: str, tok: Tokenizer | None = None) -> int:
+    """Prepare chunk ``index`` into ``stage``: ``work`` is its good records, or (JSONL) its ``LineRange``,
+    read here; returns ``index``."""
+    global _RUNNING
+    _RUNNING = Path(stage) / f".running-{index:06d}-{os.getpid()}"  # names the chunk if this process is killed
+    _RUNNING.touch()
+    _prepare_chunk(cfg, index, work, Path(stage), tok if tok is not None else _TOK)
+    _RUNNING.unlink()
+    _RUNNING = None
+    return index
+
+
+def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Tokenizer) -> None:
+    b = Builder(cfg, tok, PrepareSummary(), defer_dedupe=True, collect_bad=True)
+    items = list(b.stream(cfg.path, "jsonl", work)) if isinstance(work, LineRange) else work
+    read_bad, b.bad_records = b.bad_records, []
+    docs = b.documents(items)
+    outcomes = np.array([finish_one(d, cfg) for d in docs], np.int8)
+    kept = [d for d, o in zip(docs, outcomes) if o <= TRUNCATED]
+    lengths = np.array([len(d.tokens) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32)
+    arrays = {
+        "key": np.array([int.from_bytes(d.key, "big") for d in docs], np.uint64),
+        "text_key": np.array([d.text_key or bytes(16) for d in docs], "V16"),
+        "has_text_key": np.array([d.text_key is not None for d in docs], bool),
+        "outcome": outcomes,
+        "lengths": lengths,
+        "loss": np.array([int(d.mask.sum()) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32),
+        "tokens": np.concatenate([d.tokens for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
+        "mask": np.concatenate([d.mask for d in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8),
+    }
+    name = _FILES.format(index)
+    if keeps_records(cfg):
+        records = "".join(json.dumps(d.record, ensure_ascii=False, default=str) + "\n" for d in docs)
+        (stage_dir / f"{name}.records.jsonl").write_text(records, encoding="utf-8")
+    info = {
+        "documents": len(docs),
+        "read": b.s.records_read,
+        "read_bad": [[x.where, x.reason, x.message] for x in read_bad or []],
+        "bad": [[x.where, x.reason, x.message] for x in b.bad_records or []],
+        "changed": b.cleaner.changed,
+        "dropped": b.cleaner.dropped,
+    }
+    (stage_dir / f"{name}.json").write_text(json.dumps(info), encoding="utf-8")
+    tmp = stage_dir / f".{name}.{os.getpid()}.npz"
+    with open(tmp, "wb") as f:
+        np.savez(f, **arrays)
+    os.replace(tmp, stage_dir / f"{name}.npz")  # last: a chunk file is whole or absent
+
+
+# ----------------------------------------------------------------------------------------- the source
+@dataclass
+class _Chunk:
+    index: int
+    first: str  # where its first and last records are, for a message
+    last: str
+    work: object = None  # what a worker is given: a LineRange, or the good records
+
+
+def keeps_records(cfg: DataConfig) -> bool:
+    """Held-out records are kept (``eval_records.jsonl``) for the embedded dataset, whose answers the
+    exact-match accuracy checks; a file's held-out documents are its eval store."""
+    return cfg.path is None
+
+
+def _work(b: Builder, path: str | None, fmt: str) -> Iterator[_Chunk]:
+    """The source's chunks in order: JSONL as line ranges that the workers read and parse themselves (this
+    process only finds the cuts), any other input as lists of good records read here."""
+    if fmt == "jsonl" and path is not None:
+        for i, r in enumerate(jsonl_ranges(path, CHUNK_RECORDS)):
+            yield _Chunk(i, f"{path}:{r.first_line}", f"{path}:{r.last_line}", r)
+        return
+    items = b.stream(path, fmt)
+    for i, part in enumerate(iter(lambda: list(islice(items, CHUNK_RECORDS)), [])):
+        yield _Chunk(i, part[0][0], part[-1][0], part)
+
+
+def prepare_chunks(b: Builder, path: str | None, fmt: str, stage: Path, num_proc: int) -> list[_Chunk]:
+    """Prepare every chunk of ``path`` that ``stage`` does not already hold, on ``num_proc`` processes;
+    the chunks, in order (malformed records found while reading here are reported through ``b``)."""
+    stage.mkdir(parents=True, exist_ok=True)
+    for m in [*stage.glob(".running-*"), *stage.glob(".chunk-*")]:  # left by a run that died (never read)
+        m.unlink()
+    cfg, tok = b.cfg, b.tok
+    done = {p.name for p in stage.glob("chunk-*.npz")}
+    chunks: list[_Chunk] = []
+
+    def todo():
+        for c in _work(b, path, fmt):
+            chunks.append(c)
+            if f"{_FILES.format(c.index)}.npz" not in done:
+                yield c
+
+    jobs = todo()
+    first = list(islice(jobs, 2))
+    if num_proc <= 1 or len(first) < 2:  # one chunk (or one process): no pool to start
+        for c in chain(first, jobs):
+            _run_chunk(cfg, c.index, c.work, str(stage), tok)
+            c.work = None  # its records are not kept once prepared
+        return chunks
+    # fork where there is one (as datasets.map does): a spawned worker would import the caller's __main__,
+    # which a script without an `if __name__ == "__main__"` guard cannot survive; a forked one is told by
+    # tokenizers not to use its threads, and none of the parent's threads runs in it
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    with cf.ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=(tok,)) as pool:
+        pending: dict[cf.Future, int] = {}
+        for c in chain(first, jobs):
+            pending[pool.submit(_run_chunk, cfg, c.index, c.work, str(stage))] = c.index
+            c.work = None  # sent: not kept here
+            if len(pending) >= 2 * num_proc:  # bounded: at most this many chunks of records in memory
+                _wait(pending, chunks, stage, cf.FIRST_COMPLETED)
+        _wait(pending, chunks, stage, cf.ALL_COMPLETED)
+    return chunks
+
+
+def _gone(pid: int) -> bool:
+    """The process has ended (a zombie not yet reaped by the pool counts as ended)."""
+    try:
+        return not pid_alive(pid) or "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+
+
+def _wait(pending: dict, chunks: list[_Chunk], stage: Path, how) -> None:
+    finished, _ = cf.wait(list(pending), return_when=how)
+    for fut in sorted(finished, key=pending.get):
+        i = pending.pop(fut)
+        try:
+            fut.result()
+        except cf.process.BrokenProcessPool:
+            dead = sorted(int(m.name.split("-")[1]) for m in stage.glob(".running-*") if _gone(int(m.name.split("-")[2])))
+            c = chunks[dead[0] if dead else i]  # the chunk the dead process was preparing
+            i = c.index
+            held = len(list(stage.glob("chunk-*.npz")))
+            raise DataError(
+                f"preparing records {c.first} to {c.last} (chunk {i}): a worker process died; run again to go on "
+                f"({held} chunks already prepared are kept in {stage})"
+            ) from None
+
+
+def _load(stage: Path, index: int, names) -> dict[str, np.ndarray]:
+    with np.load(stage / f"{_FILES.format(index)}.npz", allow_pickle=False) as z:
+        return {k: z[k] for k in names}
+
+
+def assemble(
+    b: Builder, chunks: list[_Chunk], stage: Path, eval_fraction: float, train_dir: Path, eval_dir: Path, meta: dict
+) -> tuple[list[dict], bool]:
+    """Dedupe, split, count and write the stores from the chunk files; (held-out records, has an eval split)."""
+    cfg, s = b.cfg, b.s
+    infos = [json.loads((stage / f"{_FILES.format(c.index)}.json").read_text(encoding="utf-8")) for c in chunks]
+    sizes = [info["documents"] for info in infos]
+    n = sum(sizes)
+
+    def column(name: str, dtype) -> np.ndarray:  # one per-document column of every chunk, filled in place
+        out, at = np.empty(n, dtype), 0
+        for c, m in zip(chunks, sizes):
+            if m:
+                out[at : at + m] = _load(stage, c.index, (name,))[name]
+                at += m
+        return out
+
+    for info in infos:  # malformed records, all first (as one process reads every record before rendering)
+        s.records_read += info["read"]
+        for where, reason, message in info["read_bad"]:
+            b.bad(BadRecord(where, reason, message))
+    for info in infos:  # then bad records met while rendering, and cleaning counts, in input order
+        for where, reason, message in info["bad"]:
+            b.bad(BadRecord(where, reason, message))
+        for k, v in info["changed"].items():
+            b.cleaner.changed[k] = b.cleaner.changed.get(k, 0) + v
+        for k, v in info["dropped"].items():
+            b.cleaner.dropped[k] = b.cleaner.dropped.get(k, 0) + v
+    keep = np.ones(n, bool)
+    if cfg.clean.dedupe and n:  # the first copy of each rendered text
+        idx = np.flatnonzero(column("has_text_key", bool))
+        _, first = np.unique(column("text_key", "V16")[idx], return_index=True)
+        keep[idx] = False
+        keep[idx[first]] = True
+        del idx, first
+        if dropped := int(n - keep.sum()):
+            b.cleaner.dropped["dedupe"] = b.cleaner.dropped.get("dedupe", 0) + dropped
+    docs = np.flatnonzero(keep)
+    held = np.zeros(n, bool)
+    n_eval = 0 if eval_fraction <= 0 or len(docs) < 2 else min(len(docs) - 1, max(1, round(eval_fraction * len(docs))))
+    if n_eval:  # the smallest content hashes, ties by position (documents.split_eval): a stable sort
+        held[docs[np.argsort(column("key", np.uint64)[docs], kind="stable")[:n_eval]]] = True
+    del docs
+    outcome = column("outcome", np.int8)
+    for o in (TRUNCATED, DROPPED_OVERLONG, DROPPED_NO_TARGET, DROPPED_NO_LOSS):
+        count_outcome(s, o, int(((outcome == o) & keep).sum()))
+    final = keep & (outcome <= TRUNCATED)
+    train, evals = final & ~held, final & held
+    if not train.any():
+        raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
+    lengths, loss = column("lengths", np.uint32), column("loss", np.uint32)
+    s.train_documents, s.eval_documents = int(train.sum()), int(evals.sum())
+    s.train_tokens, s.eval_tokens = int(lengths[train].sum(dtype=np.int64)), int(lengths[evals].sum(dtype=np.int64))
+    s.train_loss_tokens, s.eval_loss_tokens = int(loss[train].sum(dtype=np.int64)), int(loss[evals].sum(dtype=np.int64))
+    s.lengths = percentiles(lengths[train])
+    del lengths, loss
+    writers = {False: StoreWriter(train_dir, dict(meta, split="train"), s.train_documents, s.train_tokens)}
+    if s.eval_documents:
+        writers[True] = StoreWriter(eval_dir, dict(meta, split="eval"), s.eval_documents, s.eval_tokens)
+    records: list[dict] = []
+    start = 0
+    for c, m in zip(chunks, sizes):  # one chunk's documents in memory at a time
+        p = _load(stage, c.index, ("outcome", "lengths", "tokens", "mask"))
+        kept = p["outcome"] <= TRUNCATED  # the chunk file holds the tokens of these, in order
+        lens = p["lengths"][kept].astype(np.int64)
+        to_eval, wanted = held[start : start + m][kept], final[start : start + m][kept]
+        for split, w in writers.items():  # each split's documents of this chunk in one write
+            docs_here = wanted & (to_eval == split)
+            if docs_here.any():
+                at = np.repeat(docs_here, lens)
+                w.extend(p["tokens"][at], p["mask"][at], lens[docs_here])
+        if keeps_records(cfg) and (here := np.flatnonzero(evals[start : start + m])).size:
+            lines = (stage / f"{_FILES.format(c.index)}.records.jsonl").read_text(encoding="utf-8").splitlines()
+            records += [r for r in (json.loads(lines[k]) for k in here) if r is not None]
+        start += m
+    for w in writers.values():
+        w.close()
+    return records, s.eval_documents > 0
+
+
+def remove_stage(stage: Path) -> None:
+    shutil.rmtree(stage, ignore_errors=True)
