@@ -27,7 +27,7 @@ CONFIG = {
     "seed": 0,
     # 200 generated records -> ~81 short training documents; packed rows of 256, 2 rows a batch:
     # ~20 batches an epoch, so 16 steps of 2 batches cross into the next epoch.
-    "data": {"default": {"num_records": 200}, "max_seq_len": 256},
+    "data": {"default": {"num_records": 200}, "max_seq_len": 256, "chunk_records": 32},  # 7 chunks: both ranks prepare
     "batching": {"strategy": "packed", "max_tokens_per_batch": 512, "seq_len": 256},
     "model": {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 256},
     "train": {"max_steps": 16, "lr": 3e-3, "warmup_steps": 2, "progress": False, "device": "cpu"},

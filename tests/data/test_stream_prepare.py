@@ -56,9 +56,8 @@ def test_the_streamed_store_is_the_in_memory_one_byte_for_byte_for_any_number_of
     with monkeypatch.context() as m:  # the in-memory path (bpe:N and eval_path still take it)
         m.setattr(pipeline, "streamable", lambda *a: False)
         ref = _prepare(data_cfg, path, tmp_path, "ref")
-    monkeypatch.setattr(stream, "CHUNK_RECORDS", 64)  # 11 chunks, on 1, 2 and 3 processes
-    for n in (1, 2, 3):
-        got = _prepare(data_cfg, path, tmp_path, f"n{n}", num_proc=n)
+    for n in (1, 2, 3):  # 11 chunks, on 1, 2 and 3 processes
+        got = _prepare(data_cfg, path, tmp_path, f"n{n}", num_proc=n, chunk_records=64)
         assert _files(got.cache_dir) == _files(ref.cache_dir), n
         assert not list((tmp_path / f"n{n}").glob(".chunks-*"))  # the chunk files go once the entry is whole
     s = ref.summary
@@ -73,8 +72,7 @@ def test_the_embedded_dataset_streams_too_with_its_held_out_records(data_cfg, tm
     with monkeypatch.context() as m:
         m.setattr(pipeline, "streamable", lambda *a: False)
         ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), **cfg))
-    monkeypatch.setattr(stream, "CHUNK_RECORDS", 128)
-    got = prepare(data_cfg(cache_dir=str(tmp_path / "got"), num_proc=2, **cfg))
+    got = prepare(data_cfg(cache_dir=str(tmp_path / "got"), num_proc=2, chunk_records=128, **cfg))
     assert _files(got.cache_dir) == _files(ref.cache_dir)
     assert got.eval_records == ref.eval_records and len(ref.eval_records) == 45  # what the accuracy check answers
 
@@ -85,13 +83,12 @@ def test_a_bad_record_in_a_workers_chunk_is_named_as_in_one_process(data_cfg, tm
     lines[260] = b'{"instruction": '  # malformed JSON: found while reading, so named first, as in one process
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    monkeypatch.setattr(stream, "CHUNK_RECORDS", 64)
     with pytest.raises(DataError, match=rf"{path.name}:261"):
-        prepare(data_cfg(path=str(path), num_proc=2))
+        prepare(data_cfg(path=str(path), num_proc=2, chunk_records=64))
     lines[260] = lines[0]
     path.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(DataError, match=rf"{path.name}:251: .*instruction"):
-        prepare(data_cfg(path=str(path), num_proc=2))
+        prepare(data_cfg(path=str(path), num_proc=2, chunk_records=64))
 
 
 def _die_on_chunk_3(cfg, index, *args):
@@ -106,18 +103,40 @@ _real_prepare_chunk = stream._prepare_chunk
 def test_a_dead_worker_is_one_line_and_the_rerun_prepares_only_the_missing_chunks(data_cfg, tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(_records(500, seed=1)) + b"\n")
-    monkeypatch.setattr(stream, "CHUNK_RECORDS", 64)
     monkeypatch.setattr(stream, "_prepare_chunk", _die_on_chunk_3)  # the forked workers inherit the patch
     with pytest.raises(DataError, match=r"r\.jsonl:\d+ to .*r\.jsonl:\d+ \(chunk 3\): a worker process died; run again"):
-        _prepare(data_cfg, path, tmp_path, "c", num_proc=2)
+        _prepare(data_cfg, path, tmp_path, "c", num_proc=2, chunk_records=64)
     stage = next((tmp_path / "c").glob(".chunks-*"))
     done = sorted(p.name for p in stage.glob("chunk-*.npz"))
     assert "chunk-000003.npz" not in done and len(done) >= 2  # a chunk cut short left at most a temporary file
     redone = []
     monkeypatch.setattr(stream, "_prepare_chunk", lambda cfg, i, *a: redone.append(i) or _real_prepare_chunk(cfg, i, *a))
-    got = _prepare(data_cfg, path, tmp_path, "c", num_proc=1)
+    got = _prepare(data_cfg, path, tmp_path, "c", num_proc=1, chunk_records=64)
     assert 3 in redone and not any(f"chunk-{i:06d}.npz" in done for i in redone)  # no completed chunk redone
     with monkeypatch.context() as m:
         m.setattr(pipeline, "streamable", lambda *a: False)
         ref = _prepare(data_cfg, path, tmp_path, "ref")
     assert _files(got.cache_dir) == _files(ref.cache_dir)
+
+
+def test_ranks_each_prepare_a_disjoint_share_and_rank_0_assembles_the_same_store(data_cfg, tmp_path, monkeypatch):
+    """Under torchrun every rank tokenises its share of the chunks (``prepare_share``) before rank 0 assembles:
+    here 3 ranks in turn, in one process; the store is the one-process store, and no chunk was made twice."""
+    from densebatch.data.prepare.pipeline import prepare_share
+
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(_records(600, seed=2)) + b"\n")
+    one = _prepare(data_cfg, path, tmp_path, "one", chunk_records=64)
+    made = []
+    monkeypatch.setattr(stream, "_prepare_chunk", lambda cfg, i, *a: made.append(i) or _real_prepare_chunk(cfg, i, *a))
+    cfg = dict(cache_dir=str(tmp_path / "ranks"), eval_fraction=0.1, max_seq_len=300, on_bad_record="skip", num_proc=1)
+    shares = []
+    for rank in (2, 0, 1):
+        made.clear()
+        clean = CleanConfig(dedupe=True, collapse_whitespace=True, strip_html=True)
+        assert prepare_share(data_cfg(path=str(path), chunk_records=64, clean=clean, **cfg), rank, 3) == len(made)
+        shares.append(set(made))
+    assert all(i % 3 == r for share, r in zip(shares, (2, 0, 1)) for i in share) and sum(map(len, shares)) == 10
+    made.clear()
+    got = _prepare(data_cfg, path, tmp_path, "ranks", chunk_records=64, num_proc=1)
+    assert made == [] and _files(got.cache_dir) == _files(one.cache_dir)  # rank 0 only assembled

@@ -129,6 +129,11 @@ class DataConfig:
         "are the same for any number.",
         minimum=0,
     )
+    chunk_records: int = _f(
+        4096,
+        "Records a preparation worker takes at once: its memory, and what a rerun after a crash does not redo.",
+        minimum=1,
+    )
     on_bad_record: Literal["error", "skip"] = _f(
         "error", "A malformed record stops the run (error) or is counted and skipped (skip)."
     )

@@ -25,7 +25,7 @@ from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import full_context_settings, longest_train_row, loss_tokens_cut, truncation_cap
 from densebatch.data.plan.steps import StepSettings
 from densebatch.data.plan.store_epochs import eval_documents
-from densebatch.data.prepare.pipeline import Prepared, prepare
+from densebatch.data.prepare.pipeline import Prepared, prepare, prepare_share
 from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import ConfigError, UserError
@@ -66,7 +66,17 @@ def check_context(model, cfg: RunConfig, prepared: Prepared) -> None:
 
 
 def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
-    """Rank 0 prepares (or finds the cache) and prints the summary; the others then read what it wrote."""
+    """Every rank tokenises its share of what is not prepared yet (``prepare_share``); rank 0 then assembles
+    the entry (or finds the cache) and prints the summary; the others then read what it wrote."""
+    if dist.enabled:
+        problem: UserError | None = None
+        try:
+            prepare_share(cfg.data, dist.rank, dist.world_size)
+        except UserError as e:  # bad input: every rank reads the same records and says the same
+            problem = e
+        if dist.agree(problem is not None):  # one rank failing stops all: none waits at the barrier below
+            raise problem or UserError("data: preparing the documents failed on another rank (its message says why)")
+        dist.barrier()
     if dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
         print(prepared.summary, flush=True)

@@ -77,7 +77,17 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
     that changes the prepared tokens."""
     settings = dataclasses.asdict(cfg)
     # a source's key: the tokenizer's fingerprint covers the added tokens, and other sources are theirs
-    for k in ("path", "eval_path", "cache_dir", "sources", "add_tokens", "add_special_tokens", "verify_inputs", "num_proc"):
+    for k in (
+        "path",
+        "eval_path",
+        "cache_dir",
+        "sources",
+        "add_tokens",
+        "add_special_tokens",
+        "verify_inputs",
+        "num_proc",
+        "chunk_records",
+    ):
         settings.pop(k)
     if cfg.path is not None:
         settings.pop("default")

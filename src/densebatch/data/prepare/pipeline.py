@@ -51,8 +51,16 @@ from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cach
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
-from densebatch.data.prepare.store import DocumentStore, staged_store, write_marker, write_store_files
-from densebatch.data.prepare.stream import assemble, keeps_records, prepare_chunks, remove_stage, streamable, workers
+from densebatch.data.prepare.store import DocumentStore, marker_ok, staged_store, write_marker, write_store_files
+from densebatch.data.prepare.stream import (
+    assemble,
+    keeps_records,
+    prepare_chunks,
+    remove_stage,
+    stage_dir,
+    streamable,
+    workers,
+)
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
 from densebatch.errors import DataError
@@ -221,7 +229,7 @@ def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Toke
     """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``): the
     documents of ``_build_one``'s in-memory path, with memory bounded by the chunk."""
     b = Builder(cfg, tok, s)
-    stage = final.with_name(f".chunks-{final.name}")  # kept if this run dies: the next one goes on from it
+    stage = stage_dir(final, cfg)  # kept if this run dies: the next one goes on from it
     chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
     meta = dict(_meta(tok, cfg, "train"), sources=[name])
     try:
@@ -283,6 +291,22 @@ def _build_mixture(
     records = [r for p in parts for r in p.eval_records]
     _write(final, tok, cfg, train, _concat([p.eval for p in parts]), records, summary)
     return tok
+
+
+def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
+    """Under torchrun, before rank 0's ``prepare``: tokenise this rank's share of every chunk that is not
+    prepared yet (chunks ``rank``, ``rank + world_size``, ... of each streamed source not in the cache)
+    into the sources' chunk directories, so that every rank works and rank 0 then only assembles. Sources
+    that are not streamed (see ``stream.py``) are left to rank 0. Returns the chunks this rank prepared."""
+    tok = load_data_tokenizer(cfg)
+    done = 0
+    for name, c, fmt in [(name, *_resolved(c)) for name, c in source_configs(cfg)]:
+        final = Path(c.cache_dir) / cache_key(c, tok)
+        if not streamable(c, fmt, tok) or marker_ok(final):
+            continue
+        b = Builder(c, tok, PrepareSummary(source=c.path or name))
+        done += len(prepare_chunks(b, c.path, fmt, stage_dir(final, c), workers(c), share=(rank, world_size), mine=True))
+    return done
 
 
 # --------------------------------------------------------------------------------- entry point

@@ -1,6 +1,6 @@
 """Streaming, parallel preparation of one source: memory bounded by the chunk, not the corpus.
 
-The records are read in input order, ``CHUNK_RECORDS`` good records a chunk. Each chunk is rendered,
+The records are read in input order, ``data.chunk_records`` records a chunk. Each chunk is rendered,
 cleaned, filtered, tokenised and finished (``documents.Builder``) by a pool of ``data.num_proc``
 worker processes (inline when there is one chunk or one process), which write it to
 ``cache_dir/.chunks-<key>/chunk-000123.npz`` (its documents' tokens, loss mask, lengths, content
@@ -52,7 +52,6 @@ from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer
 from densebatch.errors import DataError
 
-CHUNK_RECORDS = 4096  # good records a chunk: a worker's unit of work and of resumption
 _FILES = "chunk-{:06d}"
 
 
@@ -62,10 +61,18 @@ def streamable(cfg: DataConfig, fmt: str, tok: Tokenizer) -> bool:
 
 
 def workers(cfg: DataConfig) -> int:
-    """``data.num_proc``, or (0) the cores this process may run on."""
+    """``data.num_proc``, or (0) the cores this process may run on, shared with the other ranks of this
+    machine under torchrun (``LOCAL_WORLD_SIZE``)."""
     if cfg.num_proc:
         return cfg.num_proc
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def stage_dir(final: Path, cfg: DataConfig) -> Path:
+    """Where the chunk files of the entry ``final`` are written (and kept until it is whole); named by the
+    chunk size too, so a run with another ``data.chunk_records`` never takes them for its own."""
+    return final.with_name(f".chunks-{final.name}-{cfg.chunk_records}")
 
 
 # ----------------------------------------------------------------------------------------- a chunk
@@ -157,17 +164,21 @@ def _work(b: Builder, path: str | None, fmt: str) -> Iterator[_Chunk]:
     """The source's chunks in order: JSONL as line ranges that the workers read and parse themselves (this
     process only finds the cuts), any other input as lists of good records read here."""
     if fmt == "jsonl" and path is not None:
-        for i, r in enumerate(jsonl_ranges(path, CHUNK_RECORDS)):
+        for i, r in enumerate(jsonl_ranges(path, b.cfg.chunk_records)):
             yield _Chunk(i, f"{path}:{r.first_line}", f"{path}:{r.last_line}", r)
         return
     items = b.stream(path, fmt)
-    for i, part in enumerate(iter(lambda: list(islice(items, CHUNK_RECORDS)), [])):
+    for i, part in enumerate(iter(lambda: list(islice(items, b.cfg.chunk_records)), [])):
         yield _Chunk(i, part[0][0], part[-1][0], part)
 
 
-def prepare_chunks(b: Builder, path: str | None, fmt: str, stage: Path, num_proc: int) -> list[_Chunk]:
+def prepare_chunks(
+    b: Builder, path: str | None, fmt: str, stage: Path, num_proc: int, share: tuple[int, int] = (0, 1), mine: bool = False
+) -> list[_Chunk]:
     """Prepare every chunk of ``path`` that ``stage`` does not already hold, on ``num_proc`` processes;
-    the chunks, in order (malformed records found while reading here are reported through ``b``)."""
+    the chunks, in order (malformed records found while reading here are reported through ``b``).
+    ``share`` (rank, ranks): only the chunks whose index is the rank's modulo the ranks; ``mine``: return
+    only those."""
     stage.mkdir(parents=True, exist_ok=True)
     for m in [*stage.glob(".running-*"), *stage.glob(".chunk-*")]:  # left by a run that died (never read)
         m.unlink()
@@ -175,8 +186,14 @@ def prepare_chunks(b: Builder, path: str | None, fmt: str, stage: Path, num_proc
     done = {p.name for p in stage.glob("chunk-*.npz")}
     chunks: list[_Chunk] = []
 
+    rank, ranks = share
+
     def todo():
         for c in _work(b, path, fmt):
+            if c.index % ranks != rank:
+                if not mine:
+                    chunks.append(c)
+                continue
             chunks.append(c)
             if f"{_FILES.format(c.index)}.npz" not in done:
                 yield c
