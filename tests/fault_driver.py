@@ -16,7 +16,8 @@ the JSON in the environment variable ``DENSEBATCH_FAULTS`` patched in first (no 
   seconds longer, after writing ``model.safetensors`` into its temporary directory (and creating
   ``marker`` then): a second signal lands in the middle of that write.
 - ``hold_prepare: {"go": path, "kill": bool}``: building a cache entry (under its lock) first waits until
-  ``go`` exists; with ``kill``, the process then dies by SIGKILL in the middle of writing the entry.
+  ``go`` exists before writing it (in memory, or assembling its chunks when streamed); with ``kill``, the
+  process then dies by SIGKILL in the middle of writing the entry.
 
 Every run uses one intra-op thread (``torch.set_num_threads(1)``) so that the subprocesses and the
 reference run compute with the same kernels and do not fight over the CI's two cores.
@@ -142,7 +143,19 @@ def install_faults(faults: dict) -> None:
                 _torn(Path(directory) / "tokens.npy")
                 _kill_self()
 
-        pipeline._write, pipeline.write_store_files = write_entry, write_store_files
+        orig_assemble = pipeline.assemble
+
+        def assemble(b, chunks, stage, eval_fraction, train_dir, *args, **kwargs):  # the streamed path's writer
+            deadline = time.monotonic() + 120
+            while not go.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            out = orig_assemble(b, chunks, stage, eval_fraction, train_dir, *args, **kwargs)
+            if kill:
+                _torn(Path(train_dir) / "tokens.npy")
+                _kill_self()
+            return out
+
+        pipeline._write, pipeline.write_store_files, pipeline.assemble = write_entry, write_store_files, assemble
     if faults.get("no_rng_restore"):
         import densebatch.train.session as session
 

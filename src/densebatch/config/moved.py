@@ -25,6 +25,8 @@ MOVED: dict[str, str] = {
     **{f"train.{k}": f"train.guard.{k}" for k in ("spike_zscore", "spike_window", "max_bad_steps", "rollback_lr_factor")},
     "train.memory_margin": "finder.memory_reserve",  # the budget finder's reserve, not a warning threshold
     "train.health.memory_margin": "train.health.memory_headroom",  # the memory warning's threshold
+    # never a batching key, but named so (issue 24): a step's size lives with grad_accum_batches
+    "batching.loss_tokens_per_step": "train.loss_tokens_per_step",
 }
 
 

@@ -53,6 +53,7 @@ from densebatch.data.prepare.source_configs import mixture_weights, source_confi
 from densebatch.data.prepare.sources import detect_format
 from densebatch.data.prepare.store import DocumentStore, marker_ok, staged_store, write_marker, write_store_files
 from densebatch.data.prepare.stream import (
+    WorkerDied,
     assemble,
     keeps_records,
     prepare_chunks,
@@ -63,7 +64,7 @@ from densebatch.data.prepare.stream import (
 )
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
-from densebatch.errors import DataError
+from densebatch.errors import DataError, UserError
 
 
 @dataclass
@@ -229,10 +230,10 @@ def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Toke
     """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``): the
     documents of ``_build_one``'s in-memory path, with memory bounded by the chunk."""
     b = Builder(cfg, tok, s)
-    stage = stage_dir(final, cfg)  # kept if this run dies: the next one goes on from it
-    chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
-    meta = dict(_meta(tok, cfg, "train"), sources=[name])
+    stage = stage_dir(final, cfg)  # kept if this run dies or is stopped: the next one goes on from it
     try:
+        chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
+        meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with staged_store(final) as tmp:
             if cfg.tokenizer.startswith("bpe:"):
                 tok.save(tmp / LEARNED_TOKENIZER)
@@ -242,6 +243,11 @@ def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Toke
             _write_entry_files(tmp, records, s)
     except OSError as e:
         raise _cannot_write(final, e) from e
+    except WorkerDied:
+        raise
+    except UserError:  # bad input or settings: the same run fails the same way, so nothing of it is kept
+        remove_stage(stage)
+        raise
     remove_stage(stage)
     return tok
 

@@ -55,6 +55,10 @@ from densebatch.errors import DataError
 _FILES = "chunk-{:06d}"
 
 
+class WorkerDied(DataError):
+    """A preparation worker died: its chunk files stay for the next run to go on from."""
+
+
 def streamable(cfg: DataConfig, fmt: str, tok: Tokenizer) -> bool:
     """Whether this source is prepared chunk by chunk (see the module docstring for what is not)."""
     return not isinstance(tok, PendingBPE) and cfg.eval_path is None and not (fmt == "text" and cfg.text_split == "chunks")
@@ -239,7 +243,7 @@ def _wait(pending: dict, chunks: list[_Chunk], stage: Path, how) -> None:
             c = chunks[dead[0] if dead else i]  # the chunk the dead process was preparing
             i = c.index
             held = len(list(stage.glob("chunk-*.npz")))
-            raise DataError(
+            raise WorkerDied(
                 f"preparing records {c.first} to {c.last} (chunk {i}): a worker process died; run again to go on "
                 f"({held} chunks already prepared are kept in {stage})"
             ) from None
