@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.data.prepare.store import read_ranges
 from densebatch.errors import ConfigError, DataError
 
 
@@ -93,7 +94,11 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     col0 = ends - lens - (np.cumsum(row_len) - row_len)[row]  # piece's first column in its row
     n = int(ends[-1]) if len(ends) else 0
     k = np.arange(n) - np.repeat(ends - lens, lens)  # index inside the piece (= position)
-    src = np.repeat(store.offsets[doc] + start, lens) + k  # (n,) flat token index
+    # Each piece's tokens and the one after it (its last target when the document goes on), read from the
+    # store range by range (read_ranges: never resident in this process) into `local`
+    first = store.offsets[doc] + start
+    span = np.minimum(stop + 1, doc_len) - start
+    src = np.repeat(np.cumsum(span) - span, lens) + k  # (n,) index into the pieces' tokens read below
     dst = np.repeat(row * T + col0, lens) + k  # (n,) flat index into (rows, T)
     # Only the document's own last token has no target: a piece cut before its document's end
     # keeps the token after the cut (the next piece's first) as its last target.
@@ -101,11 +106,12 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     tgt = np.where(doc_end, src, src + 1)  # never read past the document's last token
     keep = ~doc_end
     if use_loss_mask:
-        keep &= np.asarray(store.loss_mask[tgt]) != 0
+        keep &= read_ranges(store.loss_mask, first, first + span)[tgt] != 0
+    local = read_ranges(store.tokens, first, first + span)
     input_ids = np.full(nrows * T, pad_id, np.int64)
-    input_ids[dst] = store.tokens[src]
+    input_ids[dst] = local[src]
     labels = np.full(nrows * T, IGNORE_INDEX, np.int64)
-    labels[dst[keep]] = np.asarray(store.tokens[tgt[keep]])
+    labels[dst[keep]] = local[tgt[keep]]
     positions = np.arange(T)[None, :] - row_len[:, None]  # (rows, T): the padding run counts from 0
     real = positions < 0
     positions = positions.reshape(-1)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densebatch.data.plan.planner import Plan
-from densebatch.data.prepare.store import WINDOW_TOKENS
+from densebatch.data.prepare.store import WINDOW_TOKENS, read_window
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def _add_split_pieces(per: np.ndarray, idx: np.ndarray, first: np.ndarray, last:
     while i < len(idx):
         j = max(i + 1, int(np.searchsorted(f, f[i] + WINDOW_TOKENS, side="left")))
         a, b = int(f[i]), int(e[i:j].max())
-        c = np.concatenate([[0], np.cumsum(np.asarray(loss_mask[a:b]), dtype=np.int64)])
+        c = np.concatenate([[0], np.cumsum(read_window(loss_mask, a, b), dtype=np.int64)])
         per[idx[i:j]] = np.maximum(c[np.maximum(e[i:j] - a, 0)] - c[f[i:j] - a], 0)
         i = j
 

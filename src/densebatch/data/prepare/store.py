@@ -23,7 +23,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import shutil
+import threading
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
@@ -33,7 +36,57 @@ from densebatch.atomic import staged_dir
 from densebatch.errors import DataError
 
 MARKER = "COMPLETE"
-WINDOW_TOKENS = 1 << 22  # tokens of the loss mask summed at once (32 MB of prefix sums), whatever the corpus
+WINDOW_TOKENS = 1 << 20  # tokens of the loss mask summed at once (8 MB of prefix sums), whatever the corpus
+
+
+_FDS: dict[int, int] = {}  # id of a store's memory-mapped array -> a descriptor of its file, for positioned reads
+_FDS_LOCK = threading.Lock()
+
+
+def _file_of(array) -> int | None:
+    """A read-only descriptor of the ``.npy`` file ``array`` maps whole (None: not such an array), closed
+    when the array goes."""
+    if not isinstance(array, np.memmap) or array.filename is None:
+        return None
+    with _FDS_LOCK:
+        fd = _FDS.get(id(array))
+        if fd is None:
+            fd = os.open(array.filename, os.O_RDONLY)
+            if os.fstat(fd).st_size != array.offset + array.nbytes:  # a slice of a mapping: its offset is the file's
+                os.close(fd)
+                return None
+            _FDS[id(array)] = fd
+            weakref.finalize(array, _close, id(array), fd)
+        return fd
+
+
+def _close(key: int, fd: int) -> None:
+    with _FDS_LOCK:
+        _FDS.pop(key, None)
+    os.close(fd)
+
+
+def read_ranges(array: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """``array[a:b]`` for each range, end to end, as an array of its own. From a store's memory-mapped file
+    by positioned reads: what training reads of a store never stays resident in the process (a page fault
+    on a mapping would also map the kernel's read-ahead around it), whatever the corpus size."""
+    starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
+    fd = _file_of(array)
+    if fd is None:
+        lens = stops - starts
+        idx = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        return np.asarray(array[idx])
+    size, base = array.itemsize, array.offset
+    parts = [os.pread(fd, (b - a) * size, base + a * size) for a, b in zip(starts.tolist(), stops.tolist()) if b > a]
+    return np.frombuffer(b"".join(parts), array.dtype)
+
+
+def read_window(array: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """``array[start:stop]`` as an array of its own (``read_ranges``): a scan over a whole store leaves none of
+    its pages resident in this process."""
+    return read_ranges(array, np.array([start]), np.array([max(start, stop)]))
+
+
 _ARRAYS = ("tokens", "offsets", "loss_mask")
 
 
@@ -129,7 +182,7 @@ def document_loss_tokens(offsets: np.ndarray, loss_mask: np.ndarray) -> np.ndarr
         e = max(d + 1, int(np.searchsorted(offsets, offsets[d] + WINDOW_TOKENS, side="right")) - 1)
         e = min(e, n)
         a, b = int(offsets[d]), int(offsets[e])
-        c = np.concatenate([[0], np.cumsum(np.asarray(loss_mask[a:b]), dtype=np.int64)])
+        c = np.concatenate([[0], np.cumsum(read_window(loss_mask, a, b), dtype=np.int64)])
         ends = offsets[d + 1 : e + 1]
         out[d:e] = c[ends - a] - c[np.minimum(offsets[d:e] + 1, ends) - a]  # targets: every token but the first
         d = e
