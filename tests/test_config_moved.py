@@ -35,6 +35,7 @@ VALUES = {  # a valid value for each moved key, at its new place
     "train.guard.rollback_lr_factor": 0.25,
     "finder.memory_reserve": 0.2,
     "train.health.memory_headroom": 0.1,
+    "train.loss_tokens_per_step": 4096,
 }
 
 

@@ -3,10 +3,10 @@
 The records are read in input order, ``data.chunk_records`` records a chunk. Each chunk is rendered,
 cleaned, filtered, tokenised and finished (``documents.Builder``) by a pool of ``data.num_proc``
 worker processes (inline when there is one chunk or one process), which write it to
-``cache_dir/.chunks-<key>/chunk-000123.npz`` (its documents' tokens, loss mask, lengths, content
-hashes, rendered-text hashes and what ``finish_one`` did to each) with its held-out-candidate records
-and its bad records beside it; the ``.npz`` is renamed into place last, so a chunk file is complete
-or absent. What needs every document happens once all chunks are written, in input order, on
+``cache_dir/.chunks-<key>-<chunk_records>/chunk-000123.npz`` (its documents' tokens, loss mask,
+lengths, content hashes, rendered-text hashes and what ``finish_one`` did to each) with its bad
+records and counts beside it (and, for the embedded dataset, its records); the ``.npz`` is renamed
+into place last, so a chunk file is complete or absent. What needs every document happens once all chunks are written, in input order, on
 per-document arrays only (about 30 bytes a document): the exact dedupe (the first copy of a rendered
 text is kept), the eval split (the smallest content hashes, as ``documents.split_eval``), the counts.
 The stores are then written by appending each chunk's kept documents to the split's files
