@@ -166,3 +166,42 @@ def test_weights_must_match_the_stores_sources(tmp_path, two_equal_sources):
     prepared = prepare(_cfg(tmp_path, two_equal_sources))
     with pytest.raises(DataError, match="3 weights for prepared documents of 2 sources"):
         epoch_selection(prepared.train, (1, 1, 1), 0, 0)
+
+
+def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_equal_sources):
+    """The mixture's splits name their sources' stores (parts.json) instead of copying them; read as one
+    store they give every document, every batch and every token range (across a source boundary too) of
+    a store holding the copies; a source entry removed is made again with the mixture, never misread."""
+    import shutil
+
+    from densebatch.data.load.collate import CausalCollator
+    from densebatch.data.plan.planner import plan_epoch
+    from densebatch.data.plan.steps import rows_of
+    from densebatch.data.prepare.joined import read_parts
+    from densebatch.data.prepare.store import DocumentStore, read_ranges
+
+    cfg = _cfg(tmp_path, two_equal_sources)
+    prepared = prepare(cfg)
+    mix = prepared.train
+    assert sorted(p.name for p in mix.path.iterdir()) == ["COMPLETE", "meta.json", "parts.json"]  # no tokens of its own
+    parts = [DocumentStore.open(p["dir"]) for p in read_parts(mix.path)]
+    docs = [st.document(i) for st in parts for i in range(len(st))]
+    copy = DocumentStore.from_documents(docs, dict(mix.meta), source=np.repeat([0, 1], [len(st) for st in parts]))
+    assert len(mix) == len(copy) and np.array_equal(mix.offsets, copy.offsets) and np.array_equal(mix.source, copy.source)
+    assert all(np.array_equal(mix.document(i)[0], copy.document(i)[0]) for i in range(0, len(mix), 7))
+    assert np.array_equal(mix.doc_loss_tokens, copy.doc_loss_tokens)
+    edge = int(mix.offsets[len(parts[0])])  # the first token of the second source
+    assert np.array_equal(
+        read_ranges(mix.tokens, [edge - 5, 3], [edge + 5, 9]),
+        np.concatenate([copy.tokens[edge - 5 : edge + 5], copy.tokens[3:9]]),
+    )
+    plan = plan_epoch(np.asarray(mix.lengths), SETTINGS, 0, 0)
+    collate = CausalCollator(pad_id=0)
+    for b in range(plan.num_batches):
+        rows = rows_of(plan, np.arange(plan.batch_ptr[b], plan.batch_ptr[b + 1]))
+        x, y = collate(mix, rows), collate(copy, rows)
+        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
+    shutil.rmtree(parts[0].path.parent)  # the first source's entry
+    again = prepare(cfg)
+    assert not again.summary.cache_hit and len(again.train) == len(mix)
+    assert all(np.array_equal(again.train.document(i)[0], copy.document(i)[0]) for i in range(0, len(mix), 7))

@@ -37,6 +37,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from densebatch.config import DataConfig
 from densebatch.data.plan.store_epochs import epoch_shares
 from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, entry_lock, load_entry, read_eval_records
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
+from densebatch.data.prepare.joined import write_parts
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
 from densebatch.data.prepare.store import DocumentStore, marker_ok, staged_store, write_marker, write_store_files
@@ -253,18 +255,6 @@ def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Toke
 
 
 # --------------------------------------------------------------------------------- a mixture
-def _concat(stores: list[DocumentStore | None]):
-    """(tokens, offsets, loss_mask, source) of ``stores`` end to end, source s = the s-th (None: absent); None if all are."""
-    present = [(s, st) for s, st in enumerate(stores) if st is not None and len(st)]
-    if not present:
-        return None
-    tokens = np.concatenate([np.asarray(st.tokens) for _, st in present])
-    mask = np.concatenate([np.asarray(st.loss_mask) for _, st in present])
-    offsets = np.cumsum([0] + [int(x) for _, st in present for x in st.lengths], dtype=np.int64)
-    source = np.concatenate([np.full(len(st), s, np.int16) for s, st in present])
-    return tokens, offsets, mask, source
-
-
 def _prepare_mixture(cfg: DataConfig, sources: list[tuple[str, DataConfig, str]], tok: Tokenizer, t0: float) -> Prepared:
     keys = [cache_key(c, tok) for _, c, _ in sources]
     digest = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "mixture": keys}).encode()).hexdigest()[:24]
@@ -284,10 +274,9 @@ def _build_mixture(
             read[i] = (Builder(c, tok, s).read(c.path, fmt), s.records_read)
         tok = learn_bpe([(r[0], c) for r, (_, c, _) in zip(read, sources)], tok)
     parts = [_prepare_one(name, c, fmt, tok, t0, r) for (name, c, fmt), r in zip(sources, read)]
-    train = _concat([p.train for p in parts])
     summary = PrepareSummary.combine(
         [(name, p.summary) for (name, _, _), p in zip(sources, parts)],
-        np.diff(train[1]),
+        np.concatenate([np.asarray(p.train.lengths) for p in parts]),
         source=", ".join(name for name, _, _ in sources),
         format="mixture",
         template=", ".join(sorted({c.template for _, c, _ in sources})),
@@ -295,7 +284,21 @@ def _build_mixture(
         eval_source=_eval_source(cfg) + " per source",
     )
     records = [r for p in parts for r in p.eval_records]
-    _write(final, tok, cfg, train, _concat([p.eval for p in parts]), records, summary)
+    if final.exists():  # whole by its own marker, but a source entry it names is gone: made again
+        shutil.rmtree(final)
+    try:
+        with staged_store(final) as tmp:
+            if cfg.tokenizer.startswith("bpe:"):
+                tok.save(tmp / LEARNED_TOKENIZER)
+            for split in ("train", "eval"):  # no copy: each split names its sources' stores (joined.py)
+                stores = [(getattr(p, split), s) for s, p in enumerate(parts) if getattr(p, split) is not None]
+                if stores:
+                    meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
+                    names = write_parts(tmp / split, [(st.path, s, st.meta) for st, s in stores], meta)
+                    write_marker(tmp / split, {"sizes": {n: (tmp / split / n).stat().st_size for n in names}})
+            _write_entry_files(tmp, records, summary)
+    except OSError as e:
+        raise _cannot_write(final, e) from e
     return tok
 
 

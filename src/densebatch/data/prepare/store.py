@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from densebatch.atomic import staged_dir
+from densebatch.data.prepare.joined import JoinedArray, read_parts
 from densebatch.errors import DataError
 
 MARKER = "COMPLETE"
@@ -71,6 +72,8 @@ def read_ranges(array: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.
     by positioned reads: what training reads of a store never stays resident in the process (a page fault
     on a mapping would also map the kernel's read-ahead around it), whatever the corpus size."""
     starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
+    if isinstance(array, JoinedArray):  # a mixture's split: each part read the same way
+        return array.read_ranges(starts, stops)
     fd = _file_of(array)
     if fd is None:
         lens = stops - starts
@@ -227,10 +230,21 @@ class DocumentStore:
     @classmethod
     def open(cls, directory: str | Path) -> DocumentStore:
         d = Path(directory)
-        if not marker_ok(d):
+        if not DocumentStore.is_complete(d):
             raise DataError(f"{d}: not a complete document store (missing or mismatched {MARKER} marker); prepare it again")
-        arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in _ARRAYS}
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
+        if (parts := read_parts(d)) is not None:  # a mixture's split: its sources' stores, end to end
+            stores = [DocumentStore.open(p["dir"]) for p in parts]
+            offsets = np.concatenate([[0], np.cumsum([x for st in stores for x in st.lengths])]).astype(np.int64)
+            source = np.repeat([p["source"] for p in parts], [len(st) for st in stores]).astype(np.int16)
+            joined = cls(
+                JoinedArray([st.tokens for st in stores]), offsets, JoinedArray([st.loss_mask for st in stores]), meta, d, source
+            )
+            joined.doc_loss_tokens = (
+                np.concatenate([np.asarray(st.doc_loss_tokens) for st in stores]) if stores else np.zeros(0, np.uint32)
+            )
+            return joined
+        arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in _ARRAYS}
         source = np.load(d / "source.npy", allow_pickle=False) if (d / "source.npy").is_file() else None
         return cls(arrays["tokens"], np.asarray(arrays["offsets"]), arrays["loss_mask"], meta, d, source)
 
@@ -244,7 +258,9 @@ class DocumentStore:
 
     @staticmethod
     def is_complete(directory: str | Path) -> bool:
-        return marker_ok(Path(directory))
+        """Its marker matches its files, and (a mixture's split) every store it names is complete too."""
+        d = Path(directory)
+        return marker_ok(d) and all(DocumentStore.is_complete(p["dir"]) for p in read_parts(d) or [])
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
