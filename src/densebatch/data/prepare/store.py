@@ -12,7 +12,9 @@ Layout of a store directory::
 
 The first token of a document is never a target (nothing precedes it), so its mask is always 0.
 A mixture's documents lie source after source (``source`` ascending), the layout ``mixture.Selection``
-plans from; ``meta["sources"]`` names them in that order.
+plans from; ``meta["sources"]`` names them in that order. A mixture's split holds ``parts.json``
+instead of arrays: its sources' stores, read as one (``joined.py``).
+Training reads tokens and mask by ``read_ranges`` (positioned reads), never through the mapping.
 Writes go to a temporary sibling directory (``densebatch.atomic.staged_dir``): every file is
 fsynced, then the directory is renamed into place (atomic on POSIX), so a crash mid-write leaves
 only a ``.tmp-*`` directory, never a directory that ``open`` would trust.
