@@ -54,10 +54,11 @@ class JoinedArray:
             out[sel] = np.asarray(self.parts[j][idx[sel] - self.starts[j]])
         return out
 
-    def read_ranges(self, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-        """``store.read_ranges`` over the parts: each part's ranges in one call, placed back in order."""
-        from densebatch.data.prepare.store import read_ranges  # the reader of one part (store imports this module)
-
+    def read_ranges(self, starts: np.ndarray, stops: np.ndarray, read_part=None) -> np.ndarray:
+        """``read_part(part, starts, stops)`` (``store.read_ranges``) over the parts: each part's ranges in one
+        call, placed back in order (slicing when no reader is given)."""
+        if read_part is None:
+            read_part = _sliced
         starts, stops = self._within_parts(np.asarray(starts, np.int64), np.asarray(stops, np.int64))
         lens = stops - starts
         out = np.empty(int(lens.sum()), self.dtype)
@@ -67,7 +68,7 @@ class JoinedArray:
             sel = np.flatnonzero((part == j) & (lens > 0))
             if not len(sel):
                 continue
-            got = read_ranges(self.parts[j], starts[sel] - self.starts[j], stops[sel] - self.starts[j])
+            got = read_part(self.parts[j], starts[sel] - self.starts[j], stops[sel] - self.starts[j])
             n = lens[sel]
             out[np.repeat(at[sel] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = got
         return out
@@ -86,6 +87,10 @@ class JoinedArray:
                 b.append(cut)
                 s = cut
         return np.array(a, np.int64), np.array(b, np.int64)
+
+
+def _sliced(part: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.asarray(part[a:b]) for a, b in zip(starts.tolist(), stops.tolist())])
 
 
 def write_parts(directory: Path, parts: list[tuple[Path, int, dict]], meta: dict) -> list[str]:

@@ -75,7 +75,7 @@ def read_ranges(array: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.
     on a mapping would also map the kernel's read-ahead around it), whatever the corpus size."""
     starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
     if isinstance(array, JoinedArray):  # a mixture's split: each part read the same way
-        return array.read_ranges(starts, stops)
+        return array.read_ranges(starts, stops, read_ranges)
     fd = _file_of(array)
     if fd is None:
         lens = stops - starts
