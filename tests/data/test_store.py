@@ -30,6 +30,21 @@ def test_round_trip_through_disk(tmp_path_factory, docs):
     assert opened.meta["num_documents"] == len(documents) and opened.eos_id == 1 and opened.pad_id == 1
 
 
+def test_tokens_take_two_bytes_when_the_vocabulary_fits(tmp_path):
+    """uint16 tokens for a vocabulary of at most 65,536 ids (GPT-2's, the byte-level default's), int32 above;
+    read back and collated as the same ids."""
+    from densebatch.data.load.collate import CausalCollator
+
+    docs = [([5, 65535, 7, 1], [0, 1, 1, 1]), ([9, 8, 1], [0, 0, 1])]
+    for vocab, dtype in ((65_536, np.uint16), (128_256, np.int32)):
+        store = DocumentStore.from_documents(docs, {"eos_id": 1, "pad_id": 0, "vocab_size": vocab}).save(tmp_path / str(vocab))
+        assert store.tokens.dtype == dtype and (tmp_path / str(vocab) / "tokens.npy").stat().st_size == 128 + 7 * dtype().itemsize
+        batch = CausalCollator(pad_id=0)(store, [[(0, 0, 4), (1, 0, 3)]])
+        assert batch.input_ids.tolist() == [[5, 65535, 7, 1, 9, 8, 1]] and batch.labels.tolist() == [
+            [65535, 7, 1, -100, -100, 1, -100]
+        ]
+
+
 def test_opened_arrays_are_memory_mapped(tmp_path):
     store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1])]).save(tmp_path / "s")
     assert isinstance(store.tokens, np.memmap) and isinstance(store.loss_mask, np.memmap)

@@ -2,7 +2,7 @@
 
 Layout of a store directory::
 
-    tokens.npy     int32  (total_tokens,)   all documents back to back
+    tokens.npy     uint16 (total_tokens,)   all documents back to back (int32 for vocabularies over 65,536 ids)
     offsets.npy    int64  (n + 1,)          document i is tokens[offsets[i]:offsets[i+1]]
     loss_mask.npy  uint8  (total_tokens,)   1 = this token, *as a target*, carries loss
     doc_loss.npy   uint32 (n,)              loss tokens of each whole document (step sizes by loss tokens)
@@ -109,12 +109,19 @@ def marker_ok(directory: Path) -> bool:
         return False
 
 
+def token_dtype(meta: dict) -> np.dtype:
+    """uint16 when every id of the store's vocabulary (``meta["vocab_size"]``) fits, else int32: half the disk
+    and the reads for most tokenizers (GPT-2's 50,257, the byte-level default)."""
+    vocab = meta.get("vocab_size")
+    return np.dtype(np.uint16) if isinstance(vocab, int) and 0 < vocab <= 1 << 16 else np.dtype(np.int32)
+
+
 def write_store_files(
     directory: Path, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict, source: np.ndarray | None = None
 ) -> None:
     """Write a store's files into an existing (temporary) directory, marker last."""
     arrays = {
-        "tokens": tokens.astype(np.int32, copy=False),
+        "tokens": tokens.astype(token_dtype(meta), copy=False),
         "offsets": offsets.astype(np.int64, copy=False),
         "loss_mask": loss_mask.astype(np.uint8, copy=False),
     }
@@ -145,7 +152,8 @@ class StoreWriter:
         self.doc_loss = np.zeros(num_documents, np.uint32)
         self.n, self.tokens_left, self.loss = 0, num_tokens, 0
         self.files = {name: open(directory / f"{name}.npy", "wb") for name in ("tokens", "loss_mask")}  # noqa: SIM115
-        for name, dtype in (("tokens", np.int32), ("loss_mask", np.uint8)):
+        self.token_dtype = token_dtype(meta)
+        for name, dtype in (("tokens", self.token_dtype), ("loss_mask", np.uint8)):
             header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (num_tokens,)}
             np.lib.format.write_array_header_1_0(self.files[name], header)
 
@@ -153,7 +161,7 @@ class StoreWriter:
         """Append documents laid end to end: their ``tokens`` and ``mask``, cut by ``lengths``."""
         lengths = np.asarray(lengths, np.int64)
         k = len(lengths)
-        self.files["tokens"].write(np.ascontiguousarray(tokens, np.int32).tobytes())
+        self.files["tokens"].write(np.ascontiguousarray(tokens).astype(self.token_dtype, copy=False).tobytes())
         self.files["loss_mask"].write(np.ascontiguousarray(mask, np.uint8).tobytes())
         self.lengths[self.n : self.n + k] = lengths
         self.doc_loss[self.n : self.n + k] = document_loss_tokens(np.concatenate([[0], np.cumsum(lengths)]), mask)
@@ -218,7 +226,7 @@ class DocumentStore:
         path: Path | None = None,
         source: np.ndarray | None = None,
     ):
-        self.tokens = tokens  # (total_tokens,) int32
+        self.tokens = tokens  # (total_tokens,) uint16 or int32 (token_dtype)
         self.offsets = offsets  # (n + 1,) int64
         self.loss_mask = loss_mask  # (total_tokens,) uint8
         self.lengths = np.diff(offsets)  # (n,) int64

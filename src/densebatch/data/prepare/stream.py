@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 
-from densebatch.atomic import pid_alive
 from densebatch.config import DataConfig
 from densebatch.data.prepare.documents import (
     DROPPED_NO_LOSS,
@@ -83,32 +82,19 @@ def stage_dir(final: Path, cfg: DataConfig) -> Path:
 _TOK: Tokenizer | None = None
 
 
-_RUNNING: Path | None = None  # this worker's marker of the chunk it prepares
-
-
 def _init_worker(tok: Tokenizer) -> None:
     global _TOK
     os.environ.setdefault("RAYON_NUM_THREADS", "1")  # parallel across processes, not inside each
     _TOK = tok
-    signal.signal(signal.SIGTERM, _stopped)
-
-
-def _stopped(signum, frame) -> None:
-    """Stopped by the pool (another worker died): not the process to blame, so its marker goes."""
-    if _RUNNING is not None:
-        _RUNNING.unlink(missing_ok=True)
-    os._exit(128 + signum)
 
 
 def _run_chunk(cfg: DataConfig, index: int, work, stage: str, tok: Tokenizer | None = None) -> int:
     """Prepare chunk ``index`` into ``stage``: ``work`` is its good records, or (JSONL) its ``LineRange``,
     read here; returns ``index``."""
-    global _RUNNING
-    _RUNNING = Path(stage) / f".running-{index:06d}-{os.getpid()}"  # names the chunk if this process is killed
-    _RUNNING.touch()
+    running = Path(stage) / f".running-{index:06d}-{os.getpid()}"  # names the chunk if this process dies
+    running.touch()
     _prepare_chunk(cfg, index, work, Path(stage), tok if tok is not None else _TOK)
-    _RUNNING.unlink()
-    _RUNNING = None
+    running.unlink()
     return index
 
 
@@ -219,34 +205,37 @@ def prepare_chunks(
             pending[pool.submit(_run_chunk, cfg, c.index, c.work, str(stage))] = c.index
             c.work = None  # sent: not kept here
             if len(pending) >= 2 * num_proc:  # bounded: at most this many chunks of records in memory
-                _wait(pending, chunks, stage, cf.FIRST_COMPLETED)
-        _wait(pending, chunks, stage, cf.ALL_COMPLETED)
+                _wait(pending, chunks, stage, cf.FIRST_COMPLETED, pool)
+        _wait(pending, chunks, stage, cf.ALL_COMPLETED, pool)
     return chunks
 
 
-def _gone(pid: int) -> bool:
-    """The process has ended (a zombie not yet reaped by the pool counts as ended)."""
-    try:
-        return not pid_alive(pid) or "\nState:\tZ" in Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return True
-
-
-def _wait(pending: dict, chunks: list[_Chunk], stage: Path, how) -> None:
+def _wait(pending: dict, chunks: list[_Chunk], stage: Path, how, pool: cf.ProcessPoolExecutor) -> None:
     finished, _ = cf.wait(list(pending), return_when=how)
     for fut in sorted(finished, key=pending.get):
         i = pending.pop(fut)
         try:
             fut.result()
         except cf.process.BrokenProcessPool:
-            dead = sorted(int(m.name.split("-")[1]) for m in stage.glob(".running-*") if _gone(int(m.name.split("-")[2])))
-            c = chunks[dead[0] if dead else i]  # the chunk the dead process was preparing
-            i = c.index
+            k = _dead_chunk(pool, stage, i)
+            c = next(c for c in chunks if c.index == k)
             held = len(list(stage.glob("chunk-*.npz")))
             raise WorkerDied(
-                f"preparing records {c.first} to {c.last} (chunk {i}): a worker process died; run again to go on "
+                f"preparing records {c.first} to {c.last} (chunk {k}): a worker process died; run again to go on "
                 f"({held} chunks already prepared are kept in {stage})"
             ) from None
+
+
+def _dead_chunk(pool: cf.ProcessPoolExecutor, stage: Path, failed: int) -> int:
+    """The chunk whose worker died: once the pool has stopped every worker, the one that did not end by
+    the pool's SIGTERM (nor normally) names it through its ``.running-<chunk>-<pid>`` marker."""
+    procs = dict(getattr(pool, "_processes", None) or {})
+    pool.shutdown(wait=True, cancel_futures=True)
+    stopped = {0, -signal.SIGTERM, 128 + signal.SIGTERM, None}
+    dead = {pid for pid, p in procs.items() if p.exitcode not in stopped}
+    running = [m.name.split("-") for m in stage.glob(".running-*")]
+    blamed = sorted(int(chunk) for _, chunk, pid in running if int(pid) in dead)
+    return blamed[0] if blamed else failed
 
 
 def _load(stage: Path, index: int, names) -> dict[str, np.ndarray]:
