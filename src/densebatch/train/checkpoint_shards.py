@@ -148,7 +148,8 @@ def _key(entry: dict) -> str:
 
 def read_part(reader: RowReader, index: dict[str, dict], targets: dict[str, Any] | None, device) -> dict[str, Any]:
     """Every tensor of a part: for a key whose target is a row-sharded DTensor, only that target's rows,
-    returned as a DTensor like it; every other key whole, on ``device``."""
+    returned as a DTensor like it; for a whole target of the same shape and dtype on ``device``, read into
+    it (no second copy of the model while it loads); every other key whole, on ``device``."""
     out: dict[str, Any] = {}
     for key, entry in index.items():
         entry = dict(entry, key=key)
@@ -156,9 +157,46 @@ def read_part(reader: RowReader, index: dict[str, dict], targets: dict[str, Any]
         if is_dtensor(target) and list(target.shape) == entry["shape"]:
             out[key] = _as_target(reader, entry, target)
             continue
+        if _fits(target, entry, device):
+            out[key] = _into(reader, entry, target)
+            continue
         rows = entry["shape"][0] if entry["shape"] else 0
         out[key] = read_rows(reader, entry, 0, rows).to(device)
     return out
+
+
+def _fits(target, entry: dict, device) -> bool:
+    return (
+        isinstance(target, torch.Tensor)
+        and not is_dtensor(target)
+        and list(target.shape) == entry["shape"]
+        and target.dtype == _DTYPES[entry["dtype"]]
+        and target.device == torch.device(device)
+        and target.is_contiguous()
+    )
+
+
+def _into(reader: RowReader, entry: dict, target: torch.Tensor) -> torch.Tensor:
+    """The tensor ``entry`` describes, read shard by shard straight into ``target`` (in place)."""
+    if not entry["shape"]:
+        with torch.no_grad():
+            return reader.rows(entry["shards"][0]["file"], _key(entry), None, None, out=target)
+    _rows_into(reader, entry, 0, target)
+    return target
+
+
+def _rows_into(reader: RowReader, entry: dict, start: int, out: torch.Tensor) -> None:
+    """Rows ``[start, start + len(out))`` of the tensor ``entry`` describes into ``out``, from every shard
+    that holds some of them."""
+    stop, got = start + out.shape[0], 0
+    with torch.no_grad():
+        for s in entry["shards"]:
+            lo, hi = max(start, s["start"]), min(stop, s["start"] + s["rows"])
+            if lo < hi:
+                reader.rows(s["file"], _key(entry), lo - s["start"], hi - s["start"], out=out[lo - start : hi - start])
+                got += hi - lo
+    if got != stop - start:
+        raise CheckpointError(f"tensor {_key(entry)}: its shards hold {got} of rows {start}..{stop}")
 
 
 def _as_target(reader: RowReader, entry: dict, target) -> Any:
@@ -167,10 +205,12 @@ def _as_target(reader: RowReader, entry: dict, target) -> Any:
     if any(not isinstance(p, (Shard, Replicate)) or (isinstance(p, Shard) and p.dim != 0) for p in target.placements):
         raise CheckpointError(f"tensor {entry['key']}: cannot load into a tensor placed {target.placements}")
     start = first_row(target)
-    local = (
-        read_rows(reader, entry, start, start + target.to_local().shape[0]) if target.dim() else read_rows(reader, entry, 0, 0)
-    )
-    local = local.to(device=target.to_local().device, dtype=target.dtype)
+    own = target.to_local()
+    if target.dim() and _fits(own, dict(entry, shape=list(own.shape)), own.device) and own.device.type == "cpu":
+        _rows_into(reader, entry, start, own)  # this rank's rows straight into its shard
+        return target
+    local = read_rows(reader, entry, start, start + own.shape[0]) if target.dim() else read_rows(reader, entry, 0, 0)
+    local = local.to(device=own.device, dtype=target.dtype)
     return DTensor.from_local(
         local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
     )

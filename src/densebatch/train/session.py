@@ -35,7 +35,7 @@ from densebatch.train.checkpoint import CheckpointManager
 from densebatch.train.checkpoint_async import CheckpointWriter
 from densebatch.train.checkpoint_format import encode_tree
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
-from densebatch.train.portable import is_sharded, load_model_state, load_optimizer_state, model_state, optimizer_state
+from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 # Counters of what was consumed (data, wall time, skipped steps): a rollback keeps them, because it
@@ -89,11 +89,9 @@ class Session:
 
     def _load(self, path: Path):
         """The checkpoint at ``path`` (verified already, by ``latest_valid``), each rank reading the rows of
-        the shards its own model and optimizer hold."""
+        the shards its own model and optimizer hold (whole tensors on the CPU straight into them)."""
         t = self.trainer
-        targets = None
-        if is_sharded(t.model):
-            targets = {"model": keyed(model_state(t.model)), "optimizer": keyed(optimizer_state(t.model, t.optimizer))}
+        targets = {"model": keyed(model_state(t.model)), "optimizer": keyed(optimizer_state(t.model, t.optimizer))}
         return self.checkpoints.load(path, device="cpu", targets=targets, verified=True)
 
     def restore(self, path: Path) -> None:
