@@ -172,8 +172,8 @@ class Builder:
             # The end-of-text carries loss when the text before it does (a response, an assistant turn).
             eos_flags = [next((flag for t, flag in reversed(segs) if t.strip()), True) for _, _, segs, _ in part]
             doc_ends = np.cumsum(segs_per_doc)
-            doc_len = np.add.reduceat(seg_len, doc_ends - segs_per_doc) if len(ids) else np.zeros(0, np.int64)
-            doc_len = np.where(segs_per_doc > 0, doc_len, 0) + 1
+            seg_ends = np.concatenate([[0], np.cumsum(seg_len)])
+            doc_len = seg_ends[doc_ends] - seg_ends[doc_ends - segs_per_doc] + 1  # its segments and the end-of-text
             bounds = np.concatenate([[0], np.cumsum(doc_len)])
             tokens = np.empty(int(bounds[-1]), np.int32)
             mask = np.empty(int(bounds[-1]), np.uint8)
