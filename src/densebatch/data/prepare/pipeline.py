@@ -33,13 +33,14 @@ embedded default (6,000 records, byte-level) 0.6 s / under 0.01 s.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import json
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -156,16 +157,24 @@ def _resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
 def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary) -> None:
     """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split).
     A write that fails (no space left) is one line; the staged directory is removed, nothing half-written stays."""
+    with _staged_entry(final, tok, cfg) as tmp:
+        for split, arrays in (("train", train), ("eval", evals)):
+            if arrays is not None:
+                (tmp / split).mkdir()
+                meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
+                write_store_files(tmp / split, *arrays[:3], meta, arrays[3])
+        _write_entry_files(tmp, records, summary)
+
+
+@contextlib.contextmanager
+def _staged_entry(final: Path, tok: Tokenizer, cfg: DataConfig) -> Iterator[Path]:
+    """The staged directory of entry ``final`` (a learned ``bpe:N`` tokenizer saved in it first), published
+    when the caller's writes are done; a write that fails (no space left) is one line, nothing half-written stays."""
     try:
         with staged_store(final) as tmp:
             if cfg.tokenizer.startswith("bpe:"):
                 tok.save(tmp / LEARNED_TOKENIZER)
-            for split, arrays in (("train", train), ("eval", evals)):
-                if arrays is not None:
-                    (tmp / split).mkdir()
-                    meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
-                    write_store_files(tmp / split, *arrays[:3], meta, arrays[3])
-            _write_entry_files(tmp, records, summary)
+            yield tmp
     except OSError as e:
         raise _cannot_write(final, e) from e
 
@@ -236,14 +245,12 @@ def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Toke
     try:
         chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
-        with staged_store(final) as tmp:
-            if cfg.tokenizer.startswith("bpe:"):
-                tok.save(tmp / LEARNED_TOKENIZER)
+        with _staged_entry(final, tok, cfg) as tmp:
             records, _ = assemble(b, chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta)
             s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
             s.sources = [s.source_facts(name, s.source)]
             _write_entry_files(tmp, records, s)
-    except OSError as e:
+    except OSError as e:  # reading the chunks (writes are _staged_entry's)
         raise _cannot_write(final, e) from e
     except WorkerDied:
         raise
@@ -286,19 +293,14 @@ def _build_mixture(
     records = [r for p in parts for r in p.eval_records]
     if final.exists():  # whole by its own marker, but a source entry it names is gone: made again
         shutil.rmtree(final)
-    try:
-        with staged_store(final) as tmp:
-            if cfg.tokenizer.startswith("bpe:"):
-                tok.save(tmp / LEARNED_TOKENIZER)
-            for split in ("train", "eval"):  # no copy: each split names its sources' stores (joined.py)
-                stores = [(getattr(p, split), s) for s, p in enumerate(parts) if getattr(p, split) is not None]
-                if stores:
-                    meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
-                    names = write_parts(tmp / split, [(st.path, s, st.meta) for st, s in stores], meta)
-                    write_marker(tmp / split, {"sizes": {n: (tmp / split / n).stat().st_size for n in names}})
-            _write_entry_files(tmp, records, summary)
-    except OSError as e:
-        raise _cannot_write(final, e) from e
+    with _staged_entry(final, tok, cfg) as tmp:
+        for split in ("train", "eval"):  # no copy: each split names its sources' stores (joined.py)
+            stores = [(getattr(p, split), s) for s, p in enumerate(parts) if getattr(p, split) is not None]
+            if stores:
+                meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
+                names = write_parts(tmp / split, [(st.path, s, st.meta) for st, s in stores], meta)
+                write_marker(tmp / split, {"sizes": {n: (tmp / split / n).stat().st_size for n in names}})
+        _write_entry_files(tmp, records, summary)
     return tok
 
 
