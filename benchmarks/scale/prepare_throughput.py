@@ -27,12 +27,21 @@ from densebatch.data.prepare.templates import render
 from densebatch.data.prepare.tokenizers import load_data_tokenizer
 
 
-def write_file(shared: Path, n: int, path: Path) -> None:
-    base = json.loads((shared / "instruction-data.json").read_text(encoding="utf-8"))
+def write_file(shared: Path, n: int, path: Path, dataset: str = "instruction") -> None:
+    """``n`` records cycled from a shared set, each made unique (a number in its first text): the Alpaca
+    instruction data, or (``oasst``) the chat threads, prepared with the chatml template."""
+    if dataset == "oasst":
+        lines = (shared / "oasst-threads.jsonl").read_text(encoding="utf-8").splitlines()
+        base = [json.loads(x) for x in lines if x.strip()]
+    else:
+        base = json.loads((shared / "instruction-data.json").read_text(encoding="utf-8"))
     with open(path, "w", encoding="utf-8") as f:
         for i in range(n):
-            r = dict(base[i % len(base)])
-            r["instruction"] = f"{r['instruction']} (#{i})"
+            r = json.loads(json.dumps(base[i % len(base)]))
+            if dataset == "oasst":
+                r["messages"][0]["content"] = f"{r['messages'][0]['content']} (#{i})"
+            else:
+                r["instruction"] = f"{r['instruction']} (#{i})"
             f.write(json.dumps(r) + "\n")
 
 
@@ -68,16 +77,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-proc", type=int, default=0, help="data.num_proc (0: the cores available)")
     ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--dataset", choices=("instruction", "oasst"), default="instruction")
     args = ap.parse_args()
     shared = require_shared_data(args.data_dir)
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "instructions.jsonl"
-        write_file(shared, args.records, path)
+        write_file(shared, args.records, path, args.dataset)
         times: dict[str, list[float]] = {"raw": [], "fast": [], "prepare": []}
         for rep in range(args.repeats):
             cfg = DataConfig(
                 path=str(path), tokenizer=str(shared / "gpt2"), cache_dir=str(Path(d) / f"cache-{rep}"),
-                max_seq_len=4096, num_proc=args.num_proc,
+                max_seq_len=4096, num_proc=args.num_proc, template="chatml" if args.dataset == "oasst" else "alpaca",
             )  # fmt: skip
             order = [("raw", raw_seconds), ("fast", fast_seconds), ("prepare", lambda c, _p: prepare_seconds(c))]
             for name, fn in order if rep % 2 == 0 else order[::-1]:
