@@ -140,7 +140,7 @@ def install_faults(faults: dict) -> None:
         def write_store_files(directory, *args, **kwargs):
             orig_store_files(directory, *args, **kwargs)
             if kill:
-                _torn(Path(directory) / "tokens.npy")
+                _torn(Path(directory) / "shard-000000" / "tokens.npy")
                 _kill_self()
 
         orig_assemble = pipeline.assemble
@@ -151,7 +151,7 @@ def install_faults(faults: dict) -> None:
                 time.sleep(0.01)
             out = orig_assemble(b, chunks, stage, eval_fraction, train_dir, *args, **kwargs)
             if kill:
-                _torn(Path(train_dir) / "tokens.npy")
+                _torn(Path(train_dir) / "shard-000000" / "tokens.npy")
                 _kill_self()
             return out
 

@@ -21,7 +21,11 @@ import pytest
 
 from densebatch.locks import FileLock
 
-ENTRY_FILES = [f"{split}/{name}" for split in ("train", "eval") for name in ("tokens.npy", "offsets.npy", "loss_mask.npy")]
+ENTRY_FILES = [
+    f"{split}/{name}"
+    for split in ("train", "eval")
+    for name in ("index.json", "shard-000000/tokens.npy", "shard-000000/lengths.npy")
+]
 
 
 def _wait_for_holder(cache: Path, pid: int, proc: subprocess.Popen, timeout: float = 120) -> Path:

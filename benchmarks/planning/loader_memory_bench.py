@@ -36,12 +36,14 @@ class Ones:
         return np.ones(np.shape(idx), np.int32)
 
 
-class LengthsStore:
-    def __init__(self, lengths: np.ndarray):
-        self.lengths = lengths
-        self.offsets = np.concatenate([[0], np.cumsum(lengths)])
-        self.tokens = self.loss_mask = Ones(int(self.offsets[-1]))
-        self.meta = {"eos_id": 0, "pad_id": 0, "vocab_size": 2, "mask_id": None, "special_ids": [0]}
+def LengthsStore(lengths: np.ndarray):
+    """A store in memory whose every token and mask entry reads 1: only its lengths are real."""
+    from densebatch.data.prepare.store import DocumentStore
+
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    ones = Ones(int(offsets[-1]))
+    meta = {"eos_id": 0, "pad_id": 0, "vocab_size": 2, "mask_id": None, "special_ids": [0]}
+    return DocumentStore(ones, offsets, ones, meta)
 
 
 def run_one(mode: str, n: int, strategy: str) -> dict:

@@ -169,7 +169,7 @@ def test_weights_must_match_the_stores_sources(tmp_path, two_equal_sources):
 
 
 def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_equal_sources):
-    """The mixture's splits name their sources' stores (parts.json) instead of copying them; read as one
+    """The mixture's splits index their sources' shards (index.json) instead of copying them; read as one
     store they give every document, every batch and every token range (across a source boundary too) of
     a store holding the copies; a source entry removed is made again with the mixture, never misread."""
     import shutil
@@ -177,14 +177,16 @@ def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_
     from densebatch.data.load.collate import CausalCollator
     from densebatch.data.plan.planner import plan_epoch
     from densebatch.data.plan.steps import rows_of
-    from densebatch.data.prepare.joined import read_parts
+    from densebatch.data.prepare.joined import read_index
     from densebatch.data.prepare.store import DocumentStore, read_ranges
 
     cfg = _cfg(tmp_path, two_equal_sources)
     prepared = prepare(cfg)
     mix = prepared.train
-    assert sorted(p.name for p in mix.path.iterdir()) == ["COMPLETE", "meta.json", "parts.json"]  # no tokens of its own
-    parts = [DocumentStore.open(p["dir"]) for p in read_parts(mix.path)]
+    assert sorted(p.name for p in mix.path.iterdir()) == ["COMPLETE", "index.json", "meta.json"]  # no tokens of its own
+    shards = read_index(mix.path)
+    assert [e["source"] for e in shards] == [0, 1]
+    parts = [DocumentStore.open(e["dir"].parent) for e in shards]  # each source's own store
     docs = [st.document(i) for st in parts for i in range(len(st))]
     copy = DocumentStore.from_documents(docs, dict(mix.meta), source=np.repeat([0, 1], [len(st) for st in parts]))
     assert len(mix) == len(copy) and np.array_equal(mix.offsets, copy.offsets) and np.array_equal(mix.source, copy.source)
@@ -201,6 +203,7 @@ def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_
         rows = rows_of(plan, np.arange(plan.batch_ptr[b], plan.batch_ptr[b + 1]))
         x, y = collate(mix, rows), collate(copy, rows)
         assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
+    assert not any(sources.is_file() for sources in mix.path.parent.parent.glob(f"{mix.path.parent.name}/*/shard-*/*"))
     shutil.rmtree(parts[0].path.parent)  # the first source's entry
     again = prepare(cfg)
     assert not again.summary.cache_hit and len(again.train) == len(mix)

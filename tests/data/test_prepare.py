@@ -300,7 +300,7 @@ def test_damaged_cache_entry_is_a_one_line_error_naming_the_directory(data_cfg, 
         f = entry / "summary.json"
         f.write_text("x" * len(f.read_text()))
     else:
-        f = entry / "train" / "tokens.npy"
+        f = entry / "train" / "shard-000000" / "tokens.npy"
         f.write_bytes(b"\0" * f.stat().st_size)
     with pytest.raises(DataError, match="delete that directory") as e:
         prepare(data_cfg(path=str(path)))

@@ -23,6 +23,7 @@ from densebatch.data.plan.rules import (
     truncation_cap,
     worst_batches,
 )
+from densebatch.data.prepare.store import DocumentStore
 from densebatch.errors import ConfigError
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=60).map(lambda v: np.array(v, dtype=np.int64))
@@ -92,7 +93,8 @@ def test_loss_tokens_cut_are_the_targets_in_the_truncated_tails(lengths, cap, se
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     mask = np.random.default_rng(seed).integers(0, 2, int(offsets[-1])).astype(np.uint8)
     expected = sum(int(mask[offsets[d] + cap : offsets[d + 1]].sum()) for d in range(len(lengths)) if lengths[d] > cap)
-    assert loss_tokens_cut(lengths, offsets, mask, cap) == (expected, int((lengths > cap).sum()))
+    store = DocumentStore(np.zeros(int(offsets[-1]), np.int32), offsets, mask, {})
+    assert loss_tokens_cut(store, cap) == (expected, int((lengths > cap).sum()))
 
 
 def test_truncation_cap_follows_the_strategy():

@@ -134,6 +134,12 @@ class DataConfig:
         "Records a preparation worker takes at once: its memory, and what a rerun after a crash does not redo.",
         minimum=1,
     )
+    shard_tokens: int = _f(
+        1 << 27,
+        "Tokens of a prepared store's shard (whole documents; a longer one alone): bounds each file of the store; "
+        "any value gives the same documents.",
+        minimum=1,
+    )
     on_bad_record: Literal["error", "skip"] = _f(
         "error", "A malformed record stops the run (error) or is counted and skipped (skip)."
     )

@@ -47,8 +47,8 @@ def seed_everything(seed: int) -> None:
 
 def longest_row(cfg: RunConfig, prepared: Prepared) -> tuple[int, str]:
     """The longest row any batch of the run can hold (train and full-context eval), and the key that sets it."""
-    train, key = longest_train_row(cfg.batching, int(np.max(prepared.train.lengths)))
-    longest = max(train, int(np.max(prepared.eval.lengths)) if prepared.eval is not None else 0)
+    train, key = longest_train_row(cfg.batching, prepared.train.max_length)
+    longest = max(train, prepared.eval.max_length if prepared.eval is not None else 0)
     m = cfg.batching.pad_to_multiple_of
     return -(-longest // m) * m, key
 
@@ -100,7 +100,7 @@ def check_truncation(cfg: RunConfig, prepared: Prepared) -> str | None:
     if cut is None:
         return None
     cap, key = cut
-    lost, docs = loss_tokens_cut(store.lengths, store.offsets, store.loss_mask, cap)
+    lost, docs = loss_tokens_cut(store, cap)
     if not docs:
         return None
     total = int(store.meta.get("num_loss_tokens") or np.asarray(store.loss_mask).sum(dtype=np.int64))
@@ -173,7 +173,7 @@ def eval_settings(cfg: RunConfig, store: DocumentStore) -> PlanSettings:
     """The plan of every evaluation (inside a run and ``densebatch eval``): the run's batching, with
     rows long enough for the longest document, so no document is split and every strategy scores
     the same loss."""
-    return full_context_settings(PlanSettings.from_config(cfg.batching), int(np.max(store.lengths)))
+    return full_context_settings(PlanSettings.from_config(cfg.batching), store.max_length)
 
 
 def eval_store(cfg: RunConfig, store: DocumentStore) -> DocumentStore:
@@ -224,7 +224,7 @@ def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) 
     """The one warning a run gives when its batches are far more alike, in length or source, than random
     ones (``data/plan/homogeneity.py``), measured on epoch 0's plan (its first shard when sharded)."""
     store = prepared.train
-    source_of = None if store.source is None else (lambda d: store.source[d])  # plans hold store document ids
+    source_of = store.sources_of if store.sources_of([]) is not None else None  # plans hold store document ids
     h = homogeneity(loader.plan(0), loader.lengths, source_of, len(store.source_names), max_shards=1)
     return homogeneity_warning_line(h, cfg.batching.strategy)
 

@@ -81,7 +81,7 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     if (lens <= 0).any() or (start < 0).any():
         bad = int(np.flatnonzero((lens <= 0) | (start < 0))[0])
         raise ValueError(f"empty or negative piece (doc {int(doc[bad])}, {int(start[bad])}, {int(stop[bad])})")
-    doc_len = store.offsets[doc + 1] - store.offsets[doc]
+    doc_first, doc_len = store.doc_spans(doc)
     if (stop > doc_len).any():
         bad = int(np.flatnonzero(stop > doc_len)[0])
         raise ValueError(
@@ -96,7 +96,7 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     k = np.arange(n) - np.repeat(ends - lens, lens)  # index inside the piece (= position)
     # Each piece's tokens and the one after it (its last target when the document goes on), read from the
     # store range by range (read_ranges: never resident in this process) into `local`
-    first = store.offsets[doc] + start
+    first = doc_first + start
     span = np.minimum(stop + 1, doc_len) - start
     src = np.repeat(np.cumsum(span) - span, lens) + k  # (n,) index into the pieces' tokens read below
     dst = np.repeat(row * T + col0, lens) + k  # (n,) flat index into (rows, T)
@@ -118,10 +118,10 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
     positions[dst] = k
     shape = (nrows, T)
     source_ids = None
-    source = getattr(store, "source", None)
+    source = store.sources_of(doc)
     if source is not None:  # every real token gets its document's source, so each target does too
         source_ids = np.full(nrows * T, -1, np.int64)
-        source_ids[dst] = np.repeat(np.asarray(source)[doc].astype(np.int64), lens)
+        source_ids[dst] = np.repeat(source, lens)
         source_ids = source_ids.reshape(shape)
     # The largest position, from lengths alone: the longest piece or the longest padding run.
     longest_run = max(int(lens.max(initial=0)), int((T - row_len).max(initial=0)))

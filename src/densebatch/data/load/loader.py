@@ -57,7 +57,7 @@ class StepLoader:
         self.seed, self.prefetch = int(seed), prefetch
         self.rank, self.world_size = self.step_settings.rank, self.step_settings.world_size
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.lengths = np.asarray(store.lengths, dtype=np.int64)
+        self.lengths = store.lengths  # as stored (uint32 memory-mapped from disk): never copied whole
         self.pad_id = int(getattr(collator, "pad_id", 0))
         self.max_epochs = max_epochs
         self.weights = weights  # data.sources' weights (store order); None: every document once an epoch
@@ -88,10 +88,7 @@ class StepLoader:
         with self._lock:
             if epoch not in self._cum:
                 rate = getattr(self.collator, "mlm_probability", None)  # masked-LM: drawn at collate time
-                store = self.store
-                self._cum[epoch] = cumulative_row_loss_tokens(
-                    plan, np.asarray(store.offsets), store.loss_mask, store.doc_loss_tokens, rate
-                )
+                self._cum[epoch] = cumulative_row_loss_tokens(plan, self.store, rate)
             return self._cum[epoch]
 
     def _epoch_stop_row(self, epoch: int) -> int | None:

@@ -22,6 +22,9 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from densebatch.data.prepare.joined import JoinedArray
+from densebatch.data.prepare.store import read_window, take
+
 HOMOGENEOUS = 0.3  # above this (length or source), a run warns that its batches are far from random samples
 
 
@@ -33,13 +36,18 @@ def _parts(plan) -> Iterable:
     return (plan,)
 
 
-def _quantiles(lengths: np.ndarray) -> np.ndarray:
-    """Each length's mid-rank among all, in [0, 1]: a few very long documents do not swamp the spread."""
-    if len(lengths) == 0:
-        return lengths.astype(np.float64)
-    values, inverse, counts = np.unique(lengths, return_inverse=True, return_counts=True)
+def _quantile_table(lengths) -> np.ndarray:
+    """``table[v]``: the mid-rank of length ``v`` among all, in [0, 1] (a few very long documents do not swamp
+    the spread). From a histogram of the lengths read window by window: memory grows with the longest
+    document, not with the corpus (a store's lengths stay on disk)."""
+    n, step = len(lengths), 1 << 22
+    counts = np.zeros(1, np.int64)
+    for a in range(0, n, step):
+        h = np.bincount(read_window(lengths, a, min(n, a + step)).astype(np.int64))
+        counts = np.pad(counts, (0, max(0, len(h) - len(counts))))
+        counts[: len(h)] += h
     below = np.cumsum(counts) - counts
-    return ((below + (counts - 1) / 2) / max(1, len(lengths) - 1))[inverse]
+    return (below + (counts - 1) / 2) / max(1, n - 1)
 
 
 def homogeneity(
@@ -52,7 +60,9 @@ def homogeneity(
     """``{"length": h, "source": h or None}`` of ``plan`` (a ``Plan``, ``ShardedPlan`` or ``EpochRows``);
     ``source_of(docs)`` gives each document's source, one of ``num_sources`` (None: one source).
     ``max_shards``: measure a sharded plan on its first shards only (each is a sample of the epoch)."""
-    lengths = _quantiles(np.asarray(lengths))
+    if not isinstance(lengths, np.ndarray | JoinedArray):
+        lengths = np.asarray(lengths, np.int64)
+    table = _quantile_table(lengths)
     within_ss = within_df = 0.0  # lengths: pooled sum of squares and degrees of freedom
     n_all, s1_all, s2_all = 0, 0.0, 0.0
     pair_diff = pair_all = 0.0  # sources: unordered pairs of a batch from different sources, all pairs
@@ -64,7 +74,7 @@ def homogeneity(
         if len(p.doc) == 0:
             continue
         batch = np.repeat(np.repeat(np.arange(p.num_batches), np.diff(p.batch_ptr)), np.diff(p.row_ptr))
-        x = lengths[p.doc]
+        x = table[take(lengths, p.doc).astype(np.int64)]
         n = np.bincount(batch, minlength=p.num_batches).astype(np.float64)
         s1 = np.bincount(batch, weights=x, minlength=p.num_batches)
         s2 = np.bincount(batch, weights=x * x, minlength=p.num_batches)

@@ -11,9 +11,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from densebatch.data.plan.packing import ranges
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.steps import rows_of
+from densebatch.data.prepare.store import read_ranges, read_window
 from densebatch.errors import ConfigError
 
 BUDGETED = ("token_budget", "packed")  # sized by max_tokens_per_batch (the others by rows_per_batch)
@@ -79,15 +79,19 @@ def truncation_cap(b) -> tuple[int, str] | None:
     return None
 
 
-def loss_tokens_cut(lengths: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, cap: int) -> tuple[int, int]:
-    """(loss tokens in the tails that truncation to ``cap`` tokens cuts, documents cut). A kept row of ``cap``
-    tokens keeps the targets of its tokens; the tail's targets are lost."""
-    long_ids = np.flatnonzero(np.asarray(lengths) > cap)
+def loss_tokens_cut(store, cap: int) -> tuple[int, int]:
+    """(loss tokens in the tails that truncation to ``cap`` tokens cuts, documents cut) of ``store``'s
+    documents. A kept row of ``cap`` tokens keeps the targets of its tokens; the tail's targets are lost.
+    The lengths and the tails' mask are read window by window (``store.read_window``, ``read_ranges``)."""
+    lengths, step = store.lengths, 1 << 22
+    long_ids = np.concatenate(
+        [a + np.flatnonzero(read_window(lengths, a, min(len(lengths), a + step)) > cap) for a in range(0, len(lengths), step)]
+        or [np.zeros(0, np.int64)]
+    )
     if not len(long_ids):
         return 0, 0
-    starts = np.asarray(offsets)[long_ids] + cap
-    tails = ranges(starts, np.asarray(offsets)[long_ids + 1])  # every cut token's index
-    return int(np.asarray(loss_mask)[tails].sum(dtype=np.int64)), len(long_ids)
+    first, n = store.doc_spans(long_ids)
+    return int(read_ranges(store.loss_mask, first + cap, first + n).sum(dtype=np.int64)), len(long_ids)
 
 
 def full_context_settings(settings: PlanSettings, longest: int) -> PlanSettings:

@@ -21,7 +21,8 @@ Held per epoch: per batch its real tokens, slots and rows (int32 unless a value 
 bytes (about 0.7 bytes per document for packed rows of 1024 at 8192 slots, 1.5 for random batches of 8 rows); per
 shard a few counters; nothing per document. A shard's plan (pieces, rows, batches: tens of bytes per
 document of the shard) is rebuilt from (seed, epoch, shard) when one of its batches is asked for;
-the two most recently used are cached. Peak memory is therefore the lengths array, the index, and
+the two most recently used are cached. A store's lengths are read shard by shard by positioned reads
+(``store.take``), never held. Peak memory is therefore the index and
 a fixed budget set by ``shard_docs`` (measured in docs/benchmarks.md).
 """
 
@@ -37,6 +38,8 @@ from densebatch.data.plan.bijection import Bijection
 from densebatch.data.plan.mixture import Selection
 from densebatch.data.plan.packing import ranges
 from densebatch.data.plan.planner import STRATEGIES, Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
+from densebatch.data.prepare.joined import JoinedArray
+from densebatch.data.prepare.store import read_window, take
 
 _SHARD_TAG = 0x534844  # keeps the shard order's stream apart from the planners' streams of the same seed
 _MAX_BLOCK = 64  # documents kept together when dealt into shards: contiguous reads of the lengths
@@ -109,9 +112,9 @@ class ShardedPlan:
 
     def _build(self, k: int) -> Plan:
         if self.num_shards == 1 and self.selection is None:
-            return plan_epoch(self.lengths, self.settings, self.seed, self.epoch)
+            return plan_epoch(np.asarray(self.lengths, np.int64), self.settings, self.seed, self.epoch)
         docs = self.members(k)
-        lengths = np.asarray(self.lengths[docs], dtype=np.int64)
+        lengths = take(self.lengths, docs).astype(np.int64)  # positioned reads of its blocks: nothing stays resident
         if self.num_shards == 1:
             p = plan_epoch(lengths, self.settings, self.seed, self.epoch)
         else:
@@ -205,14 +208,21 @@ def _narrow(x: np.ndarray) -> np.ndarray:
 
 
 def _checked(lengths) -> np.ndarray:
-    """Lengths as given (any integer dtype, memory-mapped or not: never copied whole), validated."""
-    x = lengths if isinstance(lengths, np.ndarray) else np.asarray(lengths, dtype=np.int64)
-    if x.ndim != 1:
+    """Lengths as given (any integer dtype; a store's memory-mapped files are read window by window, never
+    copied whole or left resident), validated."""
+    on_disk = isinstance(lengths, np.memmap | JoinedArray)
+    x = lengths if on_disk or isinstance(lengths, np.ndarray) else np.asarray(lengths, dtype=np.int64)
+    if len(x.shape) != 1:
         raise ValueError("lengths: expected a one-dimensional array of token counts")
     if len(x) and not np.issubdtype(x.dtype, np.integer):
         raise ValueError(f"lengths: expected integer token counts; got {x.dtype}")
-    if len(x) and int(x.min()) < 1:
-        raise ValueError(f"lengths: every document needs at least one token; document {int(np.argmin(x))} has {int(x.min())}")
+    step = 1 << 22 if on_disk else max(1, len(x))
+    for a in range(0, len(x), step):
+        w = read_window(x, a, min(len(x), a + step)) if on_disk else x
+        if int(w.min()) < 1:
+            raise ValueError(
+                f"lengths: every document needs at least one token; document {a + int(np.argmin(w))} has {int(w.min())}"
+            )
     return x
 
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densebatch.data.plan.planner import Plan
-from densebatch.data.prepare.store import WINDOW_TOKENS, read_window
+from densebatch.data.prepare.store import WINDOW_TOKENS, read_window, take
 
 
 @dataclass(frozen=True)
@@ -62,35 +62,33 @@ class StepSettings:
         return self.world_size * self.grad_accum_batches
 
 
-def cumulative_row_loss_tokens(
-    plan: Plan, offsets: np.ndarray, loss_mask: np.ndarray, doc_loss: np.ndarray, rate: float | None = None
-) -> np.ndarray:
+def cumulative_row_loss_tokens(plan: Plan, store, rate: float | None = None) -> np.ndarray:
     """Prefix sums of the loss tokens per row of ``plan``: ``out[i]`` = loss tokens of rows ``[0, i)``.
 
     A piece ``(doc, start, stop)`` has targets at tokens ``start + 1`` up to ``stop`` of its document (the
     last one only when the document continues past the piece), each counted where the loss mask is 1,
-    exactly as the causal collator labels them. A whole document counts ``doc_loss[doc]``
-    (``DocumentStore.doc_loss_tokens``: 4 bytes a document, written at prepare time); only the pieces of split
+    exactly as the causal collator labels them. A whole document counts its ``store.doc_loss_tokens``
+    (4 bytes a document, written at prepare time, read by ``take``); only the pieces of split
     documents read the mask, window by window, so memory grows with the plan, never with the tokens.
     ``rate`` (masked-LM): every target position counts ``rate`` (the expected share masked).
     """
     if hasattr(plan, "shard_plans"):  # an ``EpochRows``: shard by shard, never every piece at once
         out, total = [np.zeros(1, np.float64 if rate is not None else np.int64)], 0
         for part in plan.shard_plans():
-            c = cumulative_row_loss_tokens(part, offsets, loss_mask, doc_loss, rate)
+            c = cumulative_row_loss_tokens(part, store, rate)
             out.append(c[1:] + total)
             total += c[-1]
         return np.concatenate(out)
     doc = plan.doc
-    doc_len = offsets[doc + 1] - offsets[doc]
-    first = offsets[doc] + plan.start + 1
-    last = offsets[doc] + np.minimum(plan.stop + 1, doc_len)  # exclusive
+    doc_first, doc_len = store.doc_spans(doc)
+    first = doc_first + plan.start + 1
+    last = doc_first + np.minimum(plan.stop + 1, doc_len)  # exclusive
     if rate is not None:
         per = (last - first) * float(rate)
     else:
         whole = (plan.start == 0) & (plan.stop >= doc_len)
-        per = np.where(whole, np.asarray(doc_loss)[doc], 0).astype(np.int64)
-        _add_split_pieces(per, np.flatnonzero(~whole), first, last, loss_mask)
+        per = np.where(whole, take(store.doc_loss_tokens, doc), 0).astype(np.int64)
+        _add_split_pieces(per, np.flatnonzero(~whole), first, last, store.loss_mask)
     return np.concatenate([[0], np.cumsum(per)])[plan.row_ptr]
 
 

@@ -48,10 +48,10 @@ def plan_store_epoch(store, settings: PlanSettings, seed: int, epoch: int, weigh
     store document ids (a document an up-weighted source repeats appears once per repeat). Without
     weights: ``plan_epoch`` itself. With weights: the sharded planner on the epoch's selection, its
     shards laid end to end (memory as ``plan_epoch``'s: every piece of the epoch)."""
-    lengths = np.asarray(store.lengths, np.int64) if lengths is None else lengths
+    lengths = store.lengths if lengths is None else lengths
     selection = epoch_selection(store, weights, seed, epoch, lengths)
     if selection is None and len(lengths) <= settings.shard_docs:
-        return plan_epoch(lengths, settings, seed, epoch)  # one shard: the sharded plan is this one
+        return plan_epoch(np.asarray(lengths, np.int64), settings, seed, epoch)  # one shard: the sharded plan is this one
     # Large corpora are planned shard by shard (bounded planning memory, the plan `analyze` reports).
     return materialise(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
 
@@ -59,10 +59,10 @@ def plan_store_epoch(store, settings: PlanSettings, seed: int, epoch: int, weigh
 def epoch_rows(store, settings: PlanSettings, seed: int, epoch: int, weights=None, lengths=None) -> Plan | EpochRows:
     """The rows of ``plan_store_epoch`` as the loader reads them: the ``Plan`` itself for a corpus of one
     shard, else an ``EpochRows`` that holds the shards' index, not their pieces (bounded memory)."""
-    lengths = np.asarray(store.lengths, np.int64) if lengths is None else lengths
+    lengths = store.lengths if lengths is None else lengths  # as stored: a large corpus's are read shard by shard
     selection = epoch_selection(store, weights, seed, epoch, lengths)
     if selection is None and len(lengths) <= settings.shard_docs:
-        return plan_epoch(lengths, settings, seed, epoch)
+        return plan_epoch(np.asarray(lengths, np.int64), settings, seed, epoch)
     return EpochRows(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
 
 

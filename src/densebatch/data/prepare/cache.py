@@ -34,7 +34,7 @@ from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_token
 from densebatch.errors import DataError, UserError
 from densebatch.locks import FileLock, describe
 
-CACHE_VERSION = 3  # 2: stores carry source.npy; tokenizers may add tokens; 3: inputs known by identity
+CACHE_VERSION = 4  # 2: stores carry source.npy; tokenizers may add tokens; 3: inputs known by identity; 4: sharded stores
 LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
 
 
@@ -87,6 +87,7 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
         "verify_inputs",
         "num_proc",
         "chunk_records",
+        "shard_tokens",
     ):
         settings.pop(k)
     if cfg.path is not None:

@@ -1,11 +1,11 @@
-"""A mixture's split as a view of its sources' stores: each source's tokens are stored once.
+"""A store's index of shards, and its arrays read as one (``JoinedArray``): each shard's files stay apart.
 
-A mixture entry (``cache_dir/mix-<key>/train``) holds no tokens of its own: ``parts.json`` names each
-source's store of that split (a path relative to it, the source's index, its documents and tokens),
-beside ``meta.json`` and the completion marker. ``DocumentStore.open`` reads it as one store whose
-``tokens`` and ``loss_mask`` are ``JoinedArray``s (the parts end to end, source after source),
-``offsets`` the parts' offsets shifted end to end and ``source`` each document's source index.
-Before, a mixture copied every source's documents into a second full store.
+``index.json`` lists a store's shards in order: each with its directory (relative to the store), its
+source, its documents, tokens, loss tokens and longest document, and its files' sizes. A mixture's
+split (``cache_dir/mix-<key>/train``) holds no shard of its own: its index points at its sources'
+shards (``write_mixture_index``), so each source's tokens are stored once. ``DocumentStore.open`` reads
+a store as one: ``tokens``, ``loss_mask``, ``lengths`` and ``doc_loss`` are ``JoinedArray``s of the
+shards' memory-mapped files (the array itself for one shard).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-PARTS = "parts.json"
+INDEX = "index.json"
+FORMAT = 4  # 3: one file per array (int64 offsets), mixtures as parts.json; 4: shards with an index
 
 
 class JoinedArray:
@@ -46,7 +47,8 @@ class JoinedArray:
             i = int(key) + (len(self) if key < 0 else 0)
             p = int(np.searchsorted(self.starts, i, side="right")) - 1
             return self.parts[p][i - self.starts[p]]
-        idx = np.asarray(key, np.int64)
+        idx = np.asarray(key)
+        idx = np.flatnonzero(idx) if idx.dtype == bool else idx.astype(np.int64)
         part = np.searchsorted(self.starts, idx, side="right") - 1
         out = np.empty(idx.shape, self.dtype)
         for j in np.unique(part):
@@ -93,38 +95,42 @@ def _sliced(part: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarr
     return np.concatenate([np.asarray(part[a:b]) for a, b in zip(starts.tolist(), stops.tolist())])
 
 
-def write_parts(directory: Path, parts: list[tuple[Path, int, dict]], meta: dict) -> list[str]:
-    """``parts.json`` and ``meta.json`` of a mixture split in ``directory`` (new): ``parts`` are (a source
-    store's directory, its source index, its meta); returns the file names written."""
-    directory.mkdir()
-    entries = [
-        {
-            "path": os.path.relpath(store, directory),
-            "source": s,
-            "documents": int(m["num_documents"]),
-            "tokens": int(m["num_tokens"]),
-            "loss_tokens": int(m["num_loss_tokens"]),
-        }
-        for store, s, m in parts
-    ]
-    (directory / PARTS).write_text(json.dumps(entries, indent=1), encoding="utf-8")
-    counts = np.zeros(len(meta.get("sources") or [0]), np.int64)
-    for e in entries:
+def write_index(directory: Path, shards: list[dict], meta: dict) -> list[str]:
+    """``index.json`` (``shards``, in store order) and ``meta.json`` (``meta`` with the counts) of the store
+    ``directory``; returns the file names written."""
+    (directory / INDEX).write_text(json.dumps({"format": FORMAT, "shards": shards}, indent=1), encoding="utf-8")
+    counts = np.zeros(max(len(meta.get("sources") or [0]), 1 + max((e["source"] for e in shards), default=0)), np.int64)
+    for e in shards:
         counts[e["source"]] += e["documents"]
     meta = dict(
         meta,
         source_documents=counts.tolist(),
-        num_documents=sum(e["documents"] for e in entries),
-        num_tokens=sum(e["tokens"] for e in entries),
-        num_loss_tokens=sum(e["loss_tokens"] for e in entries),
+        num_documents=sum(e["documents"] for e in shards),
+        num_tokens=sum(e["tokens"] for e in shards),
+        num_loss_tokens=sum(e["loss_tokens"] for e in shards),
+        max_length=max((e["max_length"] for e in shards), default=0),
     )
     (directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-    return [PARTS, "meta.json"]
+    return [INDEX, "meta.json"]
 
 
-def read_parts(directory: Path) -> list[dict] | None:
-    """The parts a mixture split names (each with its ``dir``), or None for a store of its own."""
-    if not (directory / PARTS).is_file():
+def write_mixture_index(directory: Path, parts: list[tuple[Path, int]], meta: dict) -> list[str]:
+    """A mixture split in the new directory ``directory``: an index of its sources' shards (``parts``: a
+    source store's directory and its source index, in store order), pointed at where they lie."""
+    directory.mkdir()
+    shards = []
+    for store, s in parts:
+        for e in read_index(store) or []:
+            shards.append(dict({k: v for k, v in e.items() if k != "dir"}, path=os.path.relpath(e["dir"], directory), source=s))
+    return write_index(directory, shards, meta)
+
+
+def read_index(directory: Path) -> list[dict] | None:
+    """The shards of the store ``directory`` in order, each with its ``dir`` resolved; None when it has no
+    index (not a store of this format)."""
+    if not (directory / INDEX).is_file():
         return None
-    parts = json.loads((directory / PARTS).read_text(encoding="utf-8"))
-    return [dict(p, dir=(directory / p["path"]).resolve()) for p in parts]
+    index = json.loads((directory / INDEX).read_text(encoding="utf-8"))
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        return None
+    return [dict(e, dir=(directory / e["path"]).resolve()) for e in index["shards"]]

@@ -9,7 +9,8 @@ documents over ``max_seq_len`` → write both stores.
 
 A mixture (``data.sources``) is prepared source by source, each in its own cache entry (so adding a
 source tokenises only that one; all share one tokenizer, whose added tokens are in every key), then
-laid end to end in one entry: its stores carry ``source.npy`` and ``meta["sources"]``, its eval split
+laid end to end in one entry: its stores' indexes point at each source's shards (with its source) and
+``meta["sources"]`` names them, its eval split
 holds each source's own held-out documents, and its summary one line of facts per source. Names
 and weights are not part of any key: renaming or re-weighting prepares nothing again.
 
@@ -51,10 +52,11 @@ from densebatch.config import DataConfig
 from densebatch.data.plan.store_epochs import epoch_shares
 from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, entry_lock, load_entry, read_eval_records
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
-from densebatch.data.prepare.joined import write_parts
+from densebatch.data.prepare.joined import write_mixture_index
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
-from densebatch.data.prepare.store import DocumentStore, marker_ok, staged_store, write_marker, write_store_files
+from densebatch.data.prepare.store import DocumentStore, marker_ok, staged_store, write_marker
+from densebatch.data.prepare.store_write import write_store_files
 from densebatch.data.prepare.stream import (
     WorkerDied,
     assemble,
@@ -162,7 +164,7 @@ def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: 
             if arrays is not None:
                 (tmp / split).mkdir()
                 meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
-                write_store_files(tmp / split, *arrays[:3], meta, arrays[3])
+                write_store_files(tmp / split, *arrays[:3], meta, arrays[3], cfg.shard_tokens)
         _write_entry_files(tmp, records, summary)
 
 
@@ -298,7 +300,7 @@ def _build_mixture(
             stores = [(getattr(p, split), s) for s, p in enumerate(parts) if getattr(p, split) is not None]
             if stores:
                 meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
-                names = write_parts(tmp / split, [(st.path, s, st.meta) for st, s in stores], meta)
+                names = write_mixture_index(tmp / split, [(st.path, s) for st, s in stores], meta)
                 write_marker(tmp / split, {"sizes": {n: (tmp / split / n).stat().st_size for n in names}})
         _write_entry_files(tmp, records, summary)
     return tok

@@ -1,23 +1,26 @@
-"""DocumentStore: one prepared split on disk — flat memory-mapped tokens, offsets and loss mask.
+"""DocumentStore: one prepared split on disk — shards of memory-mapped tokens, loss mask and lengths, with an index.
 
-Layout of a store directory::
+Layout of a store directory (format 4)::
 
-    tokens.npy     uint16 (total_tokens,)   all documents back to back (int32 for vocabularies over 65,536 ids)
-    offsets.npy    int64  (n + 1,)          document i is tokens[offsets[i]:offsets[i+1]]
-    loss_mask.npy  uint8  (total_tokens,)   1 = this token, *as a target*, carries loss
-    doc_loss.npy   uint32 (n,)              loss tokens of each whole document (step sizes by loss tokens)
-    source.npy     int16  (n,)              optional: the source (of a mixture) of each document
-    meta.json      eos_id, pad_id, vocab_size, mask_id, special_ids, tokenizer, sources (names), ...
-    COMPLETE       written last: file sizes; a directory without it (or with other sizes) is not a store
+    index.json     the shards in order: directory, source, documents, tokens, loss tokens, longest, file sizes
+    meta.json      eos_id, pad_id, vocab_size, mask_id, special_ids, tokenizer, sources (names), counts, ...
+    COMPLETE       written last: the sizes of index.json and meta.json; without it the directory is not a store
+    shard-000000/  whole documents, at most data.shard_tokens tokens (a longer document alone), one source:
+        tokens.npy     uint16 (tokens,)   the documents back to back (int32 for vocabularies over 65,536 ids)
+        loss_mask.npy  uint8  (tokens,)   1 = this token, *as a target*, carries loss
+        lengths.npy    uint32 (docs,)     each document's tokens
+        doc_loss.npy   uint32 (docs,)     loss tokens of each whole document (step sizes by loss tokens)
 
 The first token of a document is never a target (nothing precedes it), so its mask is always 0.
-A mixture's documents lie source after source (``source`` ascending), the layout ``mixture.Selection``
-plans from; ``meta["sources"]`` names them in that order. A mixture's split holds ``parts.json``
-instead of arrays: its sources' stores, read as one (``joined.py``).
-Training reads tokens and mask by ``read_ranges`` (positioned reads), never through the mapping.
-Writes go to a temporary sibling directory (``densebatch.atomic.staged_dir``): every file is
-fsynced, then the directory is renamed into place (atomic on POSIX), so a crash mid-write leaves
-only a ``.tmp-*`` directory, never a directory that ``open`` would trust.
+A mixture's documents lie source after source, the layout ``mixture.Selection`` plans from;
+``meta["sources"]`` names them in that order. A mixture's split holds no shard of its own: its index
+points at its sources' shards (``joined.py``). Training reads tokens, mask and lengths by
+``read_ranges`` (positioned reads), never through the mapping, and finds a document's first token
+from the lengths and one offset every 64 documents (``doc_spans``): nothing held grows by more than
+a fraction of a byte a document. Writes (``store_write.py``) go to a temporary sibling directory
+(``densebatch.atomic.staged_dir``): every file is fsynced, then the directory is renamed into place
+(atomic on POSIX), so a crash mid-write leaves only a ``.tmp-*`` directory, never a directory that
+``open`` would trust. A store of an older format is refused with one line, never misread.
 """
 
 from __future__ import annotations
@@ -25,181 +28,42 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import os
 import shutil
-import threading
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from densebatch.atomic import staged_dir
-from densebatch.data.prepare.joined import JoinedArray, read_parts
+from densebatch.data.prepare.joined import FORMAT, INDEX, JoinedArray, read_index
+from densebatch.data.prepare.store_io import (
+    MARKER,
+    WINDOW_TOKENS,
+    document_loss_tokens,
+    marker_ok,
+    read_ranges,
+    read_window,
+    take,
+    write_marker,
+)
+from densebatch.data.prepare.store_write import DEFAULT_SHARD_TOKENS, write_store_files
 from densebatch.errors import DataError
 
-MARKER = "COMPLETE"
-WINDOW_TOKENS = 1 << 20  # tokens of the loss mask summed at once (8 MB of prefix sums), whatever the corpus
-
-
-_FDS: dict[int, int] = {}  # id of a store's memory-mapped array -> a descriptor of its file, for positioned reads
-_FDS_LOCK = threading.Lock()
-
-
-def _file_of(array) -> int | None:
-    """A read-only descriptor of the ``.npy`` file ``array`` maps whole (None: not such an array), closed
-    when the array goes."""
-    if not isinstance(array, np.memmap) or array.filename is None:
-        return None
-    with _FDS_LOCK:
-        fd = _FDS.get(id(array))
-        if fd is None:
-            fd = os.open(array.filename, os.O_RDONLY)
-            if os.fstat(fd).st_size != array.offset + array.nbytes:  # a slice of a mapping: its offset is the file's
-                os.close(fd)
-                return None
-            _FDS[id(array)] = fd
-            weakref.finalize(array, _close, id(array), fd)
-        return fd
-
-
-def _close(key: int, fd: int) -> None:
-    with _FDS_LOCK:
-        _FDS.pop(key, None)
-    os.close(fd)
-
-
-def read_ranges(array: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
-    """``array[a:b]`` for each range, end to end, as an array of its own. From a store's memory-mapped file
-    by positioned reads: what training reads of a store never stays resident in the process (a page fault
-    on a mapping would also map the kernel's read-ahead around it), whatever the corpus size."""
-    starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
-    if isinstance(array, JoinedArray):  # a mixture's split: each part read the same way
-        return array.read_ranges(starts, stops, read_ranges)
-    fd = _file_of(array)
-    if fd is None:
-        lens = stops - starts
-        idx = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
-        return np.asarray(array[idx])
-    size, base = array.itemsize, array.offset
-    parts = [os.pread(fd, (b - a) * size, base + a * size) for a, b in zip(starts.tolist(), stops.tolist()) if b > a]
-    return np.frombuffer(b"".join(parts), array.dtype)
-
-
-def read_window(array: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """``array[start:stop]`` as an array of its own (``read_ranges``): a scan over a whole store leaves none of
-    its pages resident in this process."""
-    return read_ranges(array, np.array([start]), np.array([max(start, stop)]))
-
-
-_ARRAYS = ("tokens", "offsets", "loss_mask")
-
-
-def write_marker(directory: Path, payload: dict) -> None:
-    """The completion marker, written last into a staged directory (fsynced when it is published)."""
-    (directory / MARKER).write_text(json.dumps(payload, sort_keys=True), encoding="utf-8")
-
-
-def marker_ok(directory: Path) -> bool:
-    """True when ``directory`` holds a completion marker whose recorded file sizes all match."""
-    try:
-        payload = json.loads((directory / MARKER).read_text(encoding="utf-8"))
-        return all((directory / name).stat().st_size == size for name, size in payload["sizes"].items())
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
-
-
-def token_dtype(meta: dict) -> np.dtype:
-    """uint16 when every id of the store's vocabulary (``meta["vocab_size"]``) fits, else int32: half the disk
-    and the reads for most tokenizers (GPT-2's 50,257, the byte-level default)."""
-    vocab = meta.get("vocab_size")
-    return np.dtype(np.uint16) if isinstance(vocab, int) and 0 < vocab <= 1 << 16 else np.dtype(np.int32)
-
-
-def write_store_files(
-    directory: Path, tokens: np.ndarray, offsets: np.ndarray, loss_mask: np.ndarray, meta: dict, source: np.ndarray | None = None
-) -> None:
-    """Write a store's files into an existing (temporary) directory, marker last."""
-    arrays = {
-        "tokens": tokens.astype(token_dtype(meta), copy=False),
-        "offsets": offsets.astype(np.int64, copy=False),
-        "loss_mask": loss_mask.astype(np.uint8, copy=False),
-    }
-    assert arrays["offsets"][0] == 0 and arrays["offsets"][-1] == len(tokens) == len(loss_mask)
-    if source is not None:
-        assert len(source) == len(offsets) - 1 and (np.diff(source) >= 0).all(), "documents lie source after source"
-        arrays["source"] = source.astype(np.int16, copy=False)
-        meta = dict(meta, source_documents=np.bincount(source, minlength=len(meta.get("sources") or [0])).tolist())
-    arrays["doc_loss"] = document_loss_tokens(arrays["offsets"], arrays["loss_mask"])
-    for name, arr in arrays.items():
-        np.save(directory / f"{name}.npy", arr, allow_pickle=False)
-    meta = dict(meta, num_documents=len(offsets) - 1, num_tokens=int(len(tokens)), num_loss_tokens=int(loss_mask.sum()))
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-    names = [f"{n}.npy" for n in arrays] + ["meta.json"]
-    write_marker(directory, {"sizes": {n: (directory / n).stat().st_size for n in names}})
-
-
-class StoreWriter:
-    """A single-source store's files written document by document into a new directory, for a corpus that
-    is never in memory whole: the sizes are known up front (``num_documents``, ``num_tokens``), so the
-    ``.npy`` headers come first and each document's tokens and mask are appended as they come. The
-    files are byte for byte those ``write_store_files`` writes for the same documents (source 0 each)."""
-
-    def __init__(self, directory: Path, meta: dict, num_documents: int, num_tokens: int) -> None:
-        directory.mkdir()
-        self.directory, self.meta = directory, meta
-        self.lengths = np.zeros(num_documents, np.int64)
-        self.doc_loss = np.zeros(num_documents, np.uint32)
-        self.n, self.tokens_left, self.loss = 0, num_tokens, 0
-        self.files = {name: open(directory / f"{name}.npy", "wb") for name in ("tokens", "loss_mask")}  # noqa: SIM115
-        self.token_dtype = token_dtype(meta)
-        for name, dtype in (("tokens", self.token_dtype), ("loss_mask", np.uint8)):
-            header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (num_tokens,)}
-            np.lib.format.write_array_header_1_0(self.files[name], header)
-
-    def extend(self, tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents laid end to end: their ``tokens`` and ``mask``, cut by ``lengths``."""
-        lengths = np.asarray(lengths, np.int64)
-        k = len(lengths)
-        self.files["tokens"].write(np.ascontiguousarray(tokens).astype(self.token_dtype, copy=False).tobytes())
-        self.files["loss_mask"].write(np.ascontiguousarray(mask, np.uint8).tobytes())
-        self.lengths[self.n : self.n + k] = lengths
-        self.doc_loss[self.n : self.n + k] = document_loss_tokens(np.concatenate([[0], np.cumsum(lengths)]), mask)
-        self.loss += int(np.asarray(mask).sum(dtype=np.int64))
-        self.n += k
-        self.tokens_left -= len(tokens)
-
-    def close(self) -> None:
-        for f in self.files.values():
-            f.close()
-        assert self.n == len(self.lengths) and self.tokens_left == 0, "the documents announced were not all written"
-        d = self.directory
-        np.save(d / "offsets.npy", np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64), allow_pickle=False)
-        np.save(d / "source.npy", np.zeros(self.n, np.int16), allow_pickle=False)
-        np.save(d / "doc_loss.npy", self.doc_loss, allow_pickle=False)
-        num_tokens = int(self.lengths.sum())
-        meta = dict(self.meta, source_documents=[self.n], num_documents=self.n, num_tokens=num_tokens, num_loss_tokens=self.loss)
-        (d / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-        names = [f"{n}.npy" for n in ("tokens", "offsets", "loss_mask", "source", "doc_loss")] + ["meta.json"]
-        write_marker(d, {"sizes": {n: (d / n).stat().st_size for n in names}})
-
-
-def document_loss_tokens(offsets: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """(n,) uint32: the loss tokens of each whole document (the mask's ones at its targets: every token but
-    the first). Read window by window: memory is one window, not the corpus."""
-    offsets = np.asarray(offsets, np.int64)
-    n = len(offsets) - 1
-    out = np.zeros(n, np.uint32)
-    d = 0
-    while d < n:  # documents [d, e): at most one window of tokens, or one longer document
-        e = max(d + 1, int(np.searchsorted(offsets, offsets[d] + WINDOW_TOKENS, side="right")) - 1)
-        e = min(e, n)
-        a, b = int(offsets[d]), int(offsets[e])
-        c = np.concatenate([[0], np.cumsum(read_window(loss_mask, a, b), dtype=np.int64)])
-        ends = offsets[d + 1 : e + 1]
-        out[d:e] = c[ends - a] - c[np.minimum(offsets[d:e] + 1, ends) - a]  # targets: every token but the first
-        d = e
-    return out
+STORE_FORMAT = FORMAT
+_EVERY = 64  # documents between two held offsets (doc_spans)
+__all__ = [
+    "MARKER",
+    "STORE_FORMAT",
+    "WINDOW_TOKENS",
+    "DocumentStore",
+    "document_loss_tokens",
+    "marker_ok",
+    "read_ranges",
+    "read_window",
+    "staged_store",
+    "take",
+    "write_marker",
+]
 
 
 @contextlib.contextmanager
@@ -214,8 +78,27 @@ def staged_store(final: Path) -> Iterator[Path]:
         yield tmp
 
 
+def _one(parts: list[np.ndarray], dtype) -> np.ndarray | JoinedArray:
+    """A shard's array itself, or the shards' arrays read as one."""
+    if len(parts) == 1:
+        return parts[0]
+    return JoinedArray(parts) if parts else np.zeros(0, dtype)
+
+
+def _shards_ok(shards: list[dict]) -> bool:
+    try:
+        return all((Path(e["dir"]) / n).stat().st_size == size for e in shards for n, size in e["sizes"].items())
+    except (OSError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _older_format(d: Path) -> bool:
+    return marker_ok(d) and not (d / INDEX).is_file() and ((d / "tokens.npy").is_file() or (d / "parts.json").is_file())
+
+
 class DocumentStore:
-    """Read access to one prepared split. Arrays are memory-mapped read-only when opened from disk."""
+    """Read access to one prepared split: opened from disk (``open``: its shards memory-mapped read-only and
+    read by positioned reads), or held in memory (``from_documents``, the constructor)."""
 
     def __init__(
         self,
@@ -226,13 +109,15 @@ class DocumentStore:
         path: Path | None = None,
         source: np.ndarray | None = None,
     ):
-        self.tokens = tokens  # (total_tokens,) uint16 or int32 (token_dtype)
-        self.offsets = offsets  # (n + 1,) int64
+        offsets = np.asarray(offsets, np.int64)
+        self.tokens = tokens  # (total_tokens,) uint16 or int32 (store_write.token_dtype)
+        self.__dict__["offsets"] = offsets  # (n + 1,) int64 (computed only when asked for on a store opened from disk)
         self.loss_mask = loss_mask  # (total_tokens,) uint8
-        self.lengths = np.diff(offsets)  # (n,) int64
+        self.lengths = np.diff(offsets)  # (n,) int64; uint32 memory-mapped from disk
         self.meta = meta
         self.path = path
-        self.source = source  # (n,) int16: source of each document, ascending; None = one unnamed source
+        self.__dict__["source"] = source  # (n,) int16: source of each document, ascending; None = one unnamed source
+        self._source_starts: np.ndarray | None = None  # from disk: first document of each source (the index's)
         if source is not None and len(source) != len(self):
             raise ValueError(f"source: {len(source)} entries for {len(self)} documents")
 
@@ -241,48 +126,115 @@ class DocumentStore:
     def open(cls, directory: str | Path) -> DocumentStore:
         d = Path(directory)
         if not DocumentStore.is_complete(d):
+            if _older_format(d):
+                raise DataError(f"{d}: a document store of an older densebatch (before format {FORMAT}); prepare it again")
             raise DataError(f"{d}: not a complete document store (missing or mismatched {MARKER} marker); prepare it again")
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
-        if (parts := read_parts(d)) is not None:  # a mixture's split: its sources' stores, end to end
-            stores = [DocumentStore.open(p["dir"]) for p in parts]
-            offsets = np.concatenate([[0], np.cumsum([x for st in stores for x in st.lengths])]).astype(np.int64)
-            source = np.repeat([p["source"] for p in parts], [len(st) for st in stores]).astype(np.int16)
-            joined = cls(
-                JoinedArray([st.tokens for st in stores]), offsets, JoinedArray([st.loss_mask for st in stores]), meta, d, source
-            )
-            joined.doc_loss_tokens = (
-                np.concatenate([np.asarray(st.doc_loss_tokens) for st in stores]) if stores else np.zeros(0, np.uint32)
-            )
-            return joined
-        arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in _ARRAYS}
-        source = np.load(d / "source.npy", allow_pickle=False) if (d / "source.npy").is_file() else None
-        return cls(arrays["tokens"], np.asarray(arrays["offsets"]), arrays["loss_mask"], meta, d, source)
+        shards = read_index(d) or []
+        arrays = {
+            n: [np.load(Path(e["dir"]) / f"{n}.npy", mmap_mode="r", allow_pickle=False) for e in shards]
+            for n in ("tokens", "loss_mask", "lengths", "doc_loss")
+        }
+        store = cls.__new__(cls)
+        store.tokens = _one(arrays["tokens"], np.int32)
+        store.loss_mask = _one(arrays["loss_mask"], np.uint8)
+        store.lengths = _one(arrays["lengths"], np.uint32)
+        store.__dict__["doc_loss_tokens"] = _one(arrays["doc_loss"], np.uint32)
+        store.meta, store.path = meta, d
+        k = max(len(meta.get("sources") or [0]), 1 + max((e["source"] for e in shards), default=0))
+        counts = np.bincount([e["source"] for e in shards], [e["documents"] for e in shards], minlength=k)
+        store._source_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        if len(store.lengths) != int(store._source_starts[-1]) or meta.get("num_documents") != len(store.lengths):
+            raise DataError(f"{d}: its index and meta.json disagree on the documents; prepare it again")
+        return store
+
+    @functools.cached_property
+    def offsets(self) -> np.ndarray:
+        """(n + 1,) int64 token offsets (held in memory: 8 bytes a document; ``doc_spans`` holds none)."""
+        out = np.zeros(len(self) + 1, np.int64)
+        for a in range(0, len(self), WINDOW_TOKENS):
+            b = min(len(self), a + WINDOW_TOKENS)
+            out[a + 1 : b + 1] = out[a] + np.cumsum(read_window(self.lengths, a, b), dtype=np.int64)
+        return out
+
+    @functools.cached_property
+    def source(self) -> np.ndarray | None:
+        """(n,) int16: each document's source (in memory: 2 bytes a document; ``sources_of`` holds none)."""
+        if self._source_starts is None:
+            return None
+        return np.repeat(np.arange(len(self._source_starts) - 1), np.diff(self._source_starts)).astype(np.int16)
 
     @functools.cached_property
     def doc_loss_tokens(self) -> np.ndarray:
-        """(n,) uint32: loss tokens of each whole document (``doc_loss.npy``, memory-mapped; computed for a
-        store built in memory)."""
-        if self.path is not None and (self.path / "doc_loss.npy").is_file():
-            return np.load(self.path / "doc_loss.npy", mmap_mode="r", allow_pickle=False)
+        """(n,) uint32: loss tokens of each whole document (each shard's ``doc_loss.npy``, memory-mapped;
+        computed for a store held in memory)."""
         return document_loss_tokens(self.offsets, self.loss_mask)
+
+    @functools.cached_property
+    def _marks(self) -> np.ndarray:
+        """The token offset of every ``_EVERY``-th document (one scan of the lengths, window by window)."""
+        n, step = len(self), WINDOW_TOKENS // _EVERY * _EVERY
+        marks, total = np.zeros(-(-n // _EVERY), np.int64), 0
+        for a in range(0, n, step):
+            got = read_window(self.lengths, a, min(n, a + step)).astype(np.int64)
+            c = total + np.concatenate([[0], np.cumsum(got)])  # offsets of documents a .. a + len(got)
+            marks[a // _EVERY : a // _EVERY + -(-len(got) // _EVERY)] = c[: len(got) : _EVERY]
+            total = int(c[-1])
+        return marks
+
+    def doc_spans(self, docs) -> tuple[np.ndarray, np.ndarray]:
+        """(first token, length) of each of ``docs``, as int64. From disk: the 64-document blocks that hold
+        them are read (``read_ranges``) and summed from the block's held offset."""
+        docs = np.asarray(docs, np.int64)
+        if "offsets" in self.__dict__:
+            o = self.offsets
+            return o[docs], o[docs + 1] - o[docs]
+        if not docs.size:
+            return np.zeros(docs.shape, np.int64), np.zeros(docs.shape, np.int64)
+        blocks, inv = np.unique(docs.reshape(-1) // _EVERY, return_inverse=True)
+        a = blocks * _EVERY
+        n = np.minimum(a + _EVERY, len(self)) - a
+        got = read_ranges(self.lengths, a, a + n).astype(np.int64)
+        before = np.cumsum(got) - got  # tokens before each document read, over all blocks read
+        base = np.cumsum(n) - n  # where each block's lengths begin in `got`
+        pos = base[inv] + docs.reshape(-1) - a[inv]
+        starts = self._marks[blocks][inv] + before[pos] - before[base[inv]]
+        return starts.reshape(docs.shape), got[pos].reshape(docs.shape)
+
+    def sources_of(self, docs) -> np.ndarray | None:
+        """Each of ``docs``' source (int64), or None for a store without sources."""
+        docs = np.asarray(docs, np.int64)
+        if self._source_starts is not None:
+            return np.searchsorted(self._source_starts, docs, side="right") - 1
+        return None if self.source is None else np.asarray(self.source)[docs].astype(np.int64)
+
+    @property
+    def max_length(self) -> int:
+        """The longest document's tokens (from meta.json on disk; no scan)."""
+        m = self.meta.get("max_length")
+        return int(m) if isinstance(m, int) and self.path is not None else int(np.max(self.lengths, initial=0))
 
     @staticmethod
     def is_complete(directory: str | Path) -> bool:
-        """Its marker matches its files, and (a mixture's split) every store it names is complete too."""
+        """Its marker matches its index and meta, and every shard the index names (its own, or a mixture's
+        sources') has the files and sizes recorded there."""
         d = Path(directory)
-        return marker_ok(d) and all(DocumentStore.is_complete(p["dir"]) for p in read_parts(d) or [])
+        if not marker_ok(d):
+            return False
+        shards = read_index(d)
+        return shards is not None and _shards_ok(shards)
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.lengths)
 
     def document(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        """(tokens, loss_mask) of document ``i``: views, no copy."""
-        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.tokens[a:b], self.loss_mask[a:b]
+        """(tokens, loss_mask) of document ``i`` (views held in memory; read from disk)."""
+        start, n = (int(x[0]) for x in self.doc_spans([i]))
+        return self.tokens[start : start + n], self.loss_mask[start : start + n]
 
     @property
     def num_tokens(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.meta["num_tokens"]) if self.path is not None else int(self.offsets[-1])
 
     @property
     def source_names(self) -> list[str]:
@@ -293,6 +245,9 @@ class DocumentStore:
     def source_offsets(self) -> np.ndarray:
         """(sources + 1,) first document of each source: source s is documents offsets[s] .. offsets[s+1] - 1."""
         k = len(self.source_names)
+        if self._source_starts is not None:
+            starts = self._source_starts
+            return np.concatenate([starts[: k + 1], np.full(max(0, k + 1 - len(starts)), starts[-1])]).astype(np.int64)
         if self.source is None:
             return np.array([0] + [len(self)] * k, np.int64)
         return np.searchsorted(np.asarray(self.source), np.arange(k + 1), side="left").astype(np.int64)
@@ -334,16 +289,20 @@ class DocumentStore:
         and this store's meta (a copy of their tokens: for small selections, such as an eval cap)."""
         docs = np.asarray(docs, np.int64)
         parts = [self.document(int(d)) for d in docs]
-        src = None if self.source is None else np.asarray(self.source)[docs]
-        meta = {k: v for k, v in self.meta.items() if k not in ("num_documents", "num_tokens", "num_loss_tokens")}
+        src = self.sources_of(docs)
+        meta = {k: v for k, v in self.meta.items() if k not in ("num_documents", "num_tokens", "num_loss_tokens", "max_length")}
         return DocumentStore.from_documents(parts, meta, src)
 
-    def save(self, directory: str | Path) -> DocumentStore:
+    def save(self, directory: str | Path, shard_tokens: int = DEFAULT_SHARD_TOKENS) -> DocumentStore:
         """Write atomically to ``directory`` (replacing an incomplete one) and return the opened copy."""
         final = Path(directory)
         if final.exists():
             shutil.rmtree(final)  # save() replaces: unlike a cache entry, the caller asked for this content
         with staged_store(final) as tmp:
             src = None if self.source is None else np.asarray(self.source)
-            write_store_files(tmp, np.asarray(self.tokens), np.asarray(self.offsets), np.asarray(self.loss_mask), self.meta, src)
+            spans = self.doc_spans(np.arange(len(self)))
+            offsets = np.concatenate([[0], np.cumsum(spans[1])])
+            tokens = read_ranges(self.tokens, spans[0], spans[0] + spans[1])
+            mask = read_ranges(self.loss_mask, spans[0], spans[0] + spans[1])
+            write_store_files(tmp, tokens, offsets, mask, self.meta, src, shard_tokens)
         return DocumentStore.open(final)

@@ -10,7 +10,7 @@ into place last, so a chunk file is complete or absent. What needs every documen
 per-document arrays only (about 30 bytes a document): the exact dedupe (the first copy of a rendered
 text is kept), the eval split (the smallest content hashes, as ``documents.split_eval``), the counts.
 The stores are then written by appending each chunk's kept documents to the split's files
-(``store.StoreWriter``), one chunk in memory at a time.
+(``store_write.StoreWriter``: shards of ``data.shard_tokens``), one chunk in memory at a time.
 
 The documents, their order and every count are those of the in-memory path (``pipeline._build_one``),
 byte for byte, for any number of workers (tested). A run that dies keeps its chunk files: the next
@@ -46,7 +46,7 @@ from densebatch.data.prepare.documents import (
     finish_one,
 )
 from densebatch.data.prepare.sources import BadRecord, LineRange, jsonl_ranges
-from densebatch.data.prepare.store import StoreWriter
+from densebatch.data.prepare.store_write import StoreWriter
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer
 from densebatch.errors import DataError
@@ -299,9 +299,9 @@ def assemble(
     s.train_loss_tokens, s.eval_loss_tokens = int(loss[train].sum(dtype=np.int64)), int(loss[evals].sum(dtype=np.int64))
     s.lengths = percentiles(lengths[train])
     del lengths, loss
-    writers = {False: StoreWriter(train_dir, dict(meta, split="train"), s.train_documents, s.train_tokens)}
+    writers = {False: StoreWriter(train_dir, dict(meta, split="train"), cfg.shard_tokens)}
     if s.eval_documents:
-        writers[True] = StoreWriter(eval_dir, dict(meta, split="eval"), s.eval_documents, s.eval_tokens)
+        writers[True] = StoreWriter(eval_dir, dict(meta, split="eval"), cfg.shard_tokens)
     records: list[dict] = []
     start = 0
     for c, m in zip(chunks, sizes):  # one chunk's documents in memory at a time
