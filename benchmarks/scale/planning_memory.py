@@ -41,17 +41,25 @@ def write_store(directory: Path, n: int, seed: int = 0) -> None:
 
     directory.mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    shards, left, carry = [], n, np.zeros(0, np.int64)
-    while left or len(carry):
-        fresh = np.clip(rng.lognormal(5.8, 0.9, min(left, 1 << 20)), 1, 8192).astype(np.int64)
-        left -= len(fresh)
-        lens = np.concatenate([carry, fresh])
-        k = int(np.searchsorted(np.cumsum(lens), SHARD_TOKENS, side="right"))
-        if left and k == len(lens):  # the shard is not full yet: draw more first
-            carry = lens
-            continue
-        k = max(1, k) if left else len(lens)
-        here, carry = lens[:k], lens[k:]
+    shards: list[dict] = []
+
+    def cuts():  # each shard's lengths: whole documents, at most SHARD_TOKENS tokens
+        left, carry = n, np.zeros(0, np.int64)
+        while left:
+            fresh = np.clip(rng.lognormal(5.8, 0.9, min(left, 1 << 20)), 1, 8192).astype(np.int64)
+            left -= len(fresh)
+            carry = np.concatenate([carry, fresh])
+            while True:
+                k = int(np.searchsorted(np.cumsum(carry), SHARD_TOKENS, side="right"))
+                if k == len(carry) and left:
+                    break  # not full yet: draw more
+                k = max(1, k)
+                yield carry[:k]
+                carry = carry[k:]
+                if not len(carry):
+                    break
+
+    for here in cuts():
         d = directory / f"shard-{len(shards):06d}"
         d.mkdir()
         tokens = int(here.sum())

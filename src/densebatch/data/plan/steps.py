@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densebatch.data.plan.planner import Plan
-from densebatch.data.prepare.store import WINDOW_TOKENS, read_window, take
+from densebatch.data.prepare.store import WINDOW_TOKENS, read_ranges, take
 
 
 @dataclass(frozen=True)
@@ -93,17 +93,20 @@ def cumulative_row_loss_tokens(plan: Plan, store, rate: float | None = None) -> 
 
 
 def _add_split_pieces(per: np.ndarray, idx: np.ndarray, first: np.ndarray, last: np.ndarray, loss_mask) -> None:
-    """``per[idx]`` = the mask's ones in ``[first, last)`` of each of those pieces, windows in token order."""
+    """``per[idx]`` = the mask's ones in ``[first, last)`` of each of those pieces: only their ranges are read
+    (``read_ranges``, in token order), at most about ``WINDOW_TOKENS`` of them at a time."""
     if not len(idx):
         return
     idx = idx[np.argsort(first[idx], kind="stable")]
-    f, e = first[idx], last[idx]
+    f = first[idx]
+    n = np.maximum(last[idx] - f, 0)
+    ends = np.cumsum(n)
     i = 0
     while i < len(idx):
-        j = max(i + 1, int(np.searchsorted(f, f[i] + WINDOW_TOKENS, side="left")))
-        a, b = int(f[i]), int(e[i:j].max())
-        c = np.concatenate([[0], np.cumsum(read_window(loss_mask, a, b), dtype=np.int64)])
-        per[idx[i:j]] = np.maximum(c[np.maximum(e[i:j] - a, 0)] - c[f[i:j] - a], 0)
+        j = max(i + 1, int(np.searchsorted(ends, ends[i] - n[i] + WINDOW_TOKENS, side="right")))
+        c = np.concatenate([[0], np.cumsum(read_ranges(loss_mask, f[i:j], f[i:j] + n[i:j]), dtype=np.int64)])
+        stop = np.cumsum(n[i:j])
+        per[idx[i:j]] = c[stop] - c[stop - n[i:j]]
         i = j
 
 
@@ -130,8 +133,10 @@ def step_stop(
     if settings.loss_tokens_per_step is not None:
         assert cum_tokens is not None, "loss_tokens_per_step needs the loss tokens of every row"
         target = cum_tokens[start] + fraction * settings.loss_tokens_per_step
-        # first row whose inclusion reaches the target (rows [start, r] hold >= target tokens)
-        r = min(end, int(np.searchsorted(cum_tokens, target, side="left")))  # cum_tokens[r] >= target
+        # first row whose inclusion reaches the target (rows [start, r] hold >= target tokens); an integer
+        # key for integer counts: a float one would convert the whole epoch's array at every step
+        key = math.ceil(target) if np.issubdtype(cum_tokens.dtype, np.integer) else target
+        r = min(end, int(cum_tokens.searchsorted(cum_tokens.dtype.type(key), side="left")))  # cum_tokens[r] >= target
         if fraction < 1.0:  # a ramped step: rows until the target, whatever the batches
             return max(r, start + 1)
         # whole batches (the first may be the rest of one a ramped step began): as many as bring the

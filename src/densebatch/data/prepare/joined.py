@@ -71,6 +71,9 @@ class JoinedArray:
             if not len(sel):
                 continue
             got = read_part(self.parts[j], starts[sel] - self.starts[j], stops[sel] - self.starts[j])
+            if sel[-1] - sel[0] == len(sel) - 1:  # consecutive ranges: one stretch of the output
+                out[at[sel[0]] : at[sel[0]] + len(got)] = got
+                continue
             n = lens[sel]
             out[np.repeat(at[sel] - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))] = got
         return out

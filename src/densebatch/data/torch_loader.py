@@ -1,0 +1,344 @@
+"""Dense batches in a plain ``torch.utils.data`` pipeline: a batch sampler, a dataset view and a collate function.
+
+Any map-style dataset of token ids (a Hugging Face ``datasets.Dataset`` with ``input_ids`` and optional
+``labels`` or ``loss_mask``, or a list of id lists) is planned by densebatch's planners and read
+piece by piece::
+
+    docs = Documents(hf_dataset)                        # lengths read once; items read per piece
+    sampler = DenseBatchSampler(docs.lengths, strategy="packed", seq_len=2048, max_tokens_per_batch=16384)
+    loader = DataLoader(docs, batch_sampler=sampler, collate_fn=Collator(pad_id=0))
+
+or in one call, ``dataloader(hf_dataset, strategy="packed", ...)``, which also resumes mid-epoch.
+
+The sampler yields, per batch, this rank's pieces ``Piece(doc, start, stop, row)`` of one step of the
+epoch's global plan (the same on every rank: ``world_size`` planned batches a step, shared out as
+the trainer shares them, so every rank yields the same number of batches; a rank with no share
+of the last step gets an empty batch, which collates to one padding token and no loss).
+``Documents[piece]`` reads the piece's tokens (and the one after a cut inside its document, its last
+target), and the collator turns the pieces into the batch the causal collator makes from a store,
+as a dict of tensors:
+
+- ``format="hf"`` (default): what a Hugging Face causal LM reads (it shifts the labels itself):
+  ``input_ids``, ``labels`` (-100 at the first token of every piece, at padding and where the loss
+  mask is 0), ``position_ids`` (0 at every piece's first token and at each padding run), and, when a
+  row holds more than one piece, ``cu_seq_lens_q/k`` and ``max_length_q/k`` over the rows flattened
+  (what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives): ``flash_attention_2``
+  and ``flex_attention`` then keep the documents apart; rows of one piece get ``attention_mask``
+  instead. A target across a row cut (the token after a split piece) is not in the row, so it is
+  lost in this format, as with every Hugging Face collator.
+- ``format="batch"``: densebatch's ``Batch`` (labels already shifted, no target lost), for
+  densebatch's own models and ``causal_loss``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.data.load.collate import CausalCollator
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.shards import EpochRows, plan_epoch_sharded
+from densebatch.data.plan.steps import rows_of, share
+from densebatch.data.prepare.store import DocumentStore
+
+
+class Piece(NamedTuple):
+    """Tokens ``start`` up to ``stop`` of document ``doc``, in row ``row`` of its batch."""
+
+    doc: int
+    start: int
+    stop: int
+    row: int
+
+
+def _dist_defaults(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return int(rank), int(world_size)
+    import torch.distributed as tdist
+
+    on = tdist.is_available() and tdist.is_initialized()
+    r = rank if rank is not None else (tdist.get_rank() if on else 0)
+    w = world_size if world_size is not None else (tdist.get_world_size() if on else 1)
+    return int(r), int(w)
+
+
+class DenseBatchSampler:
+    """A ``torch.utils.data`` batch sampler: this rank's pieces of each step of densebatch's plan of ``lengths``.
+
+    Settings are those of the config's ``batching`` section (``PlanSettings``). Every rank builds the same
+    global plan (a pure function of lengths, settings, seed and epoch) and yields its share of each step
+    of ``world_size`` planned batches. ``set_epoch(e)`` (or iterating again) moves to another epoch's plan;
+    ``state_dict()`` / ``load_state_dict()`` resume mid-epoch at the next batch not yet yielded."""
+
+    def __init__(
+        self,
+        lengths: Sequence[int] | np.ndarray,
+        strategy: str = "packed",
+        seq_len: int = 1024,
+        max_tokens_per_batch: int = 8192,
+        rows_per_batch: int = 8,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **batching: Any,
+    ) -> None:
+        self.lengths = np.asarray(lengths, np.int64)
+        if self.lengths.ndim != 1 or not len(self.lengths) or int(self.lengths.min()) < 1:
+            raise ValueError("lengths: expected one positive token count per document (and at least one document)")
+        self.settings = PlanSettings(
+            strategy=strategy,
+            seq_len=seq_len,
+            max_tokens_per_batch=max_tokens_per_batch,
+            rows_per_batch=rows_per_batch,
+            **batching,
+        )
+        self.seed = int(seed)
+        self.rank, self.world_size = _dist_defaults(rank, world_size)
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is not in 0 .. {self.world_size - 1}")
+        self.epoch, self.step = 0, 0  # the next batch this sampler yields: step `step` of epoch `epoch`
+        self._plan: tuple[int, Any] | None = None
+
+    def plan(self, epoch: int):
+        """The global plan of ``epoch`` (all ranks): a ``Plan``, or above ``shard_docs`` documents an
+        ``EpochRows`` that builds the pieces of the rows asked for from their shard."""
+        if self._plan is None or self._plan[0] != epoch:
+            if len(self.lengths) <= self.settings.shard_docs:
+                p = plan_epoch(self.lengths, self.settings, self.seed, epoch)
+            else:
+                p = EpochRows(plan_epoch_sharded(self.lengths, self.settings, self.seed, epoch))
+            self._plan = (epoch, p)
+        return self._plan[1]
+
+    def __len__(self) -> int:
+        """Batches this rank yields in an epoch (the same on every rank)."""
+        return math.ceil(self.plan(self.epoch).num_batches / self.world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.step = int(epoch), 0
+
+    def batch_pieces(self, epoch: int, step: int) -> list[Piece]:
+        """This rank's pieces of step ``step`` of ``epoch``, row by row."""
+        plan = self.plan(epoch)
+        ptr = plan.batch_ptr
+        w = self.world_size
+        start, stop = int(ptr[step * w]), int(ptr[min(plan.num_batches, (step + 1) * w)])
+        mine = share(plan, start, stop, self.rank, w)
+        rows = rows_of(plan, mine[0]) if mine else []
+        return [Piece(d, a, b, r) for r, row in enumerate(rows) for d, a, b in row]
+
+    def __iter__(self) -> Iterator[list[Piece]]:
+        epoch = self.epoch
+        while self.step < len(self):
+            step = self.step
+            self.step += 1
+            yield self.batch_pieces(epoch, step)
+        self.set_epoch(epoch + 1)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"sampler state has seed {state['seed']}, this sampler {self.seed}: plans would differ")
+        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+
+
+def _column_lengths(dataset, key: str) -> np.ndarray | None:
+    """The lengths of a Hugging Face dataset's list column from its Arrow table, without reading the ids."""
+    table = getattr(dataset, "data", None)
+    if table is None or not hasattr(table, "column") or getattr(dataset, "_indices", None) is not None:
+        return None
+    try:
+        import pyarrow.compute as pc
+
+        return np.asarray(pc.list_value_length(table.column(key)).to_numpy(zero_copy_only=False), np.int64)
+    except (ImportError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+
+
+class Documents:
+    """A map-style dataset of token ids seen as documents: ``docs[piece]`` is the piece's tokens and loss mask.
+
+    Each item of ``dataset`` is a list of ids, or a dict with ``input_ids`` and optionally ``labels``
+    (Hugging Face style, unshifted: -100 where a token is no target) or ``loss_mask`` (1 where a token,
+    as a target, carries loss); without either, every token after the first is a target. ``lengths``
+    are read once (from the Arrow table for a Hugging Face dataset, else item by item)."""
+
+    def __init__(self, dataset, lengths: Sequence[int] | None = None) -> None:
+        self.dataset = dataset
+        if lengths is None:
+            lengths = _column_lengths(dataset, "input_ids")
+        if lengths is None:
+            lengths = [len(self._ids(dataset[i])) for i in range(len(dataset))]
+        self.lengths = np.asarray(lengths, np.int64)
+        if len(self.lengths) != len(dataset):
+            raise ValueError(f"lengths: {len(self.lengths)} for {len(dataset)} documents")
+
+    @staticmethod
+    def _ids(item) -> Any:
+        return item["input_ids"] if isinstance(item, dict) else item
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, piece: Piece | int) -> dict:
+        """``{"piece", "input_ids", "loss_mask", "length"}``: the piece's tokens and the one after it when it
+        stops inside its document (a plain index: the whole document)."""
+        if not isinstance(piece, Piece):
+            piece = Piece(int(piece), 0, int(self.lengths[int(piece)]), 0)
+        item = self.dataset[piece.doc]
+        ids = np.asarray(self._ids(item), np.int64)
+        n = len(ids)
+        if isinstance(item, dict) and item.get("labels") is not None:
+            mask = (np.asarray(item["labels"], np.int64) != IGNORE_INDEX).astype(np.uint8)
+        elif isinstance(item, dict) and item.get("loss_mask") is not None:
+            mask = np.asarray(item["loss_mask"], np.uint8)
+        else:
+            mask = np.ones(n, np.uint8)
+        if len(mask) != n:
+            raise ValueError(f"document {piece.doc}: {n} input_ids but {len(mask)} labels or loss_mask entries")
+        end = min(piece.stop + 1, n)
+        return {"piece": piece, "input_ids": ids[piece.start : end], "loss_mask": mask[piece.start : end], "length": n}
+
+
+class Collator:
+    """``collate_fn`` for ``Documents`` items of one sampler batch: the causal collator's batch, as a dict of
+    tensors (``format="hf"``) or a ``Batch`` (``format="batch"``); see the module docstring."""
+
+    def __init__(self, pad_id: int, pad_to_multiple_of: int = 1, format: str = "hf", use_loss_mask: bool = True) -> None:
+        if format not in ("hf", "batch"):
+            raise ValueError(f"format: expected hf or batch; got {format!r}")
+        self.collator = CausalCollator(pad_id, pad_to_multiple_of, use_loss_mask)
+        self.pad_id, self.format = int(pad_id), format
+
+    def __call__(self, items: list[dict]) -> dict | Batch:
+        if not items:  # a rank with no share of the last step: one padding token, no loss
+            batch = Batch.null(self.pad_id)
+            return batch if self.format == "batch" else to_hf(batch)
+        spans = [(it["input_ids"], it["loss_mask"]) for it in items]
+        store = DocumentStore.from_documents(spans)
+        rows: list[list[tuple[int, int, int]]] = []
+        for i, it in enumerate(items):
+            p = it["piece"]
+            while len(rows) <= p.row:
+                rows.append([])
+            rows[p.row].append((i, 0, p.stop - p.start))
+        batch = self.collator(store, rows)
+        batch = dataclasses.replace(batch, documents=tuple(sorted({int(it["piece"].doc) for it in items})))
+        return batch if self.format == "batch" else to_hf(batch)
+
+
+def to_hf(batch: Batch) -> dict[str, torch.Tensor]:
+    """A ``Batch`` as a Hugging Face causal LM reads it (unshifted labels; see the module docstring)."""
+    labels = torch.full_like(batch.labels, IGNORE_INDEX)
+    labels[:, 1:] = batch.labels[:, :-1]
+    labels[batch.positions == 0] = IGNORE_INDEX  # a piece's first token is never its own row's target
+    out = {"input_ids": batch.input_ids, "labels": labels, "position_ids": batch.positions}
+    if batch.single_doc_rows:
+        out["attention_mask"] = _real_mask(batch)
+    else:
+        cu = batch.cu_seqlens
+        if cu is None:
+            raise ValueError("to_hf: a batch of packed rows needs cu_seqlens (made by the collator)")
+        out["cu_seq_lens_q"] = out["cu_seq_lens_k"] = cu.to(torch.int32)
+        longest = int(batch.max_seqlen) if batch.max_seqlen is not None else int((cu[1:] - cu[:-1]).max())
+        out["max_length_q"] = out["max_length_k"] = longest
+    return out
+
+
+def _real_mask(batch: Batch) -> torch.Tensor:
+    """(rows, T) 1 at real tokens, 0 at the padding run that ends a row of one piece."""
+    T = batch.seq_len
+    starts = batch.positions == 0
+    starts[:, 0] = False
+    pad_from = torch.where(starts.any(1), starts.float().argmax(1), torch.full((batch.num_rows,), T))
+    return (torch.arange(T)[None, :] < pad_from[:, None]).long()
+
+
+class DenseDataLoader(torch.utils.data.DataLoader):
+    """A ``DataLoader`` over ``Documents`` with a ``DenseBatchSampler``, resumable mid-epoch (the torchdata
+    ``StatefulDataLoader`` convention): ``state_dict()`` is the position after the last batch this loader
+    handed out (not what its workers fetched ahead), and iterating again, or after ``load_state_dict``,
+    continues there."""
+
+    def __init__(self, documents: Documents, sampler: DenseBatchSampler, collate_fn: Collator, **kwargs: Any) -> None:
+        super().__init__(documents, batch_sampler=sampler, collate_fn=collate_fn, **kwargs)
+        self._pos = (sampler.epoch, sampler.step)
+
+    def __iter__(self):
+        s = self.batch_sampler
+        s.epoch, s.step = self._pos
+        epoch, step = self._pos
+        for batch in super().__iter__():
+            step += 1
+            self._pos = (epoch, step)
+            yield batch
+        self._pos = (epoch + 1, 0)
+
+    def set_epoch(self, epoch: int) -> None:
+        self._pos = (int(epoch), 0)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.batch_sampler.seed, "epoch": self._pos[0], "step": self._pos[1]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batch_sampler.load_state_dict(state)
+        self._pos = (int(state["epoch"]), int(state["step"]))
+
+
+def dataloader(
+    dataset,
+    strategy: str = "packed",
+    seq_len: int = 1024,
+    max_tokens_per_batch: int = 8192,
+    seed: int = 0,
+    pad_id: int = 0,
+    rank: int | None = None,
+    world_size: int | None = None,
+    rows_per_batch: int = 8,
+    pad_to_multiple_of: int = 1,
+    format: str = "hf",
+    lengths: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> DenseDataLoader:
+    """A ``DataLoader`` of dense batches over ``dataset`` (see ``Documents``), as dicts of tensors.
+
+    ``strategy``: random, length_grouped, token_budget or packed; the other ``batching`` settings of the
+    config (``long_docs``, ``bundle_tokens``, ``mega_batch_mult``, ``drop_last``, ``shard_docs``) pass as
+    keywords; the rest of ``kwargs`` go to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
+    ``rank`` / ``world_size`` default to ``torch.distributed``'s. ``pad_id`` only fills padding (its
+    labels are -100 and it never attends to a document)."""
+    plan_keys = {"long_docs", "bundle_tokens", "mega_batch_mult", "drop_last", "shard_docs"}
+    batching = {k: kwargs.pop(k) for k in list(kwargs) if k in plan_keys}
+    docs = Documents(dataset, lengths)
+    sampler = DenseBatchSampler(
+        docs.lengths, strategy, seq_len, max_tokens_per_batch, rows_per_batch, seed, rank, world_size,
+        pad_to_multiple_of=pad_to_multiple_of, **batching,
+    )  # fmt: skip
+    return DenseDataLoader(docs, sampler, Collator(pad_id, pad_to_multiple_of, format), **kwargs)
+
+
+def num_items(batches) -> int:
+    """Targets (labels that are not -100, after the shift a causal LM applies) of Hugging Face-format
+    batches: the ``num_items_in_batch`` of a step made of ``batches`` (all its micro-batches, on this rank;
+    sum it over ranks for a step shared out by ``torch.distributed``)."""
+    return int(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches))
+
+
+def causal_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The causal LM loss of a Hugging Face-format batch: cross-entropy of ``logits[:, :-1]`` against
+    ``labels[:, 1:]``, summed and divided by ``num_items_in_batch`` (the step's targets, ``num_items``;
+    default this batch's own). Summing each micro-batch's loss over a step then gives the step's mean over
+    its tokens, exact whatever the micro-batches hold, as one batch of all of them would."""
+    shifted = labels[:, 1:].reshape(-1)
+    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+    total = torch.nn.functional.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
+    n = (shifted != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    return total / torch.as_tensor(n, dtype=total.dtype, device=total.device).clamp(min=1)
