@@ -76,6 +76,7 @@ def test_hugging_face_format_positions_labels_and_flash_attention_bounds(hf_data
                 if real:
                     assert (pos[r, j] == 0) == (not prev_same)
                 assert labels[r, j] == (ids[r, j] if prev_same else -100)
+        assert torch.equal(b["shift_labels"][:, :-1][labels[:, 1:] != -100], labels[:, 1:][labels[:, 1:] != -100])
         if "cu_seq_lens_q" in b:
             packed_rows = True
             starts = torch.nonzero(pos.reshape(-1) == 0).reshape(-1)
@@ -136,15 +137,20 @@ def test_step_loss_over_micro_batches_is_the_mean_over_every_target(hf_dataset, 
     def logits(ids):
         return head(table(ids.clamp(max=vocab - 1)))  # the padding id is never a target
 
-    batches = list(densebatch.dataloader(hf_dataset, **dict(_kw("token_budget"), max_tokens_per_batch=512)))
-    n = densebatch.num_items(batches)
-    assert n == sum(lengths) - len(lengths)  # every token but each document's first
-    step = sum(densebatch.causal_loss(logits(b["input_ids"]), b["labels"], n) for b in batches)
-    ids = torch.tensor([t for d, k in enumerate(lengths) for t in _ids(d, k)])
-    keep = torch.tensor([p > 0 for k in lengths for p in range(k)])
-    x, y = ids[:-1][keep[1:]], ids[1:][keep[1:]]
-    direct = torch.nn.functional.cross_entropy(logits(x), y)
-    assert torch.allclose(step, direct, atol=1e-5)
+    def direct():  # the mean over every target of the data
+        ids = torch.tensor([t for d, k in enumerate(lengths) for t in _ids(d, k)])
+        keep = torch.tensor([p > 0 for k in lengths for p in range(k)])
+        return torch.nn.functional.cross_entropy(logits(ids[:-1][keep[1:]]), ids[1:][keep[1:]])
+
+    for strategy in ("token_budget", "packed"):  # whole documents; documents split across rows
+        batches = list(densebatch.dataloader(hf_dataset, **dict(_kw(strategy), max_tokens_per_batch=512)))
+        n = densebatch.num_items(batches)
+        assert n == sum(lengths) - len(lengths)  # every token but each document's first: none lost at a cut
+        step = sum(densebatch.causal_loss(logits(b["input_ids"]), b, n) for b in batches)
+        assert torch.allclose(step, direct(), atol=1e-5), strategy
+        hf_labels_only = [{"input_ids": b["input_ids"], "labels": b["labels"]} for b in batches]
+        cut = sum(int(((b["shift_labels"] != -100) & (torch.roll(b["labels"], -1, 1) == -100)).sum()) for b in batches)
+        assert densebatch.num_items(hf_labels_only) == n - cut and (cut > 0) == (strategy == "packed")
 
 
 def test_a_sampler_of_many_documents_plans_in_shards_and_every_rank_agrees():

@@ -32,6 +32,9 @@ _EXPORTS = {
     "to_hf": "densebatch.data.torch_loader",
     "num_items": "densebatch.data.torch_loader",
     "causal_loss": "densebatch.data.torch_loader",
+    # Hugging Face Trainer / TRL
+    "dense_batches": "densebatch.hf_trainer",
+    "register_attention": "densebatch.hf_trainer",
 }
 __all__ = [  # the names of _EXPORTS (a test checks they agree)
     "IGNORE_INDEX",
@@ -48,8 +51,10 @@ __all__ = [  # the names of _EXPORTS (a test checks they agree)
     "__version__",
     "causal_loss",
     "dataloader",
+    "dense_batches",
     "num_items",
     "plan_epoch",
+    "register_attention",
     "to_hf",
 ]
 
@@ -68,6 +73,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         num_items,
         to_hf,
     )
+    from densebatch.hf_trainer import dense_batches, register_attention
 
 
 def __getattr__(name: str):

@@ -18,16 +18,16 @@ of the last step gets an empty batch, which collates to one padding token and no
 target), and the collator turns the pieces into the batch the causal collator makes from a store,
 as a dict of tensors:
 
-- ``format="hf"`` (default): what a Hugging Face causal LM reads (it shifts the labels itself):
-  ``input_ids``, ``labels`` (-100 at the first token of every piece, at padding and where the loss
-  mask is 0), ``position_ids`` (0 at every piece's first token and at each padding run), and, when a
-  row holds more than one piece, ``cu_seq_lens_q/k`` and ``max_length_q/k`` over the rows flattened
-  (what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives): ``flash_attention_2``
-  and ``flex_attention`` then keep the documents apart; rows of one piece get ``attention_mask``
-  instead. A target across a row cut (the token after a split piece) is not in the row, so it is
-  lost in this format, as with every Hugging Face collator.
-- ``format="batch"``: densebatch's ``Batch`` (labels already shifted, no target lost), for
-  densebatch's own models and ``causal_loss``.
+- ``format="hf"`` (default): what a Hugging Face causal LM reads: ``input_ids``, ``labels``
+  (unshifted: the model shifts them; -100 at the first token of every piece, at padding and where
+  the loss mask is 0), ``shift_labels`` (the targets already shifted, which transformers' causal LM
+  loss and ``Trainer`` use instead of shifting ``labels``: with them the target after a row cut, the
+  token that continues a split document, is kept), ``position_ids`` (0 at every piece's first token
+  and at each padding run), and, when a row holds more than one piece, ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` over the rows flattened (what ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``
+  gives): ``flash_attention_2``, ``flex_attention`` and densebatch's own ``attn_implementation="densebatch"``
+  then keep the documents apart; rows of one piece get ``attention_mask`` instead.
+- ``format="batch"``: densebatch's ``Batch`` (labels already shifted), for densebatch's own models.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def to_hf(batch: Batch) -> dict[str, torch.Tensor]:
     labels = torch.full_like(batch.labels, IGNORE_INDEX)
     labels[:, 1:] = batch.labels[:, :-1]
     labels[batch.positions == 0] = IGNORE_INDEX  # a piece's first token is never its own row's target
-    out = {"input_ids": batch.input_ids, "labels": labels, "position_ids": batch.positions}
+    out = {"input_ids": batch.input_ids, "labels": labels, "shift_labels": batch.labels, "position_ids": batch.positions}
     if batch.single_doc_rows:
         out["attention_mask"] = _real_mask(batch)
     else:
@@ -325,20 +325,29 @@ def dataloader(
     return DenseDataLoader(docs, sampler, Collator(pad_id, pad_to_multiple_of, format), **kwargs)
 
 
+def _targets(batch: dict) -> torch.Tensor:
+    """(rows, T) targets, aligned with the logits: ``shift_labels``, else ``labels`` shifted left."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    labels = batch["labels"]
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+
+
 def num_items(batches) -> int:
-    """Targets (labels that are not -100, after the shift a causal LM applies) of Hugging Face-format
-    batches: the ``num_items_in_batch`` of a step made of ``batches`` (all its micro-batches, on this rank;
-    sum it over ranks for a step shared out by ``torch.distributed``)."""
-    return int(sum(int((b["labels"][:, 1:] != IGNORE_INDEX).sum()) for b in batches))
+    """Targets of Hugging Face-format batches (``shift_labels``, or ``labels`` after the shift a causal LM
+    applies, that are not -100): the ``num_items_in_batch`` of a step made of ``batches`` (all its
+    micro-batches, on this rank; sum it over ranks for a step shared out by ``torch.distributed``)."""
+    return int(sum(int((_targets(b) != IGNORE_INDEX).sum()) for b in batches))
 
 
-def causal_loss(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
-    """The causal LM loss of a Hugging Face-format batch: cross-entropy of ``logits[:, :-1]`` against
-    ``labels[:, 1:]``, summed and divided by ``num_items_in_batch`` (the step's targets, ``num_items``;
-    default this batch's own). Summing each micro-batch's loss over a step then gives the step's mean over
-    its tokens, exact whatever the micro-batches hold, as one batch of all of them would."""
-    shifted = labels[:, 1:].reshape(-1)
-    flat = logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+def causal_loss(logits: torch.Tensor, batch: dict, num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """The causal LM loss of a Hugging Face-format ``batch``: cross-entropy of the logits against its targets
+    (``shift_labels``, or ``labels`` shifted), summed and divided by ``num_items_in_batch`` (the step's
+    targets, ``num_items``; default this batch's own). Summing each micro-batch's loss over a step then
+    gives the step's mean over its targets, exact whatever the micro-batches hold, as one batch of all of
+    them would."""
+    shifted = _targets(batch).reshape(-1)
+    flat = logits.reshape(-1, logits.shape[-1]).float()
     total = torch.nn.functional.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
     n = (shifted != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
     return total / torch.as_tensor(n, dtype=total.dtype, device=total.device).clamp(min=1)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
-from densebatch.model.attention import AttentionPlan, AttnOptions, attend_eagerly
+from densebatch.model.attention import AttentionPlan, AttnOptions, attend_eagerly, pick_backend, plan_attention
 
 NAME = "densebatch"
 PLAN_KEY = "densebatch_plan"
@@ -35,6 +35,7 @@ PLAN_KEY = "densebatch_plan"
 class _Active:
     plan: AttentionPlan | None = None  # the plan of the adapter's forward now running
     last: AttentionPlan | None = None  # the plan of the latest forward (for its backward's recomputation)
+    from_kwargs: tuple | None = None  # (key, plan) of the latest plan built from packed-row keywords
 
 
 _ACTIVE = _Active()
@@ -63,7 +64,7 @@ def densebatch_attention(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """Causal attention within documents for one layer. Returns ((rows, T, H, D), no weights)."""
-    plan = kwargs.get(PLAN_KEY) or _ACTIVE.plan
+    plan = kwargs.get(PLAN_KEY) or _ACTIVE.plan or _plan_from_packed(query, kwargs)
     if plan is None and torch._C._current_graph_task_id() != -1:  # recomputed in a backward pass
         plan = _ACTIVE.last
     opts = AttnOptions(scale=scaling, window=sliding_window or None, softcap=softcap or None)
@@ -76,6 +77,28 @@ def densebatch_attention(
             plan = AttentionPlan("masked", mask=(torch.arange(Tk, device=query.device)[None, :] <= q_at[:, None]))
     out = attend_eagerly(query, key, value, plan, dropout, opts)  # (rows, H, T, D)
     return out.transpose(1, 2), None
+
+
+def _plan_from_packed(query: Tensor, kwargs: dict) -> AttentionPlan | None:
+    """A plan from the keywords a model is given for packed rows (``cu_seq_lens_q`` with ``position_ids``:
+    densebatch's ``dataloader`` and transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``),
+    so a plain transformers model (``Trainer``, a user's loop) keeps documents apart on any device. Built
+    once per forward (every layer gets the same tensors). None when the keywords are not there."""
+    cu, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
+    if cu is None or pos is None or pos.shape[-1] != query.shape[-2]:
+        return None
+    rows = query.shape[0]
+    pos = pos.reshape(-1, pos.shape[-1]).expand(rows, -1) if pos.numel() != rows * pos.shape[-1] else pos.reshape(rows, -1)
+    key = (cu.data_ptr(), cu._version, pos.data_ptr(), pos._version, tuple(pos.shape), query.device)
+    if _ACTIVE.from_kwargs is not None and _ACTIVE.from_kwargs[0] == key:
+        return _ACTIVE.from_kwargs[1]
+    backend = pick_backend("auto", query.device, torch.is_grad_enabled(), pos.shape[-1])
+    longest = kwargs.get("max_length_q")
+    plan = plan_attention(
+        pos, backend, cu_seqlens=cu.to("cpu", torch.int32), max_seqlen=None if longest is None else int(longest)
+    )
+    _ACTIVE.from_kwargs = (key, plan)
+    return plan
 
 
 def register() -> None:

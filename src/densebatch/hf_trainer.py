@@ -1,0 +1,67 @@
+"""Dense batches inside Hugging Face ``Trainer`` and TRL's ``SFTTrainer``: one call on the trainer.
+
+    trainer = Trainer(model=model, args=args, train_dataset=tokenized)   # or SFTTrainer(...)
+    densebatch.dense_batches(trainer, strategy="packed", seq_len=2048, max_tokens_per_batch=16384)
+    trainer.train()
+
+``dense_batches`` replaces the trainer's training ``DataLoader`` by ``densebatch.dataloader`` over its
+``train_dataset`` (``input_ids`` with optional ``labels`` or ``loss_mask``): the planned batches, this
+process's share of each step (``args.process_index`` of ``args.world_size``, so torchrun and
+``accelerate launch`` work unchanged), seeded by ``args.seed``, epoch by epoch through the trainer's
+``set_epoch``. The loader is not handed to ``accelerate``: it already yields each rank's share.
+Batches carry ``shift_labels``, so transformers' loss and the trainer's ``num_items_in_batch`` count
+every target, including the one after a row cut, and gradient accumulation is exact in tokens.
+Packed rows carry ``cu_seq_lens_q/k`` and ``position_ids``: load the model with
+``attn_implementation="densebatch"`` (``densebatch.register_attention()``; any device),
+``"flash_attention_2"`` or ``"flex_attention"`` to keep documents apart (``sdpa`` and ``eager`` ignore
+them and let packed documents attend to each other). A resumed run (``resume_from_checkpoint``)
+skips the batches already trained, and so continues with the same batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from densebatch.data.torch_loader import dataloader
+from densebatch.model.hf_attention import register
+
+
+def register_attention() -> str:
+    """Make ``attn_implementation="densebatch"`` known to transformers; returns that name."""
+    register()
+    return "densebatch"
+
+
+def dense_batches(
+    trainer, strategy: str = "packed", max_tokens_per_batch: int = 8192, seq_len: int | None = None, **settings: Any
+):
+    """Make ``trainer`` (a ``transformers.Trainer`` or a subclass such as ``trl.SFTTrainer``) train on
+    densebatch's batches; returns it. ``settings``: the other ``densebatch.dataloader`` keywords
+    (``rows_per_batch``, ``long_docs``, ``bundle_tokens``, ``pad_to_multiple_of``, ...); ``pad_id``
+    defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
+    (packed rows as long as the budget: one row a batch)."""
+    args = trainer.args
+    tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
+    tok = getattr(tok, "tokenizer", tok)  # a processor's tokenizer
+    pad = getattr(tok, "pad_token_id", None)
+    pad = getattr(tok, "eos_token_id", None) if pad is None else pad
+    settings.setdefault("pad_id", 0 if pad is None else int(pad))
+    settings.setdefault("seed", args.seed)
+
+    def get_train_dataloader():
+        if trainer.train_dataset is None:
+            raise ValueError("dense_batches: the trainer has no train_dataset")
+        return dataloader(
+            trainer.train_dataset,
+            strategy=strategy,
+            seq_len=seq_len or max_tokens_per_batch,
+            max_tokens_per_batch=max_tokens_per_batch,
+            rank=args.process_index,
+            world_size=args.world_size,
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory,
+            **settings,
+        )
+
+    trainer.get_train_dataloader = get_train_dataloader
+    return trainer

@@ -1,0 +1,128 @@
+"""densebatch's batches inside Hugging Face ``Trainer`` (densebatch.dense_batches) on a tiny Llama."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import densebatch
+from densebatch.cli import main
+from densebatch.testing.models import tiny_config
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+VOCAB = 259  # the default tokenizer's ids
+ARGS = [
+    "--data.tokenizer=default",
+    "--data.default.num_records=64",
+    "--data.max_seq_len=256",
+    "--batching.strategy=packed",
+    "--batching.seq_len=256",
+    "--batching.max_tokens_per_batch=1024",
+    "--train.progress=false",
+    "--train.plots=false",
+    "--train.lr=1e-3",
+    "--train.warmup_steps=0",
+    "--train.schedule=constant",
+    "--eval.accuracy_samples=0",
+    "--eval.max_batches=1",
+    "--seed=5",
+    "--train.loss_tokens_per_step=null",  # the demo's default sizes steps by loss tokens; HF Trainer counts batches
+]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("hf_trainer") / "base"
+    config = tiny_config("llama", vocab_size=VOCAB, tie_word_embeddings=False, max_position_embeddings=256)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(d)
+    return d
+
+
+class Recording(transformers.Trainer):
+    """A Trainer that keeps the loss of every micro-batch it computes (before any update is applied)."""
+
+    losses: list
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.losses.append(float((loss[0] if return_outputs else loss).detach()))
+        return loss
+
+
+def _trainer(base: Path, out: Path, dataset, steps: int, **kw) -> Recording:
+    densebatch.register_attention()
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="densebatch")
+    args = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=steps, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
+        seed=5, report_to=[], save_strategy="steps", save_steps=2, logging_steps=1, use_cpu=True, optim="adamw_torch",
+        weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Recording(model=model, args=args, train_dataset=dataset)
+    trainer.losses = []
+    return densebatch.dense_batches(trainer, strategy="packed", seq_len=256, max_tokens_per_batch=1024, **kw)
+
+
+def _prepared_dataset(cache: Path):
+    """The documents ``densebatch train`` trains on (the embedded default, prepared), as a datasets.Dataset."""
+    from densebatch.config import load_config
+    from densebatch.data.prepare.pipeline import prepare
+
+    cfg = load_config(None, [*ARGS, f"--data.cache_dir={cache}"])
+    store = prepare(cfg.data, cfg.seed).train
+    docs = [store.document(i) for i in range(len(store))]
+    return datasets.Dataset.from_dict({"input_ids": [t.tolist() for t, _ in docs], "loss_mask": [m.tolist() for _, m in docs]})
+
+
+def test_the_first_step_in_trainer_has_densebatch_trains_loss(base, tmp_path):
+    """The issue's check: the same documents, plan settings and seed give HF Trainer the batch `densebatch
+    train` takes first, and the same loss on it (densebatch's loss head against transformers' loss)."""
+    out = tmp_path / "db"
+    assert main(["train", f"--output_dir={out}", f"--data.cache_dir={tmp_path / 'cache'}", "--model.kind=hf",
+                 f"--model.path={base}", "--train.max_steps=1", *ARGS]) == 0  # fmt: skip
+    first = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == "train")
+    trainer = _trainer(base, tmp_path / "hf", _prepared_dataset(tmp_path / "cache"), steps=1)
+    trainer.train()
+    assert len(trainer.losses) == 1 and abs(trainer.losses[0] - first["loss"]) <= 1e-5, (trainer.losses, first["loss"])
+
+
+def test_packed_rows_in_trainer_score_each_document_as_alone(base, tmp_path):
+    """Inside the Trainer (attn_implementation densebatch, packed rows with cu_seq_lens), each document's
+    loss is what it is alone: the step's loss equals the sum of the documents' own losses over its targets."""
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(3, VOCAB, int(n)).tolist() for n in rng.integers(5, 60, 24)]
+    trainer = _trainer(base, tmp_path / "hf", datasets.Dataset.from_dict({"input_ids": docs}), steps=1)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "cu_seq_lens_q" in batch and int((batch["position_ids"] == 0).sum()) > batch["input_ids"].shape[0]
+    trainer.train()
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="eager").eval()
+    total, count = 0.0, 0
+    ids, pos, shift = batch["input_ids"].reshape(-1), batch["position_ids"].reshape(-1), batch["shift_labels"].reshape(-1)
+    starts = torch.nonzero(pos == 0).reshape(-1).tolist() + [len(ids)]
+    with torch.no_grad():
+        for a, b in zip(starts[:-1], starts[1:]):  # each piece alone, in a row of its own
+            logits = model(input_ids=ids[a:b][None]).logits[0]
+            y = shift[a:b]
+            total += float(torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum"))
+            count += int((y != -100).sum())
+    assert abs(trainer.losses[0] - total / count) <= 1e-5
+
+
+def test_a_resumed_trainer_run_continues_with_the_same_batches(base, tmp_path):
+    """4 steps in one go against 2 steps, then a new Trainer resumed from the step-2 checkpoint for 2 more:
+    the same losses at steps 3 and 4 (the same batches, the same weights)."""
+    rng = np.random.default_rng(1)
+    ds = datasets.Dataset.from_dict({"input_ids": [rng.integers(3, VOCAB, int(n)).tolist() for n in rng.integers(5, 90, 80)]})
+    whole = _trainer(base, tmp_path / "whole", ds, steps=4)
+    whole.train()
+    first = _trainer(base, tmp_path / "part", ds, steps=2)
+    first.train()
+    resumed = _trainer(base, tmp_path / "part", ds, steps=4)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"))
+    assert len(whole.losses) == 4 and np.allclose(resumed.losses, whole.losses[2:], atol=1e-6), (whole.losses, resumed.losses)
