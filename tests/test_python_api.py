@@ -175,3 +175,15 @@ def test_the_package_exports_only_the_public_names_and_imports_no_torch():
     assert all(getattr(densebatch, name) is not None for name in _EXPORTS)
     code = "import sys, densebatch; assert 'torch' not in sys.modules, 'import densebatch pulled in torch'"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).returncode == 0
+
+
+def test_the_training_loop_in_the_docs_runs_as_written(capsys):
+    """docs/python.md's plain PyTorch loop, executed as it stands there."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("datasets")
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "python.md").read_text()
+    code = text.split("## A plain PyTorch loop", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(code, "docs/python.md", "exec"), {})
+    assert "done {'seed': 0, 'epoch': 2, 'step': 0}" in capsys.readouterr().out

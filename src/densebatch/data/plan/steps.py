@@ -73,12 +73,14 @@ def cumulative_row_loss_tokens(plan: Plan, store, rate: float | None = None) -> 
     ``rate`` (masked-LM): every target position counts ``rate`` (the expected share masked).
     """
     if hasattr(plan, "shard_plans"):  # an ``EpochRows``: shard by shard, never every piece at once
-        out, total = [np.zeros(1, np.float64 if rate is not None else np.int64)], 0
+        out = np.zeros(plan.num_rows + 1, np.float64 if rate is not None else np.int64)  # filled in place: one copy
+        at = 0
         for part in plan.shard_plans():
             c = cumulative_row_loss_tokens(part, store, rate)
-            out.append(c[1:] + total)
-            total += c[-1]
-        return np.concatenate(out)
+            out[at + 1 : at + len(c)] = c[1:] + out[at]
+            at += len(c) - 1
+        assert at == plan.num_rows, "the shards' rows are the epoch's"
+        return out
     doc = plan.doc
     doc_first, doc_len = store.doc_spans(doc)
     first = doc_first + plan.start + 1
