@@ -99,8 +99,8 @@ def test_missing_tensorboard_is_a_one_line_config_error(tmp_path, monkeypatch):
 
 
 def test_unknown_sink_is_a_config_error(tmp_path):
-    with pytest.raises(ConfigError, match="train.report_to: unknown sink 'wandb'"):
-        build_sinks(["csv", "wandb"], tmp_path)
+    with pytest.raises(ConfigError, match="train.report_to: unknown sink 'neptune'"):
+        build_sinks(["csv", "neptune"], tmp_path)
     assert build_sinks([], tmp_path) == []
 
 

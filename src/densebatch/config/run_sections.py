@@ -167,8 +167,11 @@ class TrainConfig:
         "Under torchrun: ddp (replicated model, gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, "
         "gradients and optimizer state sharded over ranks); auto = ddp when launched by torchrun.",
     )
-    report_to: list[Literal["tensorboard", "csv"]] = _f(
-        list, "Metric sinks besides metrics.jsonl: tensorboard (event files under output_dir/tensorboard), csv."
+    report_to: list[Literal["tensorboard", "csv", "wandb", "mlflow"]] = _f(
+        list,
+        "Metric sinks besides metrics.jsonl: tensorboard (event files under output_dir/tensorboard), csv, wandb "
+        "(WANDB_PROJECT, WANDB_MODE=offline), mlflow (MLFLOW_TRACKING_URI, default output_dir/mlruns); every scalar, "
+        "with the resolved config as the run's parameters.",
     )
     plots: bool = _f(True, "At the end of the run, draw its plots into output_dir/plots (when matplotlib is installed).")
     health: HealthConfig = _f(HealthConfig, "Health warnings: their thresholds.")

@@ -112,7 +112,11 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
             print(f"resumed from {resume_from} (step {trainer.state.step})", flush=True)
     if dist.is_main:
         save_config(cfg, out / "config.yaml")
-    result = session.run()
+    try:
+        result = session.run()
+    finally:  # a tracker's run ends, and its last records reach its files, with the run (or its error)
+        for sink in trainer.sinks:
+            sink.close()
     if result.stop_reason == "interrupted":
         if dist.is_main:
             print("stopped by signal; continue with --resume", flush=True)
@@ -175,4 +179,4 @@ def write_plots(out: Path) -> None:
 
 
 def build_sinks(cfg: RunConfig, out: Path) -> list:
-    return sinks_for(list(cfg.train.report_to), out) if cfg.train.report_to else []
+    return sinks_for(list(cfg.train.report_to), out, to_dict(cfg)) if cfg.train.report_to else []

@@ -1,6 +1,7 @@
 """Metric sinks beyond metrics.jsonl: every numeric scalar of every record to TensorBoard and/or CSV.
 
-``build_sinks(names, output_dir)`` returns one sink per name (``"tensorboard"``, ``"csv"``); each has
+``build_sinks(names, output_dir)`` returns one sink per name (``"tensorboard"``, ``"csv"``, and the trackers
+of ``trackers.py``, ``"wandb"`` and ``"mlflow"``); each has
 ``write(record)`` and ``close()`` and is handed exactly the records ``metrics.jsonl`` receives.
 
 What is written: a record of kind ``K`` at ``step`` S gives one scalar ``K/<key>`` per numeric field
@@ -27,8 +28,22 @@ from typing import Any, Protocol
 
 from densebatch.atomic import write_file
 from densebatch.errors import ConfigError
+from densebatch.train.observe import trackers
+from densebatch.train.observe.scalars import flatten, numeric_scalars, record_step
 
-SINKS = ("tensorboard", "csv")
+__all__ = [
+    "CSV_DIR",
+    "SINKS",
+    "TENSORBOARD_DIR",
+    "CSVSink",
+    "Sink",
+    "TensorBoardSink",
+    "build_sinks",
+    "flatten",
+    "numeric_scalars",
+]
+
+SINKS = ("tensorboard", "csv", "wandb", "mlflow")
 TENSORBOARD_DIR = "tensorboard"  # event files: output_dir/tensorboard/events.out.tfevents.*
 CSV_DIR = "csv"  # output_dir/csv/<kind>.csv
 
@@ -37,30 +52,6 @@ class Sink(Protocol):
     def write(self, record: dict) -> None: ...
 
     def close(self) -> None: ...
-
-
-def flatten(record: dict, prefix: str = "") -> dict[str, Any]:
-    """``{"a": 1, "b": {"c": 2}}`` → ``{"a": 1, "b/c": 2}`` (``kind`` and ``step`` left out at the top)."""
-    out: dict[str, Any] = {}
-    for key, value in record.items():
-        if not prefix and key in ("kind", "step"):
-            continue
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, name + "/"))
-        else:
-            out[name] = value
-    return out
-
-
-def numeric_scalars(record: dict) -> dict[str, float]:
-    """The numeric fields of ``record`` (flattened), as floats; NaN and inf are kept, bools are not numbers."""
-    return {k: float(v) for k, v in flatten(record).items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
-def _step(record: dict) -> int | None:
-    step = record.get("step")
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 class _Timeline:
@@ -110,7 +101,7 @@ class TensorBoardSink:
         self._timeline = _Timeline()
 
     def write(self, record: dict) -> None:
-        step = _step(record)
+        step = record_step(record)
         if step is None:
             return
         kind = str(record.get("kind", "train"))
@@ -173,7 +164,7 @@ class CSVSink:
             self._rewrite(path.stem, header or ["step"], [r for r in rows if _int(r.get("step")) < step])
 
     def write(self, record: dict) -> None:
-        step = _step(record)
+        step = record_step(record)
         if step is None:
             return
         kind = str(record.get("kind", "train"))
@@ -216,14 +207,17 @@ def _int(text: Any) -> int:
         return -1  # a malformed row sorts before every step: kept rather than silently lost
 
 
-def build_sinks(names: list[str] | tuple[str, ...], output_dir: str | Path) -> list[Sink]:
-    """One sink per name (duplicates once). Unknown names and a missing tensorboard package are ConfigErrors."""
+def build_sinks(names: list[str] | tuple[str, ...], output_dir: str | Path, config: dict | None = None) -> list[Sink]:
+    """One sink per name (duplicates once); ``config`` (the resolved configuration) becomes a tracker run's
+    parameters. Unknown names and a missing package are ConfigErrors."""
     out: list[Sink] = []
     for name in dict.fromkeys(names):
         if name == "tensorboard":
             out.append(TensorBoardSink(output_dir))
         elif name == "csv":
             out.append(CSVSink(output_dir))
+        elif name in ("wandb", "mlflow"):
+            out.append((trackers.WandbSink if name == "wandb" else trackers.MLflowSink)(output_dir, config or {}))
         else:
             raise ConfigError(f"train.report_to: unknown sink {name!r}; expected some of {', '.join(SINKS)}")
     return out
