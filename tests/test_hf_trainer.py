@@ -126,3 +126,40 @@ def test_a_resumed_trainer_run_continues_with_the_same_batches(base, tmp_path):
     resumed = _trainer(base, tmp_path / "part", ds, steps=4)
     resumed.train(resume_from_checkpoint=str(tmp_path / "part" / "checkpoint-2"))
     assert len(whole.losses) == 4 and np.allclose(resumed.losses, whole.losses[2:], atol=1e-6), (whole.losses, resumed.losses)
+
+
+def test_trl_sft_trainer_trains_on_the_same_batches_with_the_same_loss(base, tmp_path):
+    """TRL's SFTTrainer with dense_batches: its first step is the plain Trainer's (the same planned batch, and
+    TRL's fused loss reads shift_labels, so no target at a row cut is lost), within 1e-5."""
+    trl = pytest.importorskip("trl")
+    from densebatch.data.prepare.tokenizers import load_tokenizer
+
+    rng = np.random.default_rng(2)
+    ds = datasets.Dataset.from_dict({"input_ids": [rng.integers(3, VOCAB, int(n)).tolist() for n in rng.integers(5, 300, 40)]})
+    plain = _trainer(base, tmp_path / "plain", ds, steps=1)
+    plain.train()
+    load_tokenizer("default").save(tmp_path / "tok")
+
+    class RecordingSFT(trl.SFTTrainer):
+        losses: list
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.losses.append(float((loss[0] if return_outputs else loss).detach()))
+            return loss
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation=densebatch.register_attention())
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "sft"), max_steps=1, learning_rate=1e-3, seed=5, report_to=[], use_cpu=True,
+        save_strategy="no", disable_tqdm=True, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
+    )  # fmt: skip
+    sft = RecordingSFT(
+        model=model, args=args, train_dataset=ds, processing_class=transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
+    )
+    sft.losses = []
+    densebatch.dense_batches(sft, strategy="packed", seq_len=256, max_tokens_per_batch=1024, pad_id=0)
+    assert (
+        next(iter(sft.get_train_dataloader()))["input_ids"].shape == next(iter(plain.get_train_dataloader()))["input_ids"].shape
+    )
+    sft.train()
+    assert len(sft.losses) == 1 and abs(sft.losses[0] - plain.losses[0]) <= 1e-5, (sft.losses, plain.losses)
