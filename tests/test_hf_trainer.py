@@ -163,3 +163,30 @@ def test_trl_sft_trainer_trains_on_the_same_batches_with_the_same_loss(base, tmp
     )
     sft.train()
     assert len(sft.losses) == 1 and abs(sft.losses[0] - plain.losses[0]) <= 1e-5, (sft.losses, plain.losses)
+
+
+@pytest.mark.slow
+def test_two_processes_under_torchrun_train_as_one_with_twice_the_accumulation(base, tmp_path):
+    """Trainer under torchrun (2 processes, gloo): each rank takes its share of every step, and 3 steps of 2
+    batches a rank end with the weights of one process taking 4 batches a step (the same planned batches,
+    the loss averaged over the step's tokens across ranks)."""
+    import subprocess
+    import sys
+
+    from support import subprocess_env, torchrun
+
+    driver = Path(__file__).parent / "hf_trainer_driver.py"
+    env = subprocess_env()
+    two = subprocess.run(
+        torchrun([str(tmp_path / "two"), str(base), "2"], script=driver), env=env, capture_output=True, text=True, timeout=300
+    )
+    one = subprocess.run(
+        [sys.executable, str(driver), str(tmp_path / "one"), str(base), "4"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert two.returncode == 0 and one.returncode == 0, (two.stderr[-2000:], one.stderr[-2000:])
+    runs = [json.loads(line) for out in (two.stdout, one.stdout) for line in out.splitlines() if line.startswith('{"rank"')]
+    ranks, alone = [r for r in runs if r["world"] == 2], [r for r in runs if r["world"] == 1]
+    assert sorted(r["rank"] for r in ranks) == [0, 1] and len(alone) == 1
+    assert np.allclose(ranks[0]["sums"], ranks[1]["sums"], atol=0)  # DDP: the same weights on both ranks
+    assert np.allclose(ranks[0]["sums"], alone[0]["sums"], rtol=1e-5, atol=1e-5)
+    assert np.allclose(ranks[0]["logs"], alone[0]["logs"], atol=1e-4)

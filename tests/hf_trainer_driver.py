@@ -1,0 +1,30 @@
+"""``python hf_trainer_driver.py OUT BASE ACCUM``: 3 steps of Hugging Face ``Trainer`` with ``densebatch.dense_batches``
+on a tiny model, ``ACCUM`` batches a step; run by tests/test_hf_trainer.py alone and under torchrun (2 processes).
+Prints one JSON line per process: its rank, the world size, the logged losses and the trained weights' sums."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import transformers
+
+import densebatch
+
+if __name__ == "__main__":
+    out, base, accum = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation=densebatch.register_attention())
+    rng = np.random.default_rng(1)
+    ds = [rng.integers(3, 259, int(n)).tolist() for n in rng.integers(5, 300, 60)]
+    args = transformers.TrainingArguments(
+        output_dir=out, max_steps=3, learning_rate=1e-3, seed=5, report_to=[], use_cpu=True, save_strategy="no",
+        logging_steps=1, disable_tqdm=True, lr_scheduler_type="constant", gradient_accumulation_steps=accum,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds)
+    densebatch.dense_batches(trainer, strategy="packed", seq_len=256, max_tokens_per_batch=512, pad_id=0)
+    trainer.train()
+    sums = [float(p.detach().double().sum()) for p in model.parameters()]
+    logs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "world": args.world_size, "logs": logs, "sums": sums}), flush=True)
