@@ -1,12 +1,14 @@
 """``python hf_trainer_driver.py OUT BASE ACCUM``: 3 steps of Hugging Face ``Trainer`` with ``densebatch.dense_batches``
 on a tiny model, ``ACCUM`` batches a step; run by tests/test_hf_trainer.py alone and under torchrun (2 processes).
-Prints one JSON line per process: its rank, the world size, the logged losses and the trained weights' sums."""
+Writes ``OUT/rank-N.json`` per process (not stdout, where two ranks' lines can interleave): its rank, the world
+size, the logged losses and the trained weights' sums."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 import transformers
@@ -27,4 +29,6 @@ if __name__ == "__main__":
     trainer.train()
     sums = [float(p.detach().double().sum()) for p in model.parameters()]
     logs = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "world": args.world_size, "logs": logs, "sums": sums}), flush=True)
+    rank = int(os.environ.get("RANK", 0))
+    record = {"rank": rank, "world": args.world_size, "logs": logs, "sums": sums}
+    (Path(out) / f"rank-{rank}.json").write_text(json.dumps(record), encoding="utf-8")

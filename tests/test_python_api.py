@@ -187,3 +187,32 @@ def test_the_training_loop_in_the_docs_runs_as_written(capsys):
     code = text.split("## A plain PyTorch loop", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     exec(compile(code, "docs/python.md", "exec"), {})
     assert "done {'seed': 0, 'epoch': 2, 'step': 0}" in capsys.readouterr().out
+
+
+def test_an_epoch_taken_batch_by_batch_to_its_last_rolls_over_and_mappings_are_documents(hf_dataset, lengths):
+    """Taking exactly an epoch's batches without exhausting the iterator (islice) ends the epoch: the state is
+    the next epoch's start and the next pass yields a whole epoch. Items that are any Mapping (a tokenizer's
+    BatchEncoding) are read by their input_ids."""
+    import itertools
+    import types
+
+    loader = densebatch.dataloader(hf_dataset, **_kw("packed"))
+    n = len(loader)
+    assert len(list(itertools.islice(loader, n))) == n and loader.state_dict() == {"seed": 3, "epoch": 1, "step": 0}
+    assert len(list(loader)) == n
+    docs = [types.MappingProxyType({"input_ids": _ids(d, k)}) for d, k in enumerate(lengths)]
+    assert densebatch.Documents(docs).lengths.tolist() == lengths
+
+
+def test_a_store_that_needs_more_open_files_than_allowed_is_one_line(tmp_path, monkeypatch):
+    """Raised to the hard limit when it must be; beyond it, one line saying what to do."""
+    import resource
+
+    from densebatch.data.prepare.store import DocumentStore
+    from densebatch.errors import DataError
+
+    store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1])] * 4).save(tmp_path / "s", shard_tokens=3)  # 4 shards
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (16, 16))
+    with pytest.raises(DataError, match="open files.*data.shard_tokens") as e:
+        DocumentStore.open(store.path)
+    assert "\n" not in str(e.value)

@@ -208,3 +208,16 @@ def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_
     again = prepare(cfg)
     assert not again.summary.cache_hit and len(again.train) == len(mix)
     assert all(np.array_equal(again.train.document(i)[0], copy.document(i)[0]) for i in range(0, len(mix), 7))
+
+
+def test_a_mixture_in_a_cache_dir_reached_through_a_link_reads_back(tmp_path, two_equal_sources):
+    """The mixture's index points at its sources' shards by paths relative to it, computed on resolved paths
+    on both sides: a cache_dir given through a symbolic link (macOS /tmp, scratch links) reads back."""
+    real = tmp_path / "real" / "a" / "b"
+    real.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(real, target_is_directory=True)
+    cfg = _cfg(tmp_path, two_equal_sources)
+    cfg.cache_dir = str(tmp_path / "link" / "cache")
+    first = prepare(cfg)
+    again = prepare(cfg)
+    assert again.summary.cache_hit and len(again.train) == len(first.train) > 0

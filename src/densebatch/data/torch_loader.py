@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -183,7 +183,7 @@ class Documents:
 
     @staticmethod
     def _ids(item) -> Any:
-        return item["input_ids"] if isinstance(item, dict) else item
+        return item["input_ids"] if isinstance(item, Mapping) else item
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -196,9 +196,9 @@ class Documents:
         item = self.dataset[piece.doc]
         ids = np.asarray(self._ids(item), np.int64)
         n = len(ids)
-        if isinstance(item, dict) and item.get("labels") is not None:
+        if isinstance(item, Mapping) and item.get("labels") is not None:
             mask = (np.asarray(item["labels"], np.int64) != IGNORE_INDEX).astype(np.uint8)
-        elif isinstance(item, dict) and item.get("loss_mask") is not None:
+        elif isinstance(item, Mapping) and item.get("loss_mask") is not None:
             mask = np.asarray(item["loss_mask"], np.uint8)
         else:
             mask = np.ones(n, np.uint8)
@@ -276,9 +276,10 @@ class DenseDataLoader(torch.utils.data.DataLoader):
         s = self.batch_sampler
         s.epoch, s.step = self._pos
         epoch, step = self._pos
+        n = len(s)
         for batch in super().__iter__():
             step += 1
-            self._pos = (epoch, step)
+            self._pos = (epoch, step) if step < n else (epoch + 1, 0)  # the last batch handed out ends the epoch
             yield batch
         self._pos = (epoch + 1, 0)
 

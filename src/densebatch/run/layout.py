@@ -9,7 +9,9 @@ from densebatch.train.observe.monitor import METRICS_FILE
 FINAL_DIR = "final"  # output_dir/final: model + tokenizer + config.yaml + densebatch_state.json
 CHECKPOINT_DIR = "checkpoints"
 FINAL_STATE = "densebatch_state.json"  # {"step": N}: which step the final weights are
-RUN_OUTPUTS = (METRICS_FILE, CHECKPOINT_DIR, FINAL_DIR, "plots", "tensorboard", "csv", "config.yaml")
+RUN_OUTPUTS = (
+    METRICS_FILE, CHECKPOINT_DIR, FINAL_DIR, "plots", "tensorboard", "csv", "config.yaml", "tracker-runs.json", "wandb", "mlruns",
+)  # fmt: skip
 
 
 def holds_a_run(out: Path) -> list[str]:

@@ -121,10 +121,11 @@ def write_mixture_index(directory: Path, parts: list[tuple[Path, int]], meta: di
     """A mixture split in the new directory ``directory``: an index of its sources' shards (``parts``: a
     source store's directory and its source index, in store order), pointed at where they lie."""
     directory.mkdir()
+    here = directory.resolve()  # as resolved as read_index's paths: a cache_dir reached through a link stays right
     shards = []
     for store, s in parts:
         for e in read_index(store) or []:
-            shards.append(dict({k: v for k, v in e.items() if k != "dir"}, path=os.path.relpath(e["dir"], directory), source=s))
+            shards.append(dict({k: v for k, v in e.items() if k != "dir"}, path=os.path.relpath(e["dir"], here), source=s))
     return write_index(directory, shards, meta)
 
 

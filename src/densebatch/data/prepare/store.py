@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -92,6 +93,32 @@ def _shards_ok(shards: list[dict]) -> bool:
         return False
 
 
+def _room_for_files(n: int, d: Path) -> None:
+    """Make room for ``n`` more open files: the soft limit is raised up to the hard one (as data loaders do);
+    a store that still needs more is a one-line ``DataError``, not "Too many open files" mid-run."""
+    try:
+        import resource  # noqa: I001  (POSIX only)
+    except ImportError:
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        used = 64
+    want = used + n + 64
+    if want <= soft:
+        return
+    if hard == resource.RLIM_INFINITY or want <= hard:
+        resource.setrlimit(
+            resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else max(want, min(hard, 2 * want)), hard)
+        )
+        return
+    raise DataError(
+        f"{d}: reading its {n // 8} shards needs about {want} open files and this process may open {hard} (ulimit -n): "
+        "raise the limit, or prepare again with a larger data.shard_tokens"
+    )
+
+
 def _older_format(d: Path) -> bool:
     return marker_ok(d) and not (d / INDEX).is_file() and ((d / "tokens.npy").is_file() or (d / "parts.json").is_file())
 
@@ -131,6 +158,7 @@ class DocumentStore:
             raise DataError(f"{d}: not a complete document store (missing or mismatched {MARKER} marker); prepare it again")
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
         shards = read_index(d) or []
+        _room_for_files(8 * len(shards), d)  # a mapping and a positioned reader of each shard's 4 files
         arrays = {
             n: [np.load(Path(e["dir"]) / f"{n}.npy", mmap_mode="r", allow_pickle=False) for e in shards]
             for n in ("tokens", "loss_mask", "lengths", "doc_loss")

@@ -19,7 +19,7 @@ _GAP = 64  # take(): indices this close are read in one range
 
 
 _FDS: dict[int, int] = {}  # id of a store's memory-mapped array -> a descriptor of its file, for positioned reads
-_FDS_LOCK = threading.Lock()
+_FDS_LOCK = threading.RLock()  # re-entrant: a collection inside the lock may run _close
 
 
 def _file_of(array) -> int | None:

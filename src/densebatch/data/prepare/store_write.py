@@ -53,6 +53,8 @@ class _Shard:
         self.documents = self.tokens = self.loss_tokens = self.max_length = 0
 
     def add(self, tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> None:
+        if self.dtypes["tokens"] == np.uint16 and len(tokens) and not 0 <= int(np.min(tokens)) <= int(np.max(tokens)) < 1 << 16:
+            raise ValueError("token ids outside 0 .. 65535 for a uint16 store: the meta's vocab_size undercounts the ids")
         doc_loss = document_loss_tokens(np.concatenate([[0], np.cumsum(lengths)]), mask)
         for name, arr in zip(self.FILES, (tokens, mask, lengths, doc_loss)):
             self.files[name].write(np.ascontiguousarray(arr).astype(self.dtypes[name], copy=False).tobytes())
