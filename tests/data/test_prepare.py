@@ -14,7 +14,7 @@ from densebatch.config import CleanConfig
 from densebatch.data.prepare.pipeline import prepare
 from densebatch.data.prepare.store import MARKER
 from densebatch.data.prepare.templates import alpaca_prompt
-from densebatch.errors import DataError
+from densebatch.errors import ConfigError, DataError
 
 
 def _texts(prepared, store=None):
@@ -193,6 +193,36 @@ def test_cleaning_through_prepare(data_cfg, tmp_path, write_jsonl):
     assert len(p.train) == 1
     assert p.summary.cleaning_changed == {"strip_html": 2, "collapse_whitespace": 2}  # "<br>" -> "\n\n" -> ""
     assert p.summary.cleaning_dropped == {"dedupe": 1, "emptied": 1}
+
+
+def test_encoding_repair_and_term_dictionary_through_prepare(data_cfg, tmp_path, write_jsonl):
+    """The issue's check, on crafted records: mojibake repaired (fix_encoding, ftfy), dictionary terms
+    standardised as whole words only, each counted per record; the repaired copy of a record then dedupes
+    against its clean twin; a changed dictionary is another cache entry; a bad line is one line."""
+    pytest.importorskip("ftfy")
+    from densebatch.data.prepare.tokenizers import load_tokenizer
+
+    terms = tmp_path / "terms.txt"
+    terms.write_text("# standard names\nJS -> JavaScript\nk8s → Kubernetes\n", encoding="utf-8")
+    recs = [
+        {"instruction": "Donâ€™t deploy JS to k8s", "input": "", "output": "cafÃ© JSON"},
+        {"instruction": "Don’t deploy JavaScript to Kubernetes", "input": "", "output": "café JSON"},
+        {"instruction": "plain", "input": "", "output": "MJS stays"},
+    ]
+    clean = CleanConfig(fix_encoding=True, terms=str(terms), dedupe=True)
+    p = prepare(data_cfg(path=str(write_jsonl(tmp_path / "a.jsonl", recs)), clean=clean))
+    assert p.summary.cleaning_changed == {"fix_encoding": 1, "terms": 1}
+    assert p.summary.cleaning_dropped == {"dedupe": 1} and len(p.train) == 2
+    tok = load_tokenizer("default")
+    texts = [tok.decode([int(t) for t in p.train.document(i)[0]]) for i in range(len(p.train))]
+    assert "Don’t deploy JavaScript to Kubernetes" in texts[0] and "café JSON" in texts[0] and "MJS stays" in texts[1]
+    terms.write_text("JS -> ECMAScript\n", encoding="utf-8")
+    again = prepare(data_cfg(path=str(tmp_path / "a.jsonl"), clean=clean))
+    assert not again.summary.cache_hit
+    terms.write_text("JS ECMAScript\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"terms.txt:1: expected 'from -> to'") as e:
+        prepare(data_cfg(path=str(tmp_path / "a.jsonl"), clean=clean))
+    assert "\n" not in str(e.value)
 
 
 def test_eval_split_is_deterministic_disjoint_and_order_free(data_cfg, tmp_path, write_jsonl):

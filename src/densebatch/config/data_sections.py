@@ -31,10 +31,20 @@ class FieldsConfig:
 class CleanConfig:
     """Text cleaning; each step is opt-in and reports how many records it changed or dropped."""
 
+    fix_encoding: bool = _f(
+        False,
+        "Repair mojibake (e.g. â€™ for ’), double-encoded UTF-8 and stray surrogates with ftfy (extra densebatch[ftfy]); "
+        "quotes, widths and line breaks are left as they are.",
+    )
     strip_html: bool = _f(False, "Remove HTML tags and decode HTML entities.")
     nfkc: bool = _f(False, "Unicode NFKC normalisation.")
     control_chars: bool = _f(False, "Remove control characters (keeps newline and tab).")
     collapse_whitespace: bool = _f(False, "Collapse runs of spaces/tabs; at most one blank line.")
+    terms: str | None = _f(
+        None,
+        "A dictionary of terms to standardise: a JSON object {from: to}, or one 'from -> to' (or 'from → to', or "
+        "from<TAB>to) per line; whole words or phrases, matched case-sensitively, longest first; applied last.",
+    )
     dedupe: bool = _f(False, "Drop records whose rendered text exactly repeats an earlier one.")
     min_chars: int = _f(0, "Drop records whose rendered text is shorter than this (0 = off).", minimum=0)
     max_chars: int = _f(0, "Drop records whose rendered text is longer than this (0 = off).", minimum=0)

@@ -101,6 +101,8 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
         "input": default_dataset.VERSION if cfg.path is None else input_key(cfg.path, cfg.verify_inputs),
         "eval_input": input_key(cfg.eval_path, cfg.verify_inputs),
     }
+    if cfg.clean.terms:  # the dictionary's contents change the text, not only its path
+        material["terms"] = _file_digest(Path(cfg.clean.terms)) if Path(cfg.clean.terms).is_file() else None
     if cfg.template == "chat_template":  # the texts are the tokenizer's template's
         material["chat_template"] = [tok.chat_template, tok.template_variables]
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]

@@ -1,10 +1,13 @@
 """Text cleaning: opt-in steps on field values and record filters, each counting what it changed.
 
 Per field value, in this order (each only when enabled in ``data.clean``):
+``fix_encoding`` (ftfy's repair of mojibake, double-encoded UTF-8 and stray surrogates, nothing else),
 ``strip_html`` (tags removed, entities decoded, script/style bodies dropped, block tags → newline),
 ``nfkc`` (Unicode NFKC), ``control_chars`` (Unicode Cc removed except newline and tab; ``\\r\\n`` →
 ``\\n``), ``collapse_whitespace`` (runs of spaces/tabs → one space, trailing spaces cut, at most one
-blank line, ends stripped).
+blank line, ends stripped), ``terms`` (a user's dictionary: each whole word or phrase replaced by its
+standard form, case-sensitively, the longest match first; a term is whole when no letter, digit or
+underscore touches it).
 Per rendered record: ``min_chars`` / ``max_chars`` (length of the whole rendered text), then
 ``dedupe`` (drop a record whose rendered text equals an earlier kept one).
 
@@ -15,11 +18,14 @@ counts records a filter removed (plus ``emptied`` for records whose required fie
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import unicodedata
 from html.parser import HTMLParser
+from pathlib import Path
 
 from densebatch.config import CleanConfig
+from densebatch.errors import ConfigError
 
 _BLOCK_TAGS = {"p", "br", "div", "li", "ul", "ol", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "blockquote", "hr", "table"}
 _SKIP_TAGS = {"script", "style"}
@@ -78,18 +84,72 @@ def _nfkc(text: str) -> str:
     return unicodedata.normalize("NFKC", text)
 
 
+def encoding_fixer():
+    """ftfy's repair of encoding damage only (mojibake, double-encoded UTF-8, surrogates), or a one-line
+    ConfigError naming the extra."""
+    try:
+        import ftfy
+    except ImportError:
+        raise ConfigError("data.clean.fix_encoding needs the ftfy package: pip install 'densebatch[ftfy]'") from None
+    only_encoding = ftfy.TextFixerConfig(
+        unescape_html=False, remove_terminal_escapes=False, uncurl_quotes=False, fix_latin_ligatures=False,
+        fix_character_width=False, fix_line_breaks=False, remove_control_chars=False, normalization=None, explain=False,
+    )  # fmt: skip
+    return lambda text: ftfy.fix_text(text, only_encoding)
+
+
+_ARROWS = re.compile(r"\s*(?:->|→|\t)\s*")
+
+
+def read_terms(path: str) -> dict[str, str]:
+    """The dictionary of ``data.clean.terms``: a JSON object, or ``from -> to`` lines (``→`` or a tab also
+    separate; blank lines and lines starting with ``#`` skipped). A one-line ConfigError names a bad line."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"data.clean.terms {path}: cannot be read ({type(e).__name__}: {e})") from None
+    if text.lstrip().startswith("{"):
+        try:
+            table = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"data.clean.terms {path}: not valid JSON ({e})") from None
+        if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in table.items()):
+            raise ConfigError(f"data.clean.terms {path}: expected a JSON object of non-empty strings to strings")
+        return table
+    table = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = _ARROWS.split(line.strip(), maxsplit=1)
+        if len(parts) != 2 or not parts[0]:
+            raise ConfigError(f"data.clean.terms {path}:{n}: expected 'from -> to'; got {line.strip()!r}")
+        table[parts[0]] = parts[1]
+    return table
+
+
+def term_replacer(table: dict[str, str]):
+    """Replace each whole-word occurrence of a key of ``table`` by its value, longest key first."""
+    if not table:
+        return lambda text: text
+    keys = sorted(table, key=len, reverse=True)
+    pattern = re.compile(r"(?<!\w)(?:" + "|".join(re.escape(k) for k in keys) + r")(?!\w)")
+    return lambda text: pattern.sub(lambda m: table[m.group(0)], text)
+
+
 class Cleaner:
     """Applies ``CleanConfig`` to field values (``transform``) and rendered records (``keep``)."""
 
     def __init__(self, cfg: CleanConfig) -> None:
         self.cfg = cfg
         self.steps = [
-            (name, fn)
-            for name, fn in (
-                ("strip_html", strip_html),
-                ("nfkc", _nfkc),
-                ("control_chars", remove_control_chars),
-                ("collapse_whitespace", collapse_whitespace),
+            (name, make())
+            for name, make in (
+                ("fix_encoding", encoding_fixer),
+                ("strip_html", lambda: strip_html),
+                ("nfkc", lambda: _nfkc),
+                ("control_chars", lambda: remove_control_chars),
+                ("collapse_whitespace", lambda: collapse_whitespace),
+                ("terms", lambda: term_replacer(read_terms(cfg.terms))),
             )
             if getattr(cfg, name)
         ]
