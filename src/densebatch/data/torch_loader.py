@@ -42,9 +42,9 @@ import torch
 
 from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.data.load.collate import CausalCollator
-from densebatch.data.plan.planner import PlanSettings, plan_epoch
-from densebatch.data.plan.shards import EpochRows, plan_epoch_sharded
+from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.steps import rows_of, share
+from densebatch.data.plan.store_epochs import rows_of_epoch
 from densebatch.data.prepare.store import DocumentStore
 
 
@@ -109,11 +109,7 @@ class DenseBatchSampler:
         """The global plan of ``epoch`` (all ranks): a ``Plan``, or above ``shard_docs`` documents an
         ``EpochRows`` that builds the pieces of the rows asked for from their shard."""
         if self._plan is None or self._plan[0] != epoch:
-            if len(self.lengths) <= self.settings.shard_docs:
-                p = plan_epoch(self.lengths, self.settings, self.seed, epoch)
-            else:
-                p = EpochRows(plan_epoch_sharded(self.lengths, self.settings, self.seed, epoch))
-            self._plan = (epoch, p)
+            self._plan = (epoch, rows_of_epoch(self.lengths, self.settings, self.seed, epoch))
         return self._plan[1]
 
     def __len__(self) -> int:

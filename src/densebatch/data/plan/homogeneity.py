@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from densebatch.data.prepare.joined import JoinedArray
-from densebatch.data.prepare.store import read_window, take
+from densebatch.data.prepare.store import take, windows
 
 HOMOGENEOUS = 0.3  # above this (length or source), a run warns that its batches are far from random samples
 
@@ -40,10 +40,10 @@ def _quantile_table(lengths) -> np.ndarray:
     """``table[v]``: the mid-rank of length ``v`` among all, in [0, 1] (a few very long documents do not swamp
     the spread). From a histogram of the lengths read window by window: memory grows with the longest
     document, not with the corpus (a store's lengths stay on disk)."""
-    n, step = len(lengths), 1 << 22
+    n = len(lengths)
     counts = np.zeros(1, np.int64)
-    for a in range(0, n, step):
-        h = np.bincount(read_window(lengths, a, min(n, a + step)).astype(np.int64))
+    for _, w in windows(lengths, 1 << 22):
+        h = np.bincount(w.astype(np.int64))
         counts = np.pad(counts, (0, max(0, len(h) - len(counts))))
         counts[: len(h)] += h
     below = np.cumsum(counts) - counts

@@ -13,7 +13,7 @@ import numpy as np
 
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.steps import rows_of
-from densebatch.data.prepare.store import read_ranges, read_window
+from densebatch.data.prepare.store import read_ranges, windows
 from densebatch.errors import ConfigError
 
 BUDGETED = ("token_budget", "packed")  # sized by max_tokens_per_batch (the others by rows_per_batch)
@@ -82,11 +82,9 @@ def truncation_cap(b) -> tuple[int, str] | None:
 def loss_tokens_cut(store, cap: int) -> tuple[int, int]:
     """(loss tokens in the tails that truncation to ``cap`` tokens cuts, documents cut) of ``store``'s
     documents. A kept row of ``cap`` tokens keeps the targets of its tokens; the tail's targets are lost.
-    The lengths and the tails' mask are read window by window (``store.read_window``, ``read_ranges``)."""
-    lengths, step = store.lengths, 1 << 22
+    The lengths and the tails' mask are read window by window (``store.windows``, ``read_ranges``)."""
     long_ids = np.concatenate(
-        [a + np.flatnonzero(read_window(lengths, a, min(len(lengths), a + step)) > cap) for a in range(0, len(lengths), step)]
-        or [np.zeros(0, np.int64)]
+        [a + np.flatnonzero(w > cap) for a, w in windows(store.lengths, 1 << 22)] or [np.zeros(0, np.int64)]
     )
     if not len(long_ids):
         return 0, 0

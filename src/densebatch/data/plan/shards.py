@@ -39,7 +39,7 @@ from densebatch.data.plan.mixture import Selection
 from densebatch.data.plan.packing import ranges
 from densebatch.data.plan.planner import STRATEGIES, Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
 from densebatch.data.prepare.joined import JoinedArray
-from densebatch.data.prepare.store import read_window, take
+from densebatch.data.prepare.store import take, windows
 
 _SHARD_TAG = 0x534844  # keeps the shard order's stream apart from the planners' streams of the same seed
 _MAX_BLOCK = 64  # documents kept together when dealt into shards: contiguous reads of the lengths
@@ -216,10 +216,8 @@ def _checked(lengths) -> np.ndarray:
         raise ValueError("lengths: expected a one-dimensional array of token counts")
     if len(x) and not np.issubdtype(x.dtype, np.integer):
         raise ValueError(f"lengths: expected integer token counts; got {x.dtype}")
-    step = 1 << 22 if on_disk else max(1, len(x))
-    for a in range(0, len(x), step):
-        w = read_window(x, a, min(len(x), a + step)) if on_disk else x
-        if int(w.min()) < 1:
+    for a, w in windows(x, 1 << 22) if on_disk else [(0, x)]:  # in memory: checked in place
+        if len(w) and int(w.min()) < 1:
             raise ValueError(
                 f"lengths: every document needs at least one token; document {a + int(np.argmin(w))} has {int(w.min())}"
             )

@@ -45,6 +45,7 @@ from densebatch.data.prepare.store_io import (
     read_ranges,
     read_window,
     take,
+    windows,
     write_marker,
 )
 from densebatch.data.prepare.store_write import DEFAULT_SHARD_TOKENS, write_store_files
@@ -63,6 +64,7 @@ __all__ = [
     "read_window",
     "staged_store",
     "take",
+    "windows",
     "write_marker",
 ]
 
@@ -180,9 +182,8 @@ class DocumentStore:
     def offsets(self) -> np.ndarray:
         """(n + 1,) int64 token offsets (held in memory: 8 bytes a document; ``doc_spans`` holds none)."""
         out = np.zeros(len(self) + 1, np.int64)
-        for a in range(0, len(self), WINDOW_TOKENS):
-            b = min(len(self), a + WINDOW_TOKENS)
-            out[a + 1 : b + 1] = out[a] + np.cumsum(read_window(self.lengths, a, b), dtype=np.int64)
+        for a, got in windows(self.lengths, WINDOW_TOKENS):
+            out[a + 1 : a + 1 + len(got)] = out[a] + np.cumsum(got, dtype=np.int64)
         return out
 
     @functools.cached_property
@@ -203,8 +204,8 @@ class DocumentStore:
         """The token offset of every ``_EVERY``-th document (one scan of the lengths, window by window)."""
         n, step = len(self), WINDOW_TOKENS // _EVERY * _EVERY
         marks, total = np.zeros(-(-n // _EVERY), np.int64), 0
-        for a in range(0, n, step):
-            got = read_window(self.lengths, a, min(n, a + step)).astype(np.int64)
+        for a, got in windows(self.lengths, step):
+            got = got.astype(np.int64)
             c = total + np.concatenate([[0], np.cumsum(got)])  # offsets of documents a .. a + len(got)
             marks[a // _EVERY : a // _EVERY + -(-len(got) // _EVERY)] = c[: len(got) : _EVERY]
             total = int(c[-1])

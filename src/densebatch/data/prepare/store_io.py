@@ -7,6 +7,7 @@ import json
 import os
 import threading
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,13 @@ def read_window(array: np.ndarray, start: int, stop: int) -> np.ndarray:
     """``array[start:stop]`` as an array of its own (``read_ranges``): a scan over a whole store leaves none of
     its pages resident in this process."""
     return read_ranges(array, np.array([start]), np.array([max(start, stop)]))
+
+
+def windows(array, step: int) -> Iterator[tuple[int, np.ndarray]]:
+    """``(start, array[start:start + step])`` for consecutive windows over all of ``array``, each read by
+    ``read_window``: one scan of a store's array with one window in memory."""
+    for a in range(0, len(array), step):
+        yield a, read_window(array, a, min(len(array), a + step))
 
 
 def take(array, idx) -> np.ndarray:
