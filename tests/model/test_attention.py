@@ -121,22 +121,27 @@ def test_one_segment_per_row_takes_the_causal_path():
     assert plan_attention(positions_of([[3, 4]], 9), "segmented").backend == "segmented"
 
 
-def test_segmented_matches_masked_with_gradients_and_dropout_off():
+@pytest.mark.parametrize("causal", [True, False])
+def test_segmented_matches_masked_with_gradients_and_dropout_off(causal):
+    """Also bidirectional (an encoder): the padding slots of a bucket are then masked out as keys, and the
+    gradient of every real token is still read from its one slot."""
     pos = positions_of([[100, 60, 90], [256], [1, 2, 3, 200], [17]], T=256)
     q, k, v = qkv(4, 256, H=4, D=16)
-    ref, ref_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "masked")))
-    out, out_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "segmented")))
+    ref, ref_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "masked", causal=causal)))
+    out, out_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "segmented", causal=causal)))
     assert (out - ref).abs().max() <= 1e-5
     for a, b in zip(out_g, ref_g):
         assert (a - b).abs().max() <= 1e-5
 
 
-def test_segmented_gradcheck_float64():
+@pytest.mark.parametrize("causal", [True, False])
+def test_segmented_gradcheck_float64(causal):
     pos = positions_of([[3, 6], [2, 2, 4]], T=11)
     q, k, v = qkv(2, 11, H=1, D=3, dtype=torch.float64)
     seg = segment_plan(pos, ratio=1.5, min_len=2)  # several buckets, padded slots in most
     assert len(seg.buckets) > 2
-    assert torch.autograd.gradcheck(lambda *x: segmented_attention(*x, seg), (q, k, v))
+    opts = AttnOptions(causal=causal)
+    assert torch.autograd.gradcheck(lambda *x: segmented_attention(*x, seg, opts=opts), (q, k, v))
 
 
 @st.composite
@@ -195,10 +200,12 @@ def test_segment_plan_from_the_batchs_host_bounds_equals_the_one_found_on_the_de
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("backend", ["segmented", "masked", "flex"])
 @pytest.mark.parametrize(("window", "softcap", "kv_heads"), [(None, None, 1), (5, None, 2), (None, 0.5, 2), (7, 0.3, 1)])
-def test_grouped_query_heads_windows_and_soft_caps_match_a_per_document_reference(backend, window, softcap, kv_heads):
+@pytest.mark.parametrize("causal", [True, False])
+def test_grouped_query_heads_windows_and_soft_caps_match_a_per_document_reference(backend, window, softcap, kv_heads, causal):
     """What transformers' layers pass (fewer key/value heads, a sliding window, a soft-cap, a scale) gives,
     for every document of packed rows, what plain attention over that document alone gives (flex: forward
-    only, as it runs on CPU; on CUDA it is compiled and trains)."""
+    only, as it runs on CPU; on CUDA it is compiled and trains). ``causal`` False: an encoder's layer,
+    each token seeing its whole document (a window then reaches both ways) and never the padding."""
     rows, T, H, D = [[9, 14, 5], [20], [3, 11, 1, 7]], 32, 4, 8
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(len(rows), H, T, D, generator=gen)
@@ -207,7 +214,8 @@ def test_grouped_query_heads_windows_and_soft_caps_match_a_per_document_referenc
     cu, longest = segment_bounds(pos)
     opts = AttnOptions(scale=0.2, window=window, softcap=softcap)
     with torch.no_grad():
-        out = attend(q, k, v, plan_attention(pos, backend, cu_seqlens=cu, max_seqlen=longest), opts=opts)
+        plan = plan_attention(pos, backend, cu_seqlens=cu, max_seqlen=longest, causal=causal)
+        out = attend(q, k, v, plan, opts=opts)
     for r, lengths in enumerate(rows):
         t = 0
         for n in lengths:
@@ -217,7 +225,11 @@ def test_grouped_query_heads_windows_and_soft_caps_match_a_per_document_referenc
             if softcap:
                 s = softcap * torch.tanh(s / softcap)
             i = torch.arange(n)
-            allowed = (i[:, None] >= i[None, :]) & ((i[:, None] - i[None, :] < window) if window else True)
+            d = i[:, None] - i[None, :]
+            if causal:
+                allowed = (d >= 0) & ((d < window) if window else True)
+            else:
+                allowed = (d.abs() < window) if window else torch.ones(n, n, dtype=torch.bool)
             ref = torch.softmax(s.masked_fill(~allowed, float("-inf")), -1) @ vd
             assert torch.allclose(out[r, :, t : t + n], ref, atol=1e-5)
             t += n

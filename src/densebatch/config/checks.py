@@ -36,8 +36,17 @@ def _check(cfg: RunConfig) -> None:
         )
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: expected a number in [0, 1); got {d.eval_fraction}")
+    if not 0.5 <= d.clean.near_threshold <= 1.0:
+        raise ConfigError(f"data.clean.near_threshold: expected a number in [0.5, 1]; got {d.clean.near_threshold}")
     if not 0.0 < b.mlm_probability < 1.0:
         raise ConfigError(f"batching.mlm_probability: expected a number in (0, 1); got {b.mlm_probability}")
+    if b.mode == "mlm" and m.kind != "hf":
+        raise ConfigError(
+            "batching.mode: mlm trains an encoder masked LM (model.kind: hf, a directory saved as ...ForMaskedLM); "
+            "the reference GPT is a causal model: set batching.mode: causal"
+        )
+    if b.mode == "mlm" and m.lora.r:
+        raise ConfigError("model.lora.r: LoRA adapts causal LMs here; batching.mode mlm trains the whole encoder (set it to 0)")
     if m.kind == "hf" and not m.path:
         raise ConfigError("model.path: required when model.kind is hf (a local directory with config.json)")
     if m.kind == "gpt" and m.n_embd % m.n_head:

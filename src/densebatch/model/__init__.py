@@ -45,6 +45,7 @@ def build_model(
     base_vocab_size: int | None = None,
     empty_weights: bool = False,
     after_load: contextlib.AbstractContextManager | None = None,
+    task: str = "causal",
 ) -> nn.Module:
     """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt).
 
@@ -54,7 +55,8 @@ def build_model(
     table are new. The reference GPT is built for the whole vocabulary at random, so it needs none.
     ``empty_weights`` (Hugging Face): parameters on the meta device, to be read from the weight files
     shard by shard (``model/hf_weights.py``); ``after_load`` is entered around what follows the load
-    (the vocabulary grown, LoRA adapters added), for ``train/meta_init.recording``.
+    (the vocabulary grown, LoRA adapters added), for ``train/meta_init.recording``. ``task``:
+    ``batching.mode`` (``mlm``: a Hugging Face encoder masked LM; the reference GPT is causal only).
     """
     if cfg.kind == "gpt":
         resolve_backend(cfg.attention, "cpu", training=False)  # a ModelConfig built by hand: name check
@@ -84,6 +86,7 @@ def build_model(
             gradient_checkpointing=cfg.gradient_checkpointing,
             dtype=cfg.dtype,
             empty_weights=empty_weights,
+            task=task,
         )
         known = base_vocab_size or 0
         if known > model.vocab_size:  # ids the model has never seen would get rows of nothing it learned

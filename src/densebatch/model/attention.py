@@ -28,6 +28,7 @@ causal kernel (0.97 s, 2.35 s); bucket padding is ~5% of slots.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -47,12 +48,15 @@ BACKENDS = ("auto", "flex", "varlen", "segmented", "masked")
 SEGMENTED_MIN_LEN = 256
 
 
-def document_mask(positions: Tensor) -> Tensor:
-    """Same-segment and causal: ``mask[r, 0, q, k]`` is True where q may attend to k. (rows, 1, T, T)"""
+def document_mask(positions: Tensor, causal: bool = True) -> Tensor:
+    """Same-segment and causal (only same-segment for an encoder): ``mask[r, 0, q, k]`` is True where q may
+    attend to k. (rows, 1, T, T)"""
     doc = document_ids(positions)  # (rows, T)
-    T = positions.shape[-1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()  # (T, T)
-    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (rows, 1, T, T)
+    same = doc[:, :, None] == doc[:, None, :]  # (rows, T, T)
+    if causal:
+        T = positions.shape[-1]
+        same &= torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()  # (T, T)
+    return same[:, None]  # (rows, 1, T, T)
 
 
 def rows_hold_one_document(batch: Batch) -> bool:
@@ -163,6 +167,7 @@ class AttentionPlan:
     max_len: int = 0  # varlen: longest segment
     positions: Tensor | None = None  # (rows, T): what a fallback to the segmented path is built from
     host_cu_seqlens: Tensor | None = None  # the batch's segment bounds on the host (no device sync to use them)
+    causal: bool = True  # False: bidirectional within each document (an encoder's masked-LM attention)
     flex_masks: dict = field(default_factory=dict)  # flex: block masks by sliding window (None: none), built on first use
 
 
@@ -173,6 +178,7 @@ def plan_attention(
     past_positions: Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
+    causal: bool = True,
 ) -> AttentionPlan:
     """Build the plan for ``positions`` (rows, T) with an already-resolved ``backend``.
 
@@ -183,7 +189,17 @@ def plan_attention(
 
     ``past_positions`` (rows, S) are the positions already in a KV cache: queries are the new
     tokens, keys are past + new. Decoding always uses an explicit mask (tiny: Tq is 1).
+
+    ``causal`` False: each token attends to every token of its own document (an encoder). The padding
+    after a row's last document is then a key its queries could see, so the plain ``causal`` plan (one
+    document per row, then padding) is not taken; the padding run is a segment of its own.
     """
+    plan = _plan(positions, backend, single_doc_rows and causal, past_positions, cu_seqlens, max_seqlen, causal)
+    plan.causal = causal
+    return plan
+
+
+def _plan(positions, backend, single_doc_rows, past_positions, cu_seqlens, max_seqlen, causal) -> AttentionPlan:
     if past_positions is not None and past_positions.shape[-1] > 0:
         all_pos = torch.cat([past_positions, positions], dim=-1)  # (rows, S + T)
         doc = document_ids(all_pos)  # (rows, S + T)
@@ -203,9 +219,10 @@ def plan_attention(
             )  # one segment per row: plain causal is exact
         return AttentionPlan("segmented", segments=seg, positions=positions, host_cu_seqlens=host)
     if backend == "masked":
-        return AttentionPlan("masked", mask=document_mask(positions), positions=positions, host_cu_seqlens=host)
+        mask = document_mask(positions, causal)
+        return AttentionPlan("masked", mask=mask, positions=positions, host_cu_seqlens=host)
     if backend == "flex":
-        plan = AttentionPlan("flex", positions=positions, host_cu_seqlens=host)
+        plan = AttentionPlan("flex", positions=positions, host_cu_seqlens=host, causal=causal)
         plan.block_mask = _flex_mask(plan, None)
         return plan
     if backend == "varlen":
@@ -228,9 +245,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
     ``opts`` (scale, sliding window, soft-cap) are honoured by every backend; a kernel that cannot
     compute something hands the layer on: varlen (no fp32, no soft-cap, no dropout in FlashAttention's
     varlen kernel) to flex with a document block mask on CUDA, attention dropout (which flex lacks) to the
-    exact segmented path, whose indices are built once per plan."""
-    if plan.backend == "causal":
-        if opts.window is not None and opts.window < q.shape[-2] or opts.softcap:
+    exact segmented path, whose indices are built once per plan. A plan with ``causal`` False (an encoder)
+    makes every backend bidirectional within documents."""
+    if opts.causal != plan.causal:
+        opts = dataclasses.replace(opts, causal=plan.causal)
+    if plan.backend == "causal":  # whole rows (one document each, or no padding): no document mask needed
+        windowed = opts.window is not None and opts.window < q.shape[-2] or opts.softcap
+        if windowed and plan.positions is not None:  # per document, not over the padding run too
             return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
         return kernel(q, k, v, None, dropout_p, opts)
     if plan.backend == "masked":
@@ -262,6 +283,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
         Hkv = k.shape[1]
         flat = lambda x, h: x.transpose(1, 2).reshape(rows * T, h, D)  # noqa: E731  (rows*T, h, D)
         left = -1 if opts.window is None else opts.window - 1  # FlashAttention's window counts the keys before q
+        right = 0 if plan.causal else left  # and those after it: (-1, -1) = the whole document
         out = _varlen_fn()(
             flat(q, H),
             flat(k, Hkv),
@@ -271,7 +293,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
             plan.max_len,
             plan.max_len,
             scale=opts.scale,
-            window_size=(left, 0),  # (-1, 0) = causal in varlen_attn
+            window_size=(left, right),  # (-1, 0) = causal in varlen_attn
             enable_gqa=Hkv != H,
         )
         return out.view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)
@@ -279,15 +301,21 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
 
 
 def _flex_mask(plan: AttentionPlan, window: int | None):
-    """The plan's document block mask (causal; within ``window`` when given), built once per window."""
+    """The plan's document block mask (causal unless the plan is not; within ``window`` when given), built
+    once per window."""
     if window not in plan.flex_masks:
         from torch.nn.attention.flex_attention import create_block_mask
 
         doc = document_ids(plan.positions)  # (rows, T)
 
+        causal = plan.causal
+
         def same_doc_causal(b, h, q, k):
-            ok = (doc[b, q] == doc[b, k]) & (q >= k)
-            return ok if window is None else ok & (q - k < window)
+            if causal:
+                ok = (doc[b, q] == doc[b, k]) & (q >= k)
+                return ok if window is None else ok & (q - k < window)
+            ok = doc[b, q] == doc[b, k]
+            return ok if window is None else ok & ((q - k).abs() < window)
 
         rows, T = plan.positions.shape
         pos = plan.positions

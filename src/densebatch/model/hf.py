@@ -52,18 +52,20 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from densebatch.batch import Batch
+from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.errors import ConfigError
-from densebatch.model.attention import document_mask, pick_backend, plan_attention, rows_hold_one_document
+from densebatch.model.attention import pick_backend, plan_attention, rows_hold_one_document
 from densebatch.model.hf_attention import NAME as DENSEBATCH
 from densebatch.model.hf_attention import planned, register
 from densebatch.model.hf_checks import (  # noqa: F401  (REFUSED, _OWN_ATTENTION_CLASSES: also read by tests)
     _OWN_ATTENTION_CLASSES,
     REFUSED,
+    TASKS,
     check_architecture,
-    check_causal_lm_dir,
+    check_model_dir,
     layer_windows,
 )
+from densebatch.model.hf_masks import hf_document_mask
 from densebatch.model.hf_weights import empty_parameters
 from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
 from densebatch.model.quiet import quiet_progress
@@ -88,7 +90,8 @@ def has_weights(path: str | Path) -> bool:
 
 
 class HFCausalLM(nn.Module):
-    """A local ``AutoModelForCausalLM`` (weights, or random init from config.json alone)."""
+    """A local ``AutoModelForCausalLM`` (weights, or random init from config.json alone), or with
+    ``task="mlm"`` an ``AutoModelForMaskedLM`` (an encoder: BERT, RoBERTa, DistilBERT, ModernBERT, ...)."""
 
     def __init__(
         self,
@@ -99,9 +102,12 @@ class HFCausalLM(nn.Module):
         dtype: str = "float32",
         attention: str = "auto",
         empty_weights: bool = False,
+        task: str = "causal",
     ) -> None:
         """``empty_weights``: the structure only, parameters on the meta device, for a sharded build that
-        reads each rank's rows from the weight files (``model/hf_weights.py``)."""
+        reads each rank's rows from the weight files (``model/hf_weights.py``). ``task`` (``batching.mode``):
+        ``causal``, or ``mlm`` for an encoder masked LM (``AutoModelForMaskedLM``; attention bidirectional
+        within each document, targets unshifted: the collator puts each masked token's label at its position)."""
         super().__init__()
         if loss_head not in LOSS_HEADS:
             raise ValueError(f"loss_head: expected one of {', '.join(LOSS_HEADS)}; got {loss_head!r}")
@@ -112,11 +118,12 @@ class HFCausalLM(nn.Module):
                 f"isolated (tests show it leaks or crashes); use one of: {', '.join(ALLOWED)}"
             )
         path = Path(path)
-        check_causal_lm_dir(path)
+        check_model_dir(path, task)
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype: expected one of {', '.join(DTYPES)}; got {dtype!r}")
         try:
-            from transformers import AutoConfig, AutoModelForCausalLM
+            import transformers
+            from transformers import AutoConfig
         except ImportError:
             raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
         config = AutoConfig.from_pretrained(path)
@@ -126,19 +133,20 @@ class HFCausalLM(nn.Module):
         # model.dtype: the weights as loaded and trained (float32 master weights by default, whatever
         # the checkpoint's dtype; autocast does the low precision). See docs/hf-models.md.
         kw = dict(attn_implementation=attn_implementation, dtype=DTYPES[dtype])
+        auto = getattr(transformers, TASKS[task][0])  # AutoModelForCausalLM or AutoModelForMaskedLM
         try:
             with quiet_progress():
                 if empty_weights:
                     with empty_parameters():
-                        self.hf = AutoModelForCausalLM.from_config(config, **kw)
+                        self.hf = auto.from_config(config, **kw)
                     if (path / "generation_config.json").is_file():  # what from_pretrained would have read
                         from transformers import GenerationConfig
 
                         self.hf.generation_config = GenerationConfig.from_pretrained(path)
                 elif has_weights(path):
-                    self.hf = AutoModelForCausalLM.from_pretrained(path, **kw)
+                    self.hf = auto.from_pretrained(path, **kw)
                 else:
-                    self.hf = AutoModelForCausalLM.from_config(config, **kw)
+                    self.hf = auto.from_config(config, **kw)
         except ValueError as e:  # "X does not support an attention implementation through ..."
             if "attention implementation" not in str(e):
                 raise
@@ -158,6 +166,9 @@ class HFCausalLM(nn.Module):
         self.dtype = DTYPES[dtype]
         self.lora = False  # set by model/lora.py's apply_lora
         self._windows = layer_windows(self.hf.config)
+        self.task, self.causal = task, task == "causal"
+        emb = getattr(self.lm.base_model, "embeddings", None)  # RoBERTa's positions start after its padding row
+        self.position_offset = int(emb.padding_idx) + 1 if hasattr(emb, "create_position_ids_from_input_ids") else 0
         if gradient_checkpointing:
             kwargs = {"use_reentrant": False}
             if hasattr(self.hf, "activation_checkpointing_enable"):  # transformers >= 5.x name
@@ -182,26 +193,6 @@ class HFCausalLM(nn.Module):
         return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
     # ---------------------------------------------------------------------------------- forward
-    def _mask(self, positions: Tensor) -> Tensor | dict[str, Tensor]:
-        """The document mask in the form the attention implementation needs; with a sliding window,
-        the window drawn in, and one mask per layer type when the layers differ."""
-        mask = document_mask(positions)  # (rows, 1, T, T) bool
-        T = positions.shape[-1]
-        out = {}
-        for layer_type, window in self._windows.items():
-            m = mask
-            if window is not None and window < T:
-                q = torch.arange(T, device=mask.device)
-                m = mask & (q[:, None] - q[None, :] < window)  # (rows, 1, T, T) within a document, distance = columns
-            out[layer_type] = self._expressed(m)
-        return out if len(out) > 1 else next(iter(out.values()))
-
-    def _expressed(self, mask: Tensor) -> Tensor:
-        if ALLOWED[self.attn_implementation] == "bool":
-            return mask
-        dtype = self.dtype  # the hidden states' dtype outside autocast (eager adds the mask to the scores)
-        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
-
     def _inputs(
         self,
         input_ids: Tensor,
@@ -210,28 +201,24 @@ class HFCausalLM(nn.Module):
         cu_seqlens: Tensor | None = None,
         max_seqlen: int | None = None,
     ) -> AbstractContextManager[dict]:
-        """The model's keyword inputs, as a context (densebatch's attention plan is published while it runs)."""
+        """The model's keyword inputs, as a context (densebatch's attention plan is published while it runs).
+        Positions count from 0 in each document; a model whose position table starts after its padding
+        row (RoBERTa: ``padding_idx + 1``) gets them shifted, as it shifts its own."""
+        given = positions + self.position_offset if self.position_offset else positions
         if self.attn_implementation == DENSEBATCH:
             # The plan is built once here and reaches every layer's attention call as a keyword
             # (transformers forwards unknown keywords to the attention interface), no mask at all.
             backend = pick_backend(self.attention, input_ids.device, torch.is_grad_enabled(), positions.shape[-1])
-            plan = plan_attention(positions, backend, single_doc_rows, None, cu_seqlens, max_seqlen)
-            return planned(plan, input_ids=input_ids, position_ids=positions, use_cache=False)
-        return nullcontext(self._mask_inputs(input_ids, positions, single_doc_rows))
-
-    def _mask_inputs(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool) -> dict:
-        if single_doc_rows:
-            # One document per row, starting at column 0: its positions are 0, 1, ... (the model's
-            # default), and padding only follows it. Passing no position_ids matters: transformers
-            # >= 4.56 reads the restart of positions at the padding run as a second packed sequence
-            # and builds a 4-D mask, where no mask lets SDPA run its causal kernel.
-            return dict(input_ids=input_ids, use_cache=False)
-        return dict(
-            input_ids=input_ids,
-            position_ids=positions,
-            attention_mask=self._mask(positions),
-            use_cache=False,
-        )
+            plan = plan_attention(positions, backend, single_doc_rows, None, cu_seqlens, max_seqlen, self.causal)
+            return planned(plan, input_ids=input_ids, position_ids=given, use_cache=False)
+        if single_doc_rows and self.causal:
+            # One document per row, starting at column 0: its positions are the model's default, and
+            # padding only follows it. Passing no position_ids matters: transformers >= 4.56 reads the
+            # restart of positions at the padding run as a second packed sequence and builds a 4-D mask,
+            # where no mask lets SDPA run its causal kernel.
+            return nullcontext(dict(input_ids=input_ids, use_cache=False))
+        mask = hf_document_mask(positions, self._windows, ALLOWED[self.attn_implementation], self.dtype, self.causal)
+        return nullcontext(dict(input_ids=input_ids, position_ids=given, attention_mask=mask, use_cache=False))
 
     def forward(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False) -> Tensor:
         """Logits (rows, T, vocab), each document attending only to itself."""
@@ -239,18 +226,23 @@ class HFCausalLM(nn.Module):
             return self.lm(**inputs).logits
 
     label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
+    eval_hits: Tensor | None = None  # mlm, eval mode: masked tokens predicted right by the last token_losses
 
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
 
         Architectures in ``_HIDDEN_PATH_TYPES`` project only the positions with a target, through
         the fused chunked head unless ``loss_head="plain"``; others compute the model's own logits.
+        An encoder (``task`` mlm) in eval mode also leaves the number of masked tokens it predicted
+        right in ``eval_hits`` (a device scalar, read by ``train/evaluate.py``: no host sync here).
         """
         single = rows_hold_one_document(batch)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         with self._inputs(batch.input_ids, batch.positions, single, batch.cu_seqlens, batch.max_seqlen) as inputs:
             if not self._hidden_path:
                 logits = self.lm(**inputs).logits  # (rows, T, vocab)
+                if not (self.training or self.causal):  # masked-token accuracy, which evaluation reports
+                    self.eval_hits = ((logits.argmax(-1) == batch.labels) & (batch.labels != IGNORE_INDEX)).sum()
                 return plain_head_token_losses(logits, batch.labels, nn.Identity(), eps)
             h = self.lm.base_model(**inputs).last_hidden_state  # (rows, T, C)
         head = self.lm.get_output_embeddings()  # a frozen nn.Linear under LoRA, or PEFT's wrapper (trainable tokens)

@@ -64,23 +64,27 @@ def densebatch_attention(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[Tensor, None]:
-    """Causal attention within documents for one layer. Returns ((rows, T, H, D), no weights)."""
-    plan = kwargs.get(PLAN_KEY) or _ACTIVE.plan or _plan_from_packed(query, kwargs)
+    """Attention within documents for one layer: causal, or bidirectional for an encoder's layer (its
+    ``is_causal`` False). Returns ((rows, T, H, D), no weights)."""
+    causal = bool(getattr(module, "is_causal", True))
+    plan = kwargs.get(PLAN_KEY) or _ACTIVE.plan or _plan_from_packed(query, kwargs, causal)
     if plan is None and torch._C._current_graph_task_id() != -1:  # recomputed in a backward pass
         plan = _ACTIVE.last
-    opts = AttnOptions(scale=scaling, window=sliding_window or None, softcap=softcap or None)
+    opts = AttnOptions(scale=scaling, window=sliding_window or None, softcap=softcap or None, causal=causal)
     if plan is None:  # the transformers model run directly: one unpadded sequence per row
         Tq, Tk = query.shape[-2], key.shape[-2]
         if Tq == Tk:
-            plan = AttentionPlan("causal")
+            plan = AttentionPlan("causal", causal=causal)
         else:  # queries are the last Tq of Tk positions (a KV cache)
             q_at = torch.arange(Tk - Tq, Tk, device=query.device)
             plan = AttentionPlan("masked", mask=(torch.arange(Tk, device=query.device)[None, :] <= q_at[:, None]))
+    if plan.causal != causal:
+        raise AssertionError(f"a {'causal' if plan.causal else 'bidirectional'} attention plan reached a layer that is not")
     out = attend_eagerly(query, key, value, plan, dropout, opts)  # (rows, H, T, D)
     return out.transpose(1, 2), None
 
 
-def _plan_from_packed(query: Tensor, kwargs: dict) -> AttentionPlan | None:
+def _plan_from_packed(query: Tensor, kwargs: dict, causal: bool = True) -> AttentionPlan | None:
     """A plan from the keywords a model is given for packed rows (``cu_seq_lens_q`` with ``position_ids``:
     densebatch's ``dataloader`` and transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``),
     so a plain transformers model (``Trainer``, a user's loop) keeps documents apart on any device. Built
@@ -95,13 +99,13 @@ def _plan_from_packed(query: Tensor, kwargs: dict) -> AttentionPlan | None:
     # batch), unchanged, in the same grad mode: every layer of one forward gets them.
     grad = torch.is_grad_enabled()
     cached = _ACTIVE.from_kwargs
-    stamp = (cu._version, given._version, rows, grad)
+    stamp = (cu._version, given._version, rows, grad, causal)
     if cached is not None and cached[0]() is cu and cached[1]() is given and cached[2] == stamp:
         return cached[3]
     backend = pick_backend("auto", query.device, grad, pos.shape[-1])
     longest = kwargs.get("max_length_q")
     plan = plan_attention(
-        pos, backend, cu_seqlens=cu.to("cpu", torch.int32), max_seqlen=None if longest is None else int(longest)
+        pos, backend, cu_seqlens=cu.to("cpu", torch.int32), max_seqlen=None if longest is None else int(longest), causal=causal
     )
     _ACTIVE.from_kwargs = (weakref.ref(cu), weakref.ref(given), stamp, plan)
     return plan

@@ -1,6 +1,7 @@
 """What the Hugging Face adapter checks before it builds a model: that the directory holds a decoder-only
-causal LM, that the architecture can keep packed documents apart under the chosen attention, and which
-sliding window each layer type has (``model/hf.py`` draws it into a mask or passes it to the kernel)."""
+causal LM (or, for ``batching.mode: mlm``, an encoder masked LM), that the architecture can keep packed
+documents apart under the chosen attention, and which sliding window each layer type has (``model/hf.py``
+draws it into a mask or passes it to the kernel)."""
 
 from __future__ import annotations
 
@@ -62,14 +63,20 @@ def check_architecture(config, attn_implementation: str) -> None:
 
 
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")  # the class names of decoder-only language models
+MASKED_HEADS = ("ForMaskedLM",)  # the class names of encoder masked language models
 _ENCODERS = {"bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "megatron-bert", "roberta-prelayernorm", "xmod"}
+TASKS = {"causal": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+         "mlm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES")}  # fmt: skip
 
 
-def check_causal_lm_dir(path: str | Path) -> None:
-    """``ConfigError`` in one line, before anything is loaded, when ``path`` does not hold a decoder-only causal
-    LM: no ``config.json``, an encoder-decoder, a saved class that is not a causal LM head (``BertForMaskedLM``:
-    ``AutoModelForCausalLM`` would load it as ``BertLMHeadModel``, which reads the future unless it was
-    built as a decoder), or a model type transformers has no causal LM for."""
+def check_model_dir(path: str | Path, task: str = "causal") -> dict:
+    """``ConfigError`` in one line, before anything is loaded, when ``path`` does not hold a model of ``task``
+    (``causal``: a decoder-only causal LM; ``mlm``, ``batching.mode: mlm``: an encoder masked LM): no
+    ``config.json``, an encoder-decoder, a saved class of the other kind (``BertForMaskedLM`` for a causal
+    run: ``AutoModelForCausalLM`` would load it as ``BertLMHeadModel``, which reads the future unless it was
+    built as a decoder; a causal LM for an mlm run), a model type transformers has no such class for, or a
+    saved class other than the one transformers would build (a model is never loaded through a class it
+    was not saved as). Returns the parsed config.json."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: '{path}' has no config.json (expected a local Hugging Face model directory)")
@@ -78,25 +85,51 @@ def check_causal_lm_dir(path: str | Path) -> None:
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"model.path: {path / 'config.json'} is not valid JSON ({e})") from None
     kind, saved = meta.get("model_type", "?"), list(meta.get("architectures") or [])
-    supported = "densebatch trains decoder-only causal LMs (a class ending in ForCausalLM or LMHeadModel)"
+    mlm = task == "mlm"
+    auto = TASKS[task][0]
+    if mlm:
+        supported = "batching.mode mlm trains encoder masked LMs (a class ending in ForMaskedLM)"
+    else:
+        supported = "densebatch trains decoder-only causal LMs (a class ending in ForCausalLM or LMHeadModel)"
     if meta.get("is_encoder_decoder"):
         raise ConfigError(f"model.path: {path} holds an encoder-decoder ({', '.join(saved) or kind}); {supported}")
-    if saved and not any(a.endswith(CAUSAL_HEADS) for a in saved):
+    heads, other = (MASKED_HEADS, CAUSAL_HEADS) if mlm else (CAUSAL_HEADS, MASKED_HEADS)
+    if saved and not any(a.endswith(heads) for a in saved):
+        hint = f": set batching.mode: {'causal' if mlm else 'mlm'}" if any(a.endswith(other) for a in saved) else ""
         raise ConfigError(
-            f"model.path: {path} holds {', '.join(saved)}, not a causal LM (AutoModelForCausalLM would load "
-            f"{_causal_class(kind)} with its own head); {supported}"
+            f"model.path: {path} holds {', '.join(saved)}, not a {'masked' if mlm else 'causal'} LM ({auto} would load "
+            f"{model_class(kind, task) or 'nothing'} with its own head); {supported}{hint}"
         )
-    if kind in _ENCODERS and not meta.get("is_decoder"):
+    if not mlm and kind in _ENCODERS and not meta.get("is_decoder"):
         raise ConfigError(
-            f"model.path: {path} holds a {kind} encoder (is_decoder false: it attends to later tokens); {supported}"
+            f"model.path: {path} holds a {kind} encoder (is_decoder false: it attends to later tokens); {supported}, "
+            "or set batching.mode: mlm"
         )
-    if _causal_class(kind) is None:
-        raise ConfigError(f"model.path: transformers has no causal LM for model type {kind!r} ({path}); {supported}")
+    built = model_class(kind, task)
+    if built is None:
+        raise ConfigError(
+            f"model.path: transformers has no {'masked' if mlm else 'causal'} LM for model type {kind!r} ({path}); {supported}"
+        )
+    mismatched = [a for a in saved if a.endswith(heads) and a != built and _is_transformers_class(a)]
+    if mismatched:
+        raise ConfigError(
+            f"model.path: {path} was saved as {mismatched[0]} but {auto} would load it as {built}: a model is not "
+            "trained through a class it was not saved as"
+        )
+    return meta
 
 
-def _causal_class(model_type: str) -> str | None:
+def model_class(model_type: str, task: str = "causal") -> str | None:
+    """The class transformers' Auto class for ``task`` builds for ``model_type`` (None: none)."""
     try:
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        from transformers.models.auto import modeling_auto
     except ImportError:
         raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
-    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    return getattr(modeling_auto, TASKS[task][1]).get(model_type)
+
+
+def _is_transformers_class(name: str) -> bool:
+    """A class transformers itself defines (a repository's own class name, e.g. for remote code, is not judged)."""
+    import transformers
+
+    return hasattr(transformers, name)

@@ -10,6 +10,7 @@ import torch.nn as nn
 from densebatch.errors import ConfigError
 from densebatch.model.gpt import GPT, KIND
 from densebatch.model.hf import HFCausalLM
+from densebatch.model.hf_checks import MASKED_HEADS
 
 
 def save_model(model: nn.Module, path: str | Path) -> None:
@@ -21,7 +22,8 @@ def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module
     """Rebuild a model saved by ``save_model``: the kind is read from ``config.json``.
 
     A ``config.json`` marked ``densebatch_kind: densebatch-gpt`` is the reference GPT; any other is
-    a Hugging Face model directory (weights optional, see ``HFCausalLM``).
+    a Hugging Face model directory (weights optional, see ``HFCausalLM``): an encoder masked LM when saved as
+    one (a class ending in ``ForMaskedLM``), else a causal LM.
     """
     path = Path(path)
     cfg_file = path / "config.json"
@@ -33,4 +35,5 @@ def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module
         raise ConfigError(f"{cfg_file}: not valid JSON: {e}") from None
     if meta.get("densebatch_kind") == KIND:
         return GPT.load(path)
-    return HFCausalLM(path, attn_implementation=attn_implementation)
+    masked = any(str(a).endswith(MASKED_HEADS) for a in meta.get("architectures") or ())
+    return HFCausalLM(path, attn_implementation=attn_implementation, task="mlm" if masked else "causal")

@@ -19,20 +19,23 @@ from torch import Tensor
 def kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
     """Causal attention of q (n, H, L, D) over k, v (n, Hkv, L, D) (``mask``, if given, replaces the
     causal one: (.., L, L) bool, True = may attend), with ``opts``' scale, window and soft-cap. (n, H, L, D)
+    ``opts.causal`` False (an encoder): every query sees every key the mask allows; a window is then
+    symmetric (``|q - k| < window``).
 
     SDPA where it can (grouped-query heads through ``enable_gqa``, never repeated); soft-capped scores
     are computed explicitly (SDPA cannot cap), which is O(L^2) per call like SDPA's math kernel."""
     L = q.shape[-2]
     if opts.window is not None and opts.window < L:
-        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()  # (L, L)
         idx = torch.arange(L, device=q.device)
-        band = causal & (idx[:, None] - idx[None, :] < opts.window)  # q - k < window, as transformers' overlay
+        dist = idx[:, None] - idx[None, :]  # (L, L) q - k
+        band = (dist >= 0) & (dist < opts.window) if opts.causal else dist.abs() < opts.window  # as transformers' overlays
         mask = band if mask is None else mask & band
     gqa = k.shape[1] != q.shape[1]
     if opts.softcap:
         return capped_attention(q, k, v, mask, dropout_p, opts)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, scale=opts.scale, enable_gqa=gqa)
+        causal = opts.causal
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=opts.scale, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=opts.scale, enable_gqa=gqa)
 
 
@@ -45,7 +48,8 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropo
     s = (qg @ k.unsqueeze(2).transpose(-1, -2)).float() * scale  # (n, Hkv, G, L, L)
     s = torch.tanh(s / opts.softcap) * opts.softcap
     if mask is None:
-        mask = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        mask = torch.ones(L, L, dtype=torch.bool, device=q.device)
+        mask = mask.tril() if opts.causal else mask
     if mask.dim() == 4:  # (rows, 1, L, L): one per row
         mask = mask.unsqueeze(1)
     s = s.masked_fill(~mask, float("-inf"))
@@ -63,6 +67,7 @@ class AttnOptions:
     scale: float | None = None  # None: 1 / sqrt(head_dim)
     window: int | None = None  # a query sees the keys with q - k < window (within its document)
     softcap: float | None = None  # scores become softcap * tanh(scores / softcap)
+    causal: bool = True  # False: an encoder's bidirectional attention (within documents all the same)
 
 
 PLAIN = AttnOptions()

@@ -128,6 +128,12 @@ def _segment_indices(seg_start: Tensor, seg_len: Tensor, n_tok: int, ratio: floa
     return SegmentPlan(gather, scatter, torch.nonzero(is_pad).flatten(), buckets)
 
 
+def _real_slots(seg: SegmentPlan) -> Tensor:
+    """(slots,) bool: True at a slot that holds a token of its segment, False at the padding after it."""
+    real = torch.ones(seg.gather.shape, dtype=torch.bool, device=seg.gather.device)
+    return real.index_fill_(0, seg.pad_slots, False)
+
+
 class _ToSlots(torch.autograd.Function):
     """tokens (N, ...) -> slots (S, ...) by ``gather``; backward by ``scatter`` (a plain gather too).
 
@@ -167,7 +173,8 @@ def segmented_attention(
     q: Tensor, k: Tensor, v: Tensor, seg: SegmentPlan, dropout_p: float = 0.0, opts: AttnOptions = PLAIN
 ) -> Tensor:
     """Causal attention within segments for q (rows, H, T, D) and k, v (rows, Hkv, T, D), bucket by
-    bucket. (rows, H, T, D)"""
+    bucket. (rows, H, T, D) With ``opts.causal`` False (an encoder) each query sees its whole segment:
+    the padding slots after a segment's end are then masked out as keys."""
     rows, H, T, D = q.shape
     Hkv = k.shape[1]
     # (rows, T, H, D) is the layout the projections produced: flattening it is a view, not a copy.
@@ -176,10 +183,12 @@ def segmented_attention(
     q = _ToSlots.apply(q.transpose(1, 2).reshape(rows * T, H, D), seg).split(sizes)
     k, v = (_ToSlots.apply(x.transpose(1, 2).reshape(rows * T, Hkv, D), seg).split(sizes) for x in (k, v))
     outs = []
-    for (n, L), qb, kb, vb in zip(seg.buckets, q, k, v):
+    valid = None if opts.causal else _real_slots(seg).split(sizes)
+    for b, ((n, L), qb, kb, vb) in enumerate(zip(seg.buckets, q, k, v)):
         qb = qb.view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
         kb, vb = (x.view(n, L, Hkv, D).transpose(1, 2) for x in (kb, vb))  # (n, Hkv, L, D)
-        out = kernel(qb, kb, vb, None, dropout_p, opts)  # (n, H, L, D)
+        keys = None if valid is None else valid[b].view(n, 1, 1, L)  # a segment's own slots, not its padding
+        out = kernel(qb, kb, vb, keys, dropout_p, opts)  # (n, H, L, D)
         outs.append(out.transpose(1, 2).reshape(n * L, H, D))
     slots = outs[0] if len(outs) == 1 else torch.cat(outs)  # (slots, H, D)
     return _ToTokens.apply(slots, seg).view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)

@@ -30,7 +30,7 @@ from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
-from densebatch.model.hf_checks import check_causal_lm_dir
+from densebatch.model.hf_checks import check_model_dir
 from densebatch.model.hf_weights import fill_from_files, missing_weights, weight_files
 from densebatch.model.lora import lora_summary
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
@@ -122,7 +122,7 @@ def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device, on
 
     def build(empty_weights: bool = False, after_load=None):
         seed_everything(cfg.seed)
-        return build_model(cfg.model, tok.vocab_size, tok.base_vocab_size, empty_weights, after_load)
+        return build_model(cfg.model, tok.vocab_size, tok.base_vocab_size, empty_weights, after_load, cfg.batching.mode)
 
     record, why = None, None
     if on_meta and cfg.model.kind == "hf":
@@ -260,7 +260,7 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     (``data.cache_dir`` is tried when an entry is to be written: a complete entry reads without writing).
     ``on_meta``: the model is to be sharded, built on the meta device where it can be (``build_run_model``)."""
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
-        check_causal_lm_dir(cfg.model.path)
+        check_model_dir(cfg.model.path, cfg.batching.mode)
     problem = None
     if dist.is_main:  # train holds its lock there already; the finders write their results there at the end
         try:

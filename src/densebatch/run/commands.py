@@ -156,7 +156,7 @@ def build_trained(kind: str, d: Path, run_cfg: RunConfig | None, ckpt: Checkpoin
     else:
         tokenizer = load_data_tokenizer(run_cfg.data)  # with the tokens the run added (chatml's markers, add_tokens)
     # base_vocab_size: under LoRA the added tokens' rows are modules of their own (their state's keys)
-    model = build_model(run_cfg.model, tokenizer.vocab_size, tokenizer.base_vocab_size)
+    model = build_model(run_cfg.model, tokenizer.vocab_size, tokenizer.base_vocab_size, task=run_cfg.batching.mode)
     model.load_state_dict(ckpt.model_state)
     return model, tokenizer, tokenizer_dir
 

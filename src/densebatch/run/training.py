@@ -135,8 +135,11 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
 
 def accuracy_check(cfg: RunConfig, prepared, dist: Distributed) -> AccuracyCheck | None:
     """Exact-match accuracy on held-out prompts: only for the embedded dataset (whose answers can be checked),
-    on rank 0, and not under FSDP (generation would need every rank's shards)."""
+    on rank 0, and not under FSDP (generation would need every rank's shards); not for a masked LM (an
+    encoder generates nothing: its evaluation reports the masked tokens it predicts, ``masked_accuracy``)."""
     sharded = cfg.train.distributed == "fsdp" and dist.enabled
+    if cfg.batching.mode == "mlm":
+        return None
     demo_data = cfg.data.path is None and not cfg.data.sources
     # the held-out records are read here, by the one rank that scores them, and only when they are scored
     if demo_data and cfg.eval.accuracy_samples and dist.is_main and not sharded and prepared.eval_records:

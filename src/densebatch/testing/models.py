@@ -165,3 +165,39 @@ def packed_vs_alone(model, docs_by_row: list[list[list[int]]], reference=None) -
                 worst_logit = max(worst_logit, (logits[r, t : t + len(d)] - alone_logits).abs().max().item())
                 t += len(d)
     return worst_loss, worst_logit
+
+
+# ------------------------------------------------------------------ encoder masked LMs (batching.mode mlm)
+ENCODERS = ("bert", "roberta", "distilbert", "modernbert")
+
+
+def encoder_config(kind: str, vocab_size: int = TWO_LAYER_VOCAB):
+    """A ``transformers`` encoder config of ``kind`` (``ENCODERS``): 2 layers, width 32, 4 heads, 64
+    positions, padding id 0; ModernBERT alternates global and local (sliding window 8) attention."""
+    import transformers
+
+    if kind == "distilbert":
+        return transformers.DistilBertConfig(
+            vocab_size=vocab_size, n_layers=2, dim=32, n_heads=4, hidden_dim=64, max_position_embeddings=64, pad_token_id=0
+        )
+    if kind == "modernbert":
+        return transformers.ModernBertConfig(
+            vocab_size=vocab_size, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+            max_position_embeddings=64, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0,
+            bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
+        )  # fmt: skip
+    cls = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig}[kind]
+    return cls(
+        vocab_size=vocab_size, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        max_position_embeddings=66, pad_token_id=0,
+    )  # fmt: skip
+
+
+def save_encoder(kind: str, path, vocab_size: int = TWO_LAYER_VOCAB, seed: int = 0) -> None:
+    """A randomly initialised ``...ForMaskedLM`` of ``encoder_config(kind)`` saved to ``path`` (weights and
+    config, whose ``architectures`` name the class)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    transformers.AutoModelForMaskedLM.from_config(encoder_config(kind, vocab_size)).save_pretrained(path)

@@ -106,6 +106,7 @@ class EvalResult:
     batches: int
     loss_by_source: dict | None = None  # source name -> loss over that source's loss tokens (2+ sources)
     tokens_by_source: dict | None = None  # source name -> its loss tokens
+    masked_accuracy: float | None = None  # masked LM: share of the masked tokens predicted right (argmax)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -129,8 +130,9 @@ def evaluate(
     ``all_reduce_sum`` (identity by default) sums the (loss, tokens) totals over ranks, each rank
     evaluating its own shard (every rank must pass the same number of batches: FSDP gathers weights
     in each forward). ``forward`` replaces ``model.token_losses`` (the trainer passes its DDP / FSDP
-    wrapper). With ``source_names`` (two or more sources) the loss is also reported per source.
-    The model's train/eval mode is restored afterwards.
+    wrapper). With ``source_names`` (two or more sources) the loss is also reported per source. A
+    masked LM also reports ``masked_accuracy`` (the masked tokens whose argmax is right, over all masked
+    tokens: ``HFCausalLM.eval_hits``). The model's train/eval mode is restored afterwards.
     """
     forward = forward or model.token_losses
     if device is None:
@@ -139,32 +141,41 @@ def evaluate(
     was_training = model.training
     model.eval()
     k = len(source_names) if source_names and len(source_names) > 1 else 0
-    totals = torch.zeros(3 + 2 * k, dtype=torch.float64, device=device)  # loss sum, loss tokens, real tokens, sources
+    # loss sum, loss tokens, real tokens, masked tokens predicted right (mlm), then the sources'
+    totals = torch.zeros(4 + 2 * k, dtype=torch.float64, device=device)
+    hits_of = getattr(model, "module", model)  # an encoder leaves its hits there (HFCausalLM.eval_hits)
+    scored = False
     n = 0
     try:
         for batch in batches:
             if max_batches is not None and n >= max_batches:
                 break
             batch = to_device(batch, device)
+            hits_of.eval_hits = None
             with autocast(device, precision):
                 losses = forward(batch)  # (rows, T) float32, 0 where label == -100
             totals[0] += losses.double().sum()
             totals[1] += batch.num_loss_tokens
             totals[2] += batch.num_real_tokens
+            if (hits := getattr(hits_of, "eval_hits", None)) is not None:
+                totals[3] += hits
+                scored = True
             if k:
-                totals[3:] += source_sums(batch, losses, k)
+                totals[4:] += source_sums(batch, losses, k)
             n += 1
     finally:
         model.train(was_training)
     if all_reduce_sum is not None:
         totals = all_reduce_sum(totals)
     values = totals.tolist()
-    loss_sum, tokens, real = values[:3]
+    loss_sum, tokens, real, hits = values[:4]
     loss = loss_sum / tokens if tokens > 0 else math.nan
     result = EvalResult(
         loss=loss, ppl=perplexity(loss) if tokens > 0 else math.nan, tokens=int(tokens), real_tokens=int(real), batches=n
     )
+    if scored:
+        result.masked_accuracy = hits / tokens if tokens > 0 else math.nan
     if k:
-        result.loss_by_source = by_source(values[3:], source_names)[0]
-        result.tokens_by_source = {name: int(c) for name, c in zip(source_names, values[3 + k :])}
+        result.loss_by_source = by_source(values[4:], source_names)[0]
+        result.tokens_by_source = {name: int(c) for name, c in zip(source_names, values[4 + k :])}
     return result

@@ -52,6 +52,9 @@ class _Gathered:
     documents: tuple[int, ...]  # sorted unique store indices
     source_ids: np.ndarray | None  # (rows, T) int64, -1 at padding; None when the store has no sources
     cu_seqlens: np.ndarray  # (segments + 1,) int32: pieces and padding runs over the flattened rows
+    token_at: np.ndarray  # (n,) flat index into (rows, T) of each real token
+    token_doc: np.ndarray  # (n,) its document (store index)
+    token_pos: np.ndarray  # (n,) its position in its document (not in its piece)
 
     def batch(self, input_ids: np.ndarray | torch.Tensor, labels: torch.Tensor, num_loss_tokens: int) -> Batch:
         return Batch(
@@ -142,6 +145,9 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
         documents=tuple(int(d) for d in np.unique(doc)),
         source_ids=source_ids,
         cu_seqlens=cu_seqlens,
+        token_at=dst,
+        token_doc=np.repeat(doc, lens),
+        token_pos=np.repeat(start, lens) + k,
     )
 
 
@@ -158,13 +164,41 @@ class CausalCollator:
         return g.batch(torch.from_numpy(g.input_ids), torch.from_numpy(g.labels), int((g.labels != IGNORE_INDEX).sum()))
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a bijection of uint64 whose outputs pass as independent uniform draws."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def token_draws(seed: int, epoch: int, doc: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Three draws per token that depend only on (seed, epoch, document, position in the document):
+    two uniforms in [0, 1) (24 bits each) and one uint64 (the random replacement). Counter-based, so a
+    token's draw is the same in any batch, row, piece, rank or strategy."""
+    with np.errstate(over="ignore"):
+        base = _mix(np.uint64(seed % 2**64) + _GOLDEN * np.uint64(epoch % 2**64 + 1))
+        x = _mix(_mix(base ^ (doc.astype(np.uint64) * _GOLDEN)) + pos.astype(np.uint64) * _GOLDEN)
+        y = _mix(x ^ _GOLDEN)
+    scale = 1.0 / (1 << 24)
+    return (x >> np.uint64(40)).astype(np.float64) * scale, ((x >> np.uint64(16)) & np.uint64(0xFFFFFF)) * scale, y
+
+
 class MaskedLMCollator:
     """Masked-LM batches with the semantics of Hugging Face ``DataCollatorForLanguageModeling(mlm=True)``.
 
     ``mlm_probability`` of the real, non-special tokens are selected; of those 80% become
     ``mask_id``, 10% a random token, 10% stay; labels are the original token at selected positions
     and -100 elsewhere (not shifted: the target of position t is token t). Padding is excluded by
-    position, special tokens by id. Deterministic: the draw depends only on (seed, epoch, batch index).
+    position, special tokens by id.
+
+    Which tokens are selected, and what each becomes, depends only on (seed, epoch, document,
+    position in the document) (``token_draws``): not on the batch, the row, the piece a document was
+    split into, the rank or the strategy. So evaluation (epoch 0) masks the same tokens under every
+    plan, a step split over ranks masks what one process masks, and each epoch masks anew (dynamic
+    masking, as Hugging Face's collator re-draws per batch).
     """
 
     def __init__(
@@ -185,29 +219,25 @@ class MaskedLMCollator:
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability: expected a number in (0, 1); got {mlm_probability}")
         self.pad_id, self.mask_id, self.vocab_size = int(pad_id), int(mask_id), int(vocab_size)
-        self.special_ids = torch.tensor(sorted({int(i) for i in special_ids} | {self.mask_id}), dtype=torch.int64)
+        self.special_ids = np.array(sorted({int(i) for i in special_ids} | {self.mask_id}), np.int64)
         self.mlm_probability, self.seed, self.pad_to_multiple_of = float(mlm_probability), int(seed), int(pad_to_multiple_of)
-
-    def generator(self, step: tuple[int, int]) -> torch.Generator:
-        epoch, index = step
-        state = np.random.SeedSequence([self.seed % 2**63, int(epoch), int(index)]).generate_state(1, np.uint64)[0]
-        return torch.Generator().manual_seed(int(state) & (2**63 - 1))
 
     def __call__(self, store, rows, step: tuple[int, int] = (0, 0)) -> Batch:
         g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, use_loss_mask=False)
-        ids = torch.from_numpy(g.input_ids)
-        gen = self.generator(step)
-        real = torch.from_numpy(g.real)
-        prob = torch.full(ids.shape, self.mlm_probability)
-        prob.masked_fill_(~real | torch.isin(ids, self.special_ids), 0.0)
-        selected = torch.bernoulli(prob, generator=gen).bool()
-        labels = torch.where(selected, ids, torch.full_like(ids, IGNORE_INDEX))
-        replaced = torch.bernoulli(torch.full(ids.shape, 0.8), generator=gen).bool() & selected
-        randomised = torch.bernoulli(torch.full(ids.shape, 0.5), generator=gen).bool() & selected & ~replaced
-        out = ids.clone()
-        out[replaced] = self.mask_id
-        out[randomised] = torch.randint(self.vocab_size, ids.shape, generator=gen)[randomised]
-        return g.batch(out, labels, int(selected.sum()))
+        ids = g.input_ids.reshape(-1)
+        at = g.token_at
+        tokens = ids[at]  # (n,) the real tokens
+        select, what, other = token_draws(self.seed, step[0], g.token_doc, g.token_pos)
+        chosen = (select < self.mlm_probability) & ~np.isin(tokens, self.special_ids)
+        masked = chosen & (what < 0.8)
+        randomised = chosen & (what >= 0.8) & (what < 0.9)  # the last 10% keep their token
+        out = ids.copy()
+        out[at[masked]] = self.mask_id
+        out[at[randomised]] = (other[randomised] % np.uint64(self.vocab_size)).astype(np.int64)
+        labels = np.full(ids.shape, IGNORE_INDEX, np.int64)
+        labels[at[chosen]] = tokens[chosen]
+        shape = g.input_ids.shape
+        return g.batch(torch.from_numpy(out.reshape(shape)), torch.from_numpy(labels.reshape(shape)), int(chosen.sum()))
 
 
 def collator_from_config(cfg, meta: dict, seed: int = 0):
