@@ -117,3 +117,9 @@ def test_mode_mlm_is_refused_for_the_reference_gpt_in_one_line(capsys):
     err = capsys.readouterr().err
     assert "batching.mode: mlm" in err and "batching.mode: causal" in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_generate_refuses_an_encoder_in_one_line(run, capsys):
+    assert main(["generate", "--checkpoint", str(run / "out"), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "generates no continuation" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

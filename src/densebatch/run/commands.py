@@ -251,6 +251,11 @@ def generate_command(args) -> int:
     kind, d, _ = find_model_dir(args.checkpoint)
     run_cfg, ckpt = open_trained(kind, d)
     model, tok, _ = build_trained(kind, d, run_cfg, ckpt)
+    if getattr(model, "task", "causal") == "mlm":
+        raise UserError(
+            f"{d}: an encoder masked LM (batching.mode mlm) predicts masked tokens and generates no continuation; "
+            "score it with densebatch eval, or load final/ with AutoModelForMaskedLM"
+        )
     prompt, note = args.prompt, None
     if not args.raw and run_cfg is None:
         note = f"densebatch: note: {d} carries no run configuration (config.yaml): the prompt goes in as written"
