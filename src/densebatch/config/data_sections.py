@@ -45,7 +45,15 @@ class CleanConfig:
         "A dictionary of terms to standardise: a JSON object {from: to}, or one 'from -> to' (or 'from → to', or "
         "from<TAB>to) per line; whole words or phrases, matched case-sensitively, longest first; applied last.",
     )
-    dedupe: bool = _f(False, "Drop records whose rendered text exactly repeats an earlier one.")
+    dedupe: bool | Literal["off", "exact", "near"] = _f(
+        False,
+        "Drop duplicate records, the first copy kept: off (false); exact (true): the rendered text repeats an earlier "
+        "record's; near: also near copies of an earlier kept record's content (MinHash over 5-word shingles of the "
+        "lowercased words; extra densebatch[dedupe]). In a mixture, also copies of an earlier source's records.",
+    )
+    near_threshold: float = _f(
+        0.8, "dedupe near: the estimated Jaccard similarity of two records' word shingles at which they are copies (0.5-1)."
+    )
     min_chars: int = _f(0, "Drop records whose rendered text is shorter than this (0 = off).", minimum=0)
     max_chars: int = _f(0, "Drop records whose rendered text is longer than this (0 = off).", minimum=0)
 

@@ -4,15 +4,27 @@
 do / do not carry loss. Loss runs are shown in green (``color=True``, for a terminal) or wrapped in
 ``[[`` ... ``]]`` (plain text, for logs and pipes). Each document gets a header with its token count
 and loss-token count, so a user sees exactly what the model is trained on.
+
+``render_cleaning(cfg, num)``: when a cleaning step that rewrites text is on, the first ``num`` records
+(of the first ``SCAN`` of each source) that cleaning changed: each changed field value before and after,
+and the steps that changed it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Iterator
+from itertools import islice
 
 import numpy as np
 
+from densebatch.config import DataConfig
+from densebatch.data.prepare.clean import Cleaner
+from densebatch.data.prepare.default_dataset import generate_records
+from densebatch.data.prepare.source_configs import source_configs
+from densebatch.data.prepare.sources import BadRecord, detect_format, iter_records
 from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, render
 from densebatch.data.prepare.tokenizers import Tokenizer
 from densebatch.errors import DataError
 
@@ -50,4 +62,65 @@ def render_documents(store: DocumentStore, tokenizer: Tokenizer, indices: Iterab
         tokens, mask = store.document(i)
         out.append(f"--- document {i}: {len(tokens)} tokens, {int(mask.sum())} carry loss ---")
         out.append(render_document(tokens, mask, tokenizer, color))
+    return "\n".join(out) + "\n"
+
+
+SCAN = 1000  # records of a source looked at for render_cleaning
+
+
+def _records(cfg: DataConfig) -> Iterator[tuple[str, dict]]:
+    if cfg.path is None:
+        for i, r in enumerate(generate_records(cfg.default.num_records, cfg.default.seed)):
+            yield f"default dataset: record {i}", r
+        return
+    for item in iter_records(cfg.path, detect_format(cfg.path, cfg.format)):
+        if not isinstance(item, BadRecord):  # reported by prepare
+            yield item
+
+
+def _field(record: dict, value: str) -> str:
+    """The name of the top-level field that holds ``value`` (a chat message's text: its list's field)."""
+    for k, v in record.items():
+        if v == value or (isinstance(v, list) and any(isinstance(m, dict) and value in m.values() for m in v)):
+            return k
+    return "value"
+
+
+def render_cleaning(cfg: DataConfig, num: int) -> str:
+    """Records that cleaning changed, before and after (see the module doc); "" when no step rewrites text."""
+    cleaner = Cleaner(dataclasses.replace(cfg.clean, dedupe=False))
+    if not cleaner.steps:
+        return ""
+    out = [f"cleaning ({', '.join(name for name, _ in cleaner.steps)}): records it changed, field values before and after"]
+    changes: list[tuple[str, str, list[str]]] = []  # of the record being rendered
+
+    def transform(value: str) -> str:
+        cleaner.start_record()
+        new = cleaner.transform(value)
+        if new != value:
+            changes.append((value, new, sorted(cleaner.touched)))
+        return new
+
+    for name, c in source_configs(cfg):
+        fmt = "json" if c.path is None else detect_format(c.path, c.format)
+        if fmt == "text":  # paragraphs: the text is the record (as prepare reads it)
+            c = dataclasses.replace(c, template="raw", fields=dataclasses.replace(c.fields, text="text"))
+        shown = 0
+        for where, rec in islice(_records(c), SCAN):
+            changes.clear()
+            try:
+                render(rec, c, transform)
+            except (RecordError, EmptiedByCleaning):
+                pass  # what was cleaned before the field that failed is still shown
+            if not changes:
+                continue
+            out.append(f"--- {where}: changed by {', '.join(sorted({s for _, _, steps in changes for s in steps}))} ---")
+            for before, after, steps in changes:
+                field = _field(rec, before)
+                out += [f"{field} before: {before!r}", f"{field} after:  {after!r}  ({', '.join(steps)})"]
+            shown += 1
+            if shown >= num:
+                break
+        if not shown:
+            out.append(f"--- {name}: cleaning changed none of its first {SCAN} records ---")
     return "\n".join(out) + "\n"

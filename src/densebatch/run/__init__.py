@@ -20,12 +20,13 @@ NO_OVERRIDES = {
 
 
 def dispatch(args, overrides: list[str]) -> int:
-    """Each command imports what it needs when it runs: ``prepare`` never imports torch."""
+    """Each command imports what it needs when it runs: ``prepare`` and ``inspect`` never import torch."""
     cmd = args.command
-    if cmd == "prepare":
-        from densebatch.run.data_commands import prepare_command  # late: the data layer only, no torch
+    if cmd in ("prepare", "inspect"):
+        from densebatch.run import data_commands  # late: the data layer only, no torch
 
-        return prepare_command(resolve_config(args.config, overrides), args)
+        handler = data_commands.prepare_command if cmd == "prepare" else data_commands.inspect_command
+        return handler(resolve_config(args.config, overrides), args)
     from densebatch.run import commands  # late (as below): these import torch, which prepare never needs
     from densebatch.run.auto import resolved_budget  # late
     from densebatch.run.find import find_batch_command, find_lr_command  # late
@@ -46,7 +47,6 @@ def dispatch(args, overrides: list[str]) -> int:
     if cmd == "analyze":  # it plans batches: an `auto` budget is the one a run found
         cfg = resolved_budget(cfg)
     handlers = {
-        "inspect": commands.inspect_command,
         "analyze": commands.analyze_command,
         "config": commands.config_command,
     }

@@ -1,4 +1,4 @@
-"""The short commands: prepare, inspect, analyze, eval, generate and config."""
+"""The short commands that import torch: analyze, eval, generate, export and config (prepare and inspect: ``data_commands``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import yaml
 from densebatch.analyze import analyze_main, analyze_prepared, read_lengths
 from densebatch.atomic import staged_dir
 from densebatch.config import RunConfig, config_from_dict, describe, load_config, to_dict, with_overrides
-from densebatch.data.inspect import render_documents
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import check_batching
 from densebatch.data.prepare.cache import LEARNED_TOKENIZER
@@ -31,16 +30,6 @@ from densebatch.run.owned import eval_view, note_lines, prompt_for, same_documen
 from densebatch.train.checkpoint import Checkpoint, checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
 from densebatch.train.loop import resolve_device
-
-
-def inspect_command(cfg: RunConfig, args) -> int:
-    prepared = prepare_data(cfg.data)
-    store = prepared.train if args.split == "train" else prepared.eval
-    if store is None:
-        raise UserError("there is no eval split: set data.eval_path or data.eval_fraction > 0")
-    stop = min(len(store), args.start + max(0, args.num))
-    print(render_documents(store, prepared.tokenizer, range(args.start, stop), color=sys.stdout.isatty()), end="")
-    return 0
 
 
 def analyze_command(cfg: RunConfig, args) -> int:

@@ -1,11 +1,15 @@
-"""``densebatch prepare``: the data layer only (no torch import), so a cache hit costs what reading the
-cache entry costs, not the seconds torch takes to import."""
+"""``densebatch prepare`` and ``inspect``: the data layer only (no torch import), so a cache hit costs what
+reading the cache entry costs, not the seconds torch takes to import."""
 
 from __future__ import annotations
 
+import sys
+
 from densebatch.config import RunConfig
+from densebatch.data.inspect import render_cleaning, render_documents
 from densebatch.data.prepare.pipeline import prepare as prepare_data
 from densebatch.data.prepare.vocab import added_tokens_line
+from densebatch.errors import UserError
 
 
 def prepare_command(cfg: RunConfig, args) -> int:
@@ -14,4 +18,16 @@ def prepare_command(cfg: RunConfig, args) -> int:
     if (line := added_tokens_line(prepared.tokenizer.added)) is not None:
         print(line)
     print(f"documents: {prepared.cache_dir}")
+    return 0
+
+
+def inspect_command(cfg: RunConfig, args) -> int:
+    """Prepared documents decoded, loss tokens marked; then, with cleaning on, records before and after it."""
+    prepared = prepare_data(cfg.data)
+    store = prepared.train if args.split == "train" else prepared.eval
+    if store is None:
+        raise UserError("there is no eval split: set data.eval_path or data.eval_fraction > 0")
+    stop = min(len(store), args.start + max(0, args.num))
+    print(render_documents(store, prepared.tokenizer, range(args.start, stop), color=sys.stdout.isatty()), end="")
+    print(render_cleaning(cfg.data, max(1, args.num)), end="")
     return 0

@@ -27,6 +27,7 @@ from pathlib import Path
 from densebatch.atomic import io_reason, remove_leftovers
 from densebatch.config import DataConfig
 from densebatch.data.prepare import default_dataset
+from densebatch.data.prepare.dedupe import dedupe_mode, key_material
 from densebatch.data.prepare.sources import detect_format
 from densebatch.data.prepare.store import DocumentStore, marker_ok
 from densebatch.data.prepare.summary import PrepareSummary
@@ -72,10 +73,16 @@ def input_key(path: str | None, how: str):
     return _file_digest(Path(path)) if how == "hash" else {"identity": _file_identity(Path(path))}
 
 
-def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
+def cache_key(cfg: DataConfig, tok: Tokenizer, after: list[str] | tuple[str, ...] = ()) -> str:
     """Hash of the inputs (their identity, or with ``verify_inputs: hash`` their bytes) and every setting
-    that changes the prepared tokens."""
+    that changes the prepared tokens; ``after``: the keys of a mixture's earlier sources, whose records this
+    source's are deduped against (``dedupe.py``; named only when dedupe is on)."""
     settings = dataclasses.asdict(cfg)
+    dedupe = key_material(cfg.clean)
+    # off and exact as false / true, as before; near's threshold only where it is read: off's entries stay valid
+    settings["clean"]["dedupe"] = {"off": False, "exact": True}.get(dedupe_mode(cfg.clean), "near")
+    if dedupe is None or dedupe_mode(cfg.clean) != "near":
+        settings["clean"].pop("near_threshold")
     # a source's key: the tokenizer's fingerprint covers the added tokens, and other sources are theirs
     for k in (
         "path",
@@ -101,11 +108,23 @@ def cache_key(cfg: DataConfig, tok: Tokenizer) -> str:
         "input": default_dataset.VERSION if cfg.path is None else input_key(cfg.path, cfg.verify_inputs),
         "eval_input": input_key(cfg.eval_path, cfg.verify_inputs),
     }
+    if dedupe is not None:
+        material["dedupe"] = dedupe
+        if after:
+            material["after"] = list(after)
     if cfg.clean.terms:  # the dictionary's contents change the text, not only its path
         material["terms"] = _file_digest(Path(cfg.clean.terms)) if Path(cfg.clean.terms).is_file() else None
     if cfg.template == "chat_template":  # the texts are the tokenizer's template's
         material["chat_template"] = [tok.chat_template, tok.template_variables]
     return hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def source_keys(cfgs: list[DataConfig], tok: Tokenizer) -> list[str]:
+    """The cache keys of a mixture's sources, in order: with dedupe on, each names those before it."""
+    keys: list[str] = []
+    for c in cfgs:
+        keys.append(cache_key(c, tok, after=keys))
+    return keys
 
 
 def check_meta(store: DocumentStore, tok: Tokenizer) -> None:

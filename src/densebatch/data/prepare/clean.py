@@ -8,8 +8,9 @@ Per field value, in this order (each only when enabled in ``data.clean``):
 blank line, ends stripped), ``terms`` (a user's dictionary: each whole word or phrase replaced by its
 standard form, case-sensitively, the longest match first; a term is whole when no letter, digit or
 underscore touches it).
-Per rendered record: ``min_chars`` / ``max_chars`` (length of the whole rendered text), then
-``dedupe`` (drop a record whose rendered text equals an earlier kept one).
+Per rendered record: ``min_chars`` / ``max_chars`` (length of the whole rendered text). ``dedupe`` (exact or
+near copies of earlier records) needs every record and is decided once all are rendered (``dedupe.py``);
+``Cleaner.values`` holds the cleaned field values of the record just rendered, its content for near dedupe.
 
 ``changed[step]`` counts *records* in which the step changed at least one value; ``dropped[step]``
 counts records a filter removed (plus ``emptied`` for records whose required field became empty).
@@ -17,7 +18,6 @@ counts records a filter removed (plus ``emptied`` for records whose required fie
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import unicodedata
@@ -25,6 +25,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 from densebatch.config import CleanConfig
+from densebatch.data.prepare.dedupe import dedupe_mode
 from densebatch.errors import ConfigError
 
 _BLOCK_TAGS = {"p", "br", "div", "li", "ul", "ol", "tr", "h1", "h2", "h3", "h4", "h5", "h6", "pre", "blockquote", "hr", "table"}
@@ -156,15 +157,16 @@ class Cleaner:
         self.changed: dict[str, int] = {name: 0 for name, _ in self.steps}
         self.dropped: dict[str, int] = {}
         self._touched: set[str] = set()  # steps that changed something in the current record
-        self._seen: set[bytes] = set()
+        self.values: list[str] = []  # the current record's field values, cleaned
 
     @property
     def active(self) -> bool:
         c = self.cfg
-        return bool(self.steps or c.dedupe or c.min_chars or c.max_chars)
+        return bool(self.steps or dedupe_mode(c) != "off" or c.min_chars or c.max_chars)
 
     def start_record(self) -> None:
         self._touched = set()
+        self.values = []
 
     def transform(self, value: str) -> str:
         for name, fn in self.steps:
@@ -172,18 +174,24 @@ class Cleaner:
             if new != value:
                 self._touched.add(name)
                 value = new
+        self.values.append(value)
         return value
+
+    @property
+    def touched(self) -> set[str]:
+        """The steps that changed something since ``start_record``."""
+        return self._touched
 
     def finish_record(self) -> None:
         """Count the steps that changed the record just rendered (call once per rendered record)."""
         for name in self._touched:
             self.changed[name] += 1
 
-    def drop(self, step: str) -> None:
-        self.dropped[step] = self.dropped.get(step, 0) + 1
+    def drop(self, step: str, n: int = 1) -> None:
+        self.dropped[step] = self.dropped.get(step, 0) + n
 
     def keep(self, rendered: str) -> bool:
-        """Length filters and exact dedupe on the rendered text; counts a drop when False."""
+        """Length filters on the rendered text; counts a drop when False."""
         n = len(rendered)
         if self.cfg.min_chars and n < self.cfg.min_chars:
             self.drop("min_chars")
@@ -191,10 +199,4 @@ class Cleaner:
         if self.cfg.max_chars and n > self.cfg.max_chars:
             self.drop("max_chars")
             return False
-        if self.cfg.dedupe:
-            key = hashlib.blake2b(rendered.encode("utf-8", "surrogateescape"), digest_size=16).digest()
-            if key in self._seen:
-                self.drop("dedupe")
-                return False
-            self._seen.add(key)
         return True

@@ -3,13 +3,14 @@
 ``Builder(cfg, tok, summary)`` reads one source's records (``read``), turns them into ``Doc``s
 (``documents``: render with the template, clean, filter, tokenize each segment on its own and
 concatenate, append the end-of-text), chunks plain text (``chunk``) and applies the length policy
-(``finish``); every record it does not keep is counted in the summary. ``split_eval`` holds out
-documents by content hash. ``prepare`` drives it and stores the result.
+(``finish``); every record it does not keep is counted in the summary. Duplicates are not judged here
+(that needs every record): each rendered document carries its keys (``text_key``, and with near dedupe
+its MinHash ``sig`` and ``bands``) for ``dedupe.dedupe``. ``split_eval`` holds out documents by content
+hash. ``prepare`` drives it and stores the result.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import itertools
 import json
@@ -23,6 +24,7 @@ from densebatch.config import DataConfig
 from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.chat_template import ChatTemplate
 from densebatch.data.prepare.clean import Cleaner
+from densebatch.data.prepare.dedupe import Signer, dedupe_mode, text_key
 from densebatch.data.prepare.sources import SURROGATE, BadRecord, LineRange, has_undecodable, iter_records, read_jsonl_range
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, missing_fields, render
@@ -39,7 +41,9 @@ class Doc:
     tokens: np.ndarray  # int32
     mask: np.ndarray  # uint8
     record: dict | None
-    text_key: bytes | None = None  # hash of the rendered text, for an exact dedupe done later (``Builder.defer_dedupe``)
+    text_key: bytes | None = None  # hash of the rendered text (None: not rendered), for dedupe and the leakage count
+    sig: np.ndarray | None = None  # near dedupe: MinHash signature of the content (uint16), None when it has no word
+    bands: np.ndarray | None = None  # near dedupe: its LSH band hashes (uint64)
 
 
 # What ``finish_one`` did to a document; the first two keep it
@@ -55,15 +59,11 @@ def record_key(record: dict) -> bytes:
 class Builder:
     """Turns records into documents, counting every record it does not keep."""
 
-    def __init__(
-        self, cfg: DataConfig, tok: Tokenizer, summary: PrepareSummary, defer_dedupe: bool = False, collect_bad: bool = False
-    ) -> None:
-        """``defer_dedupe``: keep every record the exact dedupe would judge, with its rendered text's hash
-        (``Doc.text_key``), for a caller that sees all of them to decide (a chunk of a streamed prepare);
-        ``collect_bad``: bad records go to ``self.bad_records`` in order, neither raised nor counted."""
+    def __init__(self, cfg: DataConfig, tok: Tokenizer, summary: PrepareSummary, collect_bad: bool = False) -> None:
+        """``collect_bad``: bad records go to ``self.bad_records`` in order, neither raised nor counted."""
         self.cfg, self.tok, self.s = cfg, tok, summary
-        self.defer_dedupe = defer_dedupe and cfg.clean.dedupe
-        self.cleaner = Cleaner(dataclasses.replace(cfg.clean, dedupe=False) if self.defer_dedupe else cfg.clean)
+        self.cleaner = Cleaner(cfg.clean)
+        self.signer = Signer(cfg.clean.near_threshold) if dedupe_mode(cfg.clean) == "near" else None
         self.bad_records: list[BadRecord] | None = [] if collect_bad else None
         # the tokenizer's own chat template (a ConfigError at once when it has none)
         self.chat = ChatTemplate.of(tok) if cfg.template == "chat_template" else None
@@ -132,7 +132,7 @@ class Builder:
 
     def documents(self, items: list[tuple[str, dict]], pretokenized_ok: bool = True) -> list[Doc]:
         """Render, clean, filter and tokenize ``items`` (in order); bad ones are reported."""
-        rendered: list[tuple[int, dict, list, bytes | None]] = []
+        rendered: list[tuple[int, dict, list, tuple]] = []
         docs: list[tuple[int, Doc]] = []
         for pos, (where, rec) in enumerate(items):
             if pretokenized_ok and self.cfg.fields.input_ids in rec:
@@ -154,12 +154,13 @@ class Builder:
             self.cleaner.finish_record()
             text = "".join(t for t, _ in segments)
             if self.cleaner.keep(text):
-                rendered.append((pos, rec, segments, text_key(text) if self.defer_dedupe else None))
+                signed = self.signer.sign("\n".join(self.cleaner.values)) if self.signer is not None else None
+                rendered.append((pos, rec, segments, (text_key(text), *(signed or (None, None)))))
         docs += self._tokenize(rendered)
         docs.sort(key=lambda x: x[0])  # input order, pre-tokenised records among the others
         return [d for _, d in docs]
 
-    def _tokenize(self, rendered: list[tuple[int, dict, list, bytes | None]]) -> list[tuple[int, Doc]]:
+    def _tokenize(self, rendered: list[tuple[int, dict, list, tuple]]) -> list[tuple[int, Doc]]:
         """Each record's segments tokenised on their own and laid end to end with the end-of-text, the
         loss mask by segment; built as one flat array a batch (each document a view of it)."""
         docs = []
@@ -184,9 +185,9 @@ class Builder:
             mask[body] = np.repeat(flags, seg_len)
             tokens[eos_at] = self.tok.eos_id
             mask[eos_at] = np.asarray(eos_flags, np.uint8)
-            for j, (pos, rec, _segs, tkey) in enumerate(part):
+            for j, (pos, rec, _segs, keys) in enumerate(part):
                 a, b = int(bounds[j]), int(bounds[j + 1])
-                docs.append((pos, Doc(record_key(rec), tokens[a:b], mask[a:b], rec, tkey)))
+                docs.append((pos, Doc(record_key(rec), tokens[a:b], mask[a:b], rec, *keys)))
         return docs
 
     def _pretokenized(self, rec: dict) -> Doc:
@@ -271,11 +272,6 @@ def count_outcome(s: PrepareSummary, outcome: int, n: int = 1) -> None:
         s.dropped_no_target += n
     elif outcome == DROPPED_NO_LOSS:
         s.dropped_no_loss += n
-
-
-def text_key(text: str) -> bytes:
-    """The exact-dedupe hash of a rendered text (as ``Cleaner.keep`` computes it)."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).digest()
 
 
 def split_eval(docs: list[Doc], fraction: float) -> tuple[list[Doc], list[Doc]]:

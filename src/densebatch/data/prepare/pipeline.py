@@ -3,23 +3,27 @@
 ``prepare(cfg: DataConfig, seed=0) -> Prepared``. For each source (``data.path``, or each of
 ``data.sources``), in order, for each record in file order (``documents.Builder``):
 read (``sources``) → render with the template, cleaning each field value (``templates``, ``clean``)
-→ length filters and exact dedupe → tokenize each segment on its own and concatenate, so the loss
-mask is exact by position → append the end-of-text → split train / eval → truncate or drop
-documents over ``max_seq_len`` → write both stores.
+→ length filters → tokenize each segment on its own and concatenate, so the loss mask is exact by
+position → append the end-of-text; then, once every record is rendered, drop duplicates (``dedupe.py``:
+exact or near, the first copy kept) → split train / eval → truncate or drop documents over
+``max_seq_len`` → write both stores.
 
 A mixture (``data.sources``) is prepared source by source, each in its own cache entry (so adding a
 source tokenises only that one; all share one tokenizer, whose added tokens are in every key), then
 laid end to end in one entry: its stores' indexes point at each source's shards (with its source) and
 ``meta["sources"]`` names them, its eval split
 holds each source's own held-out documents, and its summary one line of facts per source. Names
-and weights are not part of any key: renaming or re-weighting prepares nothing again.
+and weights are not part of any key: renaming or re-weighting prepares nothing again. With dedupe on,
+a source's records that repeat an earlier source's kept records are dropped too (counted per source as
+``dedupe_cross_source``), so a source's key names the keys of the sources before it (``cache.source_keys``).
 
 Eval split, when ``data.eval_path`` is unset: a record goes to eval when the hash of its raw
 content (canonical JSON, BLAKE2b) ranks among the ``round(eval_fraction * n)`` smallest (at least one
 when eval_fraction > 0). It is therefore deterministic, independent of file order and of every
 seed, and stable when records are appended. Duplicates are dropped before the split when
 ``clean.dedupe`` is on, so no prompt can land on both sides; with ``eval_path``, train records that
-repeat an eval record are dropped too.
+repeat an eval record are dropped too. The summary counts the held-out documents whose rendered text is
+a training document's (``eval_repeats_train``): 0 with dedupe on (checked), a warning with it off.
 
 Cache (``data/prepare/cache.py``): ``cache_dir/<key>/`` where key hashes the inputs' identity (path, size and
 modification time of every file; with ``data.verify_inputs: hash`` their bytes) and every setting that changes tokens (format, fields, template, loss, cleaning,
@@ -50,7 +54,16 @@ import numpy as np
 from densebatch.atomic import io_reason
 from densebatch.config import DataConfig
 from densebatch.data.plan.store_epochs import epoch_shares
-from densebatch.data.prepare.cache import CACHE_VERSION, LEARNED_TOKENIZER, cache_key, entry_lock, load_entry, read_eval_records
+from densebatch.data.prepare.cache import (
+    CACHE_VERSION,
+    LEARNED_TOKENIZER,
+    cache_key,
+    entry_lock,
+    load_entry,
+    read_eval_records,
+    source_keys,
+)
+from densebatch.data.prepare.dedupe import Keys, dedupe, dedupe_mode, read_prior, write_index
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
 from densebatch.data.prepare.joined import write_mixture_index
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
@@ -156,10 +169,13 @@ def _resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
     return cfg, fmt
 
 
-def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary) -> None:
-    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split).
+def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index) -> None:
+    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split);
+    ``index``: (keys, kept) for ``dedupe.write_index``, or None.
     A write that fails (no space left) is one line; the staged directory is removed, nothing half-written stays."""
     with _staged_entry(final, tok, cfg) as tmp:
+        if index is not None:
+            write_index(tmp, *index)
         for split, arrays in (("train", train), ("eval", evals)):
             if arrays is not None:
                 (tmp / split).mkdir()
@@ -193,14 +209,20 @@ def _cannot_write(final: Path, e: OSError) -> DataError:
     return DataError(f"data.cache_dir {final.parent}: cannot be written (the documents of {final.name}: {io_reason(e)})")
 
 
-def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, read: tuple | None = None) -> Prepared:
+def _prepare_one(
+    name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, read: tuple | None = None, keys: list[str] | None = None
+) -> Prepared:
     """One source's entry (built, or found in the cache). ``read``: (its records, records read) when
-    a mixture's bpe:N already read them."""
-    final = Path(cfg.cache_dir) / cache_key(cfg, tok)
-    return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, read))
+    a mixture's bpe:N already read them; ``keys``: a mixture's source keys up to this one's (``cache.source_keys``),
+    whose entries before it hold the records it is deduped against."""
+    keys = keys or [cache_key(cfg, tok)]
+    final, prior = Path(cfg.cache_dir) / keys[-1], [Path(cfg.cache_dir) / k for k in keys[:-1]]
+    return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, read, prior))
 
 
-def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, read: tuple | None) -> Tokenizer:
+def _build_one(
+    final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, read: tuple | None, prior: list[Path]
+) -> Tokenizer:
     s = PrepareSummary(
         source=cfg.path or "embedded default dataset",
         format=fmt,
@@ -208,8 +230,10 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
         tokenizer=tok.name,
         eval_source=_eval_source(cfg),
     )
+    mode = dedupe_mode(cfg.clean)
+    before = read_prior(prior, mode == "near") if mode != "off" else None
     if read is None and streamable(cfg, fmt, tok):
-        return _build_streamed(final, name, cfg, fmt, tok, s)
+        return _build_streamed(final, name, cfg, fmt, tok, s, before)
     b = Builder(cfg, tok, s)
     if read is None:
         items = b.read(cfg.path, fmt)
@@ -222,11 +246,26 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
     if cfg.eval_path is not None:
         eval_docs = b.documents(b.read(cfg.eval_path, detect_format(cfg.eval_path, cfg.format)))
     train_docs = b.documents(items)
+    index = None
+    if mode != "off":  # eval_path's records first: a training record that repeats one of them is dropped
+        both, n_eval = eval_docs + train_docs, len(eval_docs)
+        keys = Keys.of_docs(both, mode == "near")
+        keep, drops = dedupe(keys, mode, cfg.clean.near_threshold, before)
+        index = keys, keep
+        for k, v in drops.items():
+            b.cleaner.drop(k, v)
+        eval_docs, train_docs = (
+            [d for d, k in zip(both[:n_eval], keep) if k],
+            [d for d, k in zip(both[n_eval:], keep[n_eval:]) if k],
+        )
     if fmt == "text" and cfg.text_split == "chunks":
         train_docs, eval_docs = b.chunk(train_docs), b.chunk(eval_docs)
     if cfg.eval_path is None:
         train_docs, eval_docs = split_eval(train_docs, cfg.eval_fraction)
     train_docs, eval_docs = b.finish(train_docs), b.finish(eval_docs)
+    trained = {d.text_key for d in train_docs if d.text_key is not None}
+    s.eval_repeats_train = sum(d.text_key in trained for d in eval_docs)
+    assert mode == "off" or not s.eval_repeats_train, "dedupe keeps one copy of each rendered text"
     s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
     if not train_docs:
         raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
@@ -235,11 +274,13 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
     zeros = lambda docs: np.zeros(len(docs), np.int16)  # noqa: E731 - one source: every document is source 0
     evals = (*_arrays(eval_docs), zeros(eval_docs)) if eval_docs else None
     records = [d.record for d in eval_docs if d.record is not None] if keeps_records(cfg) else []
-    _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s)
+    _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s, index)
     return tok
 
 
-def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, s: PrepareSummary) -> Tokenizer:
+def _build_streamed(
+    final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, s: PrepareSummary, prior: Keys | None
+) -> Tokenizer:
     """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``): the
     documents of ``_build_one``'s in-memory path, with memory bounded by the chunk."""
     b = Builder(cfg, tok, s)
@@ -248,7 +289,7 @@ def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Toke
         chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with _staged_entry(final, tok, cfg) as tmp:
-            records, _ = assemble(b, chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta)
+            records, _ = assemble(b, chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta, prior)
             s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
             s.sources = [s.source_facts(name, s.source)]
             _write_entry_files(tmp, records, s)
@@ -265,7 +306,7 @@ def _build_streamed(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Toke
 
 # --------------------------------------------------------------------------------- a mixture
 def _prepare_mixture(cfg: DataConfig, sources: list[tuple[str, DataConfig, str]], tok: Tokenizer, t0: float) -> Prepared:
-    keys = [cache_key(c, tok) for _, c, _ in sources]
+    keys = source_keys([c for _, c, _ in sources], tok)
     digest = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "mixture": keys}).encode()).hexdigest()[:24]
     final = Path(cfg.cache_dir) / f"mix-{digest}"
     # Under the mixture's lock, each source's entry takes its own: always in that order, so no two processes
@@ -282,7 +323,8 @@ def _build_mixture(
             s = PrepareSummary()
             read[i] = (Builder(c, tok, s).read(c.path, fmt), s.records_read)
         tok = learn_bpe([(r[0], c) for r, (_, c, _) in zip(read, sources)], tok)
-    parts = [_prepare_one(name, c, fmt, tok, t0, r) for (name, c, fmt), r in zip(sources, read)]
+    keys = source_keys([c for _, c, _ in sources], tok)  # with dedupe on, each source's names those before it
+    parts = [_prepare_one(name, c, fmt, tok, t0, r, keys[: i + 1]) for i, ((name, c, fmt), r) in enumerate(zip(sources, read))]
     summary = PrepareSummary.combine(
         [(name, p.summary) for (name, _, _), p in zip(sources, parts)],
         np.concatenate([np.asarray(p.train.lengths) for p in parts]),
@@ -313,8 +355,9 @@ def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
     that are not streamed (see ``stream.py``) are left to rank 0. Returns the chunks this rank prepared."""
     tok = load_data_tokenizer(cfg)
     done = 0
-    for name, c, fmt in [(name, *_resolved(c)) for name, c in source_configs(cfg)]:
-        final = Path(c.cache_dir) / cache_key(c, tok)
+    sources = [(name, *_resolved(c)) for name, c in source_configs(cfg)]
+    for (name, c, fmt), key in zip(sources, source_keys([c for _, c, _ in sources], tok)):
+        final = Path(c.cache_dir) / key
         if not streamable(c, fmt, tok) or marker_ok(final):
             continue
         b = Builder(c, tok, PrepareSummary(source=c.path or name))

@@ -4,11 +4,13 @@ The records are read in input order, ``data.chunk_records`` records a chunk. Eac
 cleaned, filtered, tokenised and finished (``documents.Builder``) by a pool of ``data.num_proc``
 worker processes (inline when there is one chunk or one process), which write it to
 ``cache_dir/.chunks-<key>-<chunk_records>/chunk-000123.npz`` (its documents' tokens, loss mask,
-lengths, content hashes, rendered-text hashes and what ``finish_one`` did to each) with its bad
+lengths, content hashes, rendered-text hashes, with near dedupe their MinHash signatures and band hashes,
+and what ``finish_one`` did to each) with its bad
 records and counts beside it (and, for the embedded dataset, its records); the ``.npz`` is renamed
 into place last, so a chunk file is complete or absent. What needs every document happens once all chunks are written, in input order, on
-per-document arrays only (about 30 bytes a document): the exact dedupe (the first copy of a rendered
-text is kept), the eval split (the smallest content hashes, as ``documents.split_eval``), the counts.
+per-document arrays only (about 30 bytes a document; near dedupe adds 8 a band): the dedupe (``dedupe.py``:
+the first copy kept; against a mixture's earlier sources too), the eval split (the smallest content
+hashes, as ``documents.split_eval``), the counts, among them held-out documents that repeat a training one.
 The stores are then written by appending each chunk's kept documents to the split's files
 (``store_write.StoreWriter``: shards of ``data.shard_tokens``), one chunk in memory at a time.
 
@@ -36,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from densebatch.config import DataConfig
+from densebatch.data.prepare.dedupe import NUM_PERM, Keys, dedupe, dedupe_mode, lsh_shape, repeats, write_index
 from densebatch.data.prepare.documents import (
     DROPPED_NO_LOSS,
     DROPPED_NO_TARGET,
@@ -99,7 +102,7 @@ def _run_chunk(cfg: DataConfig, index: int, work, stage: str, tok: Tokenizer | N
 
 
 def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Tokenizer) -> None:
-    b = Builder(cfg, tok, PrepareSummary(), defer_dedupe=True, collect_bad=True)
+    b = Builder(cfg, tok, PrepareSummary(), collect_bad=True)
     items = list(b.stream(cfg.path, "jsonl", work)) if isinstance(work, LineRange) else work
     read_bad, b.bad_records = b.bad_records, []
     docs = b.documents(items)
@@ -116,6 +119,9 @@ def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Toke
         "tokens": np.concatenate([d.tokens for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
         "mask": np.concatenate([d.mask for d in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8),
     }
+    if b.signer is not None:  # near dedupe: each document's signature and band hashes (dedupe.py)
+        near = Keys.of_docs(docs, near=True)
+        arrays.update(has_sig=near.has_sig, bands=near.bands, sig=near.sigs(np.arange(len(docs))))
     name = _FILES.format(index)
     if keeps_records(cfg):
         records = "".join(json.dumps(d.record, ensure_ascii=False, default=str) + "\n" for d in docs)
@@ -244,20 +250,38 @@ def _load(stage: Path, index: int, names) -> dict[str, np.ndarray]:
 
 
 def assemble(
-    b: Builder, chunks: list[_Chunk], stage: Path, eval_fraction: float, train_dir: Path, eval_dir: Path, meta: dict
+    b: Builder,
+    chunks: list[_Chunk],
+    stage: Path,
+    eval_fraction: float,
+    train_dir: Path,
+    eval_dir: Path,
+    meta: dict,
+    prior: Keys | None = None,
 ) -> tuple[list[dict], bool]:
-    """Dedupe, split, count and write the stores from the chunk files; (held-out records, has an eval split)."""
+    """Dedupe (against ``prior`` too: the kept records of a mixture's earlier sources), split, count and write
+    the stores from the chunk files (and the dedupe keys of the kept records, for a later source); (held-out
+    records, has an eval split)."""  # fmt: skip
     cfg, s = b.cfg, b.s
     infos = [json.loads((stage / f"{_FILES.format(c.index)}.json").read_text(encoding="utf-8")) for c in chunks]
     sizes = [info["documents"] for info in infos]
     n = sum(sizes)
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
 
-    def column(name: str, dtype) -> np.ndarray:  # one per-document column of every chunk, filled in place
-        out, at = np.empty(n, dtype), 0
+    def column(name: str, dtype, width: tuple = ()) -> np.ndarray:  # one per-document column of every chunk
+        out, at = np.empty((n, *width), dtype), 0
         for c, m in zip(chunks, sizes):
             if m:
                 out[at : at + m] = _load(stage, c.index, (name,))[name]
                 at += m
+        return out
+
+    def sigs(idx: np.ndarray) -> np.ndarray:  # the signatures of these documents (ascending), chunk by chunk
+        out = np.empty((len(idx), NUM_PERM), np.uint16)
+        part = np.searchsorted(starts, idx, side="right") - 1
+        for j in np.unique(part):
+            sel = part == j
+            out[sel] = _load(stage, chunks[j].index, ("sig",))["sig"][idx[sel] - starts[j]]
         return out
 
     for info in infos:  # malformed records, all first (as one process reads every record before rendering)
@@ -271,15 +295,17 @@ def assemble(
             b.cleaner.changed[k] = b.cleaner.changed.get(k, 0) + v
         for k, v in info["dropped"].items():
             b.cleaner.dropped[k] = b.cleaner.dropped.get(k, 0) + v
-    keep = np.ones(n, bool)
-    if cfg.clean.dedupe and n:  # the first copy of each rendered text
-        idx = np.flatnonzero(column("has_text_key", bool))
-        _, first = np.unique(column("text_key", "V16")[idx], return_index=True)
-        keep[idx] = False
-        keep[idx[first]] = True
-        del idx, first
-        if dropped := int(n - keep.sum()):
-            b.cleaner.dropped["dedupe"] = b.cleaner.dropped.get("dedupe", 0) + dropped
+    mode = dedupe_mode(cfg.clean)
+    keys = Keys(column("text_key", "V16"), column("has_text_key", bool))
+    if mode == "near":
+        keys.has_sig, keys.sigs = column("has_sig", bool), sigs
+        keys.bands = column("bands", np.uint64, (lsh_shape(cfg.clean.near_threshold)[0],))
+    keep, drops = dedupe(keys, mode, cfg.clean.near_threshold, prior)
+    for k, v in drops.items():
+        b.cleaner.dropped[k] = b.cleaner.dropped.get(k, 0) + v
+    if mode != "off":
+        write_index(train_dir.parent, keys, keep)
+    keys.bands = None
     docs = np.flatnonzero(keep)
     held = np.zeros(n, bool)
     n_eval = 0 if eval_fraction <= 0 or len(docs) < 2 else min(len(docs) - 1, max(1, round(eval_fraction * len(docs))))
@@ -291,6 +317,9 @@ def assemble(
         count_outcome(s, o, int(((outcome == o) & keep).sum()))
     final = keep & (outcome <= TRUNCATED)
     train, evals = final & ~held, final & held
+    s.eval_repeats_train = repeats(keys, train, evals)
+    assert mode == "off" or not s.eval_repeats_train, "dedupe keeps one copy of each rendered text"
+    del keys
     if not train.any():
         raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
     lengths, loss = column("lengths", np.uint32), column("loss", np.uint32)

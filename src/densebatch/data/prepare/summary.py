@@ -38,6 +38,7 @@ class PrepareSummary:
     dropped_overlong: int = 0  # overlong=drop
     dropped_no_target: int = 0  # overlong=truncate left no loss-carrying target
     dropped_no_loss: int = 0  # no token carries loss at all (e.g. pre-tokenised labels all -100)
+    eval_repeats_train: int = 0  # held-out documents whose rendered text is a training document's (0 with dedupe on)
     train_documents: int = 0
     eval_documents: int = 0
     train_tokens: int = 0
@@ -94,6 +95,7 @@ class PrepareSummary:
             "tokens": self.train_tokens,
             "eval_tokens": self.eval_tokens,
             "loss_tokens": self.train_loss_tokens,
+            "duplicates_of_earlier_sources": self.cleaning_dropped.get("dedupe_cross_source", 0),
         }
 
     @classmethod
@@ -101,7 +103,14 @@ class PrepareSummary:
         """A mixture's summary: counts summed over its sources' summaries, ``lengths`` (train) percentiles."""
         out = cls(**kw)
         for name, p in parts:
-            for key in ("records_read", "truncated", "dropped_overlong", "dropped_no_target", "dropped_no_loss"):
+            for key in (
+                "records_read",
+                "truncated",
+                "dropped_overlong",
+                "dropped_no_target",
+                "dropped_no_loss",
+                "eval_repeats_train",
+            ):
                 setattr(out, key, getattr(out, key) + getattr(p, key))
             for key in (
                 "train_documents",
@@ -121,6 +130,13 @@ class PrepareSummary:
             out.sources.append(p.source_facts(name, p.source))
         out.lengths = percentiles(lengths)
         return out
+
+    def _leakage(self) -> str:
+        n = self.eval_repeats_train
+        text = f"held-out records that duplicate training records: {n}"
+        if n:  # dedupe off (on, there are none by construction)
+            text += " (warning: their answers are seen in training; set data.clean.dedupe: exact or near to drop them)"
+        return text
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -161,15 +177,18 @@ class PrepareSummary:
                 f"p50 {L['p50']:g}  p90 {L['p90']:g}  p99 {L['p99']:g}  max {L['max']} tokens (train, end-of-text included)",
             ),
             ("eval split", self.eval_source),
+            ("leakage", self._leakage()),
             ("time", f"{self.seconds:.2f} s ({'cache hit' if self.cache_hit else 'built'}: {self.cache_path})"),
         ]
         lines = [f"{k:<10} {v}" for k, v in rows]
         if len(self.sources) > 1:  # one source: the rows above already say it all
-            lines.append(f"{'sources':<10} {'name':<16} {'records':>9} {'documents':>10} {'tokens':>12} {'epoch share':>12}")
+            head = f"{'sources':<10} {'name':<16} {'records':>9} {'documents':>10} {'tokens':>12} {'epoch share':>12}"
+            lines.append(head + f" {'dup of earlier':>15}")
             for x in self.sources:
                 share = f"{x['share']:.4f}" if "share" in x else "-"
                 lines.append(
-                    f"{'':<10} {x['name']:<16} {x['records_read']:>9} {x['documents']:>10} {x['tokens']:>12} {share:>12}"
+                    f"{'':<10} {x['name']:<16} {x['records_read']:>9} {x['documents']:>10} {x['tokens']:>12} {share:>12} "
+                    f"{x.get('duplicates_of_earlier_sources', 0):>15}"
                 )
         lines += [f"{'':<10} first {reason}: {ex}" for reason, ex in sorted(self.skip_examples.items())]
         return "\n".join(lines)
