@@ -16,7 +16,7 @@ from densebatch.config import CleanConfig, DataConfig, SourceConfig
 from densebatch.data.prepare.dedupe import lsh_shape
 from densebatch.data.prepare.pipeline import prepare
 from densebatch.data.prepare.tokenizers import load_tokenizer
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, DataError
 
 pytest.importorskip("datasketch")
 
@@ -112,6 +112,8 @@ def test_a_later_source_repeating_an_earlier_one_is_dropped_and_counted(tmp_path
     # the second source's entry depends on the first: another first source, another entry for the second
     again = prepare(_mixture(tmp_path, [RECORDS[1]], second, "exact"))
     assert again.summary.cleaning_dropped == {} and len(again.train) == 5
+    with pytest.raises(DataError, match=r"two.jsonl: no usable training documents remain .* 2 dropped by cleaning"):
+        prepare(_mixture(tmp_path, first, first, "exact"))  # a source that only repeats an earlier one
 
 
 def test_held_out_records_that_repeat_training_records_are_counted(data_cfg, tmp_path, write_jsonl):

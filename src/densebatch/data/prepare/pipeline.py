@@ -290,7 +290,6 @@ def _build_streamed(
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with _staged_entry(final, tok, cfg) as tmp:
             records, _ = assemble(b, chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta, prior)
-            s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
             s.sources = [s.source_facts(name, s.source)]
             _write_entry_files(tmp, records, s)
     except OSError as e:  # reading the chunks (writes are _staged_entry's)

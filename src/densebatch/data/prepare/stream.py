@@ -320,6 +320,7 @@ def assemble(
     s.eval_repeats_train = repeats(keys, train, evals)
     assert mode == "off" or not s.eval_repeats_train, "dedupe keeps one copy of each rendered text"
     del keys
+    s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
     if not train.any():
         raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
     lengths, loss = column("lengths", np.uint32), column("loss", np.uint32)
