@@ -76,17 +76,18 @@ def test_exact_drops_exact_copies_and_near_drops_near_copies_too(data_cfg, tmp_p
 
 
 def test_near_dedupe_gives_the_same_store_for_any_number_of_processes(data_cfg, tmp_path, write_jsonl):
-    recs = [dict(r, id=i) for i in range(4) for r in RECORDS]  # ids: no two records alike, their texts repeat
+    pretokenised = [{"input_ids": [5, 6, 7, i], "labels": [-100, 6, 7, i]} for i in range(4)]  # no text: no part
+    recs = pretokenised + [dict(r, id=i) for i in range(4) for r in RECORDS]  # ids: no record alike, texts repeat
     path = str(write_jsonl(tmp_path / "a.jsonl", recs))
     cfg = dict(path=path, eval_fraction=0.2, clean=CleanConfig(dedupe="near", collapse_whitespace=True))
     with pytest.MonkeyPatch.context() as m:  # the in-memory path (bpe:N and eval_path take it)
         m.setattr(pipeline, "streamable", lambda *a: False)
         ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), **cfg))
-    for n in (1, 2):  # 9 chunks of 4 records: copies across chunks and processes
+    for n in (1, 2):  # 10 chunks of 4 records: copies across chunks and processes
         got = prepare(data_cfg(cache_dir=str(tmp_path / f"n{n}"), num_proc=n, chunk_records=4, **cfg))
         assert _files(got.cache_dir) == _files(ref.cache_dir), n
     s = ref.summary
-    assert s.cleaning_dropped == {"dedupe": 28, "dedupe_near": 3} and s.records_kept == 5 and s.eval_repeats_train == 0
+    assert s.cleaning_dropped == {"dedupe": 28, "dedupe_near": 3} and s.records_kept == 9 and s.eval_repeats_train == 0
 
 
 def _mixture(tmp_path, first: list[dict], second: list[dict], dedupe) -> DataConfig:

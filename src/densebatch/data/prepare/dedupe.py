@@ -158,19 +158,18 @@ class Keys:
     sigs: Callable[[np.ndarray], np.ndarray] | None = None  # -> (k, NUM_PERM) uint16
 
     @classmethod
-    def of_docs(cls, docs: list, near: bool) -> Keys:
-        """The keys of in-memory documents (``documents.Doc``)."""
+    def of_docs(cls, docs: list, bands: int | None) -> Keys:
+        """The keys of in-memory documents (``documents.Doc``); ``bands``: near dedupe's (None: exact only)."""
         text = np.array([d.text_key or _EMPTY_KEY for d in docs], "V16")
         has_text = np.array([d.text_key is not None for d in docs], bool)
-        if not near:
+        if bands is None:
             return cls(text, has_text)
         has_sig = np.array([d.sig is not None for d in docs], bool)
-        sig = np.stack([d.sig if d.sig is not None else np.zeros(NUM_PERM, np.uint16) for d in docs]) if docs else None
-        width = next((len(d.bands) for d in docs if d.bands is not None), 1)
-        bands = np.stack([d.bands if d.bands is not None else np.zeros(width, np.uint64) for d in docs]) if docs else None
-        if not docs:
-            sig, bands = np.zeros((0, NUM_PERM), np.uint16), np.zeros((0, width), np.uint64)
-        return cls(text, has_text, has_sig, bands, lambda idx: sig[idx])
+        sig = np.zeros((len(docs), NUM_PERM), np.uint16)
+        band = np.zeros((len(docs), bands), np.uint64)
+        for i in np.flatnonzero(has_sig):
+            sig[i], band[i] = docs[i].sig, docs[i].bands
+        return cls(text, has_text, has_sig, band, lambda idx: sig[idx])
 
 
 def dedupe(keys: Keys, mode: str, threshold: float, prior: Keys | None = None) -> tuple[np.ndarray, dict[str, int]]:

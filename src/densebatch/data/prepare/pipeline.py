@@ -249,7 +249,7 @@ def _build_one(
     index = None
     if mode != "off":  # eval_path's records first: a training record that repeats one of them is dropped
         both, n_eval = eval_docs + train_docs, len(eval_docs)
-        keys = Keys.of_docs(both, mode == "near")
+        keys = Keys.of_docs(both, b.signer.bands if b.signer is not None else None)
         keep, drops = dedupe(keys, mode, cfg.clean.near_threshold, before)
         index = keys, keep
         for k, v in drops.items():

@@ -120,7 +120,7 @@ def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Toke
         "mask": np.concatenate([d.mask for d in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8),
     }
     if b.signer is not None:  # near dedupe: each document's signature and band hashes (dedupe.py)
-        near = Keys.of_docs(docs, near=True)
+        near = Keys.of_docs(docs, b.signer.bands)
         arrays.update(has_sig=near.has_sig, bands=near.bands, sig=near.sigs(np.arange(len(docs))))
     name = _FILES.format(index)
     if keeps_records(cfg):
