@@ -98,7 +98,7 @@ def key_material(clean: CleanConfig) -> dict | None:
 
 def text_key(text: str) -> bytes:
     """The exact-dedupe hash of a rendered text."""
-    return hashlib.blake2b(text.encode("utf-8", "surrogateescape"), digest_size=16).digest()
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class Signer:
@@ -120,7 +120,7 @@ class Signer:
         k = SHINGLE_WORDS
         self._m.clear()
         self._m.update_batch(
-            [" ".join(words[i : i + k]).encode("utf-8", "surrogateescape") for i in range(max(1, len(words) - k + 1))]
+            [" ".join(words[i : i + k]).encode("utf-8", "surrogatepass") for i in range(max(1, len(words) - k + 1))]
         )
         hv = np.asarray(self._m.hashvalues, np.uint32)
         return (hv & 0xFFFF).astype(np.uint16), band_hashes(hv, self.bands, self.rows)
