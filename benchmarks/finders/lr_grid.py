@@ -46,7 +46,6 @@ from pathlib import Path
 from densebatch.data.prepare.default_dataset import generate_records
 from densebatch.train.observe.monitor import read_metrics
 
-PRETRAIN_TASKS = ("key", "color", "upper")
 FINETUNE_TASK = "parity"
 SUGGESTED = "suggested"
 BATCHES = (
@@ -83,9 +82,10 @@ def write_jsonl(records: list[dict], path: Path) -> None:
 
 def finetune_records(setup: str) -> tuple[list[dict], list[dict], list[dict], str]:
     """(pre-training records, fine-tuning records, held-out fine-tuning records, pre-training loss_on)."""
-    if setup == "finetune":  # a new task for a model instruction-tuned on three others
-        pre = [r for r in generate_records(20000, seed=1234) if r["task"] in PRETRAIN_TASKS]
-        new = [r for r in generate_records(12000, seed=4321) if r["task"] == FINETUNE_TASK]
+    if setup.startswith("finetune"):  # a new task for a model instruction-tuned on the three others
+        task = {"finetune": FINETUNE_TASK, "finetune-color": "color"}[setup]
+        pre = [r for r in generate_records(20000, seed=1234) if r["task"] != task]
+        new = [r for r in generate_records(12000, seed=4321) if r["task"] == task]
         return pre, new[500:], new[:500], "response"
     # sft: a language model of the rendered records (every token carries loss), then instruction-tuned
     # on new records of the same tasks (loss on the answers); sft-heldout: the same on other records
@@ -95,8 +95,34 @@ def finetune_records(setup: str) -> tuple[list[dict], list[dict], list[dict], st
     return generate_records(20000, seed=pre_seed), new[500:], new[:500], "all"
 
 
+SHAKESPEARE = Path(__file__).resolve().parents[3] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def prepare_shakespeare(work: Path, pretrain_steps: int) -> list[str]:
+    """A Hugging Face GPT-2 (2 layers, width 64) pre-trained on tinyshakespeare with a bpe:1024 learned from
+    it (every token carries loss, packed 512-token rows, 3e-3): at chance on the embedded instruction
+    data's answers, which it is then fine-tuned on with that tokenizer. The fine-tuning overrides."""
+    if not SHAKESPEARE.is_file():
+        sys.exit(f"--setup shakespeare needs {SHAKESPEARE} (the shared data beside the checkout)")
+    init, pre_run = work / "gpt2-init", work / "pretrain"
+    if not (init / "config.json").exists():
+        from transformers import GPT2Config
+
+        GPT2Config(n_layer=2, n_embd=64, n_head=2, n_positions=512, vocab_size=1024).save_pretrained(init)
+    if final_eval(pre_run, pretrain_steps) is None:
+        args = ["train", f"--data.path={SHAKESPEARE}", "--data.format=text", "--data.template=raw", "--data.loss_on=all",
+                *BATCHES, "--model.kind=hf", f"--model.path={init}", f"--train.max_steps={pretrain_steps}",
+                "--train.lr=3e-3", "--train.warmup_steps=20", f"--output_dir={pre_run}", "--overwrite"]  # fmt: skip
+        secs = densebatch(args, work / "pretrain.log")
+        print(f"pre-trained {pretrain_steps} steps in {secs:.0f} s: eval loss {final_eval(pre_run, pretrain_steps):.4f}")
+    final = pre_run / "final"
+    return [*BATCHES[1:], f"--data.tokenizer={final}", "--model.kind=hf", f"--model.path={final}"]
+
+
 def prepare_finetune(work: Path, setup: str, pretrain_steps: int) -> list[str]:
     """Data files, the pre-trained model exported to HF; the fine-tuning overrides (without rate)."""
+    if setup == "shakespeare":
+        return prepare_shakespeare(work, pretrain_steps)
     data = work / "data"
     data.mkdir(parents=True, exist_ok=True)
     pre, train, held_out, loss_on = finetune_records(setup)
@@ -130,7 +156,8 @@ def prepare_finetune(work: Path, setup: str, pretrain_steps: int) -> list[str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--setup", choices=("default", "finetune", "sft", "sft-heldout", "sft-heldout2"), required=True)
+    setups = ("default", "finetune", "finetune-color", "shakespeare", "sft", "sft-heldout", "sft-heldout2")
+    ap.add_argument("--setup", choices=setups, required=True)
     ap.add_argument("--work", required=True, help="directory for data, runs and logs (reused when present)")
     ap.add_argument("--rates", default="1e-4,3e-4,1e-3,3e-3,1e-2", help="comma list of peak learning rates")
     ap.add_argument("--steps", type=int, default=None, help="steps per run (default: 150 default, 100 finetune)")
@@ -138,6 +165,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pretrain-steps", type=int, default=500)
     ap.add_argument("--seeds", default="0", help="comma list: each rate runs on each seed; the score is the mean")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for every run")
+    ap.add_argument("--grid-only", action="store_true", help="run the grid's rates only (no range test)")
+    ap.add_argument("--finder", default="", help="extra find-lr overrides, e.g. '--finder.trials=3' (a suggestion of its own)")
     args = ap.parse_args(argv)
     if args.threads:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -152,16 +181,20 @@ def main(argv=None) -> int:
     rates = [float(r) for r in args.rates.split(",")]
     scores: dict[float | str, list[float]] = {}  # a rate, or SUGGESTED: each seed's run at its own suggestion
     suggested: dict[int, float] = {}
+    extra = args.finder.split()
+    tag = "".join(c if c.isalnum() or c in "=.-" else "_" for c in "-".join(x.lstrip("-") for x in extra))
     for seed in seeds:
-        finder = work / f"finder-seed{seed}"
-        if not (finder / "lr_finder.json").exists():
-            secs = densebatch(["find-lr", *common, f"--seed={seed}", f"--output_dir={finder}"], work / f"finder-seed{seed}.log")
+        finder = work / (f"finder-seed{seed}" + (f"-{tag}" if tag else ""))
+        if not args.grid_only and not (finder / "lr_finder.json").exists():
+            cmd = ["find-lr", *common, *extra, f"--seed={seed}", f"--output_dir={finder}", "--overwrite"]
+            secs = densebatch(cmd, finder.with_suffix(".log"))
             print(f"seed {seed}: range test in {secs:.0f} s")
-        doc = json.loads((finder / "lr_finder.json").read_text())
-        suggested[seed] = float(doc["suggested_lr"])
-        others = ", ".join(f"{k} {v:.3g}" for k, v in doc.get("candidates", {}).items())
-        print(f"seed {seed}: suggested {suggested[seed]:.4g} ({doc.get('rule')}); {others}")
-        for lr in [*rates, SUGGESTED]:
+        if not args.grid_only:
+            doc = json.loads((finder / "lr_finder.json").read_text())
+            suggested[seed] = float(doc["suggested_lr"])
+            others = ", ".join(f"{k} {v:.3g}" for k, v in doc.get("candidates", {}).items())
+            print(f"seed {seed}: suggested {suggested[seed]:.4g} ({doc.get('rule')}); {others}")
+        for lr in rates if args.grid_only else [*rates, SUGGESTED]:
             rate = suggested[seed] if lr == SUGGESTED else lr
             run = work / f"seed{seed}" / f"lr-{rate:.4g}"
             loss = final_eval(run, steps)
@@ -175,6 +208,9 @@ def main(argv=None) -> int:
 
     mean = {k: statistics.fmean(v) for k, v in scores.items()}
     best_lr = min(rates, key=mean.__getitem__)
+    if args.grid_only:
+        print(" | ".join(f"{k:.3g}: {mean[k]:.3f} ({' / '.join(f'{v:.3f}' for v in scores[k])})" for k in rates))
+        return 0
     ratio = mean[SUGGESTED] / mean[best_lr]
     print(
         f"\n{args.setup}: {steps} steps, warm-up {warmup}, seeds {args.seeds}; suggested "
@@ -200,10 +236,10 @@ def main(argv=None) -> int:
         print(
             f"the grid rate that is best on the other seeds, run on each seed: {floor:.2f}x the grid's best (the check's noise)"
         )
-    result = {"setup": args.setup, "steps": steps, "warmup": warmup, "seeds": seeds, "suggested": suggested}
+    result = {"setup": args.setup, "steps": steps, "warmup": warmup, "seeds": seeds, "suggested": suggested, "finder": extra}
     result["scores"] = {str(k): v for k, v in scores.items()}
     result["cross_seed"] = floor if len(seeds) > 1 else None
-    (work / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    (work / (f"result-{tag}.json" if tag else "result.json")).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if ratio <= 1.10 else 1
 
 

@@ -79,7 +79,16 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--resume", action="store_true", help="continue the saved run from its newest verified checkpoint")
     sp.add_argument("--overwrite", action="store_true", help="delete the run already in output_dir and start over")
 
-    with_config("find-lr", "Learning-rate range test from the run's initial weights: suggests train.lr (lr_finder.png / .json).")
+    sp = with_config(
+        "find-lr", "Learning-rate range test from the run's initial weights: suggests train.lr (lr_finder.png / .json)."
+    )
+    sp.add_argument(
+        "--trials",
+        type=int,
+        metavar="N",
+        help="then train N rates around the suggestion for finder.trial_steps steps each and suggest the one with the "
+        "lowest held-out loss (finder.trials; for a model far from its task; costs N x trial_steps steps)",
+    )
     with_config(
         "find-batch", "Largest batching.max_tokens_per_batch whose worst batch fits the memory, and where throughput levels off."
     )

@@ -5,6 +5,7 @@ batches, outputs; the rules that read its curve are in test_lr_curve.py) and the
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
@@ -60,9 +61,11 @@ def _same(a, b) -> bool:
 FAST = FinderConfig(lr_start=1e-4, lr_end=10.0, lr_steps=12, smoothing=0.5)
 
 
-def test_the_range_test_leaves_no_trace(tiny, tmp_path):
+@pytest.mark.parametrize("trials", [0, 3])
+def test_the_range_test_leaves_no_trace(tiny, tmp_path, trials):
     """Model, optimizer (state and rates), every trainer part (data position, counters, guard, clipper,
-    scaler), every RNG and the gradients are as before; the next step is the one it would have been."""
+    scaler), every RNG and the gradients are as before; the next step is the one it would have been.
+    Also after short trials (``finder.trials``), which train three more times from the same state."""
 
     class Noisy(tiny.TinyLM):  # draws from the global RNG in every pass, as dropout does
         def token_losses(self, batch):
@@ -80,8 +83,9 @@ def test_the_range_test_leaves_no_trace(tiny, tmp_path):
     t.reset_data_iterator()
     t.data.load_state_dict(ref.data.state_dict())
     before = _state(t)
-    result = lr_range_test(t, FAST)
+    result = lr_range_test(t, dataclasses.replace(FAST, trials=trials, trial_steps=3))
     assert len(result.lrs) >= 5 and result.lrs[-1] > 1e-2  # it trained at rates that change the weights
+    assert len(result.trials) == trials and all(x["steps"] == 3 for x in result.trials)
     after = _state(t)
     for key in before:
         assert _same(before[key], after[key]), key
@@ -91,6 +95,39 @@ def test_the_range_test_leaves_no_trace(tiny, tmp_path):
     assert r1.record["loss"] == r2.record["loss"]
     assert _same(ref.model.state_dict(), t.model.state_dict())
     assert _same(ref.optimizer.state_dict(), t.optimizer.state_dict())
+
+
+def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest_heldout_loss(tiny, tmp_path):
+    """Three rates a factor 3 apart around the range test's suggestion, each for trial_steps optimizer steps
+    under the run's schedule compressed to that length (warm-up share kept), scored on held-out batches; the
+    suggestion is the trial with the lowest held-out loss, and the range test's own rate is reported."""
+    from densebatch.train.finders.lr_trials import trial_rates, trial_steps
+
+    assert trial_rates(1e-3, 3) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
+    assert trial_rates(1e-3, 2) == pytest.approx([1e-3 / 3, 1e-3]) and len(trial_rates(1e-3, 5)) == 5
+    assert trial_steps(FinderConfig(), 100) == 25 and trial_steps(FinderConfig(), 8) == 10
+    assert trial_steps(FinderConfig(trial_steps=7), 100) == 7
+    t = _trainer(tiny, tmp_path, max_steps=40, warmup_steps=8)
+    used = []
+    step = t.optimizer.step
+
+    def record(*a, **k):
+        used.append(t.optimizer.param_groups[0]["lr"] / t.optimizer.param_groups[0]["lr_mult"])
+        return step(*a, **k)
+
+    finder = dataclasses.replace(FAST, trials=3, trial_steps=4)
+    t.optimizer.step = record
+    result = lr_range_test(t, finder)
+    base = result.candidates["range test"]
+    rates = trial_rates(base, 3)
+    assert [x["lr"] for x in result.trials] == pytest.approx(rates)
+    trial_lrs = used[len(result.lrs) :]  # after the range test's steps: 3 trials of 4 steps
+    assert len(trial_lrs) == 12
+    for k, rate in enumerate(rates):  # warm-up 8 of 40 steps -> 1 of 4, then cosine to 0
+        a, b, c, d = trial_lrs[4 * k : 4 * k + 4]
+        assert a == pytest.approx(rate) and b == pytest.approx(rate) and d < c < b
+    best = min(result.trials, key=lambda x: x["heldout_loss"])
+    assert result.suggested_lr == best["lr"] and result.used == "trials" and "short trials" in result.rule
 
 
 def test_one_rate_per_optimizer_step_under_accumulation(tiny, tmp_path):

@@ -124,6 +124,8 @@ def _check_finders(cfg: RunConfig) -> None:
         raise ConfigError(f"finder.smoothing: expected a weight in [0, 1); got {f.smoothing}")
     if not 0.0 < f.throughput_share <= 1.0:
         raise ConfigError(f"finder.throughput_share: expected a share in (0, 1]; got {f.throughput_share}")
+    if f.trials == 1:
+        raise ConfigError("finder.trials: expected 0 (off) or at least 2 rates to compare; got 1")
 
 
 def _check_schedules(cfg: RunConfig) -> None:

@@ -235,6 +235,13 @@ class FinderConfig:
         "suggestion from this curve; 0 = off.",
         minimum=0,
     )
+    trials: int = _f(
+        0,
+        "Range test, then short trainings at this many rates around its suggestion (a factor 3 apart), suggesting the one "
+        "with the lowest held-out loss: for a model far from its task; costs trials x trial_steps steps; 0 = off.",
+        minimum=0,
+    )
+    trial_steps: int = _f(0, "Steps of each short trial (0: a quarter of train.max_steps, at least 10).", minimum=0)
     memory_reserve: float = _f(
         0.1,
         "Budget finder: share of train.memory_limit_gb it keeps free (fragmentation, evaluation, checkpoint copies), in [0, 0.9].",

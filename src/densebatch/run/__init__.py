@@ -39,8 +39,11 @@ def dispatch(args, overrides: list[str]) -> int:
         return {"generate": commands.generate_command, "export": commands.export_command, "plot": plot_command}[cmd](args)
     if cmd == "train":
         return train(args.config, overrides, resume=args.resume, overwrite=args.overwrite)
-    if cmd in ("find-lr", "find-batch"):
-        return (find_lr_command if cmd == "find-lr" else find_batch_command)(args.config, overrides)
+    if cmd == "find-lr":
+        trials = [] if args.trials is None else [f"--finder.trials={args.trials}"]  # the flag for finder.trials
+        return find_lr_command(args.config, [*overrides, *trials])
+    if cmd == "find-batch":
+        return find_batch_command(args.config, overrides)
     if cmd == "eval":  # CONFIG is optional: the run's own configuration decides what it owns
         return commands.eval_command(args, overrides)
     cfg = resolve_config(args.config, overrides)

@@ -84,6 +84,7 @@ class TrainerHost(Protocol):
     cfg: Any  # TrainConfig
     dist: Any  # Distributed
     eval_data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None
+    eval_cfg: Any  # EvalConfig: max_batches caps an evaluation
 
     def write_record(self, rec: dict, always: bool = False) -> None: ...
 

@@ -15,7 +15,9 @@ optimizer's state and hyper-parameters, every named trainer part (``Trainer.part
 clipper, scaler, ...), every RNG and the train/eval mode; afterwards all of it is put back, so the
 run that follows is bit for bit the one that would have run without the test.
 
-The suggestion and the step-size diagnosis read the curve: ``train/finders/lr_curve.py``.
+The suggestion and the step-size diagnosis read the curve: ``train/finders/lr_curve.py``. With
+``finder.trials`` the suggestion is then put to short trainings at a few rates around it, and the one
+with the lowest held-out loss is suggested (``train/finders/lr_trials.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from densebatch.config import FinderConfig
 from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
+from densebatch.train.finders.lr_trials import best_trial, run_trials
 from densebatch.train.guard import FixedClipper
 from densebatch.train.observe.monitor import _fmt_time
 from densebatch.train.observe.plots import plot_lr_finder
@@ -60,14 +63,16 @@ class TrainerSnapshot:
         self.max_epochs, self.step_fraction = trainer.data.max_epochs, trainer.data.step_fraction
 
     def restore(self, trainer: TrainerHost) -> None:
+        """Put it all back; copies again, so that the snapshot can be restored more than once (the optimizer
+        would otherwise hold the snapshot's own state tensors and update them in place)."""
         with torch.no_grad():
             trainer.model.load_state_dict(self.model)
-        trainer.optimizer.load_state_dict(self.optimizer)  # state (empty before training) and hyper-parameters
+        trainer.optimizer.load_state_dict(copy.deepcopy(self.optimizer))  # state (empty before training), hyper-parameters
         for p, g in zip(trainer.model.parameters(), self.grads):  # None before training: nothing copied
-            p.grad = g
+            p.grad = None if g is None else g.clone()
         trainer.data.max_epochs = self.max_epochs
         trainer.data.set_step_fraction(self.step_fraction)
-        trainer.load_trainer_state(self.parts)  # every named part; the data iterator restarts from its position
+        trainer.load_trainer_state(copy.deepcopy(self.parts))  # every named part; the data iterator restarts there
         restore_rng_state(self.rng)
         trainer.model.train(self.training)
 
@@ -84,6 +89,7 @@ class LRFinderResult:
     candidates: dict[str, float] = field(default_factory=dict)  # every rule's rate (REPORTED) and the minimum's
     diagnosis: dict = field(default_factory=dict)
     heldout_losses: list[float] = field(default_factory=list)  # after every step, on finder.heldout_batches batches
+    trials: list[dict] = field(default_factory=list)  # finder.trials: {lr, heldout_loss, steps} of each short trial
 
     def as_dict(self) -> dict:
         return asdict(self) | {"smoothed_losses": self.smoothed}
@@ -100,6 +106,9 @@ class LRFinderResult:
         ]
         if (at := lowest(h := self.heldout_losses)) is not None:
             lines.insert(3, f"  held-out loss: {h[0]:.4g} at the first rate, lowest {h[at]:.4g} at {self.lrs[at]:.3g}")
+        if self.trials:
+            tried = ", ".join(f"{t['lr']:.3g}: {t['heldout_loss']:.4g}" for t in self.trials)
+            lines.insert(2, f"  short trials ({self.trials[0]['steps']} steps each; lr: held-out loss): {tried}")
         return "\n".join(lines)
 
 
@@ -127,9 +136,11 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
     data = trainer.data
     data.set_step_fraction(None)  # full-size steps: a batch-size ramp would shrink the first ones
     data.max_epochs = None  # cycle the data: the test may need more steps than an epoch holds
+    heldout: list = []
+    wanted = max(finder.heldout_batches, 2 if finder.trials and trainer.eval_data is None else 0)  # trials score on them
     try:
         with contextlib.closing(iter(data)) as it:
-            heldout = heldout_batches(trainer, finder.heldout_batches, it)
+            heldout = heldout_batches(trainer, wanted, it)
             trainer.model.train()
             for lr in rates:
                 loss = _step(trainer, it, lr)
@@ -157,9 +168,21 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
             f"the range test took {len(lrs)} steps ({stop}), too few to suggest a rate: lower finder.lr_start or raise finder.lr_steps"
         )
     used = choose_rule(smoothed, noise, held)
+    suggested, rule, trials = candidates[used], RULES[used], []
+    if finder.trials:
+        if log is not None:
+            log(f"short trials around {suggested:.3g} ({finder.trials} rates, finder.trials):")
+        trials = run_trials(trainer, finder, suggested, snap, heldout, log)
+        best = best_trial(trials)
+        rule = (
+            f"short trials: the lowest held-out loss after {best.steps} steps at each of {len(trials)} rates around "
+            f"the range test's {suggested:.3g} ({RULES[used].split(':')[0]})"
+        )
+        candidates = {**candidates, "range test": suggested}
+        suggested, used = best.lr, "trials"
     result = LRFinderResult(
-        suggested_lr=candidates[used],
-        rule=RULES[used],
+        suggested_lr=suggested,
+        rule=rule,
         used=used,
         lrs=lrs,
         losses=losses,
@@ -168,6 +191,7 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
         candidates=candidates,
         diagnosis=diagnose(losses, smoothed),
         heldout_losses=held,
+        trials=[asdict(t) for t in trials],
     )
     if log is not None:
         log(result.report())

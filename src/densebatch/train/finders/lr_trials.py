@@ -1,0 +1,121 @@
+"""Short trials after the range test (``finder.trials``, ``densebatch find-lr --trials N``): for a model
+far from its task, where the range test's curve cannot tell which rate trains best.
+
+The range test reads a learning rate off the loss of ~100 steps at growing rates. Near its task that
+works (docs/finders.md: within 10% of the best of three grids); far from it (a new task, a model at
+chance on its answers) the best rate of a whole run is not where the curve says: a rate that makes the
+loss fall fastest in a few steps is not the one that learns the task best by the end. So the trials
+ask the question the grid asks, in small: ``N`` rates around the range test's suggestion (a ladder of
+factors of 3: for 3 trials, suggestion / 3, x 1, x 3; ties go to the lower rate), each trained from
+the same initial weights for ``finder.trial_steps`` steps (default: a quarter of ``train.max_steps``,
+at least 10) under the run's own schedule compressed to that length (the same share of warm-up, the
+same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
+of it; without eval data, ``finder.heldout_batches`` batches of the first training step, left out of
+training). The rate with the lowest held-out loss is the suggestion.
+
+Cost: ``N x trial_steps`` optimizer steps and ``N`` evaluations on top of the range test: with 3
+trials of a quarter each, three quarters of the run again. Like the range test, the trials leave no
+trace (``TrainerSnapshot``): the run that follows is bit for bit the one that would have run with the
+chosen rate given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from densebatch.config import FinderConfig
+from densebatch.train.contracts import TrainerHost
+from densebatch.train.optim import set_lrs
+
+LADDER = 3.0  # the factor between neighbouring trial rates
+
+
+@dataclass
+class Trial:
+    lr: float
+    heldout_loss: float
+    steps: int
+
+
+def trial_rates(suggested: float, n: int) -> list[float]:
+    """``n`` rates around ``suggested``, a factor ``LADDER`` apart (one below it for 2 or 3, more above
+    for larger ``n``: a range test far from its task errs low, docs/finders.md)."""
+    below = min(1, n - 1)
+    return [suggested * LADDER ** (j - below) for j in range(n)]
+
+
+def trial_steps(finder: FinderConfig, max_steps: int | None) -> int:
+    """Steps per trial: ``finder.trial_steps``, else a quarter of ``train.max_steps`` (at least 10; 25
+    without a step limit)."""
+    if finder.trial_steps:
+        return finder.trial_steps
+    return max(10, (max_steps or 100) // 4)
+
+
+def run_trials(
+    trainer: TrainerHost,
+    finder: FinderConfig,
+    suggested: float,
+    snapshot,
+    heldout: list,
+    log: Callable[[str], None] | None = None,
+) -> list[Trial]:
+    """Train each of ``trial_rates(suggested, finder.trials)`` for ``trial_steps`` steps from the state in
+    ``snapshot`` (a ``TrainerSnapshot``, restored after each trial), and score each by the held-out loss:
+    the eval data when there are some, else ``heldout`` (batches of the first training step, which the
+    trials then skip, as the range test does)."""
+    n = trial_steps(finder, trainer.cfg.max_steps)
+    total = trainer.cfg.max_steps or n
+    warmup = min(n - 1, round(trainer.cfg.warmup_steps * n / total)) if trainer.cfg.warmup_steps else 0
+    skip_first = trainer.eval_data is None and bool(heldout)
+    trials: list[Trial] = []
+    data = trainer.data
+    try:
+        for rate in trial_rates(suggested, finder.trials):
+            cfg = dataclasses.replace(trainer.cfg, lr=rate, warmup_steps=warmup, max_steps=n)
+            data.set_step_fraction(None)  # full-size steps, as the range test takes them
+            data.max_epochs = None  # cycle the data: a trial may need more steps than an epoch holds
+            trainer.model.train()
+            with contextlib.closing(iter(data)) as it:
+                if skip_first:
+                    next(it, None)
+                taken = 0
+                while taken < n:
+                    step = next(it, None)
+                    if step is None:
+                        break
+                    set_lrs(trainer.optimizer, taken, cfg, n)
+                    stats = trainer.forward_backward(step.batches)
+                    if not stats["loss_tokens"]:
+                        trainer.optimizer.zero_grad(set_to_none=True)
+                        continue  # nothing to learn from: no update, the same rate for the next step
+                    trainer.apply_update(stats, judge=False)  # the run's clipper; no guard verdicts
+                    trainer.optimizer.zero_grad(set_to_none=True)
+                    taken += 1
+            loss = _heldout_loss(trainer, heldout)
+            trials.append(Trial(rate, loss, taken))
+            if log is not None:
+                log(f"  trial at lr {rate:.3g}: {taken} steps, held-out loss {loss:.4f}")
+            snapshot.restore(trainer)
+    finally:
+        snapshot.restore(trainer)
+    return trials
+
+
+def best_trial(trials: list[Trial]) -> Trial:
+    """The trial with the lowest finite held-out loss (ties: the lower rate)."""
+    finite = [t for t in trials if math.isfinite(t.heldout_loss)]
+    if not finite:
+        raise ValueError("every trial's held-out loss is not finite")
+    return min(finite, key=lambda t: (t.heldout_loss, t.lr))
+
+
+def _heldout_loss(trainer: TrainerHost, heldout: list) -> float:
+    if trainer.eval_data is None:
+        return float(trainer.evaluate_batches(heldout).loss)
+    source = trainer.eval_data() if callable(trainer.eval_data) else trainer.eval_data
+    return float(trainer.evaluate_batches(source, trainer.eval_cfg.max_batches).loss)
