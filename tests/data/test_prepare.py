@@ -357,3 +357,16 @@ def test_densebatch_prepare_never_imports_torch(data_cfg, tmp_path, records, wri
     r = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "built:" in r.stdout and "cache hit:" in r.stdout
+
+
+@pytest.mark.parametrize("tokenizer", ["default", "bpe:300"])
+def test_a_lone_surrogate_in_a_json_string_prepares_as_u_fffd(data_cfg, tmp_path, tokenizer):
+    """A JSON string may spell a lone surrogate (``\\ud800``), which UTF-8 cannot hold: the document gets
+    U+FFFD in its place, no traceback (an undecodable byte read as \\udc80-\\udcff still maps back to it)."""
+    path = tmp_path / "s.jsonl"
+    rows = [{"instruction": f"say {i}", "input": "", "output": f"fine {i}"} for i in range(30)]
+    rows[3]["output"] = "bad \ud800 char"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")  # json escapes it: \\ud800
+    p = prepare(data_cfg(path=str(path), tokenizer=tokenizer))
+    texts = [p.tokenizer.decode(p.train.tokens[a:b].tolist()) for a, b in zip(p.train.offsets[:-1], p.train.offsets[1:])]
+    assert any("bad \ufffd char" in t for t in texts)

@@ -47,7 +47,7 @@ from densebatch.data.prepare.tokenizer_files import (
     token_text,
     write_hf_files,
 )
-from densebatch.data.prepare.vocab import Added, alternation, requested_tokens, unique_tokens
+from densebatch.data.prepare.vocab import Added, alternation, requested_tokens, unique_tokens, utf8
 from densebatch.errors import ConfigError
 
 SAVED_META = "densebatch_tokenizer.json"
@@ -130,17 +130,17 @@ class ByteTokenizer(Tokenizer):
         self.pad_id = self._check_pad(pad_id)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        # surrogateescape: a lone surrogate (from undecodable input) maps back to its raw byte.
+        # utf8: a surrogate from undecodable input maps back to its raw byte, another lone one to U+FFFD.
         if self._pattern is None:
-            return [list(t.encode("utf-8", "surrogateescape")) for t in texts]
+            return [list(utf8(t)) for t in texts]
         out = []
         for t in texts:
             ids, pos = [], 0
             for m in self._pattern.finditer(t):
-                ids += t[pos : m.start()].encode("utf-8", "surrogateescape")
+                ids += utf8(t[pos : m.start()])
                 ids.append(self._ids[m.group()])
                 pos = m.end()
-            out.append(ids + list(t[pos:].encode("utf-8", "surrogateescape")))
+            out.append(ids + list(utf8(t[pos:])))
         return out
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -217,7 +217,7 @@ class HFTokenizer(Tokenizer):
         try:
             "".join(texts).encode("utf-8")  # one pass: undecodable bytes (surrogates) are rare
         except UnicodeEncodeError:
-            texts = [t.encode("utf-8", "surrogateescape").decode("utf-8", "replace") for t in texts]
+            texts = [utf8(t).decode("utf-8", "replace") for t in texts]
         fast = getattr(self._tok, "encode_batch_fast", None)  # the same ids without character offsets
         return [e.ids for e in (fast or self._tok.encode_batch)(list(texts), add_special_tokens=False)]
 
@@ -339,7 +339,7 @@ def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | Non
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator((utf8(t).decode("utf-8", "replace") for t in texts), trainer=trainer)  # as encode_batch reads them
     return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id, added)
 
 

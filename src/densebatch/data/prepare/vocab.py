@@ -57,3 +57,18 @@ def added_tokens_line(added: Sequence[dict], limit: int = 20) -> str | None:
 
 def _shown(content: str) -> str:
     return content if content.isprintable() and not any(c.isspace() for c in content) else repr(content)
+
+
+# Surrogates that surrogateescape cannot map back to a byte (it maps U+DC80..U+DCFF, what undecodable
+# input bytes were read as): a lone \ud800 in a JSON string, say.
+_UNMAPPABLE = re.compile("[\ud800-\udc7f\udd00-\udfff]")
+
+
+def utf8(text: str) -> bytes:
+    """``text`` as UTF-8; an undecodable input byte read as a surrogate maps back to that byte
+    (surrogateescape), any other lone surrogate becomes U+FFFD (never an exception: a tokenizer must not
+    stop a prepare on one character; ``data.clean.fix_encoding`` repairs such text where it can)."""
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return _UNMAPPABLE.sub("\ufffd", text).encode("utf-8", "surrogateescape")
