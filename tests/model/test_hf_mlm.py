@@ -4,6 +4,8 @@ encoder architecture; and models of the other kind are refused in one line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -87,3 +89,24 @@ def test_a_model_of_the_other_kind_is_refused_in_one_line(encoder_dirs, tmp_path
     (renamed / "config.json").write_text(meta)
     with pytest.raises(ConfigError, match="saved as RobertaForMaskedLM"):
         check_model_dir(renamed, "mlm")
+
+
+def test_unchecked_encoders_and_odd_architecture_lists(encoder_dirs, tmp_path):
+    """An encoder type not checked for packed isolation is refused for mlm; a bare-string or null-holding
+    ``architectures`` is read as the class it names; RoBERTa's context is its table less the rows before
+    its first position (no index past the table at the longest row)."""
+    deberta = tmp_path / "deberta"
+    config = transformers.DebertaV2Config(
+        vocab_size=V, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    )
+    transformers.DebertaV2ForMaskedLM(config).save_pretrained(deberta)
+    with pytest.raises(ConfigError, match="deberta-v2, which is not checked yet"):
+        check_model_dir(deberta, "mlm")
+    odd = tmp_path / "odd"
+    transformers.AutoModelForMaskedLM.from_pretrained(encoder_dirs["bert"]).save_pretrained(odd)
+    meta = json.loads((odd / "config.json").read_text())
+    for arch in ("BertForMaskedLM", [None, "BertForMaskedLM"]):
+        (odd / "config.json").write_text(json.dumps({**meta, "architectures": arch}))
+        assert check_model_dir(odd, "mlm")["model_type"] == "bert"
+    roberta = HFCausalLM(encoder_dirs["roberta"], task="mlm")
+    assert roberta.position_offset == 1 and roberta.max_positions == roberta.lm.config.max_position_embeddings - 1

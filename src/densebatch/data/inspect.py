@@ -105,6 +105,8 @@ def render_cleaning(cfg: DataConfig, num: int) -> str:
         fmt = "json" if c.path is None else detect_format(c.path, c.format)
         if fmt == "text":  # paragraphs: the text is the record (as prepare reads it)
             c = dataclasses.replace(c, template="raw", fields=dataclasses.replace(c.fields, text="text"))
+        if c.template == "chat_template":  # the same messages cleaned; only the tokenizer's markup differs
+            c = dataclasses.replace(c, template="chatml")
         shown = 0
         for where, rec in islice(_records(c), SCAN):
             changes.clear()

@@ -190,7 +190,8 @@ class HFCausalLM(nn.Module):
     @property
     def max_positions(self) -> int | None:
         c = self.lm.config
-        return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+        table = getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+        return None if table is None else table - self.position_offset  # RoBERTa: rows 0..padding_idx unused
 
     # ---------------------------------------------------------------------------------- forward
     def _inputs(

@@ -225,6 +225,8 @@ def eval_command(args, overrides: list[str]) -> int:
             f"eval loss {result.loss:.6f}  ppl {result.ppl:.4f}  over {result.tokens} loss tokens "
             f"({result.batches} batches, strategy {cfg.batching.strategy}); weights: {which}"
         )
+        if result.masked_accuracy is not None:
+            print(f"masked-token accuracy {result.masked_accuracy:.4f} (argmax right, over the masked tokens)")
         for name, loss in (result.loss_by_source or {}).items():
             print(f"  source {name}: loss {loss:.6f} over {result.tokens_by_source[name]} loss tokens")
     return 0
@@ -273,5 +275,6 @@ def export_command(args) -> int:
         else:
             model.save_merged(tmp)  # Hugging Face models: save_pretrained (LoRA adapters merged)
         tok.save(tmp)
-    print(f"exported {which} to {out} (AutoModelForCausalLM / AutoTokenizer.from_pretrained load it)")
+    auto = "AutoModelForMaskedLM" if getattr(model, "task", "causal") == "mlm" else "AutoModelForCausalLM"
+    print(f"exported {which} to {out} ({auto} / AutoTokenizer.from_pretrained load it)")
     return 0

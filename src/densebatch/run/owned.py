@@ -3,7 +3,8 @@
 A trained model answers for text made as its run made it, so these keys are the run's:
 ``data.tokenizer``, ``data.add_tokens``, ``data.add_special_tokens``, ``data.pad_id``,
 ``data.max_seq_len``, ``data.overlong``, ``data.clean``, each source's ``template``, ``fields``,
-``prompt_format`` and ``loss_on``, ``batching.mode`` and ``model.*``. A configuration given to
+``prompt_format`` and ``loss_on``, ``batching.mode`` and ``model.*`` (and for a masked LM
+``batching.mlm_probability`` and ``seed``: which tokens are masked). A configuration given to
 ``densebatch eval`` chooses *which* data to score (``data.path``, ``data.sources`` and their paths,
 names, weights and formats, ``data.eval_path``, ``data.eval_fraction``, ``data.format``,
 ``data.cache_dir``, ``data.default``, text splitting) and *how* (batching, eval, device, precision);
@@ -119,7 +120,12 @@ def eval_view(given: RunConfig, run: RunConfig) -> tuple[RunConfig, list[Differe
     diffs += differences("batching.mode", given.batching.mode, run.batching.mode)
     diffs += differences("model", given.model, run.model)
     batching = dataclasses.replace(given.batching, mode=run.batching.mode)
-    return dataclasses.replace(given, data=data, batching=batching, model=run.model), diffs
+    seed = given.seed
+    if run.batching.mode == "mlm":  # which tokens are masked: the run's draw, so its own evaluations compare
+        diffs += differences("batching.mlm_probability", given.batching.mlm_probability, run.batching.mlm_probability)
+        diffs += differences("seed", given.seed, run.seed)
+        batching, seed = dataclasses.replace(batching, mlm_probability=run.batching.mlm_probability), run.seed
+    return dataclasses.replace(given, data=data, batching=batching, model=run.model, seed=seed), diffs
 
 
 def same_documents(a: DataConfig, b: DataConfig) -> bool:

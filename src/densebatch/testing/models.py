@@ -168,7 +168,7 @@ def packed_vs_alone(model, docs_by_row: list[list[list[int]]], reference=None) -
 
 
 # ------------------------------------------------------------------ encoder masked LMs (batching.mode mlm)
-ENCODERS = ("bert", "roberta", "distilbert", "modernbert")
+ENCODERS = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "modernbert")
 
 
 def encoder_config(kind: str, vocab_size: int = TWO_LAYER_VOCAB):
@@ -186,7 +186,8 @@ def encoder_config(kind: str, vocab_size: int = TWO_LAYER_VOCAB):
             max_position_embeddings=64, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0,
             bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2,
         )  # fmt: skip
-    cls = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig}[kind]
+    cls = {"bert": transformers.BertConfig, "roberta": transformers.RobertaConfig, "xlm-roberta": transformers.XLMRobertaConfig,
+           "camembert": transformers.CamembertConfig}[kind]  # fmt: skip
     return cls(
         vocab_size=vocab_size, num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
         max_position_embeddings=66, pad_token_id=0,

@@ -10,8 +10,10 @@ factors of 3: for 3 trials, suggestion / 3, x 1, x 3; ties go to the lower rate)
 the same initial weights for ``finder.trial_steps`` steps (default: a quarter of ``train.max_steps``,
 at least 10) under the run's own schedule compressed to that length (the same share of warm-up, the
 same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
-of it; without eval data, ``finder.heldout_batches`` batches of the first training step, left out of
-training). The rate with the lowest held-out loss is the suggestion.
+of it; without eval data, ``finder.heldout_batches`` (at least 2) batches of the first training step,
+whose documents no trial trains on). The rate with the lowest held-out loss is the suggestion. Without
+eval data, turning trials on also gives the range test these held-out batches (and so its held-out
+curve, which its near-task rule reads), so its own suggestion may differ from a test without trials.
 
 Cost: ``N x trial_steps`` optimizer steps and ``N`` evaluations on top of the range test: with 3
 trials of a quarter each, three quarters of the run again. Like the range test, the trials leave no
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from densebatch.config import FinderConfig
+from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.optim import set_lrs
 
@@ -71,7 +74,11 @@ def run_trials(
     n = trial_steps(finder, trainer.cfg.max_steps)
     total = trainer.cfg.max_steps or n
     warmup = min(n - 1, round(trainer.cfg.warmup_steps * n / total)) if trainer.cfg.warmup_steps else 0
-    skip_first = trainer.eval_data is None and bool(heldout)
+    if trainer.eval_data is None and not heldout:
+        raise UserError("finder.trials: no held-out data to score the trials on: set data.eval_fraction > 0 or data.eval_path")
+    # Without eval data the held-out batches are the first training step's documents: no trial trains on them,
+    # in any epoch (the data cycle when a trial is longer than an epoch).
+    held_docs = set() if trainer.eval_data is not None else {d for b in heldout for d in b.documents}
     trials: list[Trial] = []
     data = trainer.data
     try:
@@ -81,18 +88,21 @@ def run_trials(
             data.max_epochs = None  # cycle the data: a trial may need more steps than an epoch holds
             trainer.model.train()
             with contextlib.closing(iter(data)) as it:
-                if skip_first:
-                    next(it, None)
-                taken = 0
-                while taken < n:
+                taken = idle = 0
+                while taken < n and idle < 100:  # 100 steps in a row with nothing to learn from: the data hold none
                     step = next(it, None)
                     if step is None:
                         break
+                    if held_docs and any(held_docs.intersection(b.documents) for b in step.batches):
+                        idle += 1
+                        continue
                     set_lrs(trainer.optimizer, taken, cfg, n)
                     stats = trainer.forward_backward(step.batches)
                     if not stats["loss_tokens"]:
                         trainer.optimizer.zero_grad(set_to_none=True)
+                        idle += 1
                         continue  # nothing to learn from: no update, the same rate for the next step
+                    idle = 0
                     trainer.apply_update(stats, judge=False)  # the run's clipper; no guard verdicts
                     trainer.optimizer.zero_grad(set_to_none=True)
                     taken += 1
@@ -108,9 +118,13 @@ def run_trials(
 
 def best_trial(trials: list[Trial]) -> Trial:
     """The trial with the lowest finite held-out loss (ties: the lower rate)."""
-    finite = [t for t in trials if math.isfinite(t.heldout_loss)]
+    finite = [t for t in trials if math.isfinite(t.heldout_loss) and t.steps]
     if not finite:
-        raise ValueError("every trial's held-out loss is not finite")
+        raise UserError(
+            "finder.trials: no trial ended with a finite held-out loss ("
+            + ", ".join(f"lr {t.lr:.3g}: {t.heldout_loss:.4g} after {t.steps} steps" for t in trials)
+            + "): lower finder.lr_start / the range, or check the data"
+        )
     return min(finite, key=lambda t: (t.heldout_loss, t.lr))
 
 
