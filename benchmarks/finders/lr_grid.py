@@ -186,7 +186,7 @@ def main(argv=None) -> int:
     for seed in seeds:
         finder = work / (f"finder-seed{seed}" + (f"-{tag}" if tag else ""))
         if not args.grid_only and not (finder / "lr_finder.json").exists():
-            cmd = ["find-lr", *common, *extra, f"--seed={seed}", f"--output_dir={finder}", "--overwrite"]
+            cmd = ["find-lr", *common, *extra, f"--seed={seed}", f"--output_dir={finder}"]
             secs = densebatch(cmd, finder.with_suffix(".log"))
             print(f"seed {seed}: range test in {secs:.0f} s")
         if not args.grid_only:
