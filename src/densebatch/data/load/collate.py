@@ -53,8 +53,13 @@ class _Gathered:
     source_ids: np.ndarray | None  # (rows, T) int64, -1 at padding; None when the store has no sources
     cu_seqlens: np.ndarray  # (segments + 1,) int32: pieces and padding runs over the flattened rows
     token_at: np.ndarray  # (n,) flat index into (rows, T) of each real token
-    token_doc: np.ndarray  # (n,) its document (store index)
-    token_pos: np.ndarray  # (n,) its position in its document (not in its piece)
+    pieces: tuple[np.ndarray, np.ndarray, np.ndarray]  # (doc, start, lens) of each piece, in token order
+    token_k: np.ndarray  # (n,) each real token's index in its piece
+
+    def token_documents(self) -> tuple[np.ndarray, np.ndarray]:
+        """(document, position in the document) of every real token (masked LM only: not on the causal path)."""
+        doc, start, lens = self.pieces
+        return np.repeat(doc, lens), np.repeat(start, lens) + self.token_k
 
     def batch(self, input_ids: np.ndarray | torch.Tensor, labels: torch.Tensor, num_loss_tokens: int) -> Batch:
         return Batch(
@@ -146,8 +151,8 @@ def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bo
         source_ids=source_ids,
         cu_seqlens=cu_seqlens,
         token_at=dst,
-        token_doc=np.repeat(doc, lens),
-        token_pos=np.repeat(start, lens) + k,
+        pieces=(doc, start, lens),
+        token_k=k,
     )
 
 
@@ -227,7 +232,7 @@ class MaskedLMCollator:
         ids = g.input_ids.reshape(-1)
         at = g.token_at
         tokens = ids[at]  # (n,) the real tokens
-        select, what, other = token_draws(self.seed, step[0], g.token_doc, g.token_pos)
+        select, what, other = token_draws(self.seed, step[0], *g.token_documents())
         chosen = (select < self.mlm_probability) & ~np.isin(tokens, self.special_ids)
         masked = chosen & (what < 0.8)
         randomised = chosen & (what >= 0.8) & (what < 0.9)  # the last 10% keep their token

@@ -40,7 +40,7 @@ from densebatch.config import FinderConfig
 from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
-from densebatch.train.finders.lr_trials import best_trial, run_trials
+from densebatch.train.finders.lr_trials import best_trial, one_update, run_trials
 from densebatch.train.guard import FixedClipper
 from densebatch.train.observe.monitor import _fmt_time
 from densebatch.train.observe.plots import plot_lr_finder
@@ -238,22 +238,15 @@ def diverged(losses: list[float], finder: FinderConfig) -> bool:
 
 def _step(trainer: TrainerHost, it, lr: float) -> float | None:
     """One optimizer step at ``lr`` on the next step of data; its loss (all ranks), None when data ended."""
-    for _ in range(100):  # steps without loss tokens carry no signal: take the next (no update, same rate)
-        step = next(it, None)
-        if step is None:
-            return None
-        stats = trainer.forward_backward(step.batches)
-        if stats["loss_tokens"]:
-            break
-    else:
-        return None
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_mult", 1.0)
-    # The loop's own update (unscale, clip, step), with a fixed clip and no guard: the test wants the
-    # loss at every rate, a spike included, and must not change the run's adaptive clipper.
-    trainer.apply_update(stats, clipper=FixedClipper(trainer.cfg.grad_clip), judge=False)
-    trainer.optimizer.zero_grad(set_to_none=True)
-    return float(stats["loss"])
+
+    def rates() -> None:
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+
+    # A fixed clip and no guard: the test wants the loss at every rate, a spike included, and must not
+    # change the run's adaptive clipper.
+    stats = one_update(trainer, it, rates, clipper=FixedClipper(trainer.cfg.grad_clip))
+    return None if stats is None else float(stats["loss"])
 
 
 def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Path | None]:

@@ -87,24 +87,13 @@ def run_trials(
             data.set_step_fraction(None)  # full-size steps, as the range test takes them
             data.max_epochs = None  # cycle the data: a trial may need more steps than an epoch holds
             trainer.model.train()
+            held_out = (lambda step: any(held_docs.intersection(b.documents) for b in step.batches)) if held_docs else None
             with contextlib.closing(iter(data)) as it:
-                taken = idle = 0
-                while taken < n and idle < 100:  # 100 steps in a row with nothing to learn from: the data hold none
-                    step = next(it, None)
-                    if step is None:
+                taken = 0
+                while taken < n:
+                    rates = lambda k=taken, c=cfg: set_lrs(trainer.optimizer, k, c, n)  # noqa: E731
+                    if one_update(trainer, it, rates, skip=held_out) is None:  # the run's clipper, no guard
                         break
-                    if held_docs and any(held_docs.intersection(b.documents) for b in step.batches):
-                        idle += 1
-                        continue
-                    set_lrs(trainer.optimizer, taken, cfg, n)
-                    stats = trainer.forward_backward(step.batches)
-                    if not stats["loss_tokens"]:
-                        trainer.optimizer.zero_grad(set_to_none=True)
-                        idle += 1
-                        continue  # nothing to learn from: no update, the same rate for the next step
-                    idle = 0
-                    trainer.apply_update(stats, judge=False)  # the run's clipper; no guard verdicts
-                    trainer.optimizer.zero_grad(set_to_none=True)
                     taken += 1
             loss = _heldout_loss(trainer, heldout)
             trials.append(Trial(rate, loss, taken))
@@ -114,6 +103,27 @@ def run_trials(
     finally:
         snapshot.restore(trainer)
     return trials
+
+
+def one_update(trainer: TrainerHost, it, set_rates: Callable[[], object], clipper=None, skip=None) -> dict | None:
+    """One optimizer step on the next step of ``it`` that carries targets (and that ``skip`` does not reject):
+    forward and backward, ``set_rates()``, the update (``clipper``: the trainer's when None; no guard
+    verdicts). Its stats, or None when the data ended or 100 steps in a row had nothing to learn from."""
+    for _ in range(100):
+        step = next(it, None)
+        if step is None:
+            return None
+        if skip is not None and skip(step):
+            continue
+        stats = trainer.forward_backward(step.batches)
+        if not stats["loss_tokens"]:  # no update, the same rate for the next step
+            trainer.optimizer.zero_grad(set_to_none=True)
+            continue
+        set_rates()
+        trainer.apply_update(stats, clipper=clipper, judge=False)
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return stats
+    return None
 
 
 def best_trial(trials: list[Trial]) -> Trial:
