@@ -18,7 +18,7 @@ from densebatch.model import build_model, load_model
 from densebatch.model.attention import document_mask
 from densebatch.model.hf import ALLOWED, HFCausalLM
 from densebatch.testing.batches import PACKED_LENGTHS, pack, random_docs
-from densebatch.testing.models import TWO_LAYER_VOCAB, two_layer_config
+from densebatch.testing.models import TWO_LAYER_VOCAB, tiny_config, two_layer_config
 
 transformers = pytest.importorskip("transformers")
 V = TWO_LAYER_VOCAB
@@ -287,15 +287,19 @@ class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "falcon"])
 def test_densebatch_attention_never_builds_a_row_by_row_tensor(config_dirs, kind, gen):
     """A long row of short documents: nothing of T x T elements exists in forward or backward (the 4-D
-    mask path builds (rows, 1, T, T)), and the losses still equal each document alone."""
+    mask path builds (rows, 1, T, T)), and the losses still equal each document alone. Falcon (its own
+    attention class, model/hf_falcon.py) with grouped key/values, which its own class broadcasts."""
     T = 1024
     lengths = [40] * 25  # 1000 tokens, documents of 40
-    config = two_layer_config(kind)
+    if kind == "falcon":
+        config = tiny_config("falcon", new_decoder_architecture=True, num_kv_heads=2, multi_query=False, vocab_size=V)
+    else:
+        config = two_layer_config(kind)
     config.max_position_embeddings = config.n_positions = T
-    path = config_dirs[kind].parent / f"{kind}-long"
+    path = config_dirs["llama"].parent / f"{kind}-long"
     config.save_pretrained(path)
     model = adapter(path, "densebatch", attention="segmented").train()
     docs = [random_docs(gen, lengths, V)]

@@ -21,12 +21,12 @@ from densebatch.testing.batches import pack, random_docs
 from densebatch.testing.models import ARCHITECTURES, LENGTHS, SEQ_LEN, VOCAB, WINDOW, packed_vs_alone, write_config_dir
 
 pytest.importorskip("transformers")
-from densebatch.model.hf import _HIDDEN_PATH_TYPES, _OWN_ATTENTION_CLASSES, REFUSED, HFCausalLM  # noqa: E402
+from densebatch.model.hf import _HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
 
 SUPPORTED = [(k, impl) for k, impl in ARCHITECTURES if k not in REFUSED]
 # (kind, attn_implementation, model.attention) of the packed model
 PATHS = [(k, impl, "auto") for k, impl in SUPPORTED] + [
-    (k, "densebatch", backend) for k, _ in SUPPORTED if k not in _OWN_ATTENTION_CLASSES for backend in ("segmented", "masked")
+    (k, "densebatch", backend) for k, _ in SUPPORTED for backend in ("segmented", "masked")
 ]
 
 
@@ -70,12 +70,27 @@ def test_soft_capped_attention_is_refused_under_sdpa(config_root):
         build(config_root, "gemma2", "sdpa")
 
 
-def test_falcon_needs_transformers_own_kernel(tmp_path):
-    with pytest.raises(
-        ConfigError, match="falcon picks its attention classes itself .* set model.attn_implementation: sdpa"
-    ) as e:
-        HFCausalLM(write_config_dir(tmp_path, "falcon"), attn_implementation="densebatch")
-    assert "\n" not in str(e.value)
+# Falcon's three ways of laying out query/key/value: multi-query (the tiny config's default: one key/value
+# head), grouped (new_decoder_architecture, 2 key/value heads for 4 query heads) and one per head.
+FALCON_LAYOUTS = {
+    "multi_query": {},
+    "grouped": {"new_decoder_architecture": True, "num_kv_heads": 2, "multi_query": False},
+    "per_head": {"multi_query": False},
+}
+
+
+@pytest.mark.parametrize("layout", FALCON_LAYOUTS)
+def test_falcon_attends_document_by_document_in_every_qkv_layout(tmp_path, layout, gen):
+    """Falcon picks its attention class from its own table; densebatch's class there (model/hf_falcon.py)
+    keeps packed documents apart with no T x T mask, and has Falcon's own parameters."""
+    path = write_config_dir(tmp_path, "falcon", **FALCON_LAYOUTS[layout])
+    torch.manual_seed(0)
+    model = HFCausalLM(path, attention="segmented").eval()
+    assert type(model.hf.transformer.h[0].self_attention).__name__ == "DenseFalconAttention"
+    reference = HFCausalLM(path, attn_implementation="sdpa").eval()
+    reference.load_state_dict(model.state_dict())  # the same parameter names and shapes as Falcon's own class
+    loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS], reference)
+    assert loss_diff <= 1e-5 and logit_diff <= 1e-5, f"falcon/{layout}: losses {loss_diff:.2e}, logits {logit_diff:.2e}"
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma2"])

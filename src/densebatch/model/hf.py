@@ -39,7 +39,7 @@ whose layers differ get one mask per layer type (``{"full_attention": ..., "slid
 which transformers' Gemma 2 and Qwen2/3 accept in place of a tensor). Architectures that cannot be
 isolated are refused when built (``REFUSED``: ALiBi models); soft-capped attention (Gemma 2), which
 SDPA cannot compute, needs ``densebatch`` or ``eager``; Falcon, which picks its attention classes
-itself, needs ``sdpa`` or ``eager``. docs/hf-models.md has the table for every architecture,
+itself, gets densebatch's class in its own table (``model/hf_falcon.py``). docs/hf-models.md has the table for every architecture,
 measured by ``benchmarks/model/hf_isolation_table.py`` and checked by tests/model/test_hf_architectures.py.
 """
 
@@ -57,14 +57,14 @@ from densebatch.errors import ConfigError
 from densebatch.model.attention import pick_backend, plan_attention, rows_hold_one_document
 from densebatch.model.hf_attention import NAME as DENSEBATCH
 from densebatch.model.hf_attention import planned, register
-from densebatch.model.hf_checks import (  # noqa: F401  (REFUSED, _OWN_ATTENTION_CLASSES: also read by tests)
-    _OWN_ATTENTION_CLASSES,
+from densebatch.model.hf_checks import (  # noqa: F401  (REFUSED: also read by tests)
     REFUSED,
     TASKS,
     check_architecture,
     check_model_dir,
     layer_windows,
 )
+from densebatch.model.hf_falcon import install as install_falcon_attention
 from densebatch.model.hf_masks import hf_document_mask
 from densebatch.model.hf_weights import empty_parameters
 from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
@@ -130,6 +130,8 @@ class HFCausalLM(nn.Module):
         check_architecture(config, attn_implementation)
         if attn_implementation == DENSEBATCH:
             register()
+            if config.model_type == "falcon":  # picks its attention class from its own table
+                install_falcon_attention()
         # model.dtype: the weights as loaded and trained (float32 master weights by default, whatever
         # the checkpoint's dtype; autocast does the low precision). See docs/hf-models.md.
         kw = dict(attn_implementation=attn_implementation, dtype=DTYPES[dtype])

@@ -17,9 +17,6 @@ _ALIBI = (
     "no 4-D document mask: packed documents cannot be isolated"
 )
 REFUSED = {"bloom": _ALIBI, "mpt": _ALIBI}
-# Architectures whose attention classes are chosen by their own table of eager / sdpa / flash, so that
-# transformers' attention interface (and densebatch's kernel through it) never reaches them.
-_OWN_ATTENTION_CLASSES = {"falcon"}
 
 
 def layer_windows(config) -> dict[str, int | None]:
@@ -54,11 +51,6 @@ def check_architecture(config, attn_implementation: str) -> None:
         raise ConfigError(
             f"model.attn_implementation: {kind} soft-caps its attention scores, which SDPA cannot compute "
             f"(it would give other logits); set model.attn_implementation: {DENSEBATCH} (or eager)"
-        )
-    if kind in _OWN_ATTENTION_CLASSES and attn_implementation == DENSEBATCH:
-        raise ConfigError(
-            f"model.attn_implementation: {kind} picks its attention classes itself (eager, sdpa or flash), so "
-            f"densebatch's document attention cannot reach it; set model.attn_implementation: sdpa (a T x T document mask)"
         )
 
 
