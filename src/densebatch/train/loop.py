@@ -168,12 +168,13 @@ class Trainer:
         when it is on (``scaler.unscale_`` removes it). The passes run in ``train/oom.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
         batches = list(batches)
-        total = float(sum(b.num_loss_tokens for b in batches))  # the normaliser of every batch: the host knows it
-        if self.dist.enabled:
-            counts = torch.tensor([total], dtype=torch.float64, device=self.device)
-            total = float(self.dist.all_reduce_sum(counts).item())
+        local = float(sum(b.num_loss_tokens for b in batches))  # the normaliser of every batch: the host knows it
+        total: float | torch.Tensor = local
         # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
-        denom = total / self.dist.world_size if total > 0 else 1.0
+        denom: float | torch.Tensor = local if local > 0 else 1.0
+        if self.dist.enabled:  # the step's count over ranks stays on the device, read with the step's stats
+            total = self.dist.all_reduce_sum(torch.tensor([local], dtype=torch.float64, device=self.device))[0]
+            denom = torch.where(total > 0, total / self.dist.world_size, 1.0).float()
         k = len(self.source_names) if self.source_names else 0
         self.source_sums = torch.zeros(2 * k, dtype=torch.float64, device=self.device) if k else None
         loss, splits = accumulate(self.passes(), batches, denom)
@@ -182,9 +183,9 @@ class Trainer:
         sums[0] = loss
         if k:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
             sums = torch.cat([sums, self.source_sums])
-        known = {"loss_tokens": int(total), "batches": len(batches), "oom_splits": splits}
+        known = {"batches": len(batches), "oom_splits": splits}
         # read back at the step's end, with the gradient norm (train/update.py), or on first use
-        return StepStats(known, self.dist.all_reduce_sum(sums), total, self.source_names if k else None, by_source)
+        return StepStats(known, self.dist.all_reduce_sum(sums), total, self.source_names if k else None, by_source, local > 0)
 
     def passes(self) -> Passes:
         """What the step's forward and backward passes use (``train/oom.py``)."""

@@ -19,12 +19,25 @@ from densebatch.train.state import StepOutcome
 
 class StepStats(dict):
     """A step's loss and token counts over all ranks. What only the device knows (the loss sum, the
-    real and slot counts after the all-reduce, the sums per source) is read back once, on first use,
-    in one transfer; ``read(norm)`` appends the gradient norm to that same transfer, so a step reads
-    the device once at its end (``apply_update`` does this)."""
+    real and slot counts after the all-reduce, the sums per source, and under DDP / FSDP the step's
+    loss tokens over ranks) is read back once, on first use, in one transfer; ``read(norm)`` appends
+    the gradient norm to that same transfer, so a step reads the device once at its end
+    (``apply_update`` does this). ``has_targets``: this rank's batches hold loss tokens, so the step
+    is not empty (``is_empty`` needs no read then)."""
 
-    def __init__(self, known: dict, sums: torch.Tensor, total: float, source_names: list[str] | None, by_source):
+    def __init__(
+        self,
+        known: dict,
+        sums: torch.Tensor,
+        total: float | torch.Tensor,
+        source_names: list[str] | None,
+        by_source,
+        has_targets: bool = False,
+    ):
         super().__init__(known)
+        if not isinstance(total, torch.Tensor):
+            self["loss_tokens"] = int(total)
+        self.has_targets = has_targets
         self._pending = (sums, total, source_names, by_source)
 
     def read(self, extra: torch.Tensor | None = None) -> float | None:
@@ -33,14 +46,23 @@ class StepStats(dict):
             return None if extra is None else float(extra)
         sums, total, names, by_source = self._pending
         self._pending = None
+        on_device = isinstance(total, torch.Tensor)
+        tail = [total.reshape(1).to(sums)] if on_device else []
         if extra is not None:
-            sums = torch.cat([sums, extra.detach().reshape(1).to(sums)])
-        values = sums.tolist()
+            tail.append(extra.detach().reshape(1).to(sums))
+        values = torch.cat([sums, *tail]).tolist() if tail else sums.tolist()
+        if on_device:
+            total = values[len(sums)]
+            self["loss_tokens"] = int(total)
         loss_sum, real, slots = values[:3]
         self.update({"loss": loss_sum / total if total > 0 else math.nan, "real_tokens": int(real), "slot_tokens": int(slots)})
         if names:
             self["loss_by_source"], self["loss_tokens_share_by_source"] = by_source(values[3 : 3 + 2 * len(names)], names)
         return values[-1] if extra is not None else None
+
+    def is_empty(self) -> bool:
+        """No loss tokens in the step, over every rank (read from the device only when this rank has none)."""
+        return not self.has_targets and self["loss_tokens"] == 0
 
     def __missing__(self, key):
         self.read()
@@ -49,6 +71,11 @@ class StepStats(dict):
     def get(self, key, default=None):
         self.read()
         return super().get(key, default)
+
+
+def is_empty(stats: dict) -> bool:
+    """The step has no loss tokens on any rank (a ``StepStats`` decides without reading the device when it can)."""
+    return stats.is_empty() if isinstance(stats, StepStats) else stats["loss_tokens"] == 0
 
 
 def apply_update(
@@ -60,7 +87,7 @@ def apply_update(
     guard: AnomalyGuard | None,
 ) -> tuple[StepOutcome, float, float]:
     """(outcome, gradient norm before clipping, clip limit); ``guard`` None: every finite step is applied."""
-    if stats["loss_tokens"] == 0:
+    if is_empty(stats):
         optimizer.zero_grad(set_to_none=True)
         if isinstance(stats, StepStats):
             stats.read()

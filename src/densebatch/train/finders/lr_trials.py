@@ -33,6 +33,7 @@ from densebatch.config import FinderConfig
 from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.optim import set_lrs
+from densebatch.train.update import is_empty
 
 LADDER = 3.0  # the factor between neighbouring trial rates
 
@@ -116,7 +117,7 @@ def one_update(trainer: TrainerHost, it, set_rates: Callable[[], object], clippe
         if skip is not None and skip(step):
             continue
         stats = trainer.forward_backward(step.batches)
-        if not stats["loss_tokens"]:  # no update, the same rate for the next step
+        if is_empty(stats):  # no update, the same rate for the next step
             trainer.optimizer.zero_grad(set_to_none=True)
             continue
         set_rates()
