@@ -5,6 +5,10 @@
 the GPT's blocks, a Hugging Face model's decoder layers) are compiled in place, with dynamic shapes;
 attention runs eagerly between the compiled parts (``model/attention.py`` ``attend_eagerly``: its
 plan's Python facts change every batch). A model without repeated blocks gets ``token_losses`` compiled.
+Under FSDP2 the blocks are already sharded when they are compiled: ``module.compile()`` compiles the
+block's whole ``__call__``, FSDP2's hooks included, so that order runs the same as compiling first
+(tests/test_distributed.py checks compiled FSDP against eager DDP). Every graph break counted is a call
+of the eager attention, once per compiled frame that makes it and grad mode.
 
 Shapes: with ``dynamic=True`` a token_budget epoch, whose every batch has a new (rows, T), compiles each
 graph once; switching between training and evaluation (grad mode) compiles it once more. ``CompileCount``
