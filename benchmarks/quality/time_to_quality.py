@@ -15,11 +15,14 @@ reaches the target, with the final quality.
   exact-match accuracy >= 0.99 on 200 held-out prompts. Setups ending in ``/1`` take one batch a step
   instead (``loss_tokens_per_step: null``), as the demo did before.
 - ``--set mixture``: the shared instruction data, chat threads and Shakespeare as three sources
-  (``bpe:2048``, a 2-layer GPT of width 128, learning rate 1e-3), evaluated per source. Target: the
-  eval loss that random padded batches reach at the end (median over the seeds), for the overall
-  loss; the per-source losses at the end are printed beside it. ``packed-2816`` / ``token_budget-2816``
-  hold as many real tokens a step as random's 8 padded rows (~2,450), so they compare at equal real
-  tokens per step; ``packed-2048`` holds 18% fewer.
+  (``bpe:2048``, a 2-layer GPT of width 128, learning rate 1e-3), evaluated per source. Targets: the
+  eval loss that random padded batches reach at the end (median over the seeds); then, per source,
+  every source's loss at or below random's at steps ``--per-source-at`` (median over its seeds), a run
+  reaching it when all its sources are there at once. ``packed-2816`` / ``token_budget-2816`` hold as
+  many real tokens a step as random's 8 padded rows (~2,450), so they compare at equal real tokens per
+  step; ``packed-2048`` holds 18% fewer. ``*-w`` setups weigh the sources as random's batches do
+  (``RANDOM_LIKE_WEIGHTS``). ``NAME@N`` runs setup NAME for N steps. "× peer's" is a setup's median
+  time over random's median; each seed's line also gives it over the same seed's random run.
 
 Peers: random padded batches (``random``, 8 rows) and Hugging Face ``group_by_length``, which is
 ``length_grouped`` at HF's settings (one document a row, ``bundle_tokens: 0``; mega-batches of 50
@@ -75,14 +78,35 @@ MIXTURE_SETUPS: dict[str, list[str]] = {
 }
 
 
-def mixture_args(shared: Path) -> list[str]:
+# Random padded batches, one a step with the loss averaged over the batch's own loss tokens, weigh a
+# token by 1 / its batch's loss tokens: batches of short documents weigh more. On the mixture that gives
+# the instructions (3.6% of the loss tokens, the shortest documents) 1.53x their share of the gradient,
+# chat 0.96x, Shakespeare 0.99x (measured over epoch 0's plan); dense steps weigh every loss token alike.
+# ``*-w`` setups up-sample the instructions to the share random's batches give them (weights are shares
+# of an epoch's tokens: natural 0.109 / 0.307 / 0.584).
+RANDOM_LIKE_WEIGHTS = {"instructions": 0.109 * 1.53, "chat": 0.307 * 0.96, "shakespeare": 0.584 * 0.99}
+MIXTURE_SETUPS["packed-2816-w"] = MIXTURE_SETUPS["packed-2816"] + ["weights"]
+# Up-sampling the short instructions makes packed rows of 1,408 hold ~2,535 real tokens, 5% more than
+# random's ~2,420: rows of 1,344 bring the weighted plan back to random's tokens per step.
+MIXTURE_SETUPS["packed-2688-w"] = [
+    "--batching.max_tokens_per_batch=2688", "--batching.seq_len=1344", "--model.block_size=1344", "weights"
+]  # fmt: skip
+
+
+def mixture_sources(shared: Path, weights: dict[str, float] | None = None) -> str:
     sources = [
         {"path": str(shared / "instruction-data.json"), "name": "instructions"},
         {"path": str(shared / "oasst-threads.jsonl"), "name": "chat", "template": "chatml"},
         {"path": str(shared / "tinyshakespeare.txt"), "name": "shakespeare", "format": "text"},
     ]
+    for s in sources if weights else ():
+        s["weight"] = weights[s["name"]]
+    return f"--data.sources={json.dumps(sources)}"
+
+
+def mixture_args(shared: Path) -> list[str]:
     return [
-        f"--data.sources={json.dumps(sources)}",
+        mixture_sources(shared),
         "--data.tokenizer=bpe:2048",
         "--data.max_seq_len=1024",
         "--data.text_split=chunks",
@@ -98,7 +122,7 @@ def mixture_args(shared: Path) -> list[str]:
     ]
 
 
-def run_one(name: str, args: list[str], seed: int, steps: int, every: int, threads: int) -> dict:
+def run_one(name: str, args: list[str], steps: int, seed: int, every: int, threads: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="ttq-") as tmp:
         cmd = [sys.executable, "-m", "densebatch.cli", "train", f"--output_dir={tmp}/run", f"--seed={seed}"]
         cmd += [f"--train.max_steps={steps}", f"--eval.every_steps={every}", "--train.progress=false", "--train.plots=false"]
@@ -142,22 +166,44 @@ def run_one(name: str, args: list[str], seed: int, steps: int, every: int, threa
     }
 
 
-def reached(run: dict, target: float, key: str) -> dict | None:
-    """The first evaluation at the target: accuracy at or above it, or a loss at or below it."""
+def reached(run: dict, target, key: str) -> dict | None:
+    """The first evaluation at the target: accuracy at or above it, or a loss at or below it; a target
+    given per source ({source: loss}) is reached when every source's eval loss is at or below its own."""
     for p in run["points"]:
+        if isinstance(target, dict):
+            got = p.get("by_source") or {}
+            if got and all(s in got and got[s] <= t for s, t in target.items()):
+                return p
+            continue
         v = p[key]
         if v is not None and (v >= target if key == "accuracy" else v <= target):
             return p
     return None
 
 
-def table(runs: list[dict], key: str, target: float) -> str:
+def _median_time(runs: list[dict], target, key: str) -> float:
+    """Median train seconds to the target over ``runs``; a run that never reaches it counts as infinitely slow."""
+    times = sorted((h["train_s"] if (h := reached(r, target, key)) else float("inf")) for r in runs)
+    if not times:
+        return float("inf")
+    n = len(times)
+    return times[n // 2] if n % 2 else (times[n // 2 - 1] + times[n // 2]) / 2
+
+
+def _describe(target, key: str) -> str:
+    if isinstance(target, dict):
+        return "every source's eval loss <= its own: " + ", ".join(f"{s} {t:.4f}" for s, t in target.items())
+    return f"{key} {'>=' if key == 'accuracy' else '<='} {target:.4g}"
+
+
+def table(runs: list[dict], key: str, target, peer: str = "random-8") -> str:
     out = [
-        f"target: {key} {'>=' if key == 'accuracy' else '<='} {target:.4g} (training time = the steps' own time, evaluations excluded)",
+        f"target: {_describe(target, key)} (training time = the steps' own time, evaluations excluded)",
         "",
-        "| setup | real tok/step | fill | train s to target | steps to target | real tokens to target | final accuracy | final eval loss | seeds reaching |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| setup | real tok/step | fill | train s to target | × peer's | steps to target | real tokens to target | final accuracy | final eval loss | seeds reaching |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    peer_s = _median_time([r for r in runs if r["setup"] == peer], target, key)
     for name in dict.fromkeys(r["setup"] for r in runs):
         mine = [r for r in runs if r["setup"] == name]
         hits = [reached(r, target, key) for r in mine]
@@ -166,28 +212,42 @@ def table(runs: list[dict], key: str, target: float) -> str:
         def med(xs, fmt):
             return fmt.format(statistics.median(xs)) if xs else "-"
 
-        # a seed that never reaches the target counts as infinitely slow: the median is '-' when most miss
-        times = sorted([h["train_s"] for h in got] + [float("inf")] * (len(mine) - len(got)))
-        mid = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+        mid = _median_time(mine, target, key)  # '-' when most seeds miss
         final_acc = [r["points"][-1]["accuracy"] for r in mine if r["points"] and r["points"][-1]["accuracy"] is not None]
         final_loss = [r["points"][-1]["loss"] for r in mine if r["points"]]
+        ratio = mid / peer_s if mid < float("inf") and peer_s < float("inf") else None
         out.append(
             f"| {name} | {med([r['real_per_step'] for r in mine], '{:.0f}')} | {med([r['fill'] for r in mine], '{:.3f}')} "
-            f"| {'-' if mid == float('inf') else round(mid, 1)} "
+            f"| {'-' if mid == float('inf') else round(mid, 1)} | {'-' if ratio is None else f'{ratio:.2f}'} "
             f"| {med([h['step'] for h in got], '{:.0f}') if len(got) * 2 > len(mine) else '-'} "
             f"| {med([h['tokens'] for h in got], '{:,.0f}') if len(got) * 2 > len(mine) else '-'} "
             f"| {med(final_acc, '{:.3f}')} | {med(final_loss, '{:.4f}')} | {len(got)}/{len(mine)} |"
         )
     out.append("")
-    out.append("per seed (train s to target, or '-'; final accuracy / loss):")
+    out.append(f"per seed (train s to target, or '-'; × the same seed's {peer}; final accuracy / loss):")
+    peer_by_seed = {r["seed"]: reached(r, target, key) for r in runs if r["setup"] == peer}
     for r in runs:
         h = reached(r, target, key)
         last = r["points"][-1] if r["points"] else {}
         when = "-" if h is None else "{:.1f} s (step {})".format(h["train_s"], h["step"])
+        ph = peer_by_seed.get(r["seed"])
+        paired = f" ×{h['train_s'] / ph['train_s']:.2f}" if h and ph else ""
         out.append(
-            f"  {r['setup']:<24} seed {r['seed']}: {when}; final {last.get('accuracy')} / {last.get('loss', float('nan')):.4f}"
+            f"  {r['setup']:<24} seed {r['seed']}: {when}{paired}; final {last.get('accuracy')} / {last.get('loss', float('nan')):.4f}"
         )
     return "\n".join(out)
+
+
+def ladder(runs: list[dict], steps: list[int], peer: str = "random-8") -> list[dict]:
+    """Per-source targets from the peer's own runs: at each of ``steps``, the median over its seeds of each
+    source's eval loss there (a quality the peer reaches at that step on a typical seed)."""
+    mine = [r for r in runs if r["setup"] == peer]
+    out = []
+    for k in steps:
+        at = [p["by_source"] for r in mine for p in r["points"] if p["step"] == k and p.get("by_source")]
+        if at:
+            out.append({s: statistics.median(x[s] for x in at) for s in at[0]})
+    return out
 
 
 def main() -> None:
@@ -201,6 +261,13 @@ def main() -> None:
     ap.add_argument(
         "--target", type=float, default=None, help="default: accuracy 0.99 (default set); random's final loss (mixture)"
     )
+    ap.add_argument(
+        "--per-source-at",
+        type=int,
+        nargs="*",
+        default=[150, 200, 250, 300],
+        help="mixture: also tables whose target is every source's loss at or below random's (median over seeds) at these steps",
+    )
     ap.add_argument("--out", default=None, help="JSON lines of every run (appended); read back with --report")
     ap.add_argument("--report", action="store_true", help="only print the table of the runs in --out")
     ap.add_argument("--data-dir", default=None)
@@ -208,7 +275,15 @@ def main() -> None:
     setups = DEFAULT_SETUPS if a.set == "default" else MIXTURE_SETUPS
     names = a.setups.split(",") if a.setups else list(setups)
     steps = a.steps or (500 if a.set == "default" else 300)
-    base = [] if a.set == "default" else mixture_args(require_shared_data(a.data_dir))
+    shared = None if a.set == "default" else require_shared_data(a.data_dir)
+    base = [] if shared is None else mixture_args(shared)
+
+    def args_of(name: str) -> tuple[list[str], int]:
+        """A setup's arguments and steps: ``NAME@N`` runs setup NAME for N steps (its schedule too)."""
+        plain, _, n = name.partition("@")
+        extra = [mixture_sources(shared, RANDOM_LIKE_WEIGHTS) if x == "weights" else x for x in setups[plain]]
+        return base + extra, int(n) if n else steps
+
     runs: list[dict] = []
     if a.out and Path(a.out).is_file():
         runs = [json.loads(x) for x in Path(a.out).read_text().splitlines() if x.strip()]
@@ -219,7 +294,7 @@ def main() -> None:
             for name in names:
                 if any(r["setup"] == name and r["seed"] == seed for r in runs):
                     continue  # already in --out
-                run = run_one(name, base + setups[name], seed, steps, a.every, a.threads)
+                run = run_one(name, *args_of(name), seed, a.every, a.threads)
                 runs.append(run)
                 print(f"{name} seed {seed}: {run['wall_s']:.0f} s wall", file=sys.stderr, flush=True)
                 if a.out:
@@ -227,12 +302,13 @@ def main() -> None:
                         f.write(json.dumps(run) + "\n")
     runs = [r for r in runs if r["setup"] in names]
     if a.set == "default":
-        key, target = "accuracy", a.target or 0.99
-    else:
-        key = "loss"
-        finals = [r["points"][-1]["loss"] for r in runs if r["setup"] == "random-8" and r["points"]]
-        target = a.target or (statistics.median(finals) if finals else float("nan"))
-    print(table(runs, key, target))
+        print(table(runs, "accuracy", a.target or 0.99))
+        return
+    finals = [r["points"][-1]["loss"] for r in runs if r["setup"] == "random-8" and r["points"]]
+    print(table(runs, "loss", a.target or (statistics.median(finals) if finals else float("nan"))))
+    for target in ladder(runs, a.per_source_at):
+        print()
+        print(table(runs, "loss", target))
 
 
 if __name__ == "__main__":
