@@ -51,6 +51,13 @@ def launch(args: list[str], nproc: int = 2, timeout: float = 300) -> subprocess.
     return subprocess.run(torchrun(args, nproc), env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def why(r: subprocess.CompletedProcess) -> str:
+    """A failed launch's story: every rank's own traceback lines first (torchrun prefixes them with
+    ``[rankN]``; the rank that crashed first is often cut off the tail), then the tail."""
+    ranks = [x for x in r.stderr.splitlines() if x.startswith("[rank") and "Traceback" not in x]
+    return "\n".join(ranks[:40]) + "\n...\n" + r.stderr[-2000:]
+
+
 def losses(out: Path) -> list[tuple[int, float]]:
     lines = (out / "metrics.jsonl").read_text().splitlines()
     return [(r["step"], r["loss"]) for r in map(json.loads, lines) if r["kind"] == "train"]
@@ -84,7 +91,7 @@ def tmp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ddp(tmp) -> Path:
     r = launch(["train", str(_config(tmp)), f"--output_dir={tmp / 'ddp'}"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, why(r)
     return tmp / "ddp"
 
 
@@ -299,7 +306,7 @@ def test_fsdp_with_compiled_blocks_trains_like_ddp(tmp, ddp):
     compiles graphs, and its losses equal the eager DDP run's step by step (fp32, 1e-5)."""
     out = tmp / "fsdp-compiled"
     r = launch(["train", str(_config(tmp)), f"--output_dir={out}", "--train.distributed=fsdp", "--train.compile=true"])
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, why(r)
     m = re.search(r"compile: (\d+) graphs", r.stdout)
     assert m and int(m.group(1)) > 0, r.stdout[-2000:]
     assert close(losses(out), losses(ddp)), (losses(out), losses(ddp))

@@ -86,8 +86,8 @@ MIXTURE_SETUPS: dict[str, list[str]] = {
 # of an epoch's tokens: natural 0.109 / 0.307 / 0.584).
 RANDOM_LIKE_WEIGHTS = {"instructions": 0.109 * 1.53, "chat": 0.307 * 0.96, "shakespeare": 0.584 * 0.99}
 MIXTURE_SETUPS["packed-2816-w"] = MIXTURE_SETUPS["packed-2816"] + ["weights"]
-# Up-sampling the short instructions makes packed rows of 1,408 hold ~2,535 real tokens, 5% more than
-# random's ~2,420: rows of 1,344 bring the weighted plan back to random's tokens per step.
+# Up-sampling the short instructions makes packed rows of 1,408 hold ~2,560 real tokens, 6% more than
+# random's ~2,420; rows of 1,344 hold ~2,320, 4% fewer (the nearest equal tokens per step from below).
 MIXTURE_SETUPS["packed-2688-w"] = [
     "--batching.max_tokens_per_batch=2688", "--batching.seq_len=1344", "--model.block_size=1344", "weights"
 ]  # fmt: skip

@@ -18,7 +18,16 @@ import torch
 
 from densebatch.errors import ConfigError
 from densebatch.testing.batches import pack, random_docs
-from densebatch.testing.models import ARCHITECTURES, LENGTHS, SEQ_LEN, VOCAB, WINDOW, packed_vs_alone, write_config_dir
+from densebatch.testing.models import (
+    ARCHITECTURES,
+    LENGTHS,
+    SEQ_LEN,
+    VOCAB,
+    WINDOW,
+    packed_vs_alone,
+    tiny_config,
+    write_config_dir,
+)
 
 pytest.importorskip("transformers")
 from densebatch.model.hf import _HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
@@ -136,3 +145,22 @@ def test_negative_control_densebatch_attention_must_honour_each_layers_options(
     assert packed_vs_alone(model, docs, reference)[0] <= 1e-5
     monkeypatch.setattr(hf_attention, "AttnOptions", lambda **kw: AttnOptions(**{**kw, dropped: None}))
     assert packed_vs_alone(model, docs, reference)[0] > 1e-4
+
+
+def test_falcon_refuses_packed_rows_that_come_without_densebatch_s_plan(tmp_path, gen):
+    """Under a transformers loop (``densebatch.register_attention()`` and the model called directly), Falcon's
+    layers get no ``cu_seq_lens``: rows whose positions restart are refused rather than attended across;
+    a row of one document still runs."""
+    from densebatch.hf_trainer import register_attention
+
+    transformers = pytest.importorskip("transformers")
+    register_attention()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        tiny_config("falcon", new_decoder_architecture=True, num_kv_heads=2, multi_query=False), attn_implementation="densebatch"
+    )
+    ids = torch.randint(3, VOCAB, (1, 12), generator=gen)
+    assert model(input_ids=ids).logits.shape == (1, 12, VOCAB)
+    packed = torch.cat([torch.arange(7), torch.arange(5)])[None]
+    with pytest.raises(ValueError, match="keeps packed documents apart only when trained by densebatch"):
+        model(input_ids=ids, position_ids=packed)

@@ -208,6 +208,14 @@ def test_a_distributed_step_reads_its_loss_token_count_with_its_end_of_step_stat
     assert torch.allclose(_flat_grad(two.model), _flat_grad(one.model), rtol=1e-6, atol=1e-9)
     two.apply_update(stats)
     assert stats["loss_tokens"] == 2 * ref["loss_tokens"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    # a step without loss tokens on any rank: found empty from the device's count, and no update
+    empty = tiny.collate(docs[:2])
+    empty = type(empty)(empty.input_ids, torch.full_like(empty.labels, -100), empty.positions, 0, empty.num_real_tokens)
+    before = [p.detach().clone() for p in two.model.parameters()]
+    stats = two.forward_backward([empty])
+    assert not stats.has_targets and stats.is_empty() and stats["loss_tokens"] == 0
+    assert two.apply_update(stats)[0] == StepOutcome.EMPTY
+    assert all(torch.equal(a, b) for a, b in zip(before, two.model.parameters()))
 
 
 # ------------------------------------------------------------------------------ stopping
