@@ -301,9 +301,9 @@ def test_an_fsdp_hugging_face_run_reads_its_weights_in_slices_and_from_pretraine
 
 
 def test_fsdp_with_compiled_blocks_trains_like_ddp(tmp, ddp):
-    """train.compile under FSDP2: the blocks are compiled in place (``module.compile``: their whole
-    ``__call__``, FSDP2's hooks included, which dynamo runs outside its graphs) and sharded; the run
-    compiles graphs, and its losses equal the eager DDP run's step by step (fp32, 1e-5)."""
+    """train.compile under FSDP2: the blocks are sharded, then compiled in place (``module.compile``: their
+    whole ``__call__``, FSDP2's hooks included); the run compiles graphs, and its losses equal the eager
+    DDP run's step by step (fp32, 1e-5)."""
     out = tmp / "fsdp-compiled"
     r = launch(["train", str(_config(tmp)), f"--output_dir={out}", "--train.distributed=fsdp", "--train.compile=true"])
     assert r.returncode == 0, why(r)
