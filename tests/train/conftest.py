@@ -107,9 +107,29 @@ class ListLoader:
         self.position = int(state["position"])
 
 
+def trainer(tmp_path, batches, cfg=None, eval_cfg=None, eval_data=None, evaluate_fn=None, dist=None, **parts):
+    """A CPU ``Trainer`` of a ``TinyLM`` on ``batches``; ``parts``: guard, clipper, batch_schedule."""
+    from densebatch.config import EvalConfig, TrainConfig
+    from densebatch.train.loop import Trainer
+    from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
+
+    evaluation = Evaluation(eval_cfg or EvalConfig(), eval_data, evaluate_fn)
+    cfg = cfg or TrainConfig(lr=1e-2, warmup_steps=0, progress=False, device="cpu")
+    return Trainer(
+        TinyLM(), batches, cfg, output_dir=tmp_path, evaluation=evaluation, placement=Placement("cpu", dist),
+        parts=StepParts(**parts), reporting=Reporting(console=False),
+    )  # fmt: skip
+
+
+def flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
 @pytest.fixture
 def tiny() -> types.SimpleNamespace:
     return types.SimpleNamespace(
+        trainer=trainer,
+        flat_grad=flat_grad,
         TinyLM=TinyLM,
         make_docs=make_docs,
         collate=collate,

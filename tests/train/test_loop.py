@@ -14,7 +14,6 @@ from densebatch.train.distributed import Distributed
 from densebatch.train.guard import Verdict
 from densebatch.train.loop import StepOutcome, Trainer
 from densebatch.train.observe.monitor import read_metrics
-from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 
 
 def _cfg(**kw) -> TrainConfig:
@@ -24,17 +23,8 @@ def _cfg(**kw) -> TrainConfig:
 
 
 def _trainer(tiny, tmp_path, batches, cfg=None, eval_cfg=None, eval_data=None, evaluate_fn=None, dist=None, **parts) -> Trainer:
-    """A CPU trainer of a tiny model; ``parts``: guard, clipper, batch_schedule."""
-    evaluation = Evaluation(eval_cfg or EvalConfig(), eval_data, evaluate_fn)
-    placement = Placement("cpu", dist)
-    return Trainer(
-        tiny.TinyLM(), batches, cfg or _cfg(), output_dir=tmp_path, evaluation=evaluation, placement=placement,
-        parts=StepParts(**parts), reporting=Reporting(console=False),
-    )  # fmt: skip
-
-
-def _flat_grad(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten() for p in model.parameters()])
+    """A CPU trainer of a tiny model (``tiny.trainer``); ``parts``: guard, clipper, batch_schedule."""
+    return tiny.trainer(tmp_path, batches, cfg or _cfg(), eval_cfg, eval_data, evaluate_fn, dist, **parts)
 
 
 def _losses(path) -> list[float]:
@@ -52,7 +42,7 @@ def test_micro_batches_give_the_same_gradient_and_loss_as_one_batch(tiny, tmp_pa
     one = _trainer(tiny, tmp_path / "a", whole)
     many = _trainer(tiny, tmp_path / "b", split)
     s1, sk = one.forward_backward(whole), many.forward_backward(split)
-    g1, gk = _flat_grad(one.model), _flat_grad(many.model)
+    g1, gk = tiny.flat_grad(one.model), tiny.flat_grad(many.model)
     assert ((g1 - gk).abs().max() / g1.abs().max()).item() <= 1e-6
     assert s1["loss_tokens"] == sk["loss_tokens"] == sum(counts)
     assert sk["loss"] == pytest.approx(s1["loss"], rel=1e-6)
@@ -62,7 +52,7 @@ def test_micro_batches_give_the_same_gradient_and_loss_as_one_batch(tiny, tmp_pa
     for b in split:
         losses = model.token_losses(b)
         (losses.sum() / b.num_loss_tokens / len(split)).backward()
-    assert ((g1 - _flat_grad(model)).abs().max() / g1.abs().max()).item() > 1e-3
+    assert ((g1 - tiny.flat_grad(model)).abs().max() / g1.abs().max()).item() > 1e-3
 
 
 def test_loss_tokens_per_step_groups_batches(tiny, tmp_path):
@@ -173,49 +163,6 @@ def test_a_step_without_loss_tokens_is_empty_not_an_anomaly(tiny, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(weights[1], weights[4]))  # no update
     assert (t.state.skipped_steps, t.state.empty_steps, t.state.lr_scale) == (0, 3, 1.0)
     assert recs[1]["loss_tokens"] == 0 and recs[1]["loss"] is None
-
-
-class TwinRanks(Distributed):
-    """Two ranks holding the same batches, with no process group: a sum over ranks doubles."""
-
-    def __init__(self):
-        super().__init__(world_size=2)
-
-    def all_reduce(self, t, op="sum"):
-        return t.detach().clone() * (2 if op == "sum" else 1)
-
-
-def _reads(fn) -> int:
-    """``.item()`` / ``float(t)`` / ``int(t)`` reads of a tensor while ``fn`` runs, and ``fn``'s result."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        out = fn()
-    return sum(e.name in ("aten::_local_scalar_dense", "aten::item") for e in prof.events()), out
-
-
-def test_a_distributed_step_reads_its_loss_token_count_with_its_end_of_step_stats(tiny, tmp_path):
-    """Under DDP / FSDP the step's loss tokens over ranks divide every micro-batch's loss: the count
-    stays on the device (no read before the backward passes) and is read in the step's one transfer,
-    with the loss sums and the gradient norm. Two identical ranks give one process's gradient and loss."""
-    docs = tiny.make_docs(8, seed=2, min_len=2, max_len=30)
-    batches = [tiny.collate(docs[:4]), tiny.collate(docs[4:])]
-    one, two = _trainer(tiny, tmp_path / "one", batches), _trainer(tiny, tmp_path / "two", batches, dist=TwinRanks())
-    reads, stats = _reads(lambda: two.forward_backward(batches))
-    assert reads == 0
-    assert "loss_tokens" not in dict(stats) and stats.has_targets and not stats.is_empty()  # decided on the host
-    ref = one.forward_backward(batches)
-    assert torch.allclose(_flat_grad(two.model), _flat_grad(one.model), rtol=1e-6, atol=1e-9)
-    two.apply_update(stats)
-    assert stats["loss_tokens"] == 2 * ref["loss_tokens"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-6)
-    # a step without loss tokens on any rank: found empty from the device's count, and no update
-    empty = tiny.collate(docs[:2])
-    empty = type(empty)(empty.input_ids, torch.full_like(empty.labels, -100), empty.positions, 0, empty.num_real_tokens)
-    before = [p.detach().clone() for p in two.model.parameters()]
-    stats = two.forward_backward([empty])
-    assert not stats.has_targets and stats.is_empty() and stats["loss_tokens"] == 0
-    assert two.apply_update(stats)[0] == StepOutcome.EMPTY
-    assert all(torch.equal(a, b) for a, b in zip(before, two.model.parameters()))
 
 
 # ------------------------------------------------------------------------------ stopping
@@ -431,10 +378,10 @@ def test_two_ranks_normalise_by_the_tokens_of_both(tiny, tmp_path):
     for mine, other in ((a, recorders[1]), (b, recorders[0])):
         t = _trainer(tiny, tmp_path / "x", mine, dist=_FakeRanks(other))
         stats.append(t.forward_backward(mine))
-        grads.append(_flat_grad(t.model))
+        grads.append(tiny.flat_grad(t.model))
     one = _trainer(tiny, tmp_path / "one", a + b)
     s1 = one.forward_backward(a + b)
-    g1 = _flat_grad(one.model)
+    g1 = tiny.flat_grad(one.model)
     mean = (grads[0] + grads[1]) / 2  # DDP's average over ranks
     assert ((mean - g1).abs().max() / g1.abs().max()).item() <= 1e-6
     assert stats[0]["loss"] == pytest.approx(s1["loss"], rel=1e-12) and stats[1]["loss"] == pytest.approx(s1["loss"], rel=1e-12)
