@@ -147,20 +147,20 @@ def test_negative_control_densebatch_attention_must_honour_each_layers_options(
     assert packed_vs_alone(model, docs, reference)[0] > 1e-4
 
 
-def test_falcon_refuses_packed_rows_that_come_without_densebatch_s_plan(tmp_path, gen):
-    """Under a transformers loop (``densebatch.register_attention()`` and the model called directly), Falcon's
-    layers get no ``cu_seq_lens``: rows whose positions restart are refused rather than attended across;
-    a row of one document still runs."""
+@pytest.mark.parametrize("kind", ["llama", "falcon"])
+def test_a_transformers_loop_giving_only_position_ids_keeps_packed_documents_apart(kind, gen):
+    """``densebatch.register_attention()`` and the model called directly with packed rows whose positions
+    restart at each document, no ``cu_seq_lens`` (what ``DataCollatorWithFlattening`` gives by default):
+    each document's logits are its logits alone. Falcon's layers pass on only the positions."""
     from densebatch.hf_trainer import register_attention
 
     transformers = pytest.importorskip("transformers")
     register_attention()
+    overrides = dict(new_decoder_architecture=True, num_kv_heads=2, multi_query=False) if kind == "falcon" else {}
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        tiny_config("falcon", new_decoder_architecture=True, num_kv_heads=2, multi_query=False), attn_implementation="densebatch"
-    )
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, **overrides), attn_implementation="densebatch").eval()
     ids = torch.randint(3, VOCAB, (1, 12), generator=gen)
-    assert model(input_ids=ids).logits.shape == (1, 12, VOCAB)
-    packed = torch.cat([torch.arange(7), torch.arange(5)])[None]
-    with pytest.raises(ValueError, match="keeps packed documents apart only when trained by densebatch"):
-        model(input_ids=ids, position_ids=packed)
+    with torch.no_grad():
+        packed = model(input_ids=ids, position_ids=torch.cat([torch.arange(7), torch.arange(5)])[None]).logits[0]
+        first, second = model(input_ids=ids[:, :7]).logits[0], model(input_ids=ids[:, 7:]).logits[0]
+    assert (packed[:7] - first).abs().max() <= 1e-5 and (packed[7:] - second).abs().max() <= 1e-5

@@ -85,29 +85,35 @@ def densebatch_attention(
 
 
 def _plan_from_packed(query: Tensor, kwargs: dict, causal: bool = True) -> AttentionPlan | None:
-    """A plan from the keywords a model is given for packed rows (``cu_seq_lens_q`` with ``position_ids``:
-    densebatch's ``dataloader`` and transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``),
-    so a plain transformers model (``Trainer``, a user's loop) keeps documents apart on any device. Built
-    once per forward (every layer gets the same tensors). None when the keywords are not there."""
+    """A plan from the keywords a model is given for packed rows, so a plain transformers model (``Trainer``,
+    a user's loop) keeps documents apart on any device: ``cu_seq_lens_q`` with ``position_ids`` (densebatch's
+    ``dataloader``, transformers' ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``), or
+    ``position_ids`` alone whose positions restart at 0 within a row (a document starts at every 0, as
+    transformers' flash path reads them). Built once per forward (every layer gets the same tensors).
+    None when there is nothing to keep apart: no positions, or one sequence per row."""
     cu, pos = kwargs.get("cu_seq_lens_q"), kwargs.get("position_ids")
-    if cu is None or pos is None or pos.shape[-1] != query.shape[-2]:
+    if pos is None or pos.shape[-1] != query.shape[-2]:
         return None
     rows = query.shape[0]
     given = pos
-    pos = pos.reshape(-1, pos.shape[-1]).expand(rows, -1) if pos.numel() != rows * pos.shape[-1] else pos.reshape(rows, -1)
     # The same tensor objects (not just the same memory: a device allocator hands freed blocks to the next
     # batch), unchanged, in the same grad mode: every layer of one forward gets them.
     grad = torch.is_grad_enabled()
     cached = _ACTIVE.from_kwargs
-    stamp = (cu._version, given._version, rows, grad, causal)
-    if cached is not None and cached[0]() is cu and cached[1]() is given and cached[2] == stamp:
-        return cached[3]
-    backend = pick_backend("auto", query.device, grad, pos.shape[-1])
-    longest = kwargs.get("max_length_q")
-    plan = plan_attention(
-        pos, backend, cu_seqlens=cu.to("cpu", torch.int32), max_seqlen=None if longest is None else int(longest), causal=causal
-    )
-    _ACTIVE.from_kwargs = (weakref.ref(cu), weakref.ref(given), stamp, plan)
+    stamp = (None if cu is None else cu._version, given._version, rows, grad, causal)
+    if cached is not None and cached[1]() is given and cached[2] == stamp:
+        if (cached[0] is None) if cu is None else (cached[0] is not None and cached[0]() is cu):
+            return cached[3]
+    pos = pos.reshape(-1, pos.shape[-1]).expand(rows, -1) if pos.numel() != rows * pos.shape[-1] else pos.reshape(rows, -1)
+    plan = None
+    if cu is not None or bool((pos[:, 1:] == 0).any()):  # without bounds: only rows that hold several documents
+        backend = pick_backend("auto", query.device, grad, pos.shape[-1])
+        longest = kwargs.get("max_length_q")
+        bounds = None if cu is None else cu.to("cpu", torch.int32)
+        plan = plan_attention(
+            pos, backend, cu_seqlens=bounds, max_seqlen=None if longest is None else int(longest), causal=causal
+        )
+    _ACTIVE.from_kwargs = (None if cu is None else weakref.ref(cu), weakref.ref(given), stamp, plan)
     return plan
 
 

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
-from densebatch.model.hf_attention import _ACTIVE, NAME, PLAN_KEY, densebatch_attention
+from densebatch.model.hf_attention import NAME, densebatch_attention
 
 
 def _attention_class():
@@ -59,35 +58,19 @@ def _attention_class():
         ):
             if alibi is not None:  # refused when the model is built; kept as a guard
                 raise ValueError("densebatch's Falcon attention is rotary only (ALiBi Falcon is not supported)")
-            _refuse_packed_rows_without_a_plan(position_ids, kwargs)
             rows, t, _ = hidden_states.shape
             q, k, v = (x.transpose(1, 2) for x in self._split_qkv(self.query_key_value(hidden_states)))
             cos, sin = position_embeddings
             q, k = mf.apply_rotary_pos_emb(q, k, cos, sin)
             if layer_past is not None:
                 k, v = layer_past.update(k, v, self.layer_idx)
+            # Falcon's layer passes on no keywords but the positions: with them, packed rows that come
+            # without densebatch's plan (a transformers loop) are still kept apart (``_plan_from_packed``)
+            kwargs.setdefault("position_ids", position_ids)
             out, _ = densebatch_attention(self, q, k, v, None, 0.0, 1.0 / math.sqrt(self.head_dim), **kwargs)
             return self.dense(out.reshape(rows, t, self.num_heads * self.head_dim)), None
 
     return DenseFalconAttention
-
-
-def _refuse_packed_rows_without_a_plan(position_ids: Tensor | None, kwargs: dict) -> None:
-    """Falcon's layers pass no keywords on to their attention, so packed rows reach it with a plan only from
-    densebatch's own adapter (``HFCausalLM``, which publishes it while its forward runs). Rows whose positions
-    restart (packed documents) and no plan: a transformers loop (``Trainer`` with flattened batches)
-    would have its documents attend to each other, so it is refused. (A backward pass's recomputation
-    under activation checkpointing takes the adapter's last plan.)"""
-    if kwargs.get(PLAN_KEY) is not None or _ACTIVE.plan is not None or position_ids is None:
-        return
-    if torch._C._current_graph_task_id() != -1:  # recomputed in a backward pass
-        return
-    if position_ids.shape[-1] > 1 and bool((position_ids[..., 1:] < position_ids[..., :-1]).any()):
-        raise ValueError(
-            "Falcon with attn_implementation='densebatch' keeps packed documents apart only when trained by "
-            "densebatch (model.kind: hf); its layers pass on no cu_seq_lens, so under a transformers loop use "
-            "attn_implementation='sdpa' with a 4-D document mask, or one document per row"
-        )
 
 
 def install() -> None:
