@@ -176,14 +176,15 @@ def test_ranks_with_different_memory_settle_on_one_budget_and_one_rate(tmp_path)
     r = subprocess.run([str(BIN / "densebatch"), *args], env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     ref = json.loads((one / "lr_finder.json").read_text())
-    # The suggestion is interpolated where the smoothed loss crosses 90% of its fall; where the curve is
-    # flat there, a loss difference of 1e-6 from summation order moves the crossing by ~1e-4 of the rate
-    # (seen in CI: 3.10655e-3 vs 3.10690e-3) and, on a flatter curve (the budget is found by memory
-    # probes, so the curve differs from run to run), by more than 1e-3 (seen in a loaded full-suite run
-    # at 3.45e-3). A hundredth of a rate changes no training; the losses themselves are compared below.
+    # The suggestion is read off the lag-free (forwards-then-backwards) smoothed curve, so the points near
+    # the minimum carry some weight from the losses past it, where the rates blow the model up and
+    # differences of 1e-7 from summation order grow (CI: 3.74e-3 vs 3.45e-3 with the falling part equal).
+    # The sweep's grid step is the resolution of a range test: the two suggestions are within one of it.
     seen = f"one process: {ref['stop']}, {ref['suggested_lr']}; two ranks: {lr_doc['stop']}, {lr_doc['suggested_lr']}"
     assert len(ref["losses"]) == len(lr_doc["losses"]), seen
-    assert ref["suggested_lr"] == pytest.approx(lr_doc["suggested_lr"], rel=1e-2), seen
+    step = (ref["lrs"][-1] / ref["lrs"][0]) ** (1 / (len(ref["lrs"]) - 1))
+    assert 1 / step <= ref["suggested_lr"] / lr_doc["suggested_lr"] <= step, seen
+    assert _saved(out)["train"]["lr"] == pytest.approx(lr_doc["suggested_lr"], rel=1e-6)  # every rank trains on it
     # Equal up to summation order while the loss falls; past its minimum the rates blow the model up and
     # differences of 1e-7 grow (seen once in a full-suite run), so only the falling part is compared.
     lowest = min(range(len(ref["smoothed_losses"])), key=lambda k: ref["smoothed_losses"][k])

@@ -1,6 +1,6 @@
 """The README's commands run as written: every line of the bash block under "## Using it", in order,
-in a fresh directory laid out as a checkout (``configs/``, and ``../shared`` beside it), and what they
-claim shows in their output. Lines that read ../shared/data (the example configs, and the run they
+in two halves that share nothing (``_part``), each in a fresh directory laid out as a checkout
+(``configs/``, and ``../shared`` beside it), and what they claim shows in their output. Lines that read ../shared/data (the example configs, and the run they
 train) are skipped where it is absent."""
 
 from __future__ import annotations
@@ -43,16 +43,21 @@ def test_the_readme_block_is_what_this_test_expects():
     assert len(resume) == 1 and lines.index(resume[0]) > max(i for i, x in enumerate(lines) if "generate" in x)
 
 
-@pytest.fixture(scope="module")
-def checkout(tmp_path_factory):
+def _checkout(root: Path) -> tuple[Path, bool]:
     """A directory laid out like a checkout: configs/ (copied) and ../shared (a link) when present."""
-    root = tmp_path_factory.mktemp("readme")
     work = root / "densebatch"
     shutil.copytree(REPO / "configs", work / "configs")
     shared = shared_data_dir()
     if shared is not None:
         (root / "shared").symlink_to(shared.parent, target_is_directory=True)
     return work, shared is not None
+
+
+def _part(lines: list[str], part: str) -> list[str]:
+    """The block in two halves that share no files, so that the suite can run them side by side: the
+    lines before the first training run (prepare, analyze, the finders), and that run with what uses it."""
+    first = next(i for i, x in enumerate(lines) if x.startswith("densebatch train"))
+    return lines[:first] if part == "before training" else lines[first:]
 
 
 def _run(line: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -66,10 +71,12 @@ def _steps(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_every_readme_command_runs_as_written(checkout):
-    work, have_shared = checkout
+@pytest.mark.parametrize("part", ["before training", "training and after"])
+def test_every_readme_command_runs_as_written(part, tmp_path):
+    work, have_shared = _checkout(tmp_path)
+    lines = _part(readme_commands(), part)
     ran = []
-    for line in readme_commands():
+    for line in lines:
         if needs_shared(line) and not have_shared:
             continue
         r = _run(line, work)
@@ -78,9 +85,12 @@ def test_every_readme_command_runs_as_written(checkout):
         assert "Traceback" not in out, f"{line}\n{out[-3000:]}"
         ran.append(line)
         _check(line, r, work)
-    assert any("--lengths" in x for x in ran) and any(x.startswith("densebatch config") for x in ran)
+    if part == "before training":
+        assert any("--lengths" in x for x in ran)
+    else:
+        assert any(x.startswith("densebatch config") for x in ran)
     if have_shared:
-        assert len(ran) == len(readme_commands())
+        assert len(ran) == len(lines)
 
 
 def _check(line: str, r: subprocess.CompletedProcess, work: Path) -> None:
