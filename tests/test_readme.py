@@ -1,7 +1,7 @@
 """The README's commands run as written: every line of the bash block under "## Using it", in order,
 in two halves that share nothing (``_part``), each in a fresh directory laid out as a checkout
-(``configs/``, and ``../shared`` beside it), and what they claim shows in their output. Lines that read ../shared/data (the example configs, and the run they
-train) are skipped where it is absent."""
+(``configs/``, and ``../shared`` beside it), and what they claim shows in their output. Lines that
+read ../shared/data (the example configs, and the run they train) are skipped where it is absent."""
 
 from __future__ import annotations
 
