@@ -212,7 +212,7 @@ def test_ranks_share_out_a_near_deduped_mixture_and_rank_0_only_assembles(tmp_pa
     import dataclasses
 
     import densebatch.data.prepare.stream as stream
-    from densebatch.data.prepare.pipeline import prepare_share
+    from densebatch.data.prepare.parts import prepare_share
 
     recs = [dict(r, id=i) for i in range(2) for r in RECORDS]
     second = [*recs[9:], _rec("Something new.", C[:200])]  # every record a copy of the first source's but one

@@ -122,7 +122,7 @@ def test_a_dead_worker_is_one_line_and_the_rerun_prepares_only_the_missing_chunk
 def test_ranks_each_prepare_a_disjoint_share_and_rank_0_assembles_the_same_store(data_cfg, tmp_path, monkeypatch):
     """Under torchrun every rank tokenises its share of the chunks (``prepare_share``) before rank 0 assembles:
     here 3 ranks in turn, in one process; the store is the one-process store, and no chunk was made twice."""
-    from densebatch.data.prepare.pipeline import prepare_share
+    from densebatch.data.prepare.parts import prepare_share
 
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(_records(600, seed=2)) + b"\n")

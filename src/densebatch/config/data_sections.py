@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -74,7 +75,7 @@ Template = Literal["alpaca", "chatml", "chat_template", "raw", "custom"]
 class SourceConfig:
     """One source of a mixture (``data.sources``); a field left unset follows the same ``data.*`` key."""
 
-    path: str = _f("", "Input file or directory of this source (required).")
+    path: str = _f("", "Input file or directory of this source, or a glob pattern of files (corpus/*.jsonl) (required).")
     name: str | None = _f(None, "Name in reports and metrics; none = the file (or directory) name without its suffix.")
     weight: float | None = _f(
         None,
@@ -91,13 +92,22 @@ class SourceConfig:
 
     @property
     def label(self) -> str:
-        """The source's name: ``name``, else the file name without its suffix."""
-        return self.name or Path(self.path).stem or Path(self.path).name
+        """The source's name: ``name``, else the file name without its suffix (a pattern's: the folder's
+        that holds what it matches, ``corpus`` for ``corpus/*.jsonl``)."""
+        if self.name:
+            return self.name
+        path = Path(self.path)
+        while glob.has_magic(str(path)) and path.parent != path:
+            path = path.parent
+        return (path.name if path != Path(self.path) else path.stem) or path.name or str(self.path)
 
 
 @dataclass
 class DataConfig:
-    path: str | None = _f(None, "Input file or directory; none = the embedded default dataset (or data.sources).")
+    path: str | None = _f(
+        None,
+        "Input file or directory, or a glob pattern of files (corpus/*.jsonl), each prepared on its own; none = the embedded default dataset (or data.sources).",
+    )
     sources: list[SourceConfig] = _f(
         list,
         "A mixture instead of data.path: a list of sources, each {path, name, weight, format, template, fields, "

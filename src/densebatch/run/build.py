@@ -25,7 +25,8 @@ from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import full_context_settings, longest_train_row, loss_tokens_cut, truncation_cap
 from densebatch.data.plan.steps import StepSettings
 from densebatch.data.plan.store_epochs import eval_documents
-from densebatch.data.prepare.pipeline import Prepared, prepare, prepare_share
+from densebatch.data.prepare.parts import prepare_share
+from densebatch.data.prepare.pipeline import Prepared, prepare
 from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import ConfigError, UserError

@@ -8,7 +8,8 @@ position → append the end-of-text; then, once every record is rendered, drop d
 exact or near, the first copy kept) → split train / eval → truncate or drop documents over
 ``max_seq_len`` → write both stores.
 
-A mixture (``data.sources``) is prepared source by source, each in its own cache entry (so adding a
+A mixture (``data.sources``), and a source given as a glob pattern of files, is prepared part by part
+(a part: one source, or one file of a pattern; ``parts.py``), each in its own cache entry (so adding a
 source tokenises only that one; all share one tokenizer, whose added tokens are in every key), then
 laid end to end in one entry: its stores' indexes point at each source's shards (with its source) and
 ``meta["sources"]`` names them, its eval split
@@ -18,8 +19,8 @@ a source's records that repeat an earlier source's kept records are dropped too 
 ``dedupe_cross_source``), so a source's key names the keys of the sources before it (``cache.source_keys``).
 
 Eval split, when ``data.eval_path`` is unset: a record goes to eval when the hash of its raw
-content (canonical JSON, BLAKE2b) ranks among the ``round(eval_fraction * n)`` smallest (at least one
-when eval_fraction > 0). It is therefore deterministic, independent of file order and of every
+content (canonical JSON, BLAKE2b) ranks among the ``round(eval_fraction * n)`` smallest of its file's
+(at least one when eval_fraction > 0; a glob pattern's files are each split on their own, ``parts.py``). It is therefore deterministic, independent of file order and of every
 seed, and stable when records are appended. Duplicates are dropped before the split when
 ``clean.dedupe`` is on, so no prompt can land on both sides; with ``eval_path``, train records that
 repeat an eval record are dropped too. The summary counts the held-out documents whose rendered text is
@@ -39,7 +40,6 @@ embedded default (6,000 records, byte-level) 0.6 s / under 0.01 s.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import hashlib
 import json
@@ -66,9 +66,10 @@ from densebatch.data.prepare.cache import (
 from densebatch.data.prepare.dedupe import Keys, dedupe, dedupe_mode, read_prior, write_index
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
 from densebatch.data.prepare.joined import write_mixture_index
+from densebatch.data.prepare.parts import Part, source_parts
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
-from densebatch.data.prepare.store import DocumentStore, marker_ok, staged_store, write_marker
+from densebatch.data.prepare.store import DocumentStore, staged_store, write_marker
 from densebatch.data.prepare.store_write import write_store_files
 from densebatch.data.prepare.stream import (
     WorkerDied,
@@ -156,17 +157,6 @@ def _cached_or_built(final: Path, tok: Tokenizer, t0: float, build: Callable[[],
     assert prepared is not None, "a freshly written cache must be complete"
     prepared.summary.cache_hit = False
     return prepared
-
-
-def _resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
-    """(cfg, format) of one source, checked: a plain text file has no fields to template (its paragraphs are the text)."""
-    for p in (cfg.path, cfg.eval_path):
-        if p is not None and not Path(p).exists():
-            raise DataError(f"{p}: file not found (data.path / data.eval_path)")
-    fmt = "json" if cfg.path is None else detect_format(cfg.path, cfg.format)
-    if fmt == "text":
-        cfg = dataclasses.replace(cfg, template="raw", fields=dataclasses.replace(cfg.fields, text="text"))
-    return cfg, fmt
 
 
 def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index) -> None:
@@ -304,41 +294,45 @@ def _build_streamed(
 
 
 # --------------------------------------------------------------------------------- a mixture
-def _prepare_mixture(cfg: DataConfig, sources: list[tuple[str, DataConfig, str]], tok: Tokenizer, t0: float) -> Prepared:
-    keys = source_keys([c for _, c, _ in sources], tok)
-    digest = hashlib.sha256(json.dumps({"version": CACHE_VERSION, "mixture": keys}).encode()).hexdigest()[:24]
-    final = Path(cfg.cache_dir) / f"mix-{digest}"
-    # Under the mixture's lock, each source's entry takes its own: always in that order, so no two processes
+def _prepare_mixture(cfg: DataConfig, parts: list[Part], tok: Tokenizer, t0: float) -> Prepared:
+    keys = source_keys([p.cfg for p in parts], tok)
+    ids = [p.source for p in parts]
+    material = {"version": CACHE_VERSION, "mixture": keys} | ({"sources": ids} if ids != list(range(len(ids))) else {})
+    final = Path(cfg.cache_dir) / f"mix-{hashlib.sha256(json.dumps(material).encode()).hexdigest()[:24]}"
+    # Under the mixture's lock, each part's entry takes its own: always in that order, so no two processes
     # can each hold a lock the other waits for.
-    return _cached_or_built(final, tok, t0, lambda: _build_mixture(final, cfg, sources, tok, t0))
+    return _cached_or_built(final, tok, t0, lambda: _build_mixture(final, cfg, parts, tok, t0))
 
 
-def _build_mixture(
-    final: Path, cfg: DataConfig, sources: list[tuple[str, DataConfig, str]], tok: Tokenizer, t0: float
-) -> Tokenizer:
-    read: list = [None] * len(sources)
-    if isinstance(tok, PendingBPE):  # one vocabulary learned from every source's text, then each source with it
-        for i, (_name, c, fmt) in enumerate(sources):
+def _build_mixture(final: Path, cfg: DataConfig, parts: list[Part], tok: Tokenizer, t0: float) -> Tokenizer:
+    read: list = [None] * len(parts)
+    if isinstance(tok, PendingBPE):  # one vocabulary learned from every part's text, then each part with it
+        for i, p in enumerate(parts):
             s = PrepareSummary()
-            read[i] = (Builder(c, tok, s).read(c.path, fmt), s.records_read)
-        tok = learn_bpe([(r[0], c) for r, (_, c, _) in zip(read, sources)], tok)
-    keys = source_keys([c for _, c, _ in sources], tok)  # with dedupe on, each source's names those before it
-    parts = [_prepare_one(name, c, fmt, tok, t0, r, keys[: i + 1]) for i, ((name, c, fmt), r) in enumerate(zip(sources, read))]
-    summary = PrepareSummary.combine(
-        [(name, p.summary) for (name, _, _), p in zip(sources, parts)],
-        np.concatenate([np.asarray(p.train.lengths) for p in parts]),
-        source=", ".join(name for name, _, _ in sources),
-        format="mixture",
-        template=", ".join(sorted({c.template for _, c, _ in sources})),
-        tokenizer=tok.name,
-        eval_source=_eval_source(cfg) + " per source",
-    )
-    records = [r for p in parts for r in p.eval_records]
-    if final.exists():  # whole by its own marker, but a source entry it names is gone: made again
+            read[i] = (Builder(p.cfg, tok, s).read(p.cfg.path, p.fmt), s.records_read)
+        tok = learn_bpe([(r[0], p.cfg) for r, p in zip(read, parts)], tok)
+    keys = source_keys([p.cfg for p in parts], tok)  # with dedupe on, each part's names those before it
+    built = [_prepare_one(p.name, p.cfg, p.fmt, tok, t0, r, keys[: i + 1]) for i, (p, r) in enumerate(zip(parts, read))]
+    sources = _per_source(cfg, parts, built, tok)
+    if len(sources) == 1:  # one source of several files
+        summary = sources[0][1]
+    else:
+        summary = PrepareSummary.combine(
+            sources,
+            np.concatenate([np.asarray(b.train.lengths) for b in built]),
+            source=", ".join(name for name, _ in sources),
+            format="mixture",
+            template=", ".join(sorted({p.cfg.template for p in parts})),
+            tokenizer=tok.name,
+            eval_source=_eval_source(cfg) + " per source",
+        )
+    summary.parts = [sum(not b.summary.cache_hit for b in built), len(built)]
+    records = [r for b in built for r in b.eval_records]
+    if final.exists():  # whole by its own marker, but a part's entry it names is gone: made again
         shutil.rmtree(final)
     with _staged_entry(final, tok, cfg) as tmp:
-        for split in ("train", "eval"):  # no copy: each split names its sources' stores (joined.py)
-            stores = [(getattr(p, split), s) for s, p in enumerate(parts) if getattr(p, split) is not None]
+        for split in ("train", "eval"):  # no copy: each split names its parts' stores (joined.py)
+            stores = [(getattr(b, split), p.source) for p, b in zip(parts, built) if getattr(b, split) is not None]
             if stores:
                 meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
                 names = write_mixture_index(tmp / split, [(st.path, s) for st, s in stores], meta)
@@ -347,35 +341,40 @@ def _build_mixture(
     return tok
 
 
-def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
-    """Under torchrun, before rank 0's ``prepare``: tokenise this rank's share of every chunk that is not
-    prepared yet (chunks ``rank``, ``rank + world_size``, ... of each streamed source not in the cache)
-    into the sources' chunk directories, so that every rank works and rank 0 then only assembles. Sources
-    that are not streamed (see ``stream.py``) are left to rank 0. Returns the chunks this rank prepared."""
-    tok = load_data_tokenizer(cfg)
-    done = 0
-    sources = [(name, *_resolved(c)) for name, c in source_configs(cfg)]
-    for (name, c, fmt), key in zip(sources, source_keys([c for _, c, _ in sources], tok)):
-        final = Path(c.cache_dir) / key
-        if not streamable(c, fmt, tok) or marker_ok(final):
+def _per_source(cfg: DataConfig, parts: list[Part], built: list[Prepared], tok: Tokenizer) -> list[tuple[str, PrepareSummary]]:
+    """(name, summary) of each source: its part's, or its files' summed (``parts.py``)."""
+    out = []
+    for sid, (name, c) in enumerate(source_configs(cfg)):
+        mine = [(p, b) for p, b in zip(parts, built) if p.source == sid]
+        if len(mine) == 1:
+            out.append((name, mine[0][1].summary))
             continue
-        b = Builder(c, tok, PrepareSummary(source=c.path or name))
-        done += len(prepare_chunks(b, c.path, fmt, stage_dir(final, c), workers(c), share=(rank, world_size), mine=True))
-    return done
+        s = PrepareSummary.combine(
+            [("", b.summary) for _, b in mine],
+            np.concatenate([np.asarray(b.train.lengths) for _, b in mine]),
+            source=c.path,
+            format=", ".join(sorted({p.fmt for p, _ in mine})),
+            template=mine[0][0].cfg.template,
+            tokenizer=tok.name,
+            eval_source=f"{_eval_source(c)} in each of its {len(mine)} files",
+        )
+        s.sources = [s.source_facts(name, c.path)]
+        out.append((name, s))
+    return out
 
 
-# --------------------------------------------------------------------------------- entry point
+# -------------------------------------------------------------------------------- entry point
 def prepare(cfg: DataConfig, seed: int = 0) -> Prepared:
     """Prepare (or reuse from the cache) the train and eval documents that ``cfg`` describes; the
     summary's per-source ``share`` is that of epoch 0's tokens at ``seed`` with the configured weights."""
     t0 = time.perf_counter()
     tok = load_data_tokenizer(cfg)
-    sources = [(name, *_resolved(c)) for name, c in source_configs(cfg)]
-    if len(sources) == 1:
-        prepared = _prepare_one(*sources[0], tok, t0)
+    parts = source_parts(cfg)
+    if len(parts) == 1:
+        prepared = _prepare_one(parts[0].name, parts[0].cfg, parts[0].fmt, tok, t0)
     else:
-        prepared = _prepare_mixture(cfg, sources, tok, t0)
-    names = [name for name, _, _ in sources]
+        prepared = _prepare_mixture(cfg, parts, tok, t0)
+    names = [name for name, _ in source_configs(cfg)]
     for store in (prepared.train, prepared.eval):  # names are configuration, not content: never in a key
         if store is not None:
             store.meta["sources"] = names

@@ -6,6 +6,9 @@
 ``file: record N (0-based index)`` for JSON arrays, Parquet and Hugging Face datasets (a
 ``save_to_disk`` directory, read through ``datasets.load_from_disk``: the optional ``datasets`` extra).
 
+A path with a glob pattern (``corpus/part-*.jsonl``, ``**`` for every level below) stands for the files
+it matches, in sorted order, read one after the other (``expand``); ``prepare`` keeps each file apart.
+
 Undecodable bytes are read with ``surrogateescape`` so one bad record can be skipped without
 losing the rest of the file; ``has_undecodable`` finds them afterwards.
 Problems with the whole file (missing, empty, not parseable at all) always raise ``DataError``.
@@ -14,6 +17,7 @@ Problems with the whole file (missing, empty, not parseable at all) always raise
 from __future__ import annotations
 
 import csv
+import glob
 import itertools
 import json
 import re
@@ -49,10 +53,28 @@ class BadRecord:
         return f"{self.where}: {self.message}"
 
 
+def is_pattern(path: str | Path) -> bool:
+    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than one file or directory."""
+    return glob.has_magic(str(path))
+
+
+def expand(path: str | Path) -> list[Path]:
+    """The files ``path`` stands for: itself, or the files its pattern matches, sorted (``DataError`` when
+    it matches none)."""
+    if not is_pattern(path):
+        return [Path(path)]
+    found = sorted(Path(f) for f in glob.glob(str(path), recursive=True) if Path(f).is_file())
+    if not found:
+        raise DataError(f"{path}: no file matches this pattern")
+    return found
+
+
 def detect_format(path: str | Path, fmt: str = "auto") -> str:
     p = Path(path)
     if fmt != "auto":
         return fmt
+    if is_pattern(p):  # a pattern's files are each read in their own format; this is the first one's
+        p = expand(p)[0]
     if p.is_dir():
         return "hf_disk"
     found = _SUFFIXES.get(p.suffix.lower())
@@ -81,6 +103,10 @@ def _check_file(p: Path) -> None:
 
 def iter_records(path: str | Path, fmt: str = "auto") -> Iterator[tuple[str, dict] | BadRecord]:
     """Records of ``path`` in file order (see the module docstring)."""
+    if is_pattern(path):
+        for f in expand(path):
+            yield from iter_records(f, fmt)
+        return
     p = Path(path)
     _check_file(p)
     fmt = detect_format(p, fmt)

@@ -50,6 +50,7 @@ class PrepareSummary:
     cache_hit: bool = False
     cache_path: str = ""
     sources: list = field(default_factory=list)  # per source: name, path, records_read, documents, tokens, ..., share
+    parts: list = field(default_factory=list)  # [prepared, of]: a build's parts (files, sources) made now / in all
 
     @property
     def records_kept(self) -> int:
@@ -126,10 +127,16 @@ class PrepareSummary:
                 for k, v in getattr(p, key).items():
                     total[k] = total.get(k, 0) + v
             for k, v in p.skip_examples.items():
-                out.skip_examples.setdefault(k, f"{name}: {v}")
+                out.skip_examples.setdefault(k, f"{name}: {v}" if name else v)  # a file of a source: v names it
             out.sources.append(p.source_facts(name, p.source))
         out.lengths = percentiles(lengths)
         return out
+
+    def _parts(self) -> str:
+        if self.cache_hit or len(self.parts) != 2:
+            return ""
+        made, of = self.parts
+        return f"; {made} of {of} inputs (files, sources) prepared now, {of - made} from the cache"
 
     def _leakage(self) -> str:
         n = self.eval_repeats_train
@@ -178,7 +185,7 @@ class PrepareSummary:
             ),
             ("eval split", self.eval_source),
             ("leakage", self._leakage()),
-            ("time", f"{self.seconds:.2f} s ({'cache hit' if self.cache_hit else 'built'}: {self.cache_path})"),
+            ("time", f"{self.seconds:.2f} s ({'cache hit' if self.cache_hit else 'built'}: {self.cache_path}){self._parts()}"),
         ]
         lines = [f"{k:<10} {v}" for k, v in rows]
         if len(self.sources) > 1:  # one source: the rows above already say it all

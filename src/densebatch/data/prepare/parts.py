@@ -1,0 +1,84 @@
+"""What ``prepare`` builds one cache entry for: the parts of the sources, and each rank's share of them.
+
+A part is one input file of one source. ``data.path`` (or a source's ``path``) given as a glob pattern
+(``corpus/part-*.jsonl``; ``**`` for every level below) has one part per file it matches, in sorted
+order; any other path is one part. Each part is prepared on its own, in its own cache entry whose key
+names that file alone (``cache.cache_key``), so adding a file to a corpus prepares that file and
+nothing else, and editing one prepares that one again (with dedupe on, a part's key also names the
+parts before it, whose records it is deduped against: the files after an edited one are made again
+too). A source of several files is then laid out as a mixture's source is: its entry's index points
+at its files' shards, all under the source's index, and its summary sums theirs.
+
+What follows from a file being a part: the eval split (``eval_fraction``) is taken in each file by
+itself, as the smallest content hashes of that file's records (adding a file never moves a record of
+another between train and eval), and near dedupe keeps the first copy in file order, as it does
+within one file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from densebatch.config import DataConfig
+from densebatch.data.prepare.cache import source_keys
+from densebatch.data.prepare.documents import Builder
+from densebatch.data.prepare.source_configs import source_configs
+from densebatch.data.prepare.sources import detect_format, expand, is_pattern
+from densebatch.data.prepare.store import marker_ok
+from densebatch.data.prepare.stream import prepare_chunks, stage_dir, streamable, workers
+from densebatch.data.prepare.summary import PrepareSummary
+from densebatch.data.prepare.tokenizers import load_data_tokenizer
+from densebatch.errors import DataError
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    source: int  # the source's index (its id in the store)
+    name: str  # the source's name
+    cfg: DataConfig  # the source's settings, its path this part's file
+    fmt: str
+
+
+def resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
+    """(cfg, format) of one file, checked: a plain text file has no fields to template (its paragraphs are the text)."""
+    for p in (cfg.path, cfg.eval_path):
+        if p is not None and not Path(p).exists():
+            raise DataError(f"{p}: file not found (data.path / data.eval_path)")
+    fmt = "json" if cfg.path is None else detect_format(cfg.path, cfg.format)
+    if fmt == "text":
+        cfg = dataclasses.replace(cfg, template="raw", fields=dataclasses.replace(cfg.fields, text="text"))
+    return cfg, fmt
+
+
+def source_parts(cfg: DataConfig) -> list[Part]:
+    """Every part of every source, in store order (see the module docstring)."""
+    out = []
+    for i, (name, c) in enumerate(source_configs(cfg)):
+        if c.path is not None and is_pattern(c.path):
+            if c.eval_path is not None and is_pattern(c.eval_path):
+                raise DataError(f"{c.eval_path}: data.eval_path is one file, not a pattern")
+            files = [str(f) for f in expand(c.path)]
+        else:
+            files = [c.path]
+        out += [Part(i, name, *resolved(dataclasses.replace(c, path=f))) for f in files]
+    return out
+
+
+def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
+    """Under torchrun, before rank 0's ``prepare``: tokenise this rank's share of every chunk that is not
+    prepared yet (chunks ``rank``, ``rank + world_size``, ... of each streamed part not in the cache)
+    into the parts' chunk directories, so that every rank works and rank 0 then only assembles. Parts
+    that are not streamed (see ``stream.py``) are left to rank 0. Returns the chunks this rank prepared."""
+    tok = load_data_tokenizer(cfg)
+    done = 0
+    parts = source_parts(cfg)
+    for p, key in zip(parts, source_keys([p.cfg for p in parts], tok)):
+        final = Path(p.cfg.cache_dir) / key
+        if not streamable(p.cfg, p.fmt, tok) or marker_ok(final):
+            continue
+        b = Builder(p.cfg, tok, PrepareSummary(source=p.cfg.path or p.name))
+        done += len(
+            prepare_chunks(b, p.cfg.path, p.fmt, stage_dir(final, p.cfg), workers(p.cfg), share=(rank, world_size), mine=True)
+        )
+    return done
