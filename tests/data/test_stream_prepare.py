@@ -65,6 +65,39 @@ def test_the_streamed_store_is_the_in_memory_one_byte_for_byte_for_any_number_of
     assert got.eval_records == ref.eval_records == []  # a file's held-out documents are its eval store
 
 
+@pytest.mark.parametrize("dedupe", ["off", "exact", "near"])
+def test_an_eval_path_streams_to_the_in_memory_store_byte_for_byte(data_cfg, tmp_path, monkeypatch, dedupe):
+    """data.eval_path is chunked too and assembled first: its documents are the eval split, a training record
+    that repeats one of them is dropped with dedupe on (counted as repeats with it off), as in memory."""
+    records = _records(500, seed=1)
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_bytes(b"\n".join(records[:400]) + b"\n")
+    held.write_bytes(b"\n".join(records[380:]) + b"\n")  # 20 records in both files
+    kw = {"eval_path": str(held), "dedupe": dedupe}
+
+    def run(tag, **more):
+        cfg = data_cfg(
+            path=str(train), eval_path=str(held), cache_dir=str(tmp_path / tag), max_seq_len=300, on_bad_record="skip",
+            clean=CleanConfig(dedupe=dedupe, collapse_whitespace=True, strip_html=True), **more,
+        )  # fmt: skip
+        return prepare(cfg)
+
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "streamable", lambda *a: False)
+        ref = run("ref")
+    held_chunks = []
+    real = pipeline.assemble
+    monkeypatch.setattr(pipeline, "assemble", lambda *a, **k: held_chunks.append(k["held_chunks"]) or real(*a, **k))
+    got = run("got", num_proc=2, chunk_records=48)
+    assert held_chunks == [3]  # streamed: 120 eval records in chunks of 48
+    assert _files(got.cache_dir) == _files(ref.cache_dir), kw
+    assert got.summary.as_dict() | {"seconds": 0, "cache_path": ""} == ref.summary.as_dict() | {"seconds": 0, "cache_path": ""}
+    s = ref.summary
+    assert s.eval_documents > 80 and sum(s.skipped.values()) > 5
+    assert (s.eval_repeats_train > 0) == (dedupe == "off")
+    assert not list(tmp_path.glob("got/.chunks-*"))
+
+
 def test_the_embedded_dataset_streams_too_with_its_held_out_records(data_cfg, tmp_path, monkeypatch):
     from densebatch.config import DefaultDataConfig
 

@@ -277,9 +277,14 @@ def _build_streamed(
     stage = stage_dir(final, cfg)  # kept if this run dies or is stopped: the next one goes on from it
     try:
         chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
+        held = []  # eval_path's chunks: the eval split, deduped first
+        if cfg.eval_path is not None:
+            held = prepare_chunks(b, cfg.eval_path, detect_format(cfg.eval_path, cfg.format), stage / "eval", workers(cfg))
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with _staged_entry(final, tok, cfg) as tmp:
-            records, _ = assemble(b, chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta, prior)
+            records, _ = assemble(
+                b, held + chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta, prior, held_chunks=len(held)
+            )
             s.sources = [s.source_facts(name, s.source)]
             _write_entry_files(tmp, records, s)
     except OSError as e:  # reading the chunks (writes are _staged_entry's)

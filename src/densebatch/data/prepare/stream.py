@@ -18,8 +18,10 @@ The documents, their order and every count are those of the in-memory path (``pi
 byte for byte, for any number of workers (tested). A run that dies keeps its chunk files: the next
 prepare of the same inputs and settings reads the input again but tokenises only the chunks that are
 missing. A worker that dies fails the prepare with one line naming the chunk's first and last record.
-Not streamed (they need every record before the first document): a learned ``bpe:N`` tokenizer,
-``data.eval_path`` (train records that repeat an eval record are dropped) and ``text_split: chunks``.
+``data.eval_path`` is chunked too (into ``eval/`` of the same directory) and assembled first: its documents
+are the eval split, and with dedupe on a training record that repeats one of them is dropped.
+Not streamed (they need every record before the first document): a learned ``bpe:N`` tokenizer and
+``text_split: chunks``.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class WorkerDied(DataError):
 
 def streamable(cfg: DataConfig, fmt: str, tok: Tokenizer) -> bool:
     """Whether this source is prepared chunk by chunk (see the module docstring for what is not)."""
-    return not isinstance(tok, PendingBPE) and cfg.eval_path is None and not (fmt == "text" and cfg.text_split == "chunks")
+    return not isinstance(tok, PendingBPE) and not (fmt == "text" and cfg.text_split == "chunks")
 
 
 def workers(cfg: DataConfig) -> int:
@@ -148,6 +150,7 @@ class _Chunk:
     first: str  # where its first and last records are, for a message
     last: str
     work: object = None  # what a worker is given: a LineRange, or the good records
+    stage: Path | None = None  # where its files are
 
 
 def keeps_records(cfg: DataConfig) -> bool:
@@ -186,6 +189,7 @@ def prepare_chunks(
 
     def todo():
         for c in _work(b, path, fmt):
+            c.stage = stage
             if c.index % ranks != rank:
                 if not mine:
                     chunks.append(c)
@@ -258,12 +262,16 @@ def assemble(
     eval_dir: Path,
     meta: dict,
     prior: Keys | None = None,
+    held_chunks: int = 0,
 ) -> tuple[list[dict], bool]:
     """Dedupe (against ``prior`` too: the kept records of a mixture's earlier sources), split, count and write
     the stores from the chunk files (and the dedupe keys of the kept records, for a later source); (held-out
-    records, has an eval split)."""  # fmt: skip
+    records, has an eval split). ``held_chunks``: the first chunks are ``data.eval_path``'s, whose documents
+    are the eval split (deduped first, as the in-memory path does; no split by hash then)."""  # fmt: skip
     cfg, s = b.cfg, b.s
-    infos = [json.loads((stage / f"{_FILES.format(c.index)}.json").read_text(encoding="utf-8")) for c in chunks]
+    for c in chunks:
+        c.stage = c.stage or stage
+    infos = [json.loads((c.stage / f"{_FILES.format(c.index)}.json").read_text(encoding="utf-8")) for c in chunks]
     sizes = [info["documents"] for info in infos]
     n = sum(sizes)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -272,7 +280,7 @@ def assemble(
         out, at = np.empty((n, *width), dtype), 0
         for c, m in zip(chunks, sizes):
             if m:
-                out[at : at + m] = _load(stage, c.index, (name,))[name]
+                out[at : at + m] = _load(c.stage, c.index, (name,))[name]
                 at += m
         return out
 
@@ -281,10 +289,11 @@ def assemble(
         part = np.searchsorted(starts, idx, side="right") - 1
         for j in np.unique(part):
             sel = part == j
-            out[sel] = _load(stage, chunks[j].index, ("sig",))["sig"][idx[sel] - starts[j]]
+            out[sel] = _load(chunks[j].stage, chunks[j].index, ("sig",))["sig"][idx[sel] - starts[j]]
         return out
 
-    for info in infos:  # malformed records, all first (as one process reads every record before rendering)
+    # malformed records, all first (as one process reads every record before rendering: the training file's, then eval_path's)
+    for info in infos[held_chunks:] + infos[:held_chunks]:
         s.records_read += info["read"]
         for where, reason, message in info["read_bad"]:
             b.bad(BadRecord(where, reason, message))
@@ -309,6 +318,8 @@ def assemble(
     docs = np.flatnonzero(keep)
     held = np.zeros(n, bool)
     n_eval = 0 if eval_fraction <= 0 or len(docs) < 2 else min(len(docs) - 1, max(1, round(eval_fraction * len(docs))))
+    if held_chunks:  # eval_path's documents
+        held[: starts[held_chunks]], n_eval = True, 0
     if n_eval:  # the smallest content hashes, ties by position (documents.split_eval): a stable sort
         held[docs[np.argsort(column("key", np.uint64)[docs], kind="stable")[:n_eval]]] = True
     del docs
@@ -335,7 +346,7 @@ def assemble(
     records: list[dict] = []
     start = 0
     for c, m in zip(chunks, sizes):  # one chunk's documents in memory at a time
-        p = _load(stage, c.index, ("outcome", "lengths", "tokens", "mask"))
+        p = _load(c.stage, c.index, ("outcome", "lengths", "tokens", "mask"))
         kept = p["outcome"] <= TRUNCATED  # the chunk file holds the tokens of these, in order
         lens = p["lengths"][kept].astype(np.int64)
         to_eval, wanted = held[start : start + m][kept], final[start : start + m][kept]
@@ -345,7 +356,7 @@ def assemble(
                 at = np.repeat(docs_here, lens)
                 w.extend(p["tokens"][at], p["mask"][at], lens[docs_here])
         if keeps_records(cfg) and (here := np.flatnonzero(evals[start : start + m])).size:
-            lines = (stage / f"{_FILES.format(c.index)}.records.jsonl").read_text(encoding="utf-8").splitlines()
+            lines = (c.stage / f"{_FILES.format(c.index)}.records.jsonl").read_text(encoding="utf-8").splitlines()
             records += [r for r in (json.loads(lines[k]) for k in here) if r is not None]
         start += m
     for w in writers.values():
