@@ -8,6 +8,7 @@ import json
 import os
 import random
 
+import numpy as np
 import pytest
 
 import densebatch.data.prepare.pipeline as pipeline
@@ -96,6 +97,34 @@ def test_an_eval_path_streams_to_the_in_memory_store_byte_for_byte(data_cfg, tmp
     assert s.eval_documents > 80 and sum(s.skipped.values()) > 5
     assert (s.eval_repeats_train > 0) == (dedupe == "off")
     assert not list(tmp_path.glob("got/.chunks-*"))
+
+
+def test_running_text_streams_in_blocks_and_gives_the_tokens_of_one_pass(
+    data_cfg, tmp_path, monkeypatch, gpt2, gpt2_dir, book_records
+):
+    """text_split: chunks: the file read in blocks (text_blocks.py, small blocks here), the blocks cut into
+    documents across chunk files (stream_cut.py): the in-memory store byte for byte, and with the GPT-2 BPE
+    the documents end to end are the tokens of one pass over the whole file."""
+    import densebatch.data.prepare.text_blocks as text_blocks
+
+    lines = [f"{r['instruction']}\n  {r['output']}\n\n" for r in book_records.values()] * 6
+    text = "".join(lines) + "The end \u2014 \u00e9t\u00e9."
+    path = tmp_path / "book.txt"
+    path.write_text(text, encoding="utf-8")
+    monkeypatch.setattr(text_blocks, "BLOCK_BYTES", 700)
+    kw = {"path": str(path), "text_split": "chunks", "chunk_tokens": 64, "tokenizer": str(gpt2_dir), "max_seq_len": 64}
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "streamable", lambda *a: False)
+        ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), eval_fraction=0.1, **kw))
+        whole = prepare(data_cfg(cache_dir=str(tmp_path / "whole"), **kw))
+    for n in (1, 2):
+        got = prepare(data_cfg(cache_dir=str(tmp_path / f"n{n}"), eval_fraction=0.1, num_proc=n, chunk_records=3, **kw))
+        assert _files(got.cache_dir) == _files(ref.cache_dir), n
+    got = prepare(data_cfg(cache_dir=str(tmp_path / "all"), num_proc=2, chunk_records=3, **kw))
+    assert _files(got.cache_dir) == _files(whole.cache_dir)
+    assert got.summary.records_read > 3 * 3  # blocks, over more than three chunks
+    assert np.asarray(got.train.tokens).tolist() == gpt2.encode(text) + [gpt2.eos_id]
+    assert set(np.asarray(got.train.lengths)[:-1].tolist()) == {64}
 
 
 def test_the_embedded_dataset_streams_too_with_its_held_out_records(data_cfg, tmp_path, monkeypatch):

@@ -129,7 +129,8 @@ class DataConfig:
     loss_on: Literal["all", "response"] = _f("response", "Tokens carrying loss: all, or only the response / assistant turns.")
     text_split: Literal["blank_lines", "chunks"] = _f(
         "blank_lines",
-        "format text: split the file into documents on blank lines or fixed-size chunks.",
+        "format text: split the file into documents on blank lines, or cut its running text (read in blocks of "
+        "~64 KiB of whole lines, streamed) into chunk_tokens-token documents.",
     )
     chunk_tokens: int = _f(1024, "format text with text_split=chunks: tokens per chunk.", minimum=1)
     clean: CleanConfig = _f(CleanConfig, "Text cleaning.")

@@ -16,7 +16,6 @@ import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -25,9 +24,10 @@ from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.chat_template import ChatTemplate
 from densebatch.data.prepare.clean import Cleaner
 from densebatch.data.prepare.dedupe import Signer, dedupe_mode, text_key
-from densebatch.data.prepare.sources import SURROGATE, BadRecord, LineRange, has_undecodable, iter_records, read_jsonl_range
+from densebatch.data.prepare.sources import BadRecord, LineRange, iter_records, read_jsonl_range
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, missing_fields, render
+from densebatch.data.prepare.text_blocks import cut, piece_key, text_blocks, without_inner_ends
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, train_bpe
 from densebatch.errors import DataError
 
@@ -80,8 +80,6 @@ class Builder:
         self.s.skip_examples.setdefault(b.reason, str(b))
 
     def read(self, path: str | None, fmt: str) -> list[tuple[str, dict]]:
-        if fmt == "text" and self.cfg.text_split == "chunks" and path is not None:
-            return self._whole_text(Path(path))
         return list(self.stream(path, fmt))
 
     def stream(self, path: str | None, fmt: str, part: LineRange | None = None) -> Iterator[tuple[str, dict]]:
@@ -102,7 +100,8 @@ class Builder:
                 yield f"default dataset: record {i}", r
             return
         first = True
-        for item in iter_records(path, fmt):
+        chunked = fmt == "text" and self.cfg.text_split == "chunks"  # blocks of running text (text_blocks.py)
+        for item in text_blocks(path) if chunked else iter_records(path, fmt):
             self.s.records_read += 1
             if isinstance(item, BadRecord):
                 self.bad(item)
@@ -119,16 +118,6 @@ class Builder:
             return
         if (problem := missing_fields(columns, self.cfg, noun="column")) is not None:
             raise DataError(f"{path}: {problem}")
-
-    def _whole_text(self, p: Path) -> list[tuple[str, dict]]:
-        next(iter_records(p, "text"))  # the same checks as paragraphs: missing, empty, whitespace only
-        self.s.records_read += 1
-        text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
-        if has_undecodable(text):  # one document: an undecodable byte anywhere spoils all of it
-            line = text[: SURROGATE.search(text).start()].count("\n") + 1
-            self.bad(BadRecord(f"{p}:{line}", "undecodable_bytes", "undecodable bytes; the file must be UTF-8"))
-            return []
-        return [(f"{p}:1", {"text": text})]
 
     def documents(self, items: list[tuple[str, dict]], pretokenized_ok: bool = True) -> list[Doc]:
         """Render, clean, filter and tokenize ``items`` (in order); bad ones are reported."""
@@ -227,16 +216,14 @@ class Builder:
         return Doc(record_key(rec), tokens, mask, None)
 
     def chunk(self, docs: list[Doc]) -> list[Doc]:
-        """text_split=chunks: one document per chunk_tokens tokens; only the last keeps the end-of-text."""
-        out = []
-        n = self.cfg.chunk_tokens
-        for d in docs:
-            for a in range(0, len(d.tokens), n):
-                t = d.tokens[a : a + n]
-                if len(t) < 2:
-                    continue  # a lone trailing token has no target
-                out.append(Doc(hashlib.blake2b(t.tobytes(), digest_size=8).digest(), t, d.mask[a : a + n].copy(), None))
-        return out
+        """text_split=chunks: the blocks ``docs`` end to end, one document per chunk_tokens tokens; only the
+        last keeps the end-of-text (``text_blocks.py``)."""
+        if not docs:
+            return []
+        lengths = np.array([len(d.tokens) for d in docs], np.int64)
+        tokens, mask = np.concatenate([d.tokens for d in docs]), np.concatenate([d.mask for d in docs])
+        pieces, _, _ = cut(*without_inner_ends(tokens, mask, lengths, last=True), self.cfg.chunk_tokens, final=True)
+        return [Doc(piece_key(t), t, m, None) for t, m in pieces]
 
     def finish(self, docs: list[Doc]) -> list[Doc]:
         """Overlong policy, and drop documents with no loss-carrying target; all counted."""

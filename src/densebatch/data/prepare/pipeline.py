@@ -81,6 +81,7 @@ from densebatch.data.prepare.stream import (
     streamable,
     workers,
 )
+from densebatch.data.prepare.stream_cut import cut_chunks
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
 from densebatch.errors import DataError, UserError
@@ -236,6 +237,8 @@ def _build_one(
     if cfg.eval_path is not None:
         eval_docs = b.documents(b.read(cfg.eval_path, detect_format(cfg.eval_path, cfg.format)))
     train_docs = b.documents(items)
+    if fmt == "text" and cfg.text_split == "chunks":  # blocks of running text → pieces, before dedupe (none for pieces)
+        train_docs, eval_docs = b.chunk(train_docs), b.chunk(eval_docs)
     index = None
     if mode != "off":  # eval_path's records first: a training record that repeats one of them is dropped
         both, n_eval = eval_docs + train_docs, len(eval_docs)
@@ -248,8 +251,6 @@ def _build_one(
             [d for d, k in zip(both[:n_eval], keep) if k],
             [d for d, k in zip(both[n_eval:], keep[n_eval:]) if k],
         )
-    if fmt == "text" and cfg.text_split == "chunks":
-        train_docs, eval_docs = b.chunk(train_docs), b.chunk(eval_docs)
     if cfg.eval_path is None:
         train_docs, eval_docs = split_eval(train_docs, cfg.eval_fraction)
     train_docs, eval_docs = b.finish(train_docs), b.finish(eval_docs)
@@ -280,6 +281,8 @@ def _build_streamed(
         held = []  # eval_path's chunks: the eval split, deduped first
         if cfg.eval_path is not None:
             held = prepare_chunks(b, cfg.eval_path, detect_format(cfg.eval_path, cfg.format), stage / "eval", workers(cfg))
+        if fmt == "text" and cfg.text_split == "chunks":  # blocks of running text → documents (stream_cut.py)
+            chunks, held = cut_chunks(b, chunks, stage), held and cut_chunks(b, held, stage / "eval")
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with _staged_entry(final, tok, cfg) as tmp:
             records, _ = assemble(

@@ -20,8 +20,9 @@ prepare of the same inputs and settings reads the input again but tokenises only
 missing. A worker that dies fails the prepare with one line naming the chunk's first and last record.
 ``data.eval_path`` is chunked too (into ``eval/`` of the same directory) and assembled first: its documents
 are the eval split, and with dedupe on a training record that repeats one of them is dropped.
-Not streamed (they need every record before the first document): a learned ``bpe:N`` tokenizer and
-``text_split: chunks``.
+With ``text_split: chunks`` the records are blocks of running text (``text_blocks.py``), kept whole by
+the workers and cut into documents by ``stream_cut.py`` before the assembly. Not streamed (it needs every
+record before the first document): a learned ``bpe:N`` tokenizer.
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ from pathlib import Path
 import numpy as np
 
 from densebatch.config import DataConfig
+from densebatch.data.prepare import text_blocks
 from densebatch.data.prepare.dedupe import NUM_PERM, Keys, dedupe, dedupe_mode, lsh_shape, repeats, write_index
 from densebatch.data.prepare.documents import (
     DROPPED_NO_LOSS,
     DROPPED_NO_TARGET,
     DROPPED_OVERLONG,
+    KEPT,
     TRUNCATED,
     Builder,
     count_outcome,
@@ -56,7 +59,7 @@ from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer
 from densebatch.errors import DataError
 
-_FILES = "chunk-{:06d}"
+CHUNK_FILES = "chunk-{:06d}"
 
 
 class WorkerDied(DataError):
@@ -65,7 +68,7 @@ class WorkerDied(DataError):
 
 def streamable(cfg: DataConfig, fmt: str, tok: Tokenizer) -> bool:
     """Whether this source is prepared chunk by chunk (see the module docstring for what is not)."""
-    return not isinstance(tok, PendingBPE) and not (fmt == "text" and cfg.text_split == "chunks")
+    return not isinstance(tok, PendingBPE)
 
 
 def workers(cfg: DataConfig) -> int:
@@ -93,41 +96,22 @@ def _init_worker(tok: Tokenizer) -> None:
     _TOK = tok
 
 
-def _run_chunk(cfg: DataConfig, index: int, work, stage: str, tok: Tokenizer | None = None) -> int:
+def _run_chunk(cfg: DataConfig, index: int, work, stage: str, blocks: bool, tok: Tokenizer | None = None) -> int:
     """Prepare chunk ``index`` into ``stage``: ``work`` is its good records, or (JSONL) its ``LineRange``,
     read here; returns ``index``."""
     running = Path(stage) / f".running-{index:06d}-{os.getpid()}"  # names the chunk if this process dies
     running.touch()
-    _prepare_chunk(cfg, index, work, Path(stage), tok if tok is not None else _TOK)
+    _prepare_chunk(cfg, index, work, Path(stage), tok if tok is not None else _TOK, blocks)
     running.unlink()
     return index
 
 
-def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Tokenizer) -> None:
+def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Tokenizer, blocks: bool = False) -> None:
+    """``blocks``: blocks of running text (``text_blocks.py``), kept whole here: cut into documents later."""
     b = Builder(cfg, tok, PrepareSummary(), collect_bad=True)
     items = list(b.stream(cfg.path, "jsonl", work)) if isinstance(work, LineRange) else work
     read_bad, b.bad_records = b.bad_records, []
     docs = b.documents(items)
-    outcomes = np.array([finish_one(d, cfg) for d in docs], np.int8)
-    kept = [d for d, o in zip(docs, outcomes) if o <= TRUNCATED]
-    lengths = np.array([len(d.tokens) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32)
-    arrays = {
-        "key": np.array([int.from_bytes(d.key, "big") for d in docs], np.uint64),
-        "text_key": np.array([d.text_key or bytes(16) for d in docs], "V16"),
-        "has_text_key": np.array([d.text_key is not None for d in docs], bool),
-        "outcome": outcomes,
-        "lengths": lengths,
-        "loss": np.array([int(d.mask.sum()) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32),
-        "tokens": np.concatenate([d.tokens for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
-        "mask": np.concatenate([d.mask for d in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8),
-    }
-    if b.signer is not None:  # near dedupe: each document's signature and band hashes (dedupe.py)
-        near = Keys.of_docs(docs, b.signer.bands)
-        arrays.update(has_sig=near.has_sig, bands=near.bands, sig=near.sigs(np.arange(len(docs))))
-    name = _FILES.format(index)
-    if keeps_records(cfg):
-        records = "".join(json.dumps(d.record, ensure_ascii=False, default=str) + "\n" for d in docs)
-        (stage_dir / f"{name}.records.jsonl").write_text(records, encoding="utf-8")
     info = {
         "documents": len(docs),
         "read": b.s.records_read,
@@ -136,6 +120,31 @@ def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Toke
         "changed": b.cleaner.changed,
         "dropped": b.cleaner.dropped,
     }
+    if keeps_records(cfg):
+        records = "".join(json.dumps(d.record, ensure_ascii=False, default=str) + "\n" for d in docs)
+        (stage_dir / f"{CHUNK_FILES.format(index)}.records.jsonl").write_text(records, encoding="utf-8")
+    write_chunk(b, stage_dir, index, docs, info, finish=not blocks)
+
+
+def write_chunk(b: Builder, stage_dir: Path, index: int, docs: list, info: dict, finish: bool = True) -> None:
+    """Chunk file ``index`` of ``docs`` (``finish``: judged by ``finish_one`` first, else all kept) with its
+    ``info``: per-document columns, then the kept documents' tokens and mask."""
+    outcomes = np.array([finish_one(d, b.cfg) if finish else KEPT for d in docs], np.int8)
+    kept = [d for d, o in zip(docs, outcomes) if o <= TRUNCATED]
+    arrays = {
+        "key": np.array([int.from_bytes(d.key, "big") for d in docs], np.uint64),
+        "text_key": np.array([d.text_key or bytes(16) for d in docs], "V16"),
+        "has_text_key": np.array([d.text_key is not None for d in docs], bool),
+        "outcome": outcomes,
+        "lengths": np.array([len(d.tokens) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32),
+        "loss": np.array([int(d.mask.sum()) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32),
+        "tokens": np.concatenate([d.tokens for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
+        "mask": np.concatenate([d.mask for d in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8),
+    }
+    if b.signer is not None:  # near dedupe: each document's signature and band hashes (dedupe.py)
+        near = Keys.of_docs(docs, b.signer.bands)
+        arrays.update(has_sig=near.has_sig, bands=near.bands, sig=near.sigs(np.arange(len(docs))))
+    name = CHUNK_FILES.format(index)
     (stage_dir / f"{name}.json").write_text(json.dumps(info), encoding="utf-8")
     tmp = stage_dir / f".{name}.{os.getpid()}.npz"
     with open(tmp, "wb") as f:
@@ -145,7 +154,7 @@ def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Toke
 
 # ----------------------------------------------------------------------------------------- the source
 @dataclass
-class _Chunk:
+class Chunk:
     index: int
     first: str  # where its first and last records are, for a message
     last: str
@@ -159,21 +168,23 @@ def keeps_records(cfg: DataConfig) -> bool:
     return cfg.path is None
 
 
-def _work(b: Builder, path: str | None, fmt: str) -> Iterator[_Chunk]:
+def _work(b: Builder, path: str | None, fmt: str) -> Iterator[Chunk]:
     """The source's chunks in order: JSONL as line ranges that the workers read and parse themselves (this
     process only finds the cuts), any other input as lists of good records read here."""
     if fmt == "jsonl" and path is not None:
         for i, r in enumerate(jsonl_ranges(path, b.cfg.chunk_records)):
-            yield _Chunk(i, f"{path}:{r.first_line}", f"{path}:{r.last_line}", r)
+            yield Chunk(i, f"{path}:{r.first_line}", f"{path}:{r.last_line}", r)
         return
-    items = b.stream(path, fmt)
-    for i, part in enumerate(iter(lambda: list(islice(items, b.cfg.chunk_records)), [])):
-        yield _Chunk(i, part[0][0], part[-1][0], part)
+    items, size = b.stream(path, fmt), b.cfg.chunk_records
+    if fmt == "text" and b.cfg.text_split == "chunks":  # blocks of running text: about a KiB a record's worth
+        size = max(1, size * 1024 // text_blocks.BLOCK_BYTES)
+    for i, part in enumerate(iter(lambda: list(islice(items, size)), [])):
+        yield Chunk(i, part[0][0], part[-1][0], part)
 
 
 def prepare_chunks(
     b: Builder, path: str | None, fmt: str, stage: Path, num_proc: int, share: tuple[int, int] = (0, 1), mine: bool = False
-) -> list[_Chunk]:
+) -> list[Chunk]:
     """Prepare every chunk of ``path`` that ``stage`` does not already hold, on ``num_proc`` processes;
     the chunks, in order (malformed records found while reading here are reported through ``b``).
     ``share`` (rank, ranks): only the chunks whose index is the rank's modulo the ranks; ``mine``: return
@@ -182,8 +193,9 @@ def prepare_chunks(
     for m in [*stage.glob(".running-*"), *stage.glob(".chunk-*")]:  # left by a run that died (never read)
         m.unlink()
     cfg, tok = b.cfg, b.tok
+    blocks = fmt == "text" and cfg.text_split == "chunks"
     done = {p.name for p in stage.glob("chunk-*.npz")}
-    chunks: list[_Chunk] = []
+    chunks: list[Chunk] = []
 
     rank, ranks = share
 
@@ -195,14 +207,14 @@ def prepare_chunks(
                     chunks.append(c)
                 continue
             chunks.append(c)
-            if f"{_FILES.format(c.index)}.npz" not in done:
+            if f"{CHUNK_FILES.format(c.index)}.npz" not in done:
                 yield c
 
     jobs = todo()
     first = list(islice(jobs, 2))
     if num_proc <= 1 or len(first) < 2:  # one chunk (or one process): no pool to start
         for c in chain(first, jobs):
-            _run_chunk(cfg, c.index, c.work, str(stage), tok)
+            _run_chunk(cfg, c.index, c.work, str(stage), blocks, tok)
             c.work = None  # its records are not kept once prepared
         return chunks
     # fork where there is one (as datasets.map does): a spawned worker would import the caller's __main__,
@@ -212,7 +224,7 @@ def prepare_chunks(
     with cf.ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=(tok,)) as pool:
         pending: dict[cf.Future, int] = {}
         for c in chain(first, jobs):
-            pending[pool.submit(_run_chunk, cfg, c.index, c.work, str(stage))] = c.index
+            pending[pool.submit(_run_chunk, cfg, c.index, c.work, str(stage), blocks)] = c.index
             c.work = None  # sent: not kept here
             if len(pending) >= 2 * num_proc:  # bounded: at most this many chunks of records in memory
                 _wait(pending, chunks, stage, cf.FIRST_COMPLETED, pool)
@@ -220,7 +232,7 @@ def prepare_chunks(
     return chunks
 
 
-def _wait(pending: dict, chunks: list[_Chunk], stage: Path, how, pool: cf.ProcessPoolExecutor) -> None:
+def _wait(pending: dict, chunks: list[Chunk], stage: Path, how, pool: cf.ProcessPoolExecutor) -> None:
     finished, _ = cf.wait(list(pending), return_when=how)
     for fut in sorted(finished, key=pending.get):
         i = pending.pop(fut)
@@ -248,14 +260,14 @@ def _dead_chunk(pool: cf.ProcessPoolExecutor, stage: Path, failed: int) -> int:
     return blamed[0] if blamed else failed
 
 
-def _load(stage: Path, index: int, names) -> dict[str, np.ndarray]:
-    with np.load(stage / f"{_FILES.format(index)}.npz", allow_pickle=False) as z:
+def load_chunk(stage: Path, index: int, names) -> dict[str, np.ndarray]:
+    with np.load(stage / f"{CHUNK_FILES.format(index)}.npz", allow_pickle=False) as z:
         return {k: z[k] for k in names}
 
 
 def assemble(
     b: Builder,
-    chunks: list[_Chunk],
+    chunks: list[Chunk],
     stage: Path,
     eval_fraction: float,
     train_dir: Path,
@@ -271,7 +283,7 @@ def assemble(
     cfg, s = b.cfg, b.s
     for c in chunks:
         c.stage = c.stage or stage
-    infos = [json.loads((c.stage / f"{_FILES.format(c.index)}.json").read_text(encoding="utf-8")) for c in chunks]
+    infos = [json.loads((c.stage / f"{CHUNK_FILES.format(c.index)}.json").read_text(encoding="utf-8")) for c in chunks]
     sizes = [info["documents"] for info in infos]
     n = sum(sizes)
     starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
@@ -280,7 +292,7 @@ def assemble(
         out, at = np.empty((n, *width), dtype), 0
         for c, m in zip(chunks, sizes):
             if m:
-                out[at : at + m] = _load(c.stage, c.index, (name,))[name]
+                out[at : at + m] = load_chunk(c.stage, c.index, (name,))[name]
                 at += m
         return out
 
@@ -289,7 +301,7 @@ def assemble(
         part = np.searchsorted(starts, idx, side="right") - 1
         for j in np.unique(part):
             sel = part == j
-            out[sel] = _load(chunks[j].stage, chunks[j].index, ("sig",))["sig"][idx[sel] - starts[j]]
+            out[sel] = load_chunk(chunks[j].stage, chunks[j].index, ("sig",))["sig"][idx[sel] - starts[j]]
         return out
 
     # malformed records, all first (as one process reads every record before rendering: the training file's, then eval_path's)
@@ -346,7 +358,7 @@ def assemble(
     records: list[dict] = []
     start = 0
     for c, m in zip(chunks, sizes):  # one chunk's documents in memory at a time
-        p = _load(c.stage, c.index, ("outcome", "lengths", "tokens", "mask"))
+        p = load_chunk(c.stage, c.index, ("outcome", "lengths", "tokens", "mask"))
         kept = p["outcome"] <= TRUNCATED  # the chunk file holds the tokens of these, in order
         lens = p["lengths"][kept].astype(np.int64)
         to_eval, wanted = held[start : start + m][kept], final[start : start + m][kept]
@@ -356,7 +368,7 @@ def assemble(
                 at = np.repeat(docs_here, lens)
                 w.extend(p["tokens"][at], p["mask"][at], lens[docs_here])
         if keeps_records(cfg) and (here := np.flatnonzero(evals[start : start + m])).size:
-            lines = (c.stage / f"{_FILES.format(c.index)}.records.jsonl").read_text(encoding="utf-8").splitlines()
+            lines = (c.stage / f"{CHUNK_FILES.format(c.index)}.records.jsonl").read_text(encoding="utf-8").splitlines()
             records += [r for r in (json.loads(lines[k]) for k in here) if r is not None]
         start += m
     for w in writers.values():

@@ -1,8 +1,8 @@
 """PrepareSummary: what ``prepare`` read, kept, skipped and dropped, printable and as JSON.
 
 Every record read is accounted for: ``records_read = kept + skipped + dropped by cleaning +
-dropped overlong / without target / without loss tokens`` (for text chunks, ``records_read`` counts
-the file once and documents are chunks). A mixture's summary sums its sources' and keeps one line of
+dropped overlong / without target / without loss tokens`` (for ``text_split: chunks``,
+``records_read`` counts the file's blocks of about 64 KiB, ``text_blocks.py``, and documents are chunks). A mixture's summary sums its sources' and keeps one line of
 facts per source in ``sources`` (name, records, documents, tokens, and the share of an epoch's tokens
 its weight gives it, filled in by ``prepare`` for the run's weights).
 """
