@@ -54,7 +54,7 @@ def _prepare(data_cfg, path, tmp, tag, **kw):
 def test_the_streamed_store_is_the_in_memory_one_byte_for_byte_for_any_number_of_workers(data_cfg, tmp_path, monkeypatch):
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(_records(700)) + b"\n")
-    with monkeypatch.context() as m:  # the in-memory path (bpe:N and eval_path still take it)
+    with monkeypatch.context() as m:  # the in-memory path, the reference
         m.setattr(pipeline, "streamable", lambda *a: False)
         ref = _prepare(data_cfg, path, tmp_path, "ref")
     for n in (1, 2, 3):  # 11 chunks, on 1, 2 and 3 processes
@@ -125,6 +125,23 @@ def test_running_text_streams_in_blocks_and_gives_the_tokens_of_one_pass(
     assert got.summary.records_read > 3 * 3  # blocks, over more than three chunks
     assert np.asarray(got.train.tokens).tolist() == gpt2.encode(text) + [gpt2.eos_id]
     assert set(np.asarray(got.train.lengths)[:-1].tolist()) == {64}
+
+
+def test_a_learned_bpe_is_trained_from_the_records_as_read_then_the_chunks_stream(data_cfg, tmp_path, monkeypatch):
+    """data.tokenizer bpe:N: the tokenizer is learned from a first pass over the records (not a list of
+    them), then the chunks are tokenised with it: the entry, the learned tokenizer's files included, is
+    the in-memory path's byte for byte."""
+    path = tmp_path / "r.jsonl"
+    path.write_bytes(b"\n".join(r for r in _records(400, seed=2) if b"input_ids" not in r) + b"\n")  # ids: refused
+    (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2, 3]}\n{"instruction": "a", "input": "", "output": "b"}\n')
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "streamable", lambda *a: False)
+        ref = _prepare(data_cfg, path, tmp_path, "ref", tokenizer="bpe:300")
+    got = _prepare(data_cfg, path, tmp_path, "got", tokenizer="bpe:300", num_proc=2, chunk_records=64)
+    assert _files(got.cache_dir) == _files(ref.cache_dir)
+    assert (got.cache_dir / "tokenizer").is_dir() and got.tokenizer.vocab_size == ref.tokenizer.vocab_size
+    with pytest.raises(DataError, match=r"bpe:300 learns a new tokenizer from text, but 1 of 2 records are pre-tokenised"):
+        prepare(data_cfg(path=str(tmp_path / "ids.jsonl"), tokenizer="bpe:300", cache_dir=str(tmp_path / "ids")))
 
 
 def test_the_embedded_dataset_streams_too_with_its_held_out_records(data_cfg, tmp_path, monkeypatch):

@@ -28,7 +28,7 @@ from densebatch.data.prepare.sources import detect_format, expand, is_pattern
 from densebatch.data.prepare.store import marker_ok
 from densebatch.data.prepare.stream import prepare_chunks, stage_dir, streamable, workers
 from densebatch.data.prepare.summary import PrepareSummary
-from densebatch.data.prepare.tokenizers import load_data_tokenizer
+from densebatch.data.prepare.tokenizers import PendingBPE, load_data_tokenizer
 from densebatch.errors import DataError
 
 
@@ -69,8 +69,10 @@ def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
     """Under torchrun, before rank 0's ``prepare``: tokenise this rank's share of every chunk that is not
     prepared yet (chunks ``rank``, ``rank + world_size``, ... of each streamed part not in the cache)
     into the parts' chunk directories, so that every rank works and rank 0 then only assembles. Parts
-    that are not streamed (see ``stream.py``) are left to rank 0. Returns the chunks this rank prepared."""
+    with a ``bpe:N`` tokenizer still to learn are left to rank 0. Returns the chunks this rank prepared."""
     tok = load_data_tokenizer(cfg)
+    if isinstance(tok, PendingBPE):  # learned by rank 0's prepare first: the chunks need its ids
+        return 0
     done = 0
     parts = source_parts(cfg)
     for p, key in zip(parts, source_keys([p.cfg for p in parts], tok)):

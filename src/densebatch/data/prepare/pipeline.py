@@ -200,20 +200,17 @@ def _cannot_write(final: Path, e: OSError) -> DataError:
     return DataError(f"data.cache_dir {final.parent}: cannot be written (the documents of {final.name}: {io_reason(e)})")
 
 
-def _prepare_one(
-    name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, read: tuple | None = None, keys: list[str] | None = None
-) -> Prepared:
-    """One source's entry (built, or found in the cache). ``read``: (its records, records read) when
-    a mixture's bpe:N already read them; ``keys``: a mixture's source keys up to this one's (``cache.source_keys``),
-    whose entries before it hold the records it is deduped against."""
+def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, keys: list[str] | None = None) -> Prepared:
+    """One source's entry (built, or found in the cache). ``keys``: a mixture's source keys up to this
+    one's (``cache.source_keys``), whose entries before it hold the records it is deduped against."""
     keys = keys or [cache_key(cfg, tok)]
     final, prior = Path(cfg.cache_dir) / keys[-1], [Path(cfg.cache_dir) / k for k in keys[:-1]]
-    return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, read, prior))
+    return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, prior))
 
 
-def _build_one(
-    final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, read: tuple | None, prior: list[Path]
-) -> Tokenizer:
+def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, prior: list[Path]) -> Tokenizer:
+    """One source's entry: streamed (``_build_streamed``); this in-memory path is the reference the
+    streamed store is tested against, byte for byte (``stream.streamable`` patched)."""
     s = PrepareSummary(
         source=cfg.path or "embedded default dataset",
         format=fmt,
@@ -223,13 +220,10 @@ def _build_one(
     )
     mode = dedupe_mode(cfg.clean)
     before = read_prior(prior, mode == "near") if mode != "off" else None
-    if read is None and streamable(cfg, fmt, tok):
+    if streamable(cfg, fmt, tok):
         return _build_streamed(final, name, cfg, fmt, tok, s, before)
     b = Builder(cfg, tok, s)
-    if read is None:
-        items = b.read(cfg.path, fmt)
-    else:
-        items, s.records_read = read
+    items = b.read(cfg.path, fmt)
     if isinstance(tok, PendingBPE):
         tok = b.tok = learn_bpe([(items, cfg)], tok)
         s.tokenizer = tok.name
@@ -274,6 +268,9 @@ def _build_streamed(
 ) -> Tokenizer:
     """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``): the
     documents of ``_build_one``'s in-memory path, with memory bounded by the chunk."""
+    if isinstance(tok, PendingBPE):  # learned from a first pass over the records (bad ones reported by the second)
+        tok = learn_bpe([(Builder(cfg, tok, PrepareSummary(), collect_bad=True).stream(cfg.path, fmt), cfg)], tok)
+        s.tokenizer = tok.name
     b = Builder(cfg, tok, s)
     stage = stage_dir(final, cfg)  # kept if this run dies or is stopped: the next one goes on from it
     try:
@@ -313,14 +310,12 @@ def _prepare_mixture(cfg: DataConfig, parts: list[Part], tok: Tokenizer, t0: flo
 
 
 def _build_mixture(final: Path, cfg: DataConfig, parts: list[Part], tok: Tokenizer, t0: float) -> Tokenizer:
-    read: list = [None] * len(parts)
-    if isinstance(tok, PendingBPE):  # one vocabulary learned from every part's text, then each part with it
-        for i, p in enumerate(parts):
-            s = PrepareSummary()
-            read[i] = (Builder(p.cfg, tok, s).read(p.cfg.path, p.fmt), s.records_read)
-        tok = learn_bpe([(r[0], p.cfg) for r, p in zip(read, parts)], tok)
+    if isinstance(tok, PendingBPE):  # one vocabulary learned from every part's text (read as it comes), then each part with it
+        tok = learn_bpe(
+            ((Builder(p.cfg, tok, PrepareSummary(), collect_bad=True).stream(p.cfg.path, p.fmt), p.cfg) for p in parts), tok
+        )
     keys = source_keys([p.cfg for p in parts], tok)  # with dedupe on, each part's names those before it
-    built = [_prepare_one(p.name, p.cfg, p.fmt, tok, t0, r, keys[: i + 1]) for i, (p, r) in enumerate(zip(parts, read))]
+    built = [_prepare_one(p.name, p.cfg, p.fmt, tok, t0, keys[: i + 1]) for i, p in enumerate(parts)]
     sources = _per_source(cfg, parts, built, tok)
     if len(sources) == 1:  # one source of several files
         summary = sources[0][1]
