@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from support import shared_data_dir
+from support import shared_data_dir, subprocess_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,7 +61,7 @@ def _part(lines: list[str], part: str) -> list[str]:
 
 
 def _run(line: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    env = subprocess_env(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # one thread each
     return subprocess.run(["bash", "-c", line], cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
