@@ -10,6 +10,7 @@ first 20 steps. Memory is the process's peak RSS after all that, less the peak R
 interpreter, torch and densebatch are imported and the store opened, per document.
 
     .venv/bin/python -m benchmarks.scale.planning_memory --docs 100000000 --dir /tmp/planning-store
+    .venv/bin/python -m benchmarks.scale.planning_memory --docs 100000000 --weights 1 3   # a weighted mixture of two
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def write_store(directory: Path, n: int, seed: int = 0) -> None:
-    """The store of ``n`` lognormal lengths, shard by shard (a million lengths in memory at a time)."""
+def write_store(directory: Path, n: int, seed: int = 0, sources: int = 1) -> None:
+    """The store of ``n`` lognormal lengths, shard by shard (a million lengths in memory at a time); with
+    ``sources`` > 1, the shards are split among that many sources, end to end (a mixture's layout)."""
     from densebatch.data.prepare.joined import FORMAT, write_index
     from densebatch.data.prepare.store_io import write_marker
     from densebatch.data.prepare.store_write import _header
@@ -59,7 +61,10 @@ def write_store(directory: Path, n: int, seed: int = 0) -> None:
                 if not len(carry):
                     break
 
+    done = 0
     for here in cuts():
+        source = min(sources - 1, done * sources // n)
+        done += len(here)
         d = directory / f"shard-{len(shards):06d}"
         d.mkdir()
         tokens = int(here.sum())
@@ -70,15 +75,17 @@ def write_store(directory: Path, n: int, seed: int = 0) -> None:
                 f.write(_header(dtype, tokens))
                 f.truncate(f.tell() + tokens * size)  # sparse: no disk for the ids
         shards.append({
-            "path": d.name, "source": 0, "documents": len(here), "tokens": tokens, "loss_tokens": int((here - 1).sum()),
+            "path": d.name, "source": source, "documents": len(here), "tokens": tokens, "loss_tokens": int((here - 1).sum()),
             "max_length": int(here.max()), "sizes": {f"{x}.npy": (d / f"{x}.npy").stat().st_size for x in ("tokens", "loss_mask", "lengths", "doc_loss")},
         })  # fmt: skip
     meta = {"eos_id": 0, "pad_id": 0, "vocab_size": 50257, "mask_id": None, "special_ids": [0], "split": "train"}
+    if sources > 1:
+        meta["sources"] = [f"source{i}" for i in range(sources)]
     names = write_index(directory, shards, meta)
     write_marker(directory, {"format": FORMAT, "sizes": {x: (directory / x).stat().st_size for x in names}})
 
 
-def run_one(directory: Path, mode: str) -> dict:
+def run_one(directory: Path, mode: str, weights: tuple[float, ...] | None = None) -> dict:
     from densebatch.data.load.collate import CausalCollator
     from densebatch.data.load.loader import StepLoader
     from densebatch.data.plan.planner import PlanSettings
@@ -92,13 +99,13 @@ def run_one(directory: Path, mode: str) -> dict:
     loss_tokens = 16384 * 2 if mode == "loss_tokens_per_step" else None
     steps = StepSettings(1, loss_tokens, 2, 0)  # rank 0 of 2
     t = time.perf_counter()
-    loader = StepLoader(store, settings, CausalCollator(pad_id=0), seed=0, steps=steps, prefetch=0)
+    loader = StepLoader(store, settings, CausalCollator(pad_id=0), seed=0, steps=steps, prefetch=0, weights=weights)
     per_epoch = loader.steps_per_epoch()
     it = iter(loader)
     real = sum(b.num_real_tokens for _ in range(20) for b in next(it).batches)
     peak = _rss_gb()
     return {
-        "mode": mode, "docs": n, "shards": len(json.loads((directory / "index.json").read_text())["shards"]),
+        "mode": mode, "weights": weights, "docs": n, "shards": len(json.loads((directory / "index.json").read_text())["shards"]),
         "steps_per_epoch": per_epoch, "real_tokens_20_steps": real, "seconds": round(time.perf_counter() - t, 1),
         "peak_rss_gb_after_open": round(base, 3), "peak_rss_gb": round(peak, 3),
         "planning_bytes_per_doc": round((peak - base) * 2**30 / n, 2),
@@ -109,18 +116,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--docs", type=int, default=100_000_000)
     ap.add_argument("--dir", type=Path, default=Path("/tmp/densebatch-planning-store"))
+    ap.add_argument("--weights", type=float, nargs="+", help="a weighted mixture: one weight a source (the store's "
+                    "documents split among them, end to end)")  # fmt: skip
     ap.add_argument("--one", choices=["batches", "loss_tokens_per_step"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    store = args.dir / f"docs-{args.docs}"
+    k = len(args.weights or [1])
+    store = args.dir / (f"docs-{args.docs}" + (f"-sources-{k}" if k > 1 else ""))
     if args.one:
-        print(json.dumps(run_one(store, args.one)))
+        print(json.dumps(run_one(store, args.one, tuple(args.weights) if args.weights else None)))
         return 0
     if not (store / "COMPLETE").is_file():
         t = time.perf_counter()
-        write_store(store, args.docs)
+        write_store(store, args.docs, sources=k)
         print(f"wrote {store} in {time.perf_counter() - t:.0f} s", flush=True)
     for mode in ("batches", "loss_tokens_per_step"):
         cmd = [sys.executable, "-m", __spec__.name, "--docs", str(args.docs), "--dir", str(args.dir), "--one", mode]
+        cmd += ["--weights", *map(str, args.weights)] if args.weights else []
         print(subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=REPO).stdout.strip(), flush=True)
     return 0
 

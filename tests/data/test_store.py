@@ -58,6 +58,10 @@ def test_document_spans_from_disk_cross_blocks_and_windows(tmp_path, monkeypatch
     assert first.tolist() == store.offsets[asked].tolist() and n.tolist() == lengths[asked].tolist()
     perm = rng.permutation(1000)
     assert take(opened.lengths, perm).tolist() == lengths[perm].tolist()
+    monkeypatch.setattr(store_mod, "_SPANS", 100)  # scattered and repeated documents, in ascending batches of 100
+    asked = np.concatenate([perm, perm[:300], [5, 5]]).reshape(-1, 2)
+    first, n = opened.doc_spans(asked)
+    assert first.tolist() == store.offsets[asked].tolist() and n.tolist() == lengths[asked].tolist()
 
 
 def test_a_store_of_an_older_format_is_refused_in_one_line(tmp_path):

@@ -118,9 +118,9 @@ def select_mixture(
     names = tuple(names) if names is not None else tuple(f"source{i}" for i in range(len(sizes)))
     if len(names) != len(sizes):
         raise ValueError(f"names: expected {len(sizes)} names, one per source; got {len(names)}")
-    tokens = [int(np.sum(x, dtype=np.int64)) for x in source_lengths]
+    tokens = [sum(int(np.sum(c, dtype=np.int64)) for c in _blocks(x)) for x in source_lengths]
     for name, x in zip(names, source_lengths):
-        if len(x) and int(np.min(x)) < 1:
+        if any(int(np.min(c)) < 1 for c in _blocks(x)):
             raise ValueError(f"source {name}: every document needs at least one token")
     total = sum(tokens) if epoch_tokens is None else int(epoch_tokens)
     targets = _targets(tokens, weights, total, names)
@@ -137,6 +137,12 @@ def select_mixture(
     cols = np.array(rows, np.int64).reshape(-1, 6).T
     start = np.concatenate([[0], np.cumsum((cols[3] - cols[2]) * cols[4])]).astype(np.int64)
     return Selection(offsets, *cols, start, int(seed), names)
+
+
+def _blocks(x, size: int = 1 << 20):
+    """``x`` a million entries at a time (a store's lengths are read from disk, not held)."""
+    for i in range(0, len(x), size):
+        yield np.asarray(x[i : i + size])
 
 
 def mixture_epoch(source_lengths, weights, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -53,6 +53,7 @@ from densebatch.errors import DataError
 
 STORE_FORMAT = FORMAT
 _EVERY = 64  # documents between two held offsets (doc_spans)
+_SPANS = 1 << 14  # documents whose spans one read finds (at most 2^20 lengths read, ~24 MB)
 __all__ = [
     "MARKER",
     "STORE_FORMAT",
@@ -220,6 +221,14 @@ class DocumentStore:
             return o[docs], o[docs + 1] - o[docs]
         if not docs.size:
             return np.zeros(docs.shape, np.int64), np.zeros(docs.shape, np.int64)
+        if docs.size > _SPANS:  # in ascending batches: each reads the blocks of its documents once, memory bounded
+            flat = docs.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            starts, lengths = np.empty(flat.size, np.int64), np.empty(flat.size, np.int64)
+            for i in range(0, flat.size, _SPANS):
+                here = order[i : i + _SPANS]
+                starts[here], lengths[here] = self.doc_spans(flat[here])
+            return starts.reshape(docs.shape), lengths.reshape(docs.shape)
         blocks, inv = np.unique(docs.reshape(-1) // _EVERY, return_inverse=True)
         a = blocks * _EVERY
         n = np.minimum(a + _EVERY, len(self)) - a
