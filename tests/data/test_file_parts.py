@@ -122,6 +122,19 @@ def test_a_pattern_source_of_a_mixture_keeps_one_source_id_and_ranks_share_its_c
     assert [x["name"] for x in got.summary.sources] == ["corpus", "other"]
 
 
+def test_a_pattern_with_an_eval_path_holds_it_once_and_a_file_named_like_a_pattern_is_a_file(data_cfg, tmp_path):
+    corpus = tmp_path / "corpus"
+    for k in range(3):
+        _write(corpus / f"{k}.jsonl", _records(40 * k, 40))
+    _write(tmp_path / "held.jsonl", _records(900, 5))
+    got = prepare(data_cfg(path=str(corpus / "*.jsonl"), eval_path=str(tmp_path / "held.jsonl"), eval_fraction=0.1))
+    assert (got.summary.eval_documents, got.summary.train_documents) == (5, 120)  # eval_path's, once; no file holds out
+    assert "in each of" not in got.summary.eval_source
+    odd = tmp_path / "odd" / "part[1].jsonl"  # an existing file whose name holds pattern characters
+    _write(odd, _records(0, 7))
+    assert prepare(data_cfg(path=str(odd))).summary.train_documents == 7
+
+
 def test_a_pattern_that_matches_nothing_is_a_one_line_error(data_cfg, tmp_path):
     with pytest.raises(DataError, match=r"no file matches this pattern"):
         prepare(data_cfg(path=str(tmp_path / "nowhere" / "*.jsonl")))

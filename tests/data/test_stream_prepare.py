@@ -127,6 +127,47 @@ def test_running_text_streams_in_blocks_and_gives_the_tokens_of_one_pass(
     assert set(np.asarray(got.train.lengths)[:-1].tolist()) == {64}
 
 
+@pytest.mark.parametrize("variant", ["crlf", "collapse_whitespace", "jsonl_eval_path"])
+def test_running_text_in_blocks_with_crlf_cleaning_or_a_record_eval_file(
+    data_cfg, tmp_path, monkeypatch, gpt2, gpt2_dir, book_records, variant
+):
+    """Blocks of a CRLF file still end at line starts (the "\\n" of a "\\r\\n" opens the next block: the tokens
+    of one pass); collapse_whitespace keeps a block's edges (no line break lost between blocks); an eval_path
+    of records is not cut into blocks. The streamed store is the in-memory one in each case."""
+    import densebatch.data.prepare.text_blocks as text_blocks
+    from densebatch.data.prepare.clean import collapse_whitespace
+
+    newline = "\r\n" if variant == "crlf" else "\n"
+    text = "".join(f"{r['instruction']}{newline}{r['output']}  x{newline}{newline}" for r in book_records.values()) * 4 + "End."
+    path = tmp_path / "book.txt"
+    path.write_bytes(text.encode("utf-8"))
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(json.dumps({"text": "word " * k}) + "\n" for k in (3, 90, 5)))
+    monkeypatch.setattr(text_blocks, "BLOCK_BYTES", 500)
+    clean = CleanConfig(collapse_whitespace=variant == "collapse_whitespace")
+    kw = {
+        "path": str(path),
+        "text_split": "chunks",
+        "chunk_tokens": 64,
+        "tokenizer": str(gpt2_dir),
+        "max_seq_len": 64,
+        "clean": clean,
+    }
+    if variant == "jsonl_eval_path":
+        kw.update(eval_path=str(held), template="raw", format="auto")
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "streamable", lambda *a: False)
+        ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), **kw))
+    got = prepare(data_cfg(cache_dir=str(tmp_path / "got"), num_proc=2, chunk_records=2, **kw))
+    assert _files(got.cache_dir) == _files(ref.cache_dir)
+    assert got.summary.records_read > 10  # blocks
+    if variant == "jsonl_eval_path":
+        assert got.summary.eval_documents == 3 and got.summary.truncated == 1  # records, each its own document
+        return
+    one_pass = collapse_whitespace(text) if variant == "collapse_whitespace" else text
+    assert np.asarray(got.train.tokens).tolist() == gpt2.encode(one_pass) + [gpt2.eos_id]
+
+
 def test_a_learned_bpe_is_trained_from_the_records_as_read_then_the_chunks_stream(data_cfg, tmp_path, monkeypatch):
     """data.tokenizer bpe:N: the tokenizer is learned from a first pass over the records (not a list of
     them), then the chunks are tokenised with it: the entry, the learned tokenizer's files included, is

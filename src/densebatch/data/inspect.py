@@ -73,7 +73,7 @@ def _records(cfg: DataConfig) -> Iterator[tuple[str, dict]]:
         for i, r in enumerate(generate_records(cfg.default.num_records, cfg.default.seed)):
             yield f"default dataset: record {i}", r
         return
-    for item in iter_records(cfg.path, detect_format(cfg.path, cfg.format)):
+    for item in iter_records(cfg.path, cfg.format):  # each file of a pattern in its own format
         if not isinstance(item, BadRecord):  # reported by prepare
             yield item
 

@@ -46,9 +46,11 @@ class Span:
             if step != 1:
                 raise IndexError("Span: only contiguous slices")
             return read_window(self.base, self.a + i, self.a + max(i, j))
-        if isinstance(key, int | np.integer):
-            return take(self.base, [self.a + int(key)])[0]
-        return take(self.base, np.asarray(key, np.int64) + self.a)
+        idx = np.asarray(key, np.int64)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= len(self)):
+            raise IndexError(f"Span: index out of range 0..{len(self) - 1}")
+        got = take(self.base, idx + self.a)
+        return got if idx.ndim else got[()]
 
 
 def select(store, weights, seed: int, epoch: int, lengths=None) -> Selection:

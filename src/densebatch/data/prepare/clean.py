@@ -75,10 +75,15 @@ def remove_control_chars(text: str) -> str:
 
 
 def collapse_whitespace(text: str) -> str:
+    return collapse_inner_whitespace(text).strip()
+
+
+def collapse_inner_whitespace(text: str) -> str:
+    """``collapse_whitespace`` without cutting the text's own ends."""
     text = _SPACES.sub(" ", text)
     text = _TRAILING.sub("\n", text)
     text = text.replace("\n ", "\n")
-    return _BLANKS.sub("\n\n", text).strip()
+    return _BLANKS.sub("\n\n", text)
 
 
 def _nfkc(text: str) -> str:
@@ -140,7 +145,9 @@ def term_replacer(table: dict[str, str]):
 class Cleaner:
     """Applies ``CleanConfig`` to field values (``transform``) and rendered records (``keep``)."""
 
-    def __init__(self, cfg: CleanConfig) -> None:
+    def __init__(self, cfg: CleanConfig, keep_edges: bool = False) -> None:
+        """``keep_edges``: ``collapse_whitespace`` keeps a value's leading and trailing white space (a block of
+        running text, ``text_blocks.py``, whose edges are not the text's)."""
         self.cfg = cfg
         self.steps = [
             (name, make())
@@ -149,7 +156,7 @@ class Cleaner:
                 ("strip_html", lambda: strip_html),
                 ("nfkc", lambda: _nfkc),
                 ("control_chars", lambda: remove_control_chars),
-                ("collapse_whitespace", lambda: collapse_whitespace),
+                ("collapse_whitespace", lambda: collapse_inner_whitespace if keep_edges else collapse_whitespace),
                 ("terms", lambda: term_replacer(read_terms(cfg.terms))),
             )
             if getattr(cfg, name)

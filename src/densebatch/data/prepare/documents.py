@@ -62,7 +62,7 @@ class Builder:
     def __init__(self, cfg: DataConfig, tok: Tokenizer, summary: PrepareSummary, collect_bad: bool = False) -> None:
         """``collect_bad``: bad records go to ``self.bad_records`` in order, neither raised nor counted."""
         self.cfg, self.tok, self.s = cfg, tok, summary
-        self.cleaner = Cleaner(cfg.clean)
+        self.cleaner = Cleaner(cfg.clean, keep_edges=cfg.text_split == "chunks")  # chunks: blocks' edges are not the text's
         self.signer = Signer(cfg.clean.near_threshold) if dedupe_mode(cfg.clean) == "near" else None
         self.bad_records: list[BadRecord] | None = [] if collect_bad else None
         # the tokenizer's own chat template (a ConfigError at once when it has none)

@@ -9,8 +9,8 @@ parts before it, whose records it is deduped against: the files after an edited 
 too). A source of several files is then laid out as a mixture's source is: its entry's index points
 at its files' shards, all under the source's index, and its summary sums theirs.
 
-What follows from a file being a part: the eval split (``eval_fraction``) is taken in each file by
-itself, as the smallest content hashes of that file's records (adding a file never moves a record of
+What follows from a file being a part: with ``data.eval_path`` the first file's part holds it (and no
+file holds out records); else the eval split (``eval_fraction``) is taken in each file by itself, as the smallest content hashes of that file's records (adding a file never moves a record of
 another between train and eval), and near dedupe keeps the first copy in file order, as it does
 within one file.
 """
@@ -61,7 +61,13 @@ def source_parts(cfg: DataConfig) -> list[Part]:
             files = [str(f) for f in expand(c.path)]
         else:
             files = [c.path]
-        out += [Part(i, name, *resolved(dataclasses.replace(c, path=f))) for f in files]
+        for k, f in enumerate(files):  # data.eval_path is the source's eval split: the first file's part holds it
+            one = (
+                dataclasses.replace(c, path=f)
+                if k == 0 or c.eval_path is None
+                else dataclasses.replace(c, path=f, eval_path=None, eval_fraction=0.0)
+            )
+            out.append(Part(i, name, *resolved(one)))
     return out
 
 

@@ -229,10 +229,12 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
         s.tokenizer = tok.name
     eval_docs: list[Doc] = []
     if cfg.eval_path is not None:
-        eval_docs = b.documents(b.read(cfg.eval_path, detect_format(cfg.eval_path, cfg.format)))
+        eval_fmt = detect_format(cfg.eval_path, cfg.format)
+        eval_docs = b.documents(b.read(cfg.eval_path, eval_fmt))
+        eval_docs = b.chunk(eval_docs) if cfg.text_split == "chunks" and eval_fmt == "text" else eval_docs
     train_docs = b.documents(items)
     if fmt == "text" and cfg.text_split == "chunks":  # blocks of running text → pieces, before dedupe (none for pieces)
-        train_docs, eval_docs = b.chunk(train_docs), b.chunk(eval_docs)
+        train_docs = b.chunk(train_docs)
     index = None
     if mode != "off":  # eval_path's records first: a training record that repeats one of them is dropped
         both, n_eval = eval_docs + train_docs, len(eval_docs)
@@ -275,11 +277,13 @@ def _build_streamed(
     stage = stage_dir(final, cfg)  # kept if this run dies or is stopped: the next one goes on from it
     try:
         chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
-        held = []  # eval_path's chunks: the eval split, deduped first
+        held, blocks = [], cfg.text_split == "chunks"  # eval_path's chunks: the eval split, deduped first
         if cfg.eval_path is not None:
-            held = prepare_chunks(b, cfg.eval_path, detect_format(cfg.eval_path, cfg.format), stage / "eval", workers(cfg))
-        if fmt == "text" and cfg.text_split == "chunks":  # blocks of running text → documents (stream_cut.py)
-            chunks, held = cut_chunks(b, chunks, stage), held and cut_chunks(b, held, stage / "eval")
+            eval_fmt = detect_format(cfg.eval_path, cfg.format)
+            held = prepare_chunks(b, cfg.eval_path, eval_fmt, stage / "eval", workers(cfg))
+            held = cut_chunks(b, held, stage / "eval") if blocks and eval_fmt == "text" else held
+        if blocks and fmt == "text":  # blocks of running text → documents (stream_cut.py)
+            chunks = cut_chunks(b, chunks, stage)
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with _staged_entry(final, tok, cfg) as tmp:
             records, _ = assemble(
@@ -359,7 +363,7 @@ def _per_source(cfg: DataConfig, parts: list[Part], built: list[Prepared], tok: 
             format=", ".join(sorted({p.fmt for p, _ in mine})),
             template=mine[0][0].cfg.template,
             tokenizer=tok.name,
-            eval_source=f"{_eval_source(c)} in each of its {len(mine)} files",
+            eval_source=_eval_source(c) + ("" if c.eval_path else f" in each of its {len(mine)} files"),
         )
         s.sources = [s.source_facts(name, c.path)]
         out.append((name, s))

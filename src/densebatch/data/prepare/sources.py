@@ -54,8 +54,9 @@ class BadRecord:
 
 
 def is_pattern(path: str | Path) -> bool:
-    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than one file or directory."""
-    return glob.has_magic(str(path))
+    """Whether ``path`` is a glob pattern (``*``, ``?`` or ``[``) rather than one file or directory (a path
+    that exists is itself, whatever its name holds)."""
+    return glob.has_magic(str(path)) and not Path(path).exists()
 
 
 def expand(path: str | Path) -> list[Path]:

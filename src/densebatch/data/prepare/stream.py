@@ -1,6 +1,7 @@
 """Streaming, parallel preparation of one source: memory bounded by the chunk, not the corpus.
 
-The records are read in input order, ``data.chunk_records`` records a chunk. Each chunk is rendered,
+The records are read in input order, ``data.chunk_records`` records a chunk (blocks of running text:
+``data.chunk_records`` KiB of them). Each chunk is rendered,
 cleaned, filtered, tokenised and finished (``documents.Builder``) by a pool of ``data.num_proc``
 worker processes (inline when there is one chunk or one process), which write it to
 ``cache_dir/.chunks-<key>-<chunk_records>/chunk-000123.npz`` (its documents' tokens, loss mask,
@@ -21,8 +22,9 @@ missing. A worker that dies fails the prepare with one line naming the chunk's f
 ``data.eval_path`` is chunked too (into ``eval/`` of the same directory) and assembled first: its documents
 are the eval split, and with dedupe on a training record that repeats one of them is dropped.
 With ``text_split: chunks`` the records are blocks of running text (``text_blocks.py``), kept whole by
-the workers and cut into documents by ``stream_cut.py`` before the assembly. Not streamed (it needs every
-record before the first document): a learned ``bpe:N`` tokenizer.
+the workers and cut into documents by ``stream_cut.py`` before the assembly. A learned ``bpe:N`` tokenizer
+is trained first, from the records as they are read (``documents.learn_bpe``), then the chunks are
+tokenised with it. Every source streams (``streamable``); the in-memory path stays as the tests' reference.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
+from densebatch.atomic import pid_alive
 from densebatch.config import DataConfig
 from densebatch.data.prepare import text_blocks
 from densebatch.data.prepare.dedupe import NUM_PERM, Keys, dedupe, dedupe_mode, lsh_shape, repeats, write_index
@@ -104,7 +107,7 @@ def _run_chunk(cfg: DataConfig, index: int, work, stage: str, blocks: bool, tok:
     running = Path(stage) / f".running-{index:06d}-{os.getpid()}"  # names the chunk if this process dies
     running.touch()
     _prepare_chunk(cfg, index, work, Path(stage), tok if tok is not None else _TOK, blocks)
-    running.unlink()
+    running.unlink(missing_ok=True)
     return index
 
 
@@ -193,7 +196,8 @@ def prepare_chunks(
     only those."""
     stage.mkdir(parents=True, exist_ok=True)
     for m in [*stage.glob(".running-*"), *stage.glob(".chunk-*")]:  # left by a run that died (never read)
-        m.unlink()
+        if not pid_alive(int(m.name.split(".")[-2] if m.name.endswith(".npz") else m.name.split("-")[-1])):
+            m.unlink(missing_ok=True)  # another rank's (or worker's) of a live process stays
     cfg, tok = b.cfg, b.tok
     blocks = fmt == "text" and cfg.text_split == "chunks"
     done = {p.name for p in stage.glob("chunk-*.npz")}

@@ -38,22 +38,29 @@ def text_blocks(path: str | Path) -> Iterator[tuple[str, dict] | BadRecord]:
     with open(p, "rb") as f:
         first, lines, size = 1, [], 0
         for number, raw in enumerate(f, 1):
-            if size >= BLOCK_BYTES and _boundary(lines[-1], raw):
+            if size >= BLOCK_BYTES and (moved := _boundary(lines[-1], raw)) is not None:
+                rest = lines[-1][len(lines[-1]) - moved :]  # a CRLF's "\n" opens the next block
+                lines[-1] = lines[-1][: len(lines[-1]) - moved]
                 yield _block(p, first, lines)
-                first, lines, size = number, [], 0
+                first, lines, size = number - bool(moved), [rest] if moved else [], moved
             lines.append(raw)
             size += len(raw)
         if lines:
             yield _block(p, first, lines)
 
 
-def _boundary(before: bytes, line: bytes) -> bool:
+def _boundary(before: bytes, line: bytes) -> int | None:
     """Whether a block may end between the line ``before`` and ``line``: ``line`` starts with a letter or a
-    digit and ``before`` ends with one newline after a character that is not white space, so that no run
-    of white space is cut (a tokenizer's pre-tokens join such runs: ``"\\n\\n"`` at the end of a text is one
-    GPT-2 token, two in the middle of one)."""
-    end = before[-5:-1].decode("utf-8", "ignore")[-1:]
-    return before.endswith(b"\n") and end != "" and not end.isspace() and line[:4].decode("utf-8", "ignore")[:1].isalnum()
+    digit and ``before`` ends with one line break after a character that is not white space, so that no
+    run of white space is cut (a tokenizer's pre-tokens join such runs: ``"\\n\\n"`` at the end of a text
+    is one GPT-2 token, two in the middle of one). None: it may not; else how many bytes of ``before``'s
+    end open the next block instead (1: the ``"\\n"`` of a ``"\\r\\n"``, whose two characters are one
+    pre-token only at the end of a text; 0: none)."""
+    if not line[:4].decode("utf-8", "ignore")[:1].isalnum():
+        return None
+    body, moved = (before[:-2], 1) if before.endswith(b"\r\n") else (before[:-1], 0) if before.endswith(b"\n") else (b"", 0)
+    end = body[-4:].decode("utf-8", "ignore")[-1:]
+    return moved if end and not end.isspace() else None
 
 
 def _block(p: Path, first: int, lines: list[bytes]) -> tuple[str, dict] | BadRecord:
