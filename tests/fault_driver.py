@@ -110,16 +110,19 @@ def install_faults(faults: dict) -> None:
         from densebatch.train import checkpoint
         from densebatch.train.session import Session
 
-        stopping, marker, seconds = {"now": False}, Path(slow["marker"]), float(slow["seconds"])
+        stopping, marker, seconds = {"trainer": None}, Path(slow["marker"]), float(slow["seconds"])
         orig_session_save, orig_save_file = Session.save, checkpoint.write_safetensors
 
         def session_save(self):
-            stopping["now"] = self.trainer.should_stop
+            stopping["trainer"] = self.trainer
             return orig_session_save(self)
 
         def slow_save_file(tensors, filename, metadata=None):
+            # Judged when each file is written, not when the save began: a signal that lands during a step's
+            # regular save makes that save the stop's (the run then saves nothing more at that step).
             written = orig_save_file(tensors, filename, metadata=metadata)
-            if stopping["now"] and Path(filename).name == "model.safetensors":
+            t = stopping["trainer"]
+            if t is not None and t.should_stop and not marker.exists():
                 marker.write_text(str(filename))
                 time.sleep(seconds)
             return written

@@ -107,8 +107,8 @@ def test_running_text_streams_in_blocks_and_gives_the_tokens_of_one_pass(
     the documents end to end are the tokens of one pass over the whole file."""
     import densebatch.data.prepare.text_blocks as text_blocks
 
-    lines = [f"{r['instruction']}\n  {r['output']}\n\n" for r in book_records.values()] * 6
-    text = "".join(lines) + "The end \u2014 \u00e9t\u00e9."
+    lines = [f"{r['instruction']}\n  {r['output']}\n\n" for r in book_records.values()]
+    text = "".join(lines * max(2, 40_000 // len("".join(lines)))) + "The end \u2014 \u00e9t\u00e9."  # with or without ../shared
     path = tmp_path / "book.txt"
     path.write_text(text, encoding="utf-8")
     monkeypatch.setattr(text_blocks, "BLOCK_BYTES", 700)
@@ -138,7 +138,8 @@ def test_running_text_in_blocks_with_crlf_cleaning_or_a_record_eval_file(
     from densebatch.data.prepare.clean import collapse_whitespace
 
     newline = "\r\n" if variant == "crlf" else "\n"
-    text = "".join(f"{r['instruction']}{newline}{r['output']}  x{newline}{newline}" for r in book_records.values()) * 4 + "End."
+    one = "".join(f"{r['instruction']}{newline}{r['output']}  x{newline}{newline}" for r in book_records.values())
+    text = one * max(2, 20_000 // len(one)) + "End."  # many blocks, with or without ../shared
     path = tmp_path / "book.txt"
     path.write_bytes(text.encode("utf-8"))
     held = tmp_path / "held.jsonl"
