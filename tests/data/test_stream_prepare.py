@@ -107,7 +107,7 @@ def test_running_text_streams_in_blocks_and_gives_the_tokens_of_one_pass(
     the documents end to end are the tokens of one pass over the whole file."""
     import densebatch.data.prepare.text_blocks as text_blocks
 
-    lines = [f"{r['instruction']}\n  {r['output']}\n\n" for r in book_records.values()]
+    lines = [f"{r['instruction']}\n{r['output']}\n  indented, never a block's start\n\n" for r in book_records.values()]
     text = "".join(lines * max(2, 40_000 // len("".join(lines)))) + "The end \u2014 \u00e9t\u00e9."  # with or without ../shared
     path = tmp_path / "book.txt"
     path.write_text(text, encoding="utf-8")
