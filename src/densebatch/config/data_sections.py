@@ -97,7 +97,7 @@ class SourceConfig:
         if self.name:
             return self.name
         path = Path(self.path)
-        while glob.has_magic(str(path)) and path.parent != path:
+        while glob.has_magic(str(path)) and not path.exists() and path.parent != path:  # an existing file is itself
             path = path.parent
         return (path.name if path != Path(self.path) else path.stem) or path.name or str(self.path)
 
