@@ -67,7 +67,9 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a child run: one intra-op thread (two pytest-xdist workers share two cores,
     and the children then compute with the kernels of the one-thread runs they are compared with),
     unbuffered output (a test reads it while the child runs)."""
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", **extra)
+    # PYTHONFAULTHANDLER: a child that aborts (SIGABRT, e.g. a thread killed inside a torch op at exit) prints
+    # every thread's Python stack, so a rare abort in CI names its thread
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **extra)
 
 
 def torchrun(args: list[str], nproc: int = 2, script: Path | None = None) -> list[str]:
