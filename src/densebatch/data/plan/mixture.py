@@ -118,10 +118,14 @@ def select_mixture(
     names = tuple(names) if names is not None else tuple(f"source{i}" for i in range(len(sizes)))
     if len(names) != len(sizes):
         raise ValueError(f"names: expected {len(sizes)} names, one per source; got {len(names)}")
-    tokens = [sum(int(np.sum(c, dtype=np.int64)) for c in _blocks(x)) for x in source_lengths]
-    for name, x in zip(names, source_lengths):
-        if any(int(np.min(c)) < 1 for c in _blocks(x)):
+    tokens = []
+    for name, x in zip(names, source_lengths):  # one read of each source's lengths: their sum and their least
+        total, least = 0, 1
+        for c in _blocks(x):
+            total, least = total + int(np.sum(c, dtype=np.int64)), min(least, int(np.min(c)))
+        if least < 1:
             raise ValueError(f"source {name}: every document needs at least one token")
+        tokens.append(total)
     total = sum(tokens) if epoch_tokens is None else int(epoch_tokens)
     targets = _targets(tokens, weights, total, names)
     for name, n, t in zip(names, sizes, targets):
