@@ -104,3 +104,27 @@ def test_training_records_the_loss_of_each_source_and_their_token_weighted_mean_
     assert set(ev["loss_by_source"]) == {"web", "code-v2"}
     weighted = sum(ev["loss_by_source"][n] * ev["tokens_by_source"][n] for n in ev["loss_by_source"]) / ev["tokens"]
     assert weighted == pytest.approx(ev["loss"], rel=1e-6)
+
+
+def test_packed_runs_weigh_a_source_of_short_documents_as_random_batches_do(tmp_path, capsys):
+    """train.source_balance (default batches): a packed run says each source's weight, the short source's
+    above 1; tokens, and random batches (which weigh sources so themselves), say none."""
+    for name, n, size in (("short", 300, 6), ("long", 60, 200)):
+        lines = [json.dumps({"text": "ab" * (size // 2 + i % 3)}) for i in range(n)]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    sources = json.dumps([{"path": str(tmp_path / f"{n}.jsonl")} for n in ("short", "long")])
+    base = ["train", f"--data.sources={sources}", "--data.template=raw", "--data.eval_fraction=0", "--train.max_steps=2"]
+    base += ["--model.n_layer=1", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=256", "--batching.seq_len=256"]
+    base += ["--batching.max_tokens_per_batch=1024", "--train.progress=false", "--train.plots=false"]
+    base += [f"--data.cache_dir={tmp_path / 'cache'}"]
+
+    def said(*extra) -> str | None:
+        assert main([*base, f"--output_dir={tmp_path / str(len(extra))}", "--overwrite", *extra]) == 0
+        lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("train.source_balance")]
+        return lines[0] if lines else None
+
+    line = said()
+    weights = dict(part.rsplit(" ", 1) for part in line.rsplit(": ", 1)[1].split(", "))
+    assert float(weights["short"]) > 1.5 > 1.0 > float(weights["long"])
+    assert said("--train.source_balance=tokens") is None
+    assert said("--batching.strategy=random", "--batching.rows_per_batch=4") is None

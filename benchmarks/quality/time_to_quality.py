@@ -85,11 +85,15 @@ MIXTURE_SETUPS: dict[str, list[str]] = {
 # ``*-w`` setups up-sample the instructions to the share random's batches give them (weights are shares
 # of an epoch's tokens: natural 0.109 / 0.307 / 0.584).
 RANDOM_LIKE_WEIGHTS = {"instructions": 0.109 * 1.53, "chat": 0.307 * 0.96, "shakespeare": 0.584 * 0.99}
-MIXTURE_SETUPS["packed-2816-w"] = MIXTURE_SETUPS["packed-2816"] + ["weights"]
+MIXTURE_SETUPS["packed-2816-w"] = MIXTURE_SETUPS["packed-2816"] + ["weights", "--train.source_balance=tokens"]
+# ``packed-2816`` runs the default ``train.source_balance: batches`` (each source's loss tokens weighted as
+# random batches of 8 documents weigh them); ``-tokens`` weighs every loss token alike (the default before).
+MIXTURE_SETUPS["packed-2816-tokens"] = MIXTURE_SETUPS["packed-2816"] + ["--train.source_balance=tokens"]
 # Up-sampling the short instructions makes packed rows of 1,408 hold ~2,560 real tokens, 6% more than
 # random's ~2,420; rows of 1,344 hold ~2,320, 4% fewer (the nearest equal tokens per step from below).
 MIXTURE_SETUPS["packed-2688-w"] = [
-    "--batching.max_tokens_per_batch=2688", "--batching.seq_len=1344", "--model.block_size=1344", "weights"
+    "--batching.max_tokens_per_batch=2688", "--batching.seq_len=1344", "--model.block_size=1344", "weights",
+    "--train.source_balance=tokens",
 ]  # fmt: skip
 
 

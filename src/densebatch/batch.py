@@ -58,6 +58,9 @@ class Batch:
     source_ids: Tensor | None = None  # (rows, T) int64: source (of a mixture) of each real token, -1 at padding
     cu_seqlens: Tensor | None = None  # (segments + 1,) int32 on the host: segment starts over the flattened rows, then rows*T
     max_seqlen: int | None = None  # longest segment (None = unknown)
+    # (rows, T) float32: each position's weight in the training loss (train.source_balance), set by the
+    # trainer on the device; a model whose ``weighs_losses`` is True then returns weight x CE per position
+    loss_weights: Tensor | None = None
 
     @classmethod
     def null(cls, pad_id: int) -> Batch:
@@ -103,6 +106,7 @@ class Batch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             positions=self.positions.to(device, non_blocking=non_blocking),
             source_ids=None if self.source_ids is None else self.source_ids.to(device, non_blocking=non_blocking),
+            loss_weights=None if self.loss_weights is None else self.loss_weights.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:

@@ -110,6 +110,43 @@ def test_backward_needs_no_host_read_for_the_trainers_sum(monkeypatch):
     assert rel(got, ref) <= 1e-6 and all(rel(a, b) <= 1e-6 for a, b in zip(got_grads, ref_grads))
 
 
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 3), T=st.integers(1, 19), chunk=st.integers(1, 40), bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_token_weights_give_weighted_losses_whose_sum_backpropagates_without_recomputing(rows, T, chunk, bias, seed):
+    """train.source_balance: weights given to the head (per position) multiply each CE, and the forward's
+    gradient sums carry them, so the trainer's plain sum of the result needs no second projection."""
+    import densebatch.model.loss_head as lh
+
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, T, 16, generator=gen).requires_grad_()
+    head = torch.nn.Linear(16, V, bias=bias)
+    labels = torch.randint(0, V, (rows, T), generator=gen)
+    labels[torch.rand(rows, T, generator=gen) < 0.3] = IGNORE_INDEX
+    w = torch.rand(rows, T, generator=gen) + 0.1
+    n = int((labels != IGNORE_INDEX).sum())
+    ref, ref_grads = run_head(lambda: plain_head_token_losses(h, labels, head), h, labels, head, w)
+
+    def no_recompute(*a, **kw):
+        raise AssertionError("recomputed the head for weights it was given")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(lh, "_CHECK_UNIFORM_ON_HOST", set())  # as on an accelerator
+        m.setattr(lh, "_weighted_head_grads", no_recompute)
+        for t in (h, head.weight, head.bias):
+            if t is not None:
+                t.grad = None
+        out = head_token_losses(h, labels, head.weight, head.bias, n, chunk_tokens=chunk, token_weights=w)
+        out.sum().backward()  # as the trainer does: one value expanded over every position
+        got, got_grads = out.detach(), [t.grad.clone() for t in (h, head.weight, head.bias) if t is not None]
+    ones = torch.ones(rows, T)
+    plain, plain_grads = run_head(lambda: plain_head_token_losses(h, labels, head, token_weights=w), h, labels, head, ones)
+    assert rel(got, ref * w) <= 1e-6 or n == 0
+    assert rel(plain, ref * w) <= 1e-6 or n == 0
+    for a, b, c in zip(got_grads, ref_grads, plain_grads):
+        assert rel(a, b) <= 1e-6 or b.norm() == 0 and a.norm() == 0
+        assert rel(c, b) <= 1e-6 or b.norm() == 0 and c.norm() == 0
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any operator produces (forward and backward)."""
 

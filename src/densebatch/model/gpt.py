@@ -182,6 +182,7 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, positions, single_doc_rows, cache))
 
     label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
+    weighs_losses = True  # token_losses returns batch.loss_weights x CE when the batch has them
 
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
@@ -195,9 +196,12 @@ class GPT(nn.Module):
             batch.input_ids, batch.positions, single, None, batch.max_position, batch.cu_seqlens, batch.max_seqlen
         )  # (rows, T, C)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
+        w = batch.loss_weights  # weight x CE per position (train.source_balance), or None
         if self.cfg.loss_head == "plain":
-            return plain_head_token_losses(h, batch.labels, self.lm_head, eps)
-        return head_token_losses(h, batch.labels, self.lm_head.weight, None, batch.num_loss_tokens, label_smoothing=eps)
+            return plain_head_token_losses(h, batch.labels, self.lm_head, eps, w)
+        return head_token_losses(
+            h, batch.labels, self.lm_head.weight, None, batch.num_loss_tokens, label_smoothing=eps, token_weights=w
+        )
 
     # -------------------------------------------------------------------------------- structure
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:

@@ -229,6 +229,7 @@ class HFCausalLM(nn.Module):
             return self.lm(**inputs).logits
 
     label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
+    weighs_losses = True  # token_losses returns batch.loss_weights x CE when the batch has them
     eval_hits: Tensor | None = None  # mlm, eval mode: masked tokens predicted right by the last token_losses
 
     def token_losses(self, batch: Batch) -> Tensor:
@@ -246,12 +247,15 @@ class HFCausalLM(nn.Module):
                 logits = self.lm(**inputs).logits  # (rows, T, vocab)
                 if not (self.training or self.causal):  # masked-token accuracy, which evaluation reports
                     self.eval_hits = ((logits.argmax(-1) == batch.labels) & (batch.labels != IGNORE_INDEX)).sum()
-                return plain_head_token_losses(logits, batch.labels, nn.Identity(), eps)
+                return plain_head_token_losses(logits, batch.labels, nn.Identity(), eps, batch.loss_weights)
             h = self.lm.base_model(**inputs).last_hidden_state  # (rows, T, C)
         head = self.lm.get_output_embeddings()  # a frozen nn.Linear under LoRA, or PEFT's wrapper (trainable tokens)
+        w = batch.loss_weights  # weight x CE per position (train.source_balance), or None
         if self.loss_head == "plain" or type(head) is not nn.Linear:
-            return plain_head_token_losses(h, batch.labels, head, eps)
-        return head_token_losses(h, batch.labels, head.weight, head.bias, batch.num_loss_tokens, label_smoothing=eps)
+            return plain_head_token_losses(h, batch.labels, head, eps, w)
+        return head_token_losses(
+            h, batch.labels, head.weight, head.bias, batch.num_loss_tokens, label_smoothing=eps, token_weights=w
+        )
 
     def _layers(self) -> nn.ModuleList | None:
         """The repeated layers: the largest ModuleList."""

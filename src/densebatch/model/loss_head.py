@@ -98,17 +98,19 @@ class _FusedLinearCE(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk, dtype, need_grad, eps, shape
-    ):
+        ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk, dtype, need_grad, eps, shape,
+        tw: Tensor | None = None,
+    ):  # fmt: skip
         # h: (N, C) all positions; idx: (n,) positions with a target. ``dtype``: what autocast asked
         # for outside; autocast is switched off in here so that every cast below is explicit.
         # ``eps``: label smoothing (the target distribution (1 - eps) onehot + eps / V, as torch's).
-        # ``shape``: the losses' shape, (rows, T), N elements.
+        # ``shape``: the losses' shape, (rows, T), N elements. ``tw``: (n,) float32 weights of the targets
+        # (None: all 1): the output is tw x CE, and the forward's gradient sums are weighted alike.
         with torch.autocast(h.device.type, enabled=False):
-            return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad, eps, shape)
+            return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad, eps, shape, tw)
 
     @staticmethod
-    def _forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad: bool, eps: float, shape) -> Tensor:
+    def _forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad: bool, eps: float, shape, tw) -> Tensor:
         n = idx.numel()
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
@@ -131,6 +133,8 @@ class _FusedLinearCE(torch.autograd.Function):
                 continue
             z.div_(total)  # softmax
             _subtract_target(z, yc, eps)  # d loss / d logits
+            if tw is not None:
+                z.mul_(tw[a : a + chunk, None])
             d = z.to(dtype)  # (c, V)
             grad_h[a : a + chunk] = (d @ w).to(h.dtype)
             grad_w = _add_product(grad_w, d.t(), hc)
@@ -145,7 +149,7 @@ class _FusedLinearCE(torch.autograd.Function):
         # returns a view (an in-place op on it would drop the pre-backward hook that all-gathers the
         # root's parameters), and the losses are the output of the module every training pass runs.
         out = torch.zeros(shape, dtype=torch.float32, device=h.device)  # (rows, T)
-        out.view(-1).index_copy_(0, idx, losses)  # (N,) the same storage
+        out.view(-1).index_copy_(0, idx, losses if tw is None else losses * tw)  # (N,) the same storage
         return out
 
     @staticmethod
@@ -189,6 +193,7 @@ class _FusedLinearCE(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
 
 
@@ -225,10 +230,13 @@ def head_token_losses(
     num_loss_tokens: int | None = None,
     chunk_tokens: int | None = None,
     label_smoothing: float = 0.0,
+    token_weights: Tensor | None = None,
 ) -> Tensor:
     """Cross-entropy per position of ``h`` (rows, T, C) through the head, float32, 0 where the
     label is -100. (rows, T). ``num_loss_tokens`` (the batch's count) spares a host synchronisation;
-    ``label_smoothing`` as ``F.cross_entropy``'s (per token, so exact under any batching)."""
+    ``label_smoothing`` as ``F.cross_entropy``'s (per token, so exact under any batching);
+    ``token_weights`` (rows, T): each position's CE times its weight (the forward's gradient sums are
+    weighted alike, so a plain sum of the result backpropagates without recomputing the head)."""
     rows, T, C = h.shape
     flat_labels = labels.reshape(-1)  # (N,)
     keep = flat_labels != IGNORE_INDEX  # (N,)
@@ -241,13 +249,18 @@ def head_token_losses(
     need_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (h, weight, bias))
     targets = flat_labels.index_select(0, idx)  # (n,)
     flat, dtype, eps = h.reshape(rows * T, C), _compute_dtype(h), float(label_smoothing)  # flat: (N, C)
-    return _FusedLinearCE.apply(flat, weight, bias, idx, targets, chunk, dtype, need_grad, eps, (rows, T))  # (rows, T)
+    tw = None if token_weights is None else token_weights.reshape(-1).index_select(0, idx).float()  # (n,)
+    return _FusedLinearCE.apply(flat, weight, bias, idx, targets, chunk, dtype, need_grad, eps, (rows, T), tw)
 
 
-def plain_head_token_losses(h: Tensor, labels: Tensor, head: torch.nn.Module, label_smoothing: float = 0.0) -> Tensor:
-    """The reference path: project the positions with a target, float32 cross-entropy. (rows, T)"""
+def plain_head_token_losses(
+    h: Tensor, labels: Tensor, head: torch.nn.Module, label_smoothing: float = 0.0, token_weights: Tensor | None = None
+) -> Tensor:
+    """The reference path: project the positions with a target, float32 cross-entropy (times
+    ``token_weights`` when given). (rows, T)"""
     keep = labels != IGNORE_INDEX  # (rows, T)
     logits = head(h[keep]).float()  # (n, vocab); fp32 even under autocast
     out = torch.zeros(labels.shape, dtype=torch.float32, device=h.device)  # (rows, T)
-    out[keep] = F.cross_entropy(logits, labels[keep], reduction="none", label_smoothing=label_smoothing)
+    ce = F.cross_entropy(logits, labels[keep], reduction="none", label_smoothing=label_smoothing)
+    out[keep] = ce if token_weights is None else ce * token_weights[keep].float()
     return out

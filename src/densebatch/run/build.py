@@ -22,7 +22,14 @@ from densebatch.data.load.loader import StepLoader
 from densebatch.data.plan.homogeneity import homogeneity
 from densebatch.data.plan.homogeneity import warning as homogeneity_warning_line
 from densebatch.data.plan.planner import PlanSettings
-from densebatch.data.plan.rules import full_context_settings, longest_train_row, loss_tokens_cut, truncation_cap
+from densebatch.data.plan.rules import (
+    full_context_settings,
+    longest_train_row,
+    loss_tokens_cut,
+    sized_by_budget,
+    truncation_cap,
+)
+from densebatch.data.plan.source_balance import balance_line, batch_balance
 from densebatch.data.plan.steps import StepSettings
 from densebatch.data.plan.store_epochs import eval_documents
 from densebatch.data.prepare.parts import prepare_share
@@ -219,6 +226,26 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
         return loader, None
     evaluation = eval_loader(cfg, prepared.eval, dist)
     return loader, lambda: evaluation.iter_epoch(0, cfg.eval.max_batches)  # a global cap: N ranks score what 1 does
+
+
+def source_weights(cfg: RunConfig, prepared: Prepared) -> list[float] | None:
+    """Each source's weight of its loss tokens in the gradient (``train.source_balance``; None: one source,
+    or every loss token alike): ``data/plan/source_balance.py``'s factors of the training documents, for
+    the plans sized by a token budget (packed, token_budget), whose steps hold about as many loss tokens
+    each. random and length_grouped batches hold ``rows_per_batch`` rows and weigh sources as they do."""
+    if cfg.train.source_balance != "batches" or not sized_by_budget(cfg.batching.strategy):
+        return None
+    factors = batch_balance(prepared.train, prepared.weights, cfg.seed, cfg.batching.rows_per_batch)
+    return None if factors is None else [float(f) for f in factors]
+
+
+def source_weights_line(prepared: Prepared, weights: list[float] | None, rows: int) -> str | None:
+    if weights is None:
+        return None
+    return (
+        f"train.source_balance batches: loss tokens weighted by source as random batches of {rows} documents weigh "
+        f"them: {balance_line(prepared.train.source_names, weights)}"
+    )
 
 
 def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) -> str | None:

@@ -12,11 +12,11 @@ from densebatch.atomic import write_file
 from densebatch.data.plan.rules import sized_by_budget
 from densebatch.errors import ConfigError
 from densebatch.run.auto import fit_budget, resolve_budget, say, trainer_config
-from densebatch.run.build import build_loaders, resolve_config, setup
+from densebatch.run.build import build_loaders, resolve_config, setup, source_weights
 from densebatch.train.distributed import Distributed, wrap_model
 from densebatch.train.finders.lr_finder import lr_range_test, write_outputs
 from densebatch.train.loop import Trainer
-from densebatch.train.parts import Evaluation, Placement, Reporting
+from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 
 BUDGET_JSON = "batch_finder.json"
 
@@ -32,6 +32,7 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
         trainer = Trainer(
             s.model, loader, trainer_config(cfg), output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
             placement=Placement(s.device, dist, forward), reporting=Reporting(console=False),
+            parts=StepParts(source_weights=source_weights(cfg, s.prepared)),
         )  # fmt: skip
         result = lr_range_test(trainer, cfg.finder, log=(lambda text: say(dist, text)))
         if dist.is_main:

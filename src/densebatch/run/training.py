@@ -27,6 +27,8 @@ from densebatch.run.build import (
     materialise_run_model,
     resolve_config,
     setup,
+    source_weights,
+    source_weights_line,
     step_size_line,
 )
 from densebatch.run.final import write_final
@@ -79,6 +81,9 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         print(sizes, flush=True)
     if dist.is_main and prepared.eval is not None and (cap := eval_cap_line(cfg, prepared.eval)) is not None:
         print(cap, flush=True)
+    weights = source_weights(cfg, prepared)
+    if dist.is_main and (line := source_weights_line(prepared, weights, cfg.batching.rows_per_batch)) is not None:
+        print(line, flush=True)
     t = trainer_config(cfg)  # train.lr: auto holds a placeholder until resolve_lr below
     if t.batch_schedule.backoff_patience and eval_data is None:
         raise ConfigError(
@@ -92,7 +97,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         parts=StepParts(
             guard=AnomalyGuard(t.guard.spike_zscore, t.guard.spike_window, t.guard.max_bad_steps),
             clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
-            batch_schedule=BatchSchedule.from_config(t.batch_schedule),
+            batch_schedule=BatchSchedule.from_config(t.batch_schedule), source_weights=weights,
         ),
         reporting=Reporting(
             sinks=build_sinks(cfg, out) if dist.is_main else (), health=build_health(cfg, device),

@@ -3,7 +3,8 @@
 Each step's batches come planned (``Step``, from the data layer's ``StepLoader``; a plain iterable
 of ``Batch`` is grouped here by ``grad_accum_batches`` / ``loss_tokens_per_step``). The loop counts
 the loss tokens of the whole step over all ranks first, then back-propagates
-``sum(per-token CE of each batch) / (loss tokens of the step)``: the gradient of one big batch,
+``sum(per-token CE of each batch) / (loss tokens of the step)`` (each weighted by its source's weight
+when ``train.source_balance`` gives a mixture's sources weights): the gradient of one big batch,
 however the tokens were split into batches and ranks; never a mean of micro-batch means. A step
 ends in one ``StepOutcome``: applied, empty (no loss tokens: nothing to learn, no update, not an
 anomaly), skipped (non-finite loss or gradient), overflow (fp16 loss scale) or rollback (the guard
@@ -35,6 +36,7 @@ from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWrite
 from densebatch.train.oom import OOMLog, Passes, accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
+from densebatch.train.source_weights import SourceWeights, step_loss_tokens
 from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes, step_record
 from densebatch.train.update import StepStats, apply_update
 
@@ -95,9 +97,10 @@ class Trainer:
         self.guard = guard if guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
         self.clipper = clipper if clipper is not None else FixedClipper(cfg.grad_clip)
         self.eval_data, self.evaluate_fn = eval_data, evaluate_fn
-        # With two or more data sources, records carry the loss per source (exact over its loss tokens).
-        self.source_names = list(source_names) if source_names and len(source_names) > 1 else None
-        self.source_sums: torch.Tensor | None = None  # per-source loss sums and loss tokens of the current step
+        self.source_names = list(source_names) if source_names and len(source_names) > 1 else None  # loss per source
+        self.source_sums: torch.Tensor | None = None  # the current step's per-source loss sums and loss tokens
+        w = parts.source_weights  # all alike: the plain mean
+        self.source_weights = SourceWeights(w, getattr(model, "weighs_losses", False)) if w and len(set(w)) > 1 else None
         self.after_step: Callable[[StepResult], None] | None = None
         self.output_dir = Path(output_dir)
         self.state = TrainState(total_steps=total_steps)
@@ -168,13 +171,14 @@ class Trainer:
         when it is on (``scaler.unscale_`` removes it). The passes run in ``train/oom.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
         batches = list(batches)
-        local = float(sum(b.num_loss_tokens for b in batches))  # the normaliser of every batch: the host knows it
+        # the normaliser of every batch, known on the host: loss tokens (weighted by source: train/source_weights.py)
+        local, weight = step_loss_tokens(batches, self.source_weights)
         total: float | torch.Tensor = local
         # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
-        denom: float | torch.Tensor = local if local > 0 else 1.0
-        if self.dist.enabled:  # the step's count over ranks stays on the device, read with the step's stats
-            total = self.dist.all_reduce_sum(torch.tensor([local], dtype=torch.float64, device=self.device))[0]
-            denom = torch.where(total > 0, total / self.dist.world_size, 1.0).float()
+        denom: float | torch.Tensor = weight if weight > 0 else 1.0
+        if self.dist.enabled:  # the step's counts over ranks stay on the device, read with the step's stats
+            both = self.dist.all_reduce_sum(torch.tensor([local, weight], dtype=torch.float64, device=self.device))
+            total, denom = both[0], torch.where(both[1] > 0, both[1] / self.dist.world_size, 1.0).float()
         k = len(self.source_names) if self.source_names else 0
         self.source_sums = torch.zeros(2 * k, dtype=torch.float64, device=self.device) if k else None
         loss, splits = accumulate(self.passes(), batches, denom)
@@ -193,6 +197,7 @@ class Trainer:
             forward=self.forward, optimizer=self.optimizer, scaler=self.scaler, device=self.device,
             precision=self.precision, dist=self.dist, sync=self.sync_gradients, source_sums=self.source_sums,
             num_sources=len(self.source_names) if self.source_names else 0, console=self.console, oom=self.oom,
+            source_weights=self.source_weights,
         )  # fmt: skip
 
     def sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
@@ -317,9 +322,8 @@ class Trainer:
         return None
 
     def _epoch_limit(self) -> float | None:
-        if self.cfg.max_epochs is not None:
-            return self.cfg.max_epochs
-        return 1.0 if self.cfg.max_steps is None and self.cfg.max_tokens is None else None  # no limit: one pass
+        c = self.cfg  # no limit at all: one pass
+        return c.max_epochs if c.max_epochs is not None else 1.0 if c.max_steps is None and c.max_tokens is None else None
 
     def next_step(self) -> Step | None:
         """The next step of data (None when the data ends: max_epochs, or a finite iterable)."""
@@ -331,9 +335,7 @@ class Trainer:
         self._data_wait = time.perf_counter() - t
         return step
 
-    _data_wait = 0.0
-    _step_began = 0.0
-    _first_record = True
+    _data_wait, _step_began, _first_record = 0.0, 0.0, True
 
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""

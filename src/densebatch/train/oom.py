@@ -31,6 +31,7 @@ from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.errors import UserError
 from densebatch.train.distributed import Distributed
 from densebatch.train.evaluate import autocast, source_sums, to_device
+from densebatch.train.source_weights import SourceWeights, weighted_losses
 
 
 class RowTooLarge(UserError):
@@ -159,6 +160,7 @@ class Passes:
     num_sources: int
     console: Any  # .message(text)
     oom: OOMLog
+    source_weights: SourceWeights | None = None  # each source's weight of its loss tokens (None: all alike)
 
 
 def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, int]:
@@ -207,11 +209,11 @@ def _pass(p: Passes, batch: Batch, denom: float, last: bool, stage: _Stage) -> T
     batch = to_device(batch, p.device)
     # the backward too runs inside the sync context: DDP decides at forward time, FSDP2 at backward time
     with p.sync(last):
-        with autocast(p.device, p.precision):
-            losses = p.forward(batch)  # (rows, T) float32, 0 where label == -100
+        with autocast(p.device, p.precision):  # losses: (rows, T) float32, 0 where label == -100
+            weighted, losses = weighted_losses(p.forward, batch, p.source_weights)  # the weighted sum, the plain CE
         summed = losses.float().sum()
         if p.source_sums is not None:
             p.source_sums += source_sums(batch, losses, p.num_sources)
         stage.backward = True
-        p.scaler.scale(summed / denom).backward()
+        p.scaler.scale(weighted / denom).backward()
     return summed.detach().double()

@@ -4,7 +4,7 @@ with no evaluation needs, so ``Trainer(model, data, cfg, output_dir=...)`` is a 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,11 +45,14 @@ class Placement:
 class StepParts:
     """The stateful components that decide each step besides the optimizer, each checkpointed by name:
     ``guard`` (apply, skip or roll back; None: skip non-finite steps, never roll back), ``clipper`` (None: a
-    fixed clip at ``train.grad_clip``) and ``batch_schedule`` (each step's size; None: full size)."""
+    fixed clip at ``train.grad_clip``) and ``batch_schedule`` (each step's size; None: full size); and
+    ``source_weights``, each source's weight of its loss tokens in the gradient (``train.source_balance``;
+    None: every loss token alike), which the data decides, so no checkpoint holds it."""
 
     guard: AnomalyGuard | None = None
     clipper: FixedClipper | AdaptiveClipper | None = None
     batch_schedule: BatchSchedule | None = None
+    source_weights: Sequence[float] | None = None
 
 
 @dataclass
