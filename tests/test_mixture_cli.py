@@ -128,3 +128,7 @@ def test_packed_runs_weigh_a_source_of_short_documents_as_random_batches_do(tmp_
     assert float(weights["short"]) > 1.5 > 1.0 > float(weights["long"])
     assert said("--train.source_balance=tokens") is None
     assert said("--batching.strategy=random", "--batching.rows_per_batch=4") is None
+    # analyze says what random batches give each source, as the run does
+    assert main(["analyze", *base[1:5], f"--data.cache_dir={tmp_path / 'cache'}", "--batching.seq_len=256"]) == 0
+    said_by_analyze = [x for x in capsys.readouterr().out.splitlines() if x.startswith("random batches of 8 documents")]
+    assert said_by_analyze and f"short {float(weights['short']):.2f}" in said_by_analyze[0]

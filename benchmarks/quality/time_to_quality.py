@@ -20,9 +20,12 @@ reaches the target, with the final quality.
   every source's loss at or below random's at steps ``--per-source-at`` (median over its seeds), a run
   reaching it when all its sources are there at once. ``packed-2816`` / ``token_budget-2816`` hold as
   many real tokens a step as random's 8 padded rows (~2,450), so they compare at equal real tokens per
-  step; ``packed-2048`` holds 18% fewer. ``*-w`` setups weigh the sources as random's batches do
-  (``RANDOM_LIKE_WEIGHTS``). ``NAME@N`` runs setup NAME for N steps. "× peer's" is a setup's median
-  time over random's median; each seed's line also gives it over the same seed's random run.
+  step; ``packed-2048`` holds 18% fewer. ``packed-*`` setups run the default ``train.source_balance:
+  batches`` (each source's loss tokens weighted as random batches weigh them), ``*-tokens`` weigh every
+  loss token alike; ``*-w`` setups up-sample the sources instead (``RANDOM_LIKE_WEIGHTS``). ``*-para``
+  setups are a second mixture (Shakespeare split at blank lines), compared with ``--peer random-8-para``.
+  ``NAME@N`` runs setup NAME for N steps. "× peer's" is a setup's median time over the peer's median;
+  each seed's line also gives it over the same seed's peer run.
 
 Peers: random padded batches (``random``, 8 rows) and Hugging Face ``group_by_length``, which is
 ``length_grouped`` at HF's settings (one document a row, ``bundle_tokens: 0``; mega-batches of 50
@@ -41,6 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks.common import REPO, require_shared_data
@@ -89,6 +93,13 @@ MIXTURE_SETUPS["packed-2816-w"] = MIXTURE_SETUPS["packed-2816"] + ["weights", "-
 # ``packed-2816`` runs the default ``train.source_balance: batches`` (each source's loss tokens weighted as
 # random batches of 8 documents weigh them); ``-tokens`` weighs every loss token alike (the default before).
 MIXTURE_SETUPS["packed-2816-tokens"] = MIXTURE_SETUPS["packed-2816"] + ["--train.source_balance=tokens"]
+# A second mixture, not the one the setting was checked on: Shakespeare split at blank lines (7,000
+# speeches of ~46 tokens instead of 646 chunks of 512), so two sources of short documents and one of
+# long threads. Random 8-row batches then hold ~634 real tokens; one packed row of 640, ~635.
+PARA = ["--data.text_split=blank_lines"]
+MIXTURE_SETUPS["random-8-para"] = PARA + ["--batching.strategy=random"]
+MIXTURE_SETUPS["packed-para"] = PARA + ["--batching.max_tokens_per_batch=640", "--batching.seq_len=640"]
+MIXTURE_SETUPS["packed-para-tokens"] = MIXTURE_SETUPS["packed-para"] + ["--train.source_balance=tokens"]
 # Up-sampling the short instructions makes packed rows of 1,408 hold ~2,560 real tokens, 6% more than
 # random's ~2,420; rows of 1,344 hold ~2,320, 4% fewer (the nearest equal tokens per step from below).
 MIXTURE_SETUPS["packed-2688-w"] = [
@@ -272,6 +283,13 @@ def main() -> None:
         default=[150, 200, 250, 300],
         help="mixture: also tables whose target is every source's loss at or below random's (median over seeds) at these steps",
     )
+    ap.add_argument("--peer", default="random-8", help="the setup the others are measured against")
+    ap.add_argument(
+        "--paired",
+        action="store_true",
+        help="run each seed's setups side by side, one thread each, so that the machine's load falls on all of them "
+        "at the same moments (the setup that ends first leaves the others the whole machine: that favours the slower)",
+    )
     ap.add_argument("--out", default=None, help="JSON lines of every run (appended); read back with --report")
     ap.add_argument("--report", action="store_true", help="only print the table of the runs in --out")
     ap.add_argument("--data-dir", default=None)
@@ -295,10 +313,14 @@ def main() -> None:
         # seeds outer, setups inner: the runs being compared sit side by side in time, so the
         # machine's drift over a sweep (up to 40% here) falls on all of them alike
         for seed in a.seeds:
-            for name in names:
-                if any(r["setup"] == name and r["seed"] == seed for r in runs):
-                    continue  # already in --out
-                run = run_one(name, *args_of(name), seed, a.every, a.threads)
+            todo = [n for n in names if not any(r["setup"] == n and r["seed"] == seed for r in runs)]  # not in --out
+            if a.paired:
+                with ThreadPoolExecutor(len(todo) or 1) as pool:
+                    done = list(pool.map(lambda n, seed=seed: run_one(n, *args_of(n), seed, a.every, 1), todo))
+            else:
+                done = (run_one(n, *args_of(n), seed, a.every, a.threads) for n in todo)
+            for name, run in zip(todo, done):
+                run["paired"] = a.paired
                 runs.append(run)
                 print(f"{name} seed {seed}: {run['wall_s']:.0f} s wall", file=sys.stderr, flush=True)
                 if a.out:
@@ -306,13 +328,13 @@ def main() -> None:
                         f.write(json.dumps(run) + "\n")
     runs = [r for r in runs if r["setup"] in names]
     if a.set == "default":
-        print(table(runs, "accuracy", a.target or 0.99))
+        print(table(runs, "accuracy", a.target or 0.99, a.peer))
         return
-    finals = [r["points"][-1]["loss"] for r in runs if r["setup"] == "random-8" and r["points"]]
-    print(table(runs, "loss", a.target or (statistics.median(finals) if finals else float("nan"))))
-    for target in ladder(runs, a.per_source_at):
+    finals = [r["points"][-1]["loss"] for r in runs if r["setup"] == a.peer and r["points"]]
+    print(table(runs, "loss", a.target or (statistics.median(finals) if finals else float("nan")), a.peer))
+    for target in ladder(runs, a.per_source_at, a.peer):
         print()
-        print(table(runs, "loss", target))
+        print(table(runs, "loss", target, a.peer))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ also write one strategy's plan as JSON and a PNG histogram of the lengths. ``rea
 lengths file (one integer per line, or ``.npy``). The CLI parses arguments and prints the result.
 For prepared documents (``analyze_prepared``), each strategy also reports, per source, the records,
 documents and tokens prepared and the documents, tokens and share of the tokens its epoch-0 plan
-holds (a mixture's weights applied: ``data/plan/store_epochs.py``).
+holds (a mixture's weights applied: ``data/plan/store_epochs.py``), and (text) what each source's loss tokens
+weigh in random batches (``data/plan/source_balance.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from densebatch.data.plan.homogeneity import homogeneity
 from densebatch.data.plan.mixture import Selection, plan_source_stats
 from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
 from densebatch.data.plan.shards import plan_epoch_sharded
+from densebatch.data.plan.source_balance import balance_line, batch_balance
 from densebatch.data.plan.store_epochs import materialise, select
 from densebatch.errors import ConfigError, DataError, UserError
 
@@ -234,4 +236,12 @@ def analyze_prepared(prepared, settings: PlanSettings, seed: int = 0, **kw) -> s
     prepared and what epoch 0's plan of each strategy holds with the run's weights."""
     lengths = np.asarray(prepared.train.lengths, dtype=np.int64)
     selection = select(prepared.train, prepared.weights, seed, 0, lengths)
-    return analyze_main(lengths, settings, seed=seed, selection=selection, source_facts=prepared.summary.sources, **kw)
+    text = analyze_main(lengths, settings, seed=seed, selection=selection, source_facts=prepared.summary.sources, **kw)
+    factors = None if kw.get("json_out") else batch_balance(prepared.train, prepared.weights, seed, settings.rows_per_batch)
+    if factors is None:
+        return text
+    return text + (
+        f"\nrandom batches of {settings.rows_per_batch} documents weigh each source's loss tokens "
+        f"{balance_line(prepared.train.source_names, factors)} (x its share of them); packed and token_budget runs "
+        "weigh them so too under train.source_balance: batches (the default), alike under tokens"
+    )
