@@ -55,7 +55,10 @@ def why(r: subprocess.CompletedProcess) -> str:
     """A failed launch's story: every rank's own traceback lines first (torchrun prefixes them with
     ``[rankN]``; the rank that crashed first is often cut off the tail), then the tail."""
     ranks = [x for x in r.stderr.splitlines() if x.startswith("[rank") and "Traceback" not in x]
-    return "\n".join(ranks[:40]) + "\n...\n" + r.stderr[-2000:]
+    # a worker that aborts (SIGABRT) prints its threads' Python stacks (PYTHONFAULTHANDLER): keep them whole
+    marks = [i for m in ("Fatal Python error", "terminate called") if (i := r.stderr.find(m)) >= 0]
+    fault = r.stderr[min(marks) : min(marks) + 8000] + "\n...\n" if marks else ""
+    return "\n".join(ranks[:40]) + "\n...\n" + fault + r.stderr[-2000:]
 
 
 def losses(out: Path) -> list[tuple[int, float]]:

@@ -145,6 +145,15 @@ def test_token_weights_give_weighted_losses_whose_sum_backpropagates_without_rec
     for a, b, c in zip(got_grads, ref_grads, plain_grads):
         assert rel(a, b) <= 1e-6 or b.norm() == 0 and a.norm() == 0
         assert rel(c, b) <= 1e-6 or b.norm() == 0 and c.norm() == 0
+    # any other use of the weighted losses (a non-uniform gradient from downstream) is exact too: the
+    # recomputing branch carries the forward's weights
+    v = torch.rand(rows, T, generator=gen) + 0.1
+    ref_v, ref_v_grads = run_head(lambda: plain_head_token_losses(h, labels, head), h, labels, head, w * v)
+    got_v, got_v_grads = run_head(
+        lambda: head_token_losses(h, labels, head.weight, head.bias, n, chunk_tokens=chunk, token_weights=w), h, labels, head, v
+    )
+    for a, b in zip(got_v_grads, ref_v_grads):
+        assert rel(a, b) <= 1e-6 or b.norm() == 0 and a.norm() == 0
 
 
 class LargestTensor(TorchDispatchMode):

@@ -164,3 +164,21 @@ def test_a_model_that_weighs_its_own_losses_gives_the_trainers_weighted_step(tmp
     assert ((g1 - g0).abs().max() / g0.abs().max()).item() <= 1e-5
     assert s1["loss"] == pytest.approx(s0["loss"], rel=1e-6)
     assert s1["loss_by_source"]["a"] == pytest.approx(s0["loss_by_source"]["a"], rel=1e-6)
+
+
+def test_masked_lm_counts_every_token_and_a_run_saved_before_the_setting_resumes_with_tokens():
+    # prompt-masked answers: the causal loss tokens are a quarter of the short source's tokens
+    store = _store([(300, 12, 3), (100, 80, 60)])
+    causal = batch_balance(store, None, 0, 8)
+    every_token = batch_balance(store, None, 0, 8, counts=store.lengths)
+    assert every_token[0] < causal[0]  # 12 of 92 tokens a pair, against 3 of 63 loss tokens
+
+    from densebatch.config import RunConfig
+    from densebatch.config.loading import config_from_dict, to_dict
+
+    saved = to_dict(RunConfig())
+    del saved["train"]["source_balance"]
+    assert config_from_dict(saved, saved=True).train.source_balance == "tokens"  # what it computed
+    assert config_from_dict(saved).train.source_balance == "batches"  # a new file: the default
+    saved["train"]["source_balance"] = "batches"
+    assert config_from_dict(saved, saved=True).train.source_balance == "batches"

@@ -193,7 +193,10 @@ class BatchingConfig:
     )
     mode: Literal["causal", "mlm"] = _f("causal", "causal language modelling, or mlm (masked-LM labels).")
     rows_per_batch: int = _f(
-        8, "Rows per batch for random and length_grouped (a length_grouped row may be a bundle of short documents).", minimum=1
+        8,
+        "Rows per batch for random and length_grouped (a length_grouped row may be a bundle of short documents); for "
+        "packed and token_budget, the random batches whose source weighting train.source_balance follows.",
+        minimum=1,
     )
     max_tokens_per_batch: int | Literal["auto"] = _f(
         8192,

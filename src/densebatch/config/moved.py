@@ -36,9 +36,19 @@ def refuse_moved(key: str) -> None:
         raise ConfigError(f"{key} has moved: it is now {MOVED[key]} (see docs/configuration.md)")
 
 
+# Keys whose default changed what a run computes, with the value a run saved before the key existed
+# had: a resumed run keeps computing what it computed.
+BEFORE_THE_KEY = {"train.source_balance": "tokens"}  # every loss token alike before issue 21's weighting
+
+
 def upgrade_saved(data: dict) -> dict:
-    """A saved configuration with every moved key at its new place (a copy; unknown keys stay for the checks)."""
+    """A saved configuration with every moved key at its new place (a copy; unknown keys stay for the checks),
+    and the keys of ``BEFORE_THE_KEY`` that it lacks at the value it ran with."""
     out = copy.deepcopy(data)
+    for key, value in BEFORE_THE_KEY.items():
+        section, last = key.split(".")
+        if isinstance(out.get(section), dict) and last not in out[section]:
+            out[section][last] = value
     for old, new in MOVED.items():
         *path, last = old.split(".")
         node = out

@@ -151,10 +151,9 @@ class TrainConfig:
     source_balance: Literal["batches", "tokens"] = _f(
         "batches",
         "How much each source of a mixture weighs in the gradient on packed and token_budget plans: batches = each "
-        "source's loss tokens weighted as random padded batches of batching.rows_per_batch documents, one a step, "
-        "weigh them on average (a source of short answers weighs more, as under Hugging Face's Trainer); tokens = "
-        "every loss token alike. random and length_grouped batches, and one source, are never reweighted. See "
-        "docs/data.md.",
+        "source's loss tokens weighted as random padded batches of batching.rows_per_batch documents, one a step on "
+        "one device, weigh them on average (a source of short answers weighs more); tokens = every loss token alike. "
+        "random and length_grouped batches, and one source, are never reweighted. See docs/data.md.",
     )
     grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
     grad_clip_mode: Literal["fixed", "adaptive"] = _f(

@@ -141,7 +141,7 @@ class _FusedLinearCE(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += d.sum(0, dtype=torch.float32)
         ctx.chunk, ctx.dtype, ctx.has_bias, ctx.eps = chunk, dtype, bias is not None, eps
-        ctx.save_for_backward(h, weight, bias, idx, targets)
+        ctx.save_for_backward(h, weight, bias, idx, targets, tw)
         # The forward's gradient sums are this Function's own buffers, held on ctx (not as saved
         # tensors) so that backward can scale them in place and drop them.
         ctx.unit_grads = (grad_h, grad_w, grad_b)
@@ -157,7 +157,7 @@ class _FusedLinearCE(torch.autograd.Function):
         # grad_out: (rows, T). The trainer's ``losses.sum() / count`` arrives as one value expanded over
         # every position (stride 0): the forward's sums then only need scaling, with no host sync.
         grad_out = grad_out.reshape(-1)  # (N,) an expanded gradient keeps its stride 0
-        h, weight, bias, idx, targets = ctx.saved_tensors
+        h, weight, bias, idx, targets, tw = ctx.saved_tensors
         if ctx.unit_grads is None:
             raise RuntimeError("the fused loss head supports one backward pass per forward (no retain_graph)")
         grad_h_unit, grad_w_unit, grad_b_unit = ctx.unit_grads
@@ -176,8 +176,9 @@ class _FusedLinearCE(torch.autograd.Function):
             grad_b = grad_b_unit.mul_(scale) if grad_b_unit is not None else None
             grad_h_sel = grad_h_unit.mul_(scale.to(grad_h_unit.dtype))  # (n, C)
         else:  # recompute the weight gradient with each token's own weight (exact, one more projection)
-            with torch.autocast(h.device.type, enabled=False):
-                grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, g, ctx.chunk, ctx.dtype, ctx.eps)
+            with torch.autocast(h.device.type, enabled=False):  # the forward's token weights times the incoming ones
+                gw = g if tw is None else g * tw
+                grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, gw, ctx.chunk, ctx.dtype, ctx.eps)
             grad_h_sel = grad_h_unit * g[:, None].to(grad_h_unit.dtype)
         grad_h = None
         if ctx.needs_input_grad[0]:

@@ -235,7 +235,9 @@ def source_weights(cfg: RunConfig, prepared: Prepared) -> list[float] | None:
     each. random and length_grouped batches hold ``rows_per_batch`` rows and weigh sources as they do."""
     if cfg.train.source_balance != "batches" or not sized_by_budget(cfg.batching.strategy):
         return None
-    factors = batch_balance(prepared.train, prepared.weights, cfg.seed, cfg.batching.rows_per_batch)
+    store = prepared.train
+    counts = store.lengths if cfg.batching.mode == "mlm" else None  # masked-LM targets: a share of every token
+    factors = batch_balance(store, prepared.weights, cfg.seed, cfg.batching.rows_per_batch, counts=counts)
     return None if factors is None else [float(f) for f in factors]
 
 

@@ -10,6 +10,7 @@ all-reduced values, so all ranks agree without one of them deciding alone.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
@@ -88,6 +89,11 @@ class Distributed:
 
     def close(self) -> None:
         if self.initialized_here and tdist.is_initialized():
+            # What the run built (FSDP2's modules, a background writer's side channel) can outlive it in
+            # reference cycles, holding process groups and Gloo work objects: destroyed only at interpreter
+            # exit, their worker threads abort the process (SIGABRT, "terminate called without an active
+            # exception", seen on one rank of a 3-process FSDP resume). Freed now, the groups go here.
+            gc.collect()
             tdist.destroy_process_group()
             self.initialized_here = False
 
@@ -161,7 +167,13 @@ def wrap_model(model: nn.Module, mode: str, dist: Distributed, precision: str = 
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         low = resolve_precision(dist.device, precision)
-        policy = MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[low], reduce_dtype=torch.float32) if low != "fp32" else None
+        # cast_forward_inputs off: the batch's only float tensor is loss_weights (train.source_balance), which must
+        # reach the loss as the host's exact weights, not rounded to bf16 (the others are integer ids)
+        policy = (
+            MixedPrecisionPolicy(param_dtype=AUTOCAST_DTYPES[low], reduce_dtype=torch.float32, cast_forward_inputs=False)
+            if low != "fp32"
+            else None
+        )
         kw = {"mp_policy": policy} if policy is not None else {}
         for block in repeated_blocks(model):
             fully_shard(block, **kw)

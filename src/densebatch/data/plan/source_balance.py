@@ -30,10 +30,12 @@ SAMPLE_BATCHES = 20_000  # ~0.5% sampling error on a source with 3% of the loss 
 _TAG = 0x42414C  # keeps this draw apart from the planner's streams of the same seed
 
 
-def batch_balance(store, weights, seed: int, rows: int, batches: int = SAMPLE_BATCHES) -> np.ndarray | None:
+def batch_balance(store, weights, seed: int, rows: int, batches: int = SAMPLE_BATCHES, counts=None) -> np.ndarray | None:
     """Per-source loss-token factors (float64, one per source) of random batches of ``rows`` documents
     over epoch 0's documents of ``store`` mixed by ``weights`` (None: natural shares); None for a
-    store of one source. A source without loss tokens gets 1."""
+    store of one source. A source without loss tokens gets 1. ``counts``: loss tokens per document
+    (default ``store.doc_loss_tokens``, the causal targets; masked-LM targets are a share of every
+    token, so pass ``store.lengths``)."""
     k = len(store.source_names)
     if k < 2 or len(store) == 0:
         return None
@@ -43,10 +45,9 @@ def batch_balance(store, weights, seed: int, rows: int, batches: int = SAMPLE_BA
     else:
         selection = select(store, weights, seed, 0)
         docs = selection.docs(rng.integers(0, selection.num_docs, size=batches * rows))
-    loss = take(store.doc_loss_tokens, docs).astype(np.float64).reshape(batches, rows)
-    source = store.sources_of(docs).reshape(batches, rows)
-    per = np.zeros((batches, k))
-    np.add.at(per, (np.repeat(np.arange(batches), rows), source.reshape(-1)), loss.reshape(-1))
+    loss = take(store.doc_loss_tokens if counts is None else counts, docs).astype(np.float64)
+    cell = np.repeat(np.arange(batches, dtype=np.int64), rows) * k + store.sources_of(docs)  # (batch, source)
+    per = np.bincount(cell, weights=loss, minlength=batches * k).reshape(batches, k)
     total = per.sum(axis=1)
     kept = per[total > 0] / total[total > 0, None]  # each batch's shares of its own loss tokens
     natural = per.sum(axis=0) / max(per.sum(), 1.0)
