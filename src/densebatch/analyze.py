@@ -237,7 +237,11 @@ def analyze_prepared(prepared, settings: PlanSettings, seed: int = 0, **kw) -> s
     lengths = np.asarray(prepared.train.lengths, dtype=np.int64)
     selection = select(prepared.train, prepared.weights, seed, 0, lengths)
     text = analyze_main(lengths, settings, seed=seed, selection=selection, source_facts=prepared.summary.sources, **kw)
-    factors = None if kw.get("json_out") else batch_balance(prepared.train, prepared.weights, seed, settings.rows_per_batch)
+    factors = (
+        None
+        if kw.get("json_out")
+        else batch_balance(prepared.train, prepared.weights, seed, settings.rows_per_batch, selection=selection)
+    )
     if factors is None:
         return text
     return text + (

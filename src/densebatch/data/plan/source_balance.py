@@ -30,12 +30,14 @@ SAMPLE_BATCHES = 20_000  # ~0.5% sampling error on a source with 3% of the loss 
 _TAG = 0x42414C  # keeps this draw apart from the planner's streams of the same seed
 
 
-def batch_balance(store, weights, seed: int, rows: int, batches: int = SAMPLE_BATCHES, counts=None) -> np.ndarray | None:
+def batch_balance(
+    store, weights, seed: int, rows: int, batches: int = SAMPLE_BATCHES, counts=None, selection=None
+) -> np.ndarray | None:
     """Per-source loss-token factors (float64, one per source) of random batches of ``rows`` documents
     over epoch 0's documents of ``store`` mixed by ``weights`` (None: natural shares); None for a
     store of one source. A source without loss tokens gets 1. ``counts``: loss tokens per document
     (default ``store.doc_loss_tokens``, the causal targets; masked-LM targets are a share of every
-    token, so pass ``store.lengths``)."""
+    token, so pass ``store.lengths``). ``selection``: epoch 0's ``Selection``, when the caller already drew it."""
     k = len(store.source_names)
     if k < 2 or len(store) == 0:
         return None
@@ -43,7 +45,7 @@ def batch_balance(store, weights, seed: int, rows: int, batches: int = SAMPLE_BA
     if weights is None:
         docs = rng.integers(0, len(store), size=batches * rows)
     else:
-        selection = select(store, weights, seed, 0)
+        selection = selection if selection is not None else select(store, weights, seed, 0)
         docs = selection.docs(rng.integers(0, selection.num_docs, size=batches * rows))
     loss = take(store.doc_loss_tokens if counts is None else counts, docs).astype(np.float64)
     cell = np.repeat(np.arange(batches, dtype=np.int64), rows) * k + store.sources_of(docs)  # (batch, source)
