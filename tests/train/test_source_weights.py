@@ -13,8 +13,11 @@ import pytest
 import torch
 
 from densebatch.batch import IGNORE_INDEX
+from densebatch.data.load.collate import CausalCollator
+from densebatch.data.load.loader import StepLoader
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.source_balance import batch_balance
+from densebatch.data.plan.store_epochs import select
 from densebatch.data.prepare.store import DocumentStore
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -74,6 +77,19 @@ def test_the_factors_depend_on_the_seed_and_rows_only_and_follow_the_mixture_wei
     # up-weighting the short source makes it common in every batch: less to make up for
     weighted = batch_balance(store, [10.0, 1.0], 0, 8)
     assert 1.0 < weighted[0] < batch_balance(store, None, 0, 8)[0]
+
+
+def test_the_loader_hands_over_the_selection_its_plan_drew():
+    """A weighted mixture's epoch-0 documents are drawn once, by the loader's plan, and the factors read them."""
+    store = _store([(300, 12, 3), (100, 80, 60)])
+    settings = PlanSettings(strategy="packed", seq_len=128, max_tokens_per_batch=256)
+    loader = StepLoader(store, settings, CausalCollator(pad_id=0), seed=5, weights=[3.0, 1.0], prefetch=0)
+    drawn = select(store, [3.0, 1.0], 5, 0)
+    handed = loader.selection(0)
+    assert handed is not None and handed.num_docs == drawn.num_docs
+    assert np.array_equal(handed.docs(np.arange(handed.num_docs)), drawn.docs(np.arange(drawn.num_docs)))
+    assert np.array_equal(batch_balance(store, [3.0, 1.0], 5, 8, selection=handed), batch_balance(store, [3.0, 1.0], 5, 8))
+    assert StepLoader(store, settings, CausalCollator(pad_id=0), seed=5, prefetch=0).selection(0) is None  # no weights
 
 
 # --------------------------------------------------------------------------- the loss

@@ -228,16 +228,18 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
     return loader, lambda: evaluation.iter_epoch(0, cfg.eval.max_batches)  # a global cap: N ranks score what 1 does
 
 
-def source_weights(cfg: RunConfig, prepared: Prepared) -> list[float] | None:
+def source_weights(cfg: RunConfig, prepared: Prepared, loader: StepLoader | None = None) -> list[float] | None:
     """Each source's weight of its loss tokens in the gradient (``train.source_balance``; None: one source,
     or every loss token alike): ``data/plan/source_balance.py``'s factors of the training documents, for
     the plans sized by a token budget (packed, token_budget), whose steps hold about as many loss tokens
-    each. random and length_grouped batches hold ``rows_per_batch`` rows and weigh sources as they do."""
+    each. random and length_grouped batches hold ``rows_per_batch`` rows and weigh sources as they do.
+    ``loader``: the run's, whose epoch-0 plan already drew a weighted mixture's documents."""
     if cfg.train.source_balance != "batches" or not sized_by_budget(cfg.batching.strategy):
         return None
     store = prepared.train
     counts = store.lengths if cfg.batching.mode == "mlm" else None  # masked-LM targets: a share of every token
-    factors = batch_balance(store, prepared.weights, cfg.seed, cfg.batching.rows_per_batch, counts=counts)
+    selection = loader.selection(0) if loader is not None else None
+    factors = batch_balance(store, prepared.weights, cfg.seed, cfg.batching.rows_per_batch, counts=counts, selection=selection)
     return None if factors is None else [float(f) for f in factors]
 
 

@@ -32,7 +32,7 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
         trainer = Trainer(
             s.model, loader, trainer_config(cfg), output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
             placement=Placement(s.device, dist, forward), reporting=Reporting(console=False),
-            parts=StepParts(source_weights=source_weights(cfg, s.prepared)),
+            parts=StepParts(source_weights=source_weights(cfg, s.prepared, loader)),
         )  # fmt: skip
         result = lr_range_test(trainer, cfg.finder, log=(lambda text: say(dist, text)))
         if dist.is_main:

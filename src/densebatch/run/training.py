@@ -81,7 +81,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
         print(sizes, flush=True)
     if dist.is_main and prepared.eval is not None and (cap := eval_cap_line(cfg, prepared.eval)) is not None:
         print(cap, flush=True)
-    weights = source_weights(cfg, prepared)
+    weights = source_weights(cfg, prepared, loader)
     if dist.is_main and (line := source_weights_line(prepared, weights, cfg.batching.rows_per_batch)) is not None:
         print(line, flush=True)
     t = trainer_config(cfg)  # train.lr: auto holds a placeholder until resolve_lr below

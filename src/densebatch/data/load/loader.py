@@ -80,6 +80,14 @@ class StepLoader:
                 self._plans[epoch] = epoch_rows(self.store, self.settings, self.seed, epoch, self.weights, self.lengths)
             return self._plans[epoch]
 
+    def selection(self, epoch: int):
+        """The documents ``epoch`` plans for a weighted mixture (a ``Selection``, drawn once with the plan);
+        None without weights (every document once)."""
+        if self.weights is None:
+            return None
+        plan = self.plan(epoch)
+        return plan.sharded.selection if isinstance(plan, EpochRows) else None
+
     def _cum_tokens(self, epoch: int) -> np.ndarray | None:
         """Loss tokens per row, as prefix sums (only for ``loss_tokens_per_step``)."""
         if self.step_settings.loss_tokens_per_step is None:
