@@ -242,13 +242,16 @@ def test_progress_says_the_step_the_time_elapsed_and_the_eta(tiny, tmp_path):
 
 def test_outputs_are_a_png_and_json(tiny, tmp_path):
     pytest.importorskip("matplotlib")
-    result = lr_range_test(_trainer(tiny, tmp_path), FAST)
+    result = lr_range_test(_trainer(tiny, tmp_path), dataclasses.replace(FAST, trials=2, trial_steps=2))
+    result.losses[-1] = math.inf  # a step that blew up is written as null (strict JSON)
     js, png = write_outputs(result, tmp_path / "out")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     doc = json.loads(js.read_text())
     assert doc["suggested_lr"] == result.suggested_lr and len(doc["lrs"]) == len(doc["losses"]) == len(result.lrs)
     assert {"rule", "stop", "candidates", "diagnosis", "smoothed_losses"} <= doc.keys()
     assert len(doc["heldout_losses"]) == len(doc["lrs"])  # the first training step's batch, measured after each step
+    assert doc["losses"][-1] is None
+    assert doc["trials"] == result.trials and [t["steps"] for t in doc["trials"]] == [2, 2]  # each trial, whole
 
 
 # ------------------------------------------------------------------------------ budget finder

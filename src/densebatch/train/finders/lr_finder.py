@@ -249,13 +249,24 @@ def _step(trainer: TrainerHost, it, lr: float) -> float | None:
     return None if stats is None else float(stats["loss"])
 
 
+def _strict(v):
+    """``v`` for strict JSON: a float that is not finite (a diverged step, a trial that blew up) as None,
+    inside lists and dicts too (``trials`` is a list of dicts)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, list):
+        return [_strict(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    return v
+
+
 def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Path | None]:
     """``lr_finder.json`` and (with matplotlib) ``lr_finder.png``: loss against the rate, log axis,
     the suggestion marked. Returns both paths (the PNG's None without matplotlib)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    finite = lambda v: v if isinstance(v, float) and math.isfinite(v) else None  # noqa: E731 - strict JSON
-    doc = {k: ([finite(x) for x in v] if isinstance(v, list) else v) for k, v in result.as_dict().items()}
+    doc = {k: _strict(v) for k, v in result.as_dict().items()}
     write_file(out / LR_FINDER_JSON, json.dumps(doc, indent=1, allow_nan=False) + "\n")
     try:
         import matplotlib  # noqa: F401
