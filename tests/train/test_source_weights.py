@@ -87,6 +87,7 @@ def test_the_loader_hands_over_the_selection_its_plan_drew():
     drawn = select(store, [3.0, 1.0], 5, 0)
     handed = loader.selection(0)
     assert handed is not None and handed.num_docs == drawn.num_docs
+    assert loader.plan(0).sharded.selection is handed and loader.selection(0) is handed  # drawn once, planned from
     assert np.array_equal(handed.docs(np.arange(handed.num_docs)), drawn.docs(np.arange(drawn.num_docs)))
     assert np.array_equal(batch_balance(store, [3.0, 1.0], 5, 8, selection=handed), batch_balance(store, [3.0, 1.0], 5, 8))
     assert StepLoader(store, settings, CausalCollator(pad_id=0), seed=5, prefetch=0).selection(0) is None  # no weights

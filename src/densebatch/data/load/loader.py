@@ -28,10 +28,11 @@ import numpy as np
 import torch
 
 from densebatch.batch import Batch, Step
+from densebatch.data.plan.mixture import Selection
 from densebatch.data.plan.planner import Plan, PlanSettings
 from densebatch.data.plan.shards import EpochRows
 from densebatch.data.plan.steps import StepSettings, cumulative_row_loss_tokens, rows_of, share, step_documents, step_stop
-from densebatch.data.plan.store_epochs import epoch_rows
+from densebatch.data.plan.store_epochs import rows_of_epoch, select
 from densebatch.errors import DataError
 
 _DONE = object()
@@ -66,6 +67,8 @@ class StepLoader:
         self._plans: dict[int, Plan | EpochRows] = {}
         self._cum: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()  # the prefetch thread plans too
+        self._selections: dict[int, Selection] = {}
+        self._selection_lock = threading.Lock()  # taken inside _lock by plan()
         self._generation = 0
 
     # ------------------------------------------------------------------------- plans and state
@@ -77,16 +80,19 @@ class StepLoader:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
                 self._cum = {e: c for e, c in self._cum.items() if e in self._plans}
-                self._plans[epoch] = epoch_rows(self.store, self.settings, self.seed, epoch, self.weights, self.lengths)
+                self._plans[epoch] = rows_of_epoch(self.lengths, self.settings, self.seed, epoch, self.selection(epoch))
             return self._plans[epoch]
 
-    def selection(self, epoch: int):
-        """The documents ``epoch`` plans for a weighted mixture (a ``Selection``, drawn once with the plan);
-        None without weights (every document once)."""
+    def selection(self, epoch: int) -> Selection | None:
+        """The documents ``epoch`` plans for a weighted mixture (drawn once, kept for the current and next
+        epoch, as the plans are); None without weights (every document once)."""
         if self.weights is None:
             return None
-        plan = self.plan(epoch)
-        return plan.sharded.selection if isinstance(plan, EpochRows) else None
+        with self._selection_lock:
+            if epoch not in self._selections:
+                self._selections = {e: x for e, x in self._selections.items() if e >= epoch - 1}
+                self._selections[epoch] = select(self.store, self.weights, self.seed, epoch, self.lengths)
+            return self._selections[epoch]
 
     def _cum_tokens(self, epoch: int) -> np.ndarray | None:
         """Loss tokens per row, as prefix sums (only for ``loss_tokens_per_step``)."""

@@ -16,11 +16,11 @@ eval data, turning trials on also gives the range test these held-out batches (a
 curve, which its near-task rule reads), so its own suggestion may differ from a test without trials.
 
 Cost: ``N x trial_steps`` optimizer steps and ``N`` evaluations on top of the range test: with 3
-trials of half a run each, one and a half runs again. Half, not a quarter: after a quarter of the run
-the rates that end best are often not ahead yet (docs/finders.md: on the Shakespeare grid a quarter
-ranks 1e-2 5% ahead of 3e-3, within what one off-grid rate moves, half 27% ahead, as the end does). Like the range test, the trials leave no
-trace (``TrainerSnapshot``): the run that follows is bit for bit the one that would have run with the
-chosen rate given.
+trials of half a run each, one and a half runs again. Half, not a quarter: after a quarter of the
+run the rate that ends best is often not ahead yet (docs/finders.md: on the Shakespeare grid a
+quarter puts 1e-2 5% ahead of 3e-3, within what one off-grid rate moves; half, 27% ahead). Like the
+range test, the trials leave no trace (``TrainerSnapshot``): the run that follows is bit for bit the
+one that would have run with the chosen rate given.
 """
 
 from __future__ import annotations
