@@ -15,8 +15,8 @@ Setups (``--setup``):
   (``densebatch export``), then fine-tuned on the fourth task, parity, which it has never answered:
   new records, loss on the answers, ``--steps`` steps. The model already reads the prompt format and
   the passages; only the new mapping is learned. ``finetune-color`` and ``finetune-upper``: the same
-  with color, or upper, as the new task (``finetune-upper`` was first run after the short trials'
-  half-run default was fixed).
+  with color, or upper, as the new task (``finetune-upper`` was first run after the short-trial
+  rule was fixed).
 - ``shakespeare``: a GPT-2 pre-trained on tinyshakespeare (../shared), at chance on the embedded
   records' answers, fine-tuned on them.
 - ``sft``: a language model of the embedded records (all four tasks, every token carries loss,

@@ -105,7 +105,7 @@ def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest
 
     assert trial_rates(1e-3, 3) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
     assert trial_rates(1e-3, 2) == pytest.approx([1e-3 / 3, 1e-3]) and len(trial_rates(1e-3, 5)) == 5
-    assert trial_steps(FinderConfig(), 100) == 50 and trial_steps(FinderConfig(), 8) == 10
+    assert trial_steps(FinderConfig(), 100) == 25 and trial_steps(FinderConfig(), 8) == 10
     assert trial_steps(FinderConfig(trial_steps=7), 100) == 7
     t = _trainer(tiny, tmp_path, max_steps=40, warmup_steps=8)
     used = []

@@ -248,7 +248,7 @@ class FinderConfig:
         "with the lowest held-out loss: for a model far from its task; costs trials x trial_steps steps; 0 = off.",
         minimum=0,
     )
-    trial_steps: int = _f(0, "Steps of each short trial (0: half of train.max_steps, at least 10).", minimum=0)
+    trial_steps: int = _f(0, "Steps of each short trial (0: a quarter of train.max_steps, at least 10).", minimum=0)
     memory_reserve: float = _f(
         0.1,
         "Budget finder: share of train.memory_limit_gb it keeps free (fragmentation, evaluation, checkpoint copies), in [0, 0.9].",

@@ -7,7 +7,7 @@ chance on its answers) the best rate of a whole run is not where the curve says:
 loss fall fastest in a few steps is not the one that learns the task best by the end. So the trials
 ask the question the grid asks, in small: ``N`` rates around the range test's suggestion (a ladder of
 factors of 3: for 3 trials, suggestion / 3, x 1, x 3; ties go to the lower rate), each trained from
-the same initial weights for ``finder.trial_steps`` steps (default: half of ``train.max_steps``,
+the same initial weights for ``finder.trial_steps`` steps (default: a quarter of ``train.max_steps``,
 at least 10) under the run's own schedule compressed to that length (the same share of warm-up, the
 same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
 of it; without eval data, ``finder.heldout_batches`` (at least 2) batches of the first training step,
@@ -16,11 +16,10 @@ eval data, turning trials on also gives the range test these held-out batches (a
 curve, which its near-task rule reads), so its own suggestion may differ from a test without trials.
 
 Cost: ``N x trial_steps`` optimizer steps and ``N`` evaluations on top of the range test: with 3
-trials of half a run each, one and a half runs again. Half, not a quarter: after a quarter of the
-run the rate that ends best is often not ahead yet (docs/finders.md: on the Shakespeare grid a
-quarter puts 1e-2 5% ahead of 3e-3, within what one off-grid rate moves; half, 27% ahead). Like the
-range test, the trials leave no trace (``TrainerSnapshot``): the run that follows is bit for bit the
-one that would have run with the chosen rate given.
+trials of a quarter each, three quarters of the run again. Trials of half the run (``trial_steps``)
+cost twice that and were not better on the grids of docs/finders.md (better on one, worse on
+another). Like the range test, the trials leave no trace (``TrainerSnapshot``): the run that follows
+is bit for bit the one that would have run with the chosen rate given.
 """
 
 from __future__ import annotations
@@ -55,11 +54,11 @@ def trial_rates(suggested: float, n: int) -> list[float]:
 
 
 def trial_steps(finder: FinderConfig, max_steps: int | None) -> int:
-    """Steps per trial: ``finder.trial_steps``, else half of ``train.max_steps`` (at least 10; 50
+    """Steps per trial: ``finder.trial_steps``, else a quarter of ``train.max_steps`` (at least 10; 25
     without a step limit)."""
     if finder.trial_steps:
         return finder.trial_steps
-    return max(10, (max_steps or 100) // 2)
+    return max(10, (max_steps or 100) // 4)
 
 
 def run_trials(
