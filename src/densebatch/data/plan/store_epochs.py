@@ -84,16 +84,10 @@ def plan_store_epoch(store, settings: PlanSettings, seed: int, epoch: int, weigh
     return materialise(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
 
 
-def epoch_rows(store, settings: PlanSettings, seed: int, epoch: int, weights=None, lengths=None) -> Plan | EpochRows:
-    """The rows of ``plan_store_epoch`` as the loader reads them: the ``Plan`` itself for a corpus of one
-    shard, else an ``EpochRows`` that holds the shards' index, not their pieces (bounded memory)."""
-    lengths = store.lengths if lengths is None else lengths  # as stored: a large corpus's are read shard by shard
-    return rows_of_epoch(lengths, settings, seed, epoch, epoch_selection(store, weights, seed, epoch, lengths))
-
-
 def rows_of_epoch(lengths, settings: PlanSettings, seed: int, epoch: int, selection: Selection | None = None) -> Plan | EpochRows:
-    """The rows of one epoch of ``lengths`` (or of ``selection``'s documents) as a loader reads them: the
-    whole ``Plan`` up to ``shard_docs`` documents, else an ``EpochRows`` of the sharded plan."""
+    """The rows of one epoch of ``lengths`` (or of ``selection``'s documents: ``select``) as a loader reads
+    them: the whole ``Plan`` up to ``shard_docs`` documents, else an ``EpochRows`` of the sharded plan,
+    which holds the shards' index, not their pieces (bounded memory)."""
     if selection is None and len(lengths) <= settings.shard_docs:
         return plan_epoch(np.asarray(lengths, np.int64), settings, seed, epoch)
     return EpochRows(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
