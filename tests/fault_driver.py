@@ -12,9 +12,11 @@ the JSON in the environment variable ``DENSEBATCH_FAULTS`` patched in first (no 
 - ``skip_batch_on_restore: true``: ``StepLoader.load_state_dict`` lands one row too far (a wrong
   batch order after resume; negative control).
 - ``no_rng_restore: true``: resume without restoring the RNG states (negative control).
-- ``slow_stop_save: {"marker": path, "seconds": s}``: the checkpoint a stop by signal saves takes ``s``
-  seconds longer, after writing ``model.safetensors`` into its temporary directory (and creating
-  ``marker`` then): a second signal lands in the middle of that write.
+- ``slow_stop_save: {"marker": path, "seconds": s, "step_pause": p}``: the checkpoint a stop by signal
+  saves takes ``s`` seconds longer, after writing ``model.safetensors`` into its temporary directory (and
+  creating ``marker`` then): a second signal lands in the middle of that write. Each step also pauses
+  ``p`` seconds (default 0.05) before its checkpoint decision, so that a first signal lands before the
+  step's save and not after it (a stop at a step already saved writes nothing more: no stop's save).
 - ``hold_prepare: {"go": path, "kill": bool}``: building a cache entry (under its lock) first waits until
   ``go`` exists before writing it (in memory, or assembling its chunks when streamed); with ``kill``, the
   process then dies by SIGKILL in the middle of writing the entry.
@@ -127,7 +129,13 @@ def install_faults(faults: dict) -> None:
                 time.sleep(seconds)
             return written
 
-        Session.save, checkpoint.write_safetensors = session_save, slow_save_file
+        orig_after_step, pause = Session.after_step, float(slow.get("step_pause", 0.05))
+
+        def after_step(self, result):
+            time.sleep(pause)  # steps of a few ms: the first signal then lands here, before the step's save
+            return orig_after_step(self, result)
+
+        Session.save, checkpoint.write_safetensors, Session.after_step = session_save, slow_save_file, after_step
     if hold := faults.get("hold_prepare"):
         from densebatch.data.prepare import pipeline
 
