@@ -42,7 +42,7 @@ from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
 from densebatch.train.finders.lr_trials import best_trial, one_update, run_trials
 from densebatch.train.guard import FixedClipper
-from densebatch.train.observe.monitor import _fmt_time
+from densebatch.train.observe.monitor import _fmt_time, strict_json
 from densebatch.train.observe.plots import plot_lr_finder
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
@@ -249,24 +249,12 @@ def _step(trainer: TrainerHost, it, lr: float) -> float | None:
     return None if stats is None else float(stats["loss"])
 
 
-def _strict(v):
-    """``v`` for strict JSON: a float that is not finite (a diverged step, a trial that blew up) as None,
-    inside lists and dicts too (``trials`` is a list of dicts)."""
-    if isinstance(v, float):
-        return v if math.isfinite(v) else None
-    if isinstance(v, list):
-        return [_strict(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _strict(x) for k, x in v.items()}
-    return v
-
-
 def write_outputs(result: LRFinderResult, out_dir: str | Path) -> tuple[Path, Path | None]:
     """``lr_finder.json`` and (with matplotlib) ``lr_finder.png``: loss against the rate, log axis,
     the suggestion marked. Returns both paths (the PNG's None without matplotlib)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    doc = {k: _strict(v) for k, v in result.as_dict().items()}
+    doc = strict_json(result.as_dict())
     write_file(out / LR_FINDER_JSON, json.dumps(doc, indent=1, allow_nan=False) + "\n")
     try:
         import matplotlib  # noqa: F401

@@ -32,11 +32,15 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _EVAL_BASE = ("kind", "step", "loss", "ppl", "tokens", "real_tokens", "batches", "elapsed_s")
 
 
-def _finite(value: Any) -> Any:
+def strict_json(value: Any) -> Any:
+    """``value`` for strict JSON (``allow_nan=False``): every float that is not finite as None, inside
+    dicts and lists too (metrics records; ``lr_finder.json``, whose ``trials`` are a list of dicts)."""
     if isinstance(value, float) and not math.isfinite(value):
         return None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strict_json(v) for v in value]
     return value
 
 
@@ -50,7 +54,7 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         assert self._file is not None, "MetricsWriter used after close()"
-        self._file.write(json.dumps(_finite(record), allow_nan=False) + "\n")
+        self._file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
         self._file.flush()
 
     def close(self) -> None:
