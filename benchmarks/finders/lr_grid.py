@@ -15,8 +15,8 @@ Setups (``--setup``):
   (``densebatch export``), then fine-tuned on the fourth task, parity, which it has never answered:
   new records, loss on the answers, ``--steps`` steps. The model already reads the prompt format and
   the passages; only the new mapping is learned. ``finetune-color`` and ``finetune-upper``: the same
-  with color, or upper, as the new task (``finetune-upper`` was first run after the short-trial
-  rule was fixed).
+  with color, upper, or key as the new task (``finetune-upper`` was first run after the short-trial
+  rule was fixed; ``finetune-key`` after bracketing and the parabola were added to it).
 - ``shakespeare``: a GPT-2 pre-trained on tinyshakespeare (../shared), at chance on the embedded
   records' answers, fine-tuned on them.
 - ``sft``: a language model of the embedded records (all four tasks, every token carries loss,
@@ -87,7 +87,7 @@ def write_jsonl(records: list[dict], path: Path) -> None:
 def finetune_records(setup: str) -> tuple[list[dict], list[dict], list[dict], str]:
     """(pre-training records, fine-tuning records, held-out fine-tuning records, pre-training loss_on)."""
     if setup.startswith("finetune"):  # a new task for a model instruction-tuned on the three others
-        task = {"finetune": FINETUNE_TASK, "finetune-color": "color", "finetune-upper": "upper"}[setup]
+        task = {"finetune": FINETUNE_TASK, "finetune-color": "color", "finetune-upper": "upper", "finetune-key": "key"}[setup]
         pre = [r for r in generate_records(20000, seed=1234) if r["task"] != task]
         new = [r for r in generate_records(12000, seed=4321) if r["task"] == task]
         return pre, new[500:], new[:500], "response"
@@ -173,7 +173,17 @@ def seed_interval(scores: dict, rates: list[float], draws: int = 2000) -> tuple[
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    setups = ("default", "finetune", "finetune-color", "finetune-upper", "shakespeare", "sft", "sft-heldout", "sft-heldout2")
+    setups = (
+        "default",
+        "finetune",
+        "finetune-color",
+        "finetune-upper",
+        "finetune-key",
+        "shakespeare",
+        "sft",
+        "sft-heldout",
+        "sft-heldout2",
+    )
     ap.add_argument("--setup", choices=setups, required=True)
     ap.add_argument("--work", required=True, help="directory for data, runs and logs (reused when present)")
     ap.add_argument("--rates", default="1e-4,3e-4,1e-3,3e-3,1e-2", help="comma list of peak learning rates")

@@ -86,8 +86,9 @@ def _parser() -> argparse.ArgumentParser:
         "--trials",
         type=int,
         metavar="N",
-        help="then train N rates around the suggestion for finder.trial_steps steps each and suggest the one with the "
-        "lowest held-out loss (finder.trials; for a model far from its task; costs N x trial_steps steps)",
+        help="then train N rates around the suggestion (a factor 3 apart, up to 2 more while the best is at an end) for "
+        "finder.trial_steps steps each and suggest the rate of lowest held-out loss between them (finder.trials; for a "
+        "model far from its task; costs N to N+2 x trial_steps steps)",
     )
     with_config(
         "find-batch", "Largest batching.max_tokens_per_batch whose worst batch fits the memory, and where throughput levels off."

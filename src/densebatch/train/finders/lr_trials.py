@@ -11,14 +11,22 @@ the same initial weights for ``finder.trial_steps`` steps (default: a quarter of
 at least 10) under the run's own schedule compressed to that length (the same share of warm-up, the
 same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
 of it; without eval data, ``finder.heldout_batches`` (at least 2) batches of the first training step,
-whose documents no trial trains on). The rate with the lowest held-out loss is the suggestion. Without
-eval data, turning trials on also gives the range test these held-out batches (and so its held-out
-curve, which its near-task rule reads), so its own suggestion may differ from a test without trials.
+whose documents no trial trains on). Without eval data, turning trials on also gives the range test
+these held-out batches (and so its held-out curve, which its near-task rule reads), so its own
+suggestion may differ from a test without trials.
 
-Cost: ``N x trial_steps`` optimizer steps and ``N`` evaluations on top of the range test: with 3
-trials of a quarter each, three quarters of the run again. Trials of half the run (``trial_steps``)
-cost twice that and were not better on the grids of docs/finders.md (better on one, worse on
-another). Like the range test, the trials leave no trace (``TrainerSnapshot``): the run that follows
+Two steps then read the trials as a search rather than a vote. *Bracketing* (``next_rate``): while
+the lowest held-out loss is at an end of the rates tried, the next rung beyond that end is trained
+too, up to ``MAX_EXTRA`` more (the range test may be a factor 10 off: a model that learns the task
+inside the test reads a low rate). *The vertex* (``refine``): the rungs are a factor 3 apart and a
+run's best rate rarely sits on one, so the suggestion is the vertex of the parabola, in log rate,
+through the best trial and its two neighbours (within half a rung of the best; the best trial's own
+rate when it is at an end or a neighbour diverged).
+
+Cost: ``N x trial_steps`` optimizer steps and ``N`` evaluations on top of the range test, up to
+``N + MAX_EXTRA`` of each when bracketing: with 3 trials of a quarter each, 0.75 to 1.25 runs again.
+Trials of half the run (``trial_steps``) cost twice that and were not better on the grids of
+docs/finders.md (better on one, worse on another). Like the range test, the trials leave no trace (``TrainerSnapshot``): the run that follows
 is bit for bit the one that would have run with the chosen rate given.
 """
 
@@ -37,6 +45,7 @@ from densebatch.train.optim import set_lrs
 from densebatch.train.update import is_empty
 
 LADDER = 3.0  # the factor between neighbouring trial rates
+MAX_EXTRA = 2  # rungs bracketing may add beyond finder.trials
 
 
 @dataclass
@@ -81,30 +90,72 @@ def run_trials(
     # Without eval data the held-out batches are the first training step's documents: no trial trains on them,
     # in any epoch (the data cycle when a trial is longer than an epoch).
     held_docs = set() if trainer.eval_data is not None else {d for b in heldout for d in b.documents}
-    trials: list[Trial] = []
     data = trainer.data
+
+    def trial(rate: float) -> Trial:
+        cfg = dataclasses.replace(trainer.cfg, lr=rate, warmup_steps=warmup, max_steps=n)
+        data.set_step_fraction(None)  # full-size steps, as the range test takes them
+        data.max_epochs = None  # cycle the data: a trial may need more steps than an epoch holds
+        trainer.model.train()
+        held_out = (lambda step: any(held_docs.intersection(b.documents) for b in step.batches)) if held_docs else None
+        with contextlib.closing(iter(data)) as it:
+            taken = 0
+            while taken < n:
+                rates = lambda k=taken, c=cfg: set_lrs(trainer.optimizer, k, c, n)  # noqa: E731
+                if one_update(trainer, it, rates, skip=held_out) is None:  # the run's clipper, no guard
+                    break
+                taken += 1
+        loss = _heldout_loss(trainer, heldout)
+        if log is not None:
+            log(f"  trial at lr {rate:.3g}: {taken} steps, held-out loss {loss:.4f}")
+        snapshot.restore(trainer)
+        return Trial(rate, loss, taken)
+
+    trials: list[Trial] = []
     try:
-        for rate in trial_rates(suggested, finder.trials):
-            cfg = dataclasses.replace(trainer.cfg, lr=rate, warmup_steps=warmup, max_steps=n)
-            data.set_step_fraction(None)  # full-size steps, as the range test takes them
-            data.max_epochs = None  # cycle the data: a trial may need more steps than an epoch holds
-            trainer.model.train()
-            held_out = (lambda step: any(held_docs.intersection(b.documents) for b in step.batches)) if held_docs else None
-            with contextlib.closing(iter(data)) as it:
-                taken = 0
-                while taken < n:
-                    rates = lambda k=taken, c=cfg: set_lrs(trainer.optimizer, k, c, n)  # noqa: E731
-                    if one_update(trainer, it, rates, skip=held_out) is None:  # the run's clipper, no guard
-                        break
-                    taken += 1
-            loss = _heldout_loss(trainer, heldout)
-            trials.append(Trial(rate, loss, taken))
-            if log is not None:
-                log(f"  trial at lr {rate:.3g}: {taken} steps, held-out loss {loss:.4f}")
-            snapshot.restore(trainer)
+        rates = trial_rates(suggested, finder.trials)
+        while rates:
+            trials += [trial(rate) for rate in rates]
+            rates = [r] if (r := next_rate(trials, finder.trials)) is not None else []
     finally:
         snapshot.restore(trainer)
     return trials
+
+
+def next_rate(trials: list[Trial], n: int) -> float | None:
+    """Bracketing: when the trial with the lowest held-out loss is at an end of the rates tried (the
+    highest, or the lowest), the next rung of the ladder beyond it, until ``MAX_EXTRA`` rungs were added to
+    the first ``n``; else None (the best has a worse trial on either side, or the budget is spent)."""
+    finite = [t for t in trials if math.isfinite(t.heldout_loss) and t.steps]
+    if len(trials) >= n + MAX_EXTRA or len(finite) < 2:
+        return None
+    best, tried = best_trial(trials), sorted(t.lr for t in trials)
+    if best.lr == tried[-1]:
+        return best.lr * LADDER
+    if best.lr == tried[0]:
+        return best.lr / LADDER
+    return None
+
+
+def refine(trials: list[Trial]) -> float:
+    """The rate to suggest: the vertex of the parabola, in log rate, through the best trial and its two
+    neighbouring rungs, when both are finite (a rung is a factor ``LADDER`` from the next, so the vertex
+    lies within half a rung of the best); the best trial's rate when it is at an end or a neighbour
+    diverged. The ladder's rungs are a factor 3 apart; the best rate of a run is rarely on one."""
+    best = best_trial(trials)
+
+    def rung(rate: float) -> Trial | None:
+        near = [t for t in trials if math.isclose(t.lr, rate, rel_tol=1e-6)]
+        return near[0] if near and math.isfinite(near[0].heldout_loss) and near[0].steps else None
+
+    lo, hi = rung(best.lr / LADDER), rung(best.lr * LADDER)
+    if lo is None or hi is None:
+        return best.lr
+    curve = lo.heldout_loss - 2 * best.heldout_loss + hi.heldout_loss
+    if curve <= 0:  # a tie on all three: no vertex
+        return best.lr
+    h = math.log(LADDER)
+    return best.lr * math.exp(h * (lo.heldout_loss - hi.heldout_loss) / (2 * curve))
 
 
 def one_update(trainer: TrainerHost, it, set_rates: Callable[[], object], clipper=None, skip=None) -> dict | None:
