@@ -12,8 +12,6 @@ import math
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from densebatch.config import FinderConfig, TrainConfig
 from densebatch.errors import UserError
@@ -134,51 +132,6 @@ def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest
     assert result.suggested_lr == refine(trials) and result.used == "trials" and "short trials" in result.rule
     best = min(result.trials, key=lambda x: x["heldout_loss"])
     assert best["lr"] / 3**0.5 <= result.suggested_lr <= best["lr"] * 3**0.5  # within half a rung of the best trial
-
-
-def _search(loss, start: float, n: int = 3) -> list:
-    """The trials' rate search (the ladder, then bracketing) against a loss of the rate."""
-    from densebatch.train.finders.lr_trials import Trial, next_rate, trial_rates
-
-    trials, rates = [], trial_rates(start, n)
-    while rates:
-        trials += [Trial(r, loss(r), 25) for r in rates]
-        rates = [r] if (r := next_rate(trials, n)) is not None else []
-    return trials
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.floats(-3.0, 3.0), st.floats(-2.5, 2.5), st.floats(0.1, 5.0))
-def test_the_trials_bracket_the_best_rate_and_refine_to_the_vertex(offset, start_offset, width):
-    """Against a loss that is a parabola in log rate, the search adds rungs beyond an end while the end is
-    the best (at most MAX_EXTRA), and once the best trial has a worse one on either side the suggestion is
-    the parabola's vertex, exactly; with the budget spent at an end, the end's rate."""
-    from densebatch.train.finders.lr_trials import LADDER, refine
-
-    optimum = 1e-3 * math.exp(offset)
-    loss = lambda lr: 1.0 + width * (math.log(lr) - math.log(optimum)) ** 2  # noqa: E731
-    start = 1e-3 * math.exp(start_offset)
-    trials = _search(loss, start)
-    assert 3 <= len(trials) <= 3 + MAX_EXTRA
-    tried = sorted(t.lr for t in trials)
-    assert all(math.isclose(b / a, LADDER) for a, b in zip(tried, tried[1:]))  # one ladder, no gaps
-    best = min(trials, key=lambda t: t.heldout_loss)
-    if tried[0] < best.lr < tried[-1]:  # bracketed: the vertex of the parabola is the optimum
-        assert refine(trials) == pytest.approx(optimum, rel=1e-9)
-    else:  # the budget ran out at an end, still moving towards the optimum
-        assert len(trials) == 3 + MAX_EXTRA and refine(trials) == best.lr
-        half = LADDER**0.5  # the optimum lies beyond that end, or within half a rung of it
-        assert optimum > best.lr / half if best.lr == tried[-1] else optimum < best.lr * half
-
-
-def test_a_diverged_rung_ends_the_bracketing_and_keeps_the_best_rate():
-    """A trial whose held-out loss is not finite (the rate blew up) is never the best, stops the search
-    upwards, and no vertex is fitted through it."""
-    from densebatch.train.finders.lr_trials import refine
-
-    trials = _search(lambda lr: 1.0 - lr if lr < 5e-3 else math.inf, 1e-3)
-    assert [round(t.lr, 9) for t in trials] == [round(x, 9) for x in (1e-3 / 3, 1e-3, 3e-3, 9e-3)]
-    assert refine(trials) == pytest.approx(3e-3)
 
 
 def test_one_rate_per_optimizer_step_under_accumulation(tiny, tmp_path):

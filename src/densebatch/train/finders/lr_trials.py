@@ -26,8 +26,9 @@ rate when it is at an end or a neighbour diverged).
 Cost: ``N x trial_steps`` optimizer steps and ``N`` evaluations on top of the range test, up to
 ``N + MAX_EXTRA`` of each when bracketing: with 3 trials of a quarter each, 0.75 to 1.25 runs again.
 Trials of half the run (``trial_steps``) cost twice that and were not better on the grids of
-docs/finders.md (better on one, worse on another). Like the range test, the trials leave no trace (``TrainerSnapshot``): the run that follows
-is bit for bit the one that would have run with the chosen rate given.
+docs/finders.md (better on one, worse on another). Like the range test, the trials leave no trace
+(``TrainerSnapshot``): the run that follows is bit for bit the one that would have run with the
+chosen rate given.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ class Trial:
     lr: float
     heldout_loss: float
     steps: int
+
+    @property
+    def scored(self) -> bool:
+        """It took steps and ended with a finite held-out loss (a rate that blew up did not)."""
+        return bool(self.steps) and math.isfinite(self.heldout_loss)
 
 
 def trial_rates(suggested: float, n: int) -> list[float]:
@@ -91,13 +97,13 @@ def run_trials(
     # in any epoch (the data cycle when a trial is longer than an epoch).
     held_docs = set() if trainer.eval_data is not None else {d for b in heldout for d in b.documents}
     data = trainer.data
+    held_out = (lambda step: any(held_docs.intersection(b.documents) for b in step.batches)) if held_docs else None
 
     def trial(rate: float) -> Trial:
         cfg = dataclasses.replace(trainer.cfg, lr=rate, warmup_steps=warmup, max_steps=n)
         data.set_step_fraction(None)  # full-size steps, as the range test takes them
         data.max_epochs = None  # cycle the data: a trial may need more steps than an epoch holds
         trainer.model.train()
-        held_out = (lambda step: any(held_docs.intersection(b.documents) for b in step.batches)) if held_docs else None
         with contextlib.closing(iter(data)) as it:
             taken = 0
             while taken < n:
@@ -126,8 +132,7 @@ def next_rate(trials: list[Trial], n: int) -> float | None:
     """Bracketing: when the trial with the lowest held-out loss is at an end of the rates tried (the
     highest, or the lowest), the next rung of the ladder beyond it, until ``MAX_EXTRA`` rungs were added to
     the first ``n``; else None (the best has a worse trial on either side, or the budget is spent)."""
-    finite = [t for t in trials if math.isfinite(t.heldout_loss) and t.steps]
-    if len(trials) >= n + MAX_EXTRA or len(finite) < 2:
+    if len(trials) >= n + MAX_EXTRA or sum(t.scored for t in trials) < 2:
         return None
     best, tried = best_trial(trials), sorted(t.lr for t in trials)
     if best.lr == tried[-1]:
@@ -141,12 +146,12 @@ def refine(trials: list[Trial]) -> float:
     """The rate to suggest: the vertex of the parabola, in log rate, through the best trial and its two
     neighbouring rungs, when both are finite (a rung is a factor ``LADDER`` from the next, so the vertex
     lies within half a rung of the best); the best trial's rate when it is at an end or a neighbour
-    diverged. The ladder's rungs are a factor 3 apart; the best rate of a run is rarely on one."""
+    diverged: a run's best rate rarely sits on a rung."""
     best = best_trial(trials)
 
     def rung(rate: float) -> Trial | None:
         near = [t for t in trials if math.isclose(t.lr, rate, rel_tol=1e-6)]
-        return near[0] if near and math.isfinite(near[0].heldout_loss) and near[0].steps else None
+        return near[0] if near and near[0].scored else None
 
     lo, hi = rung(best.lr / LADDER), rung(best.lr * LADDER)
     if lo is None or hi is None:
@@ -181,7 +186,7 @@ def one_update(trainer: TrainerHost, it, set_rates: Callable[[], object], clippe
 
 def best_trial(trials: list[Trial]) -> Trial:
     """The trial with the lowest finite held-out loss (ties: the lower rate)."""
-    finite = [t for t in trials if math.isfinite(t.heldout_loss) and t.steps]
+    finite = [t for t in trials if t.scored]
     if not finite:
         raise UserError(
             "finder.trials: no trial ended with a finite held-out loss ("
