@@ -86,7 +86,8 @@ def test_the_range_test_leaves_no_trace(tiny, tmp_path, trials):
     before = _state(t)
     result = lr_range_test(t, dataclasses.replace(FAST, trials=trials, trial_steps=3))
     assert len(result.lrs) >= 5 and result.lrs[-1] > 1e-2  # it trained at rates that change the weights
-    assert len(result.trials) == trials and all(x["steps"] == 3 for x in result.trials)
+    assert len(result.trials) == 0 if not trials else 2 <= len(result.trials) <= trials + MAX_EXTRA  # the ceiling may drop a rung
+    assert all(x["steps"] == 3 for x in result.trials)
     after = _state(t)
     for key in before:
         assert _same(before[key], after[key]), key
@@ -120,9 +121,11 @@ def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest
     t.optimizer.step = record
     result = lr_range_test(t, finder)
     base = result.candidates["range test"]
-    rates = trial_rates(base, 3)
+    ceiling = max(result.candidates["minimum"], base)  # no trial above the range test's minimum
+    rates = [r for r in trial_rates(base, 3) if r <= ceiling * (1 + 1e-6)]
     tried = [x["lr"] for x in result.trials]
-    assert tried[:3] == pytest.approx(rates) and 3 <= len(tried) <= 3 + MAX_EXTRA  # the ladder, then bracketing
+    assert tried[: len(rates)] == pytest.approx(rates) and 2 <= len(tried) <= 3 + MAX_EXTRA  # the ladder, then bracketing
+    assert max(tried) <= ceiling * (1 + 1e-6) and f"none above {ceiling:.3g}" in result.rule
     trial_lrs = used[len(result.lrs) :]  # after the range test's steps: the trials, 4 steps each
     assert len(trial_lrs) == 4 * len(tried)
     for k, rate in enumerate(tried):  # warm-up 8 of 40 steps -> 1 of 4, then cosine to 0

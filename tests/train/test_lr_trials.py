@@ -10,15 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.train.finders.lr_trials import LADDER, MAX_EXTRA, Trial, next_rate, refine, trial_rates
+from densebatch.train.finders.lr_trials import LADDER, MAX_EXTRA, Trial, above, next_rate, refine, trial_rates
 
 
-def _search(loss, start: float, n: int = 3) -> list:
-    """The trials' rate search (the ladder, then bracketing) against a loss of the rate."""
-    trials, rates = [], trial_rates(start, n)
+def _search(loss, start: float, n: int = 3, ceiling: float = math.inf) -> list:
+    """The trials' rate search (the ladder up to ``ceiling``, then bracketing) against a loss of the rate,
+    as ``run_trials`` runs it."""
+    ceiling = max(ceiling, start)
+    trials, rates = [], [r for r in trial_rates(start, n) if not above(r, ceiling)]
     while rates:
         trials += [Trial(r, loss(r), 25) for r in rates]
-        rates = [r] if (r := next_rate(trials, n)) is not None else []
+        rates = [r] if (r := next_rate(trials, n, ceiling)) is not None else []
     return trials
 
 
@@ -50,3 +52,22 @@ def test_a_diverged_rung_ends_the_bracketing_and_keeps_the_best_rate():
     trials = _search(lambda lr: 1.0 - lr if lr < 5e-3 else math.inf, 1e-3)
     assert [round(t.lr, 9) for t in trials] == [round(x, 9) for x in (1e-3 / 3, 1e-3, 3e-3, 9e-3)]
     assert refine(trials) == pytest.approx(3e-3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-3.0, 3.0), st.floats(-2.5, 2.5), st.floats(-1.0, 3.0))
+def test_no_trial_runs_above_the_ceiling_and_below_it_the_search_is_unchanged(offset, start_offset, room):
+    """The ceiling (the range test's minimum) bounds every rung, the initial ladder's included, but never
+    the suggestion itself; when the best rate lies below the ceiling by more than the search climbs past
+    it, the rungs tried and the suggestion are those without a ceiling; at the ceiling the search stops
+    upwards and suggests the best rung it has."""
+    optimum = 1e-3 * math.exp(offset)
+    loss = lambda lr: 1.0 + (math.log(lr) - math.log(optimum)) ** 2  # noqa: E731
+    start = 1e-3 * math.exp(start_offset)
+    ceiling = start * LADDER**room
+    capped, free = _search(loss, start, ceiling=ceiling), _search(loss, start)
+    assert all(not above(t.lr, max(ceiling, start)) for t in capped) and len(capped) >= 2
+    if not any(above(t.lr, max(ceiling, start)) for t in free):
+        assert [t.lr for t in capped] == [t.lr for t in free] and refine(capped) == refine(free)
+    elif max(t.lr for t in capped) == min(capped, key=lambda t: t.heldout_loss).lr:  # the best is the top rung allowed
+        assert refine(capped) == max(t.lr for t in capped) and optimum > refine(capped) / LADDER**0.5

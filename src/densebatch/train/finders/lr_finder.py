@@ -172,11 +172,13 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
     if finder.trials:
         if log is not None:
             log(f"short trials around {suggested:.3g} ({finder.trials} rates, finder.trials):")
-        trials = run_trials(trainer, finder, suggested, snap, heldout, log)
+        ceiling = max(candidates.get("minimum", math.inf), suggested)
+        trials = run_trials(trainer, finder, suggested, snap, heldout, log, ceiling)
         best, chosen = best_trial(trials), refine(trials)
         rates = ", ".join(f"{t.lr:.3g}" for t in sorted(trials, key=lambda t: t.lr))
         rule = (
-            f"short trials: the lowest held-out loss after {best.steps} steps at {len(trials)} rates ({rates}) around "
+            f"short trials: the lowest held-out loss after {best.steps} steps at {len(trials)} rates ({rates}, none above "
+            f"{ceiling:.3g}, where the range test's loss was lowest) around "
             f"the range test's {suggested:.3g} ({RULES[used].split(':')[0]}): {best.lr:.3g}"
             + (f", refined to {chosen:.3g} (the vertex of a parabola through it and its neighbours)" if chosen != best.lr else "")
         )

@@ -18,7 +18,12 @@ suggestion may differ from a test without trials.
 Two steps then read the trials as a search rather than a vote. *Bracketing* (``next_rate``): while
 the lowest held-out loss is at an end of the rates tried, the next rung beyond that end is trained
 too, up to ``MAX_EXTRA`` more (the range test may be a factor 10 off: a model that learns the task
-inside the test reads a low rate). *The vertex* (``refine``): the rungs are a factor 3 apart and a
+inside the test reads a low rate). *The ceiling*: no trial runs above the rate where the range test's
+smoothed loss was lowest (its ``minimum``; the suggestion itself when that is higher). Past that rate
+~100 steps of growing rates stopped lowering the loss, and a short trial, which anneals before the
+instability of a high rate shows, can still favour it: on docs/finders.md's ``finetune-color`` grid
+25-step trials preferred 2e-2, twice the range test's minimum, on two seeds of five, and whole runs
+there ended 1.5-2x above the grid's best. *The vertex* (``refine``): the rungs are a factor 3 apart and a
 run's best rate rarely sits on one, so the suggestion is the vertex of the parabola, in log rate,
 through the best trial and its two neighbours (within half a rung of the best; the best trial's own
 rate when it is at an end or a neighbour diverged).
@@ -83,11 +88,13 @@ def run_trials(
     snapshot,
     heldout: list,
     log: Callable[[str], None] | None = None,
+    ceiling: float = math.inf,
 ) -> list[Trial]:
-    """Train each of ``trial_rates(suggested, finder.trials)`` for ``trial_steps`` steps from the state in
-    ``snapshot`` (a ``TrainerSnapshot``, restored after each trial), and score each by the held-out loss:
-    the eval data when there are some, else ``heldout`` (batches of the first training step, which the
-    trials then skip, as the range test does)."""
+    """Train each of ``trial_rates(suggested, finder.trials)`` up to ``ceiling`` (the range test's minimum;
+    never below ``suggested``) for ``trial_steps`` steps from the state in ``snapshot`` (a
+    ``TrainerSnapshot``, restored after each trial), then the rungs bracketing adds, and score each by the
+    held-out loss: the eval data when there are some, else ``heldout`` (batches of the first training
+    step, which the trials then skip, as the range test does)."""
     n = trial_steps(finder, trainer.cfg.max_steps)
     total = trainer.cfg.max_steps or n
     warmup = min(n - 1, round(trainer.cfg.warmup_steps * n / total)) if trainer.cfg.warmup_steps else 0
@@ -117,26 +124,33 @@ def run_trials(
         snapshot.restore(trainer)
         return Trial(rate, loss, taken)
 
+    ceiling = max(ceiling, suggested)
     trials: list[Trial] = []
     try:
-        rates = trial_rates(suggested, finder.trials)
+        rates = [r for r in trial_rates(suggested, finder.trials) if not above(r, ceiling)]
         while rates:
             trials += [trial(rate) for rate in rates]
-            rates = [r] if (r := next_rate(trials, finder.trials)) is not None else []
+            rates = [r] if (r := next_rate(trials, finder.trials, ceiling)) is not None else []
     finally:
         snapshot.restore(trainer)
     return trials
 
 
-def next_rate(trials: list[Trial], n: int) -> float | None:
+def above(rate: float, ceiling: float) -> bool:
+    """``rate`` is past ``ceiling`` (by more than float rounding: a rung computed as x / 3 * 3 is not)."""
+    return rate > ceiling * (1 + 1e-6)
+
+
+def next_rate(trials: list[Trial], n: int, ceiling: float = math.inf) -> float | None:
     """Bracketing: when the trial with the lowest held-out loss is at an end of the rates tried (the
     highest, or the lowest), the next rung of the ladder beyond it, until ``MAX_EXTRA`` rungs were added to
-    the first ``n``; else None (the best has a worse trial on either side, or the budget is spent)."""
+    the first ``n``; else None (the best has a worse trial on either side, the next rung up is above
+    ``ceiling``, or the budget is spent)."""
     if len(trials) >= n + MAX_EXTRA or sum(t.scored for t in trials) < 2:
         return None
     best, tried = best_trial(trials), sorted(t.lr for t in trials)
     if best.lr == tried[-1]:
-        return best.lr * LADDER
+        return None if above(best.lr * LADDER, ceiling) else best.lr * LADDER
     if best.lr == tried[0]:
         return best.lr / LADDER
     return None
