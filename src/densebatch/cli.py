@@ -86,7 +86,8 @@ def _parser() -> argparse.ArgumentParser:
         "--trials",
         type=int,
         metavar="N",
-        help="then train N rates around the suggestion (a factor 3 apart, up to 2 more while the best is at an end) for "
+        help="then train N rates around the suggestion (a factor 3 apart, none above the range test's minimum; up to 2 "
+        "more while the best is at an end) for "
         "finder.trial_steps steps each and suggest the rate of lowest held-out loss between them (finder.trials; for a "
         "model far from its task; costs N to N+2 x trial_steps steps)",
     )

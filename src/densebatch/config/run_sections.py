@@ -244,8 +244,8 @@ class FinderConfig:
     )
     trials: int = _f(
         0,
-        "Range test, then short trainings at this many rates around its suggestion (a factor 3 apart; up to 2 more "
-        "beyond an end while the end has the lowest held-out loss), suggesting the vertex of a parabola through the "
+        "Range test, then short trainings at this many rates around its suggestion (a factor 3 apart, none above the "
+        "rate of its lowest loss; up to 2 more beyond an end while the end has the lowest held-out loss), suggesting the vertex of a parabola through the "
         "best and its neighbours: for a model far from its task; costs (trials to trials+2) x trial_steps steps; 0 = off.",
         minimum=0,
     )
