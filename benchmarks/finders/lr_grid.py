@@ -82,6 +82,11 @@ def final_eval(run_dir: Path, steps: int) -> float | None:
     return float(evals[-1]["loss"]) if evals else None
 
 
+def loss_text(loss: float) -> str:
+    """Three decimals, or three significant digits below 0.01 (a grid whose runs all end near 0)."""
+    return f"{loss:.3f}" if loss >= 0.01 else f"{loss:.3g}"
+
+
 def write_jsonl(records: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -250,7 +255,7 @@ def main(argv=None) -> int:
     mean = {k: statistics.fmean(v) for k, v in scores.items()}
     best_lr = min(rates, key=mean.__getitem__)
     if args.grid_only:
-        print(" | ".join(f"{k:.3g}: {mean[k]:.3f} ({' / '.join(f'{v:.3f}' for v in scores[k])})" for k in rates))
+        print(" | ".join(f"{k:.3g}: {loss_text(mean[k])} ({' / '.join(map(loss_text, scores[k]))})" for k in rates))
         return 0
     ratio = mean[SUGGESTED] / mean[best_lr]
     passed = ratio <= 1.10 or mean[SUGGESTED] - mean[best_lr] <= args.atol
@@ -262,10 +267,10 @@ def main(argv=None) -> int:
     print(f"| peak learning rate | final eval loss{each_col} | against the grid's best |\n|---|---|---|")
     for k in sorted(scores, key=lambda k: suggested[seeds[0]] if k == SUGGESTED else k):
         label = "suggested (" + ", ".join(f"{v:.3g}" for v in suggested.values()) + ")" if k == SUGGESTED else f"{k:.3g}"
-        each = f" ({' / '.join(f'{v:.3f}' for v in scores[k])})" if len(seeds) > 1 else ""
+        each = f" ({' / '.join(map(loss_text, scores[k]))})" if len(seeds) > 1 else ""
         r = mean[k] / mean[best_lr]
         vs = "the best" if k == best_lr else (f"{r - 1:+.0%}" if r < 2 else f"{r:.1f}x")
-        print(f"| {label} | {mean[k]:.3f}{each} | {vs} |")
+        print(f"| {label} | {loss_text(mean[k])}{each} | {vs} |")
     print(
         f"the suggestion's runs end at {ratio:.2f}x the grid's best ({best_lr:.3g}), {mean[SUGGESTED] - mean[best_lr]:+.4f} nats: "
         + ("passes" if passed else "fails")
