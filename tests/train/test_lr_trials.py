@@ -67,6 +67,7 @@ def test_no_trial_runs_above_the_ceiling_and_below_it_the_search_is_unchanged(of
     ceiling = start * LADDER**room
     capped, free = _search(loss, start, ceiling=ceiling), _search(loss, start)
     assert all(not above(t.lr, max(ceiling, start)) for t in capped) and len(capped) >= 2
+    assert not above(refine(capped), max(ceiling, start))  # the vertex lies between rungs, so below the ceiling too
     if not any(above(t.lr, max(ceiling, start)) for t in free):
         assert [t.lr for t in capped] == [t.lr for t in free] and refine(capped) == refine(free)
     elif max(t.lr for t in capped) == min(capped, key=lambda t: t.heldout_loss).lr:  # the best is the top rung allowed

@@ -245,8 +245,9 @@ class FinderConfig:
     trials: int = _f(
         0,
         "Range test, then short trainings at this many rates around its suggestion (a factor 3 apart, none above the "
-        "rate of its lowest loss; up to 2 more beyond an end while the end has the lowest held-out loss), suggesting the vertex of a parabola through the "
-        "best and its neighbours: for a model far from its task; costs (trials to trials+2) x trial_steps steps; 0 = off.",
+        "rate of its lowest loss; up to 2 more beyond an end while the end has the lowest held-out loss), suggesting "
+        "the vertex of a parabola through the best and its neighbours: for a model far from its task; costs (trials "
+        "to trials+2) x trial_steps steps; 0 = off.",
         minimum=0,
     )
     trial_steps: int = _f(0, "Steps of each short trial (0: a quarter of train.max_steps, at least 10).", minimum=0)
