@@ -82,6 +82,28 @@ def final_eval(run_dir: Path, steps: int) -> float | None:
     return float(evals[-1]["loss"]) if evals else None
 
 
+FINGERPRINT = "finder-code.sha256"
+
+
+def finder_code() -> str:
+    """A hash of the finder's source (``train/finders/``): a finder run is reused only by the same code."""
+    import hashlib
+
+    import densebatch.train.finders as finders
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(finders.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def stale(finder: Path) -> bool:
+    """The finder run in ``finder`` was made by other finder code than this checkout's (or before runs
+    were fingerprinted): a grid re-run after a rule change must not read the old rule's suggestion."""
+    mark = finder / FINGERPRINT
+    return not mark.exists() or mark.read_text().strip() != finder_code()
+
+
 def loss_text(loss: float) -> str:
     """Three decimals, or three significant digits below 0.01 (a grid whose runs all end near 0)."""
     return f"{loss:.3f}" if loss >= 0.01 else f"{loss:.3g}"
@@ -231,9 +253,14 @@ def main(argv=None) -> int:
     tag = "".join(c if c.isalnum() or c in "=.-" else "_" for c in "-".join(x.lstrip("-") for x in extra))
     for seed in seeds:
         finder = work / (f"finder-seed{seed}" + (f"-{tag}" if tag else ""))
+        if not args.grid_only and (finder / "lr_finder.json").exists() and stale(finder):
+            gone = finder.with_name(f"{finder.name}.stale-{int(time.time())}")
+            finder.rename(gone)  # the finder's code changed since: its suggestion is not this code's
+            print(f"seed {seed}: {finder.name} was found by other finder code: moved to {gone.name}, run again")
         if not args.grid_only and not (finder / "lr_finder.json").exists():
             cmd = ["find-lr", *common, *extra, f"--seed={seed}", f"--output_dir={finder}"]
             secs = densebatch(cmd, finder.with_suffix(".log"))
+            (finder / FINGERPRINT).write_text(finder_code() + "\n")
             print(f"seed {seed}: range test in {secs:.0f} s")
         if not args.grid_only:
             doc = json.loads((finder / "lr_finder.json").read_text())
