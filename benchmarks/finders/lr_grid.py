@@ -5,9 +5,9 @@ by its final held-out loss (the mean over ``--seeds``); the range test's suggest
 find-lr`` on the same settings, one per seed) passes when its runs' mean is within 10% of the best
 grid rate's, or within ``--atol`` nats of it where every loss is near 0 (the exit status says which).
 Every run is a subprocess of the installed CLI, so what is measured is what a user runs; a run whose
-``metrics.jsonl`` already
-ends with its final eval is read, not run again (the grid can be stopped and continued), and so is a
-finder run made by the same finder code (``train/finders/``; one made by other code is moved aside).
+``metrics.jsonl`` already ends with its final eval is read, not run again (the grid can be stopped
+and continued), and so is a finder run made by the same finder code (``train/finders/``; one made by
+other code is moved aside).
 
 Setups (``--setup``):
 
