@@ -233,7 +233,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--atol",
         type=float,
-        default=0.01,
+        default=0.001,
         help="a suggestion within this many nats of the best also passes: where every loss is near 0 a ratio compares rounding",
     )
     ap.add_argument("--finder", default="", help="extra find-lr overrides, e.g. '--finder.trials=3' (a suggestion of its own)")
