@@ -43,6 +43,7 @@ docs/finders.md has every grid's command and table.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -87,6 +88,7 @@ def final_eval(run_dir: Path, steps: int) -> float | None:
 FINGERPRINT = "finder-code.sha256"
 
 
+@functools.cache
 def finder_code() -> str:
     """A hash of the finder's source (``train/finders/``): a finder run is reused only by the same code."""
     import hashlib

@@ -10,18 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.train.finders.lr_trials import LADDER, MAX_EXTRA, Trial, above, next_rate, refine, trial_rates
+from densebatch.train.finders.lr_trials import LADDER, MAX_EXTRA, Trial, above, refine, search
 
 
 def _search(loss, start: float, n: int = 3, ceiling: float = math.inf) -> list:
-    """The trials' rate search (the ladder up to ``ceiling``, then bracketing) against a loss of the rate,
-    as ``run_trials`` runs it."""
-    ceiling = max(ceiling, start)
-    trials, rates = [], [r for r in trial_rates(start, n) if not above(r, ceiling)]
-    while rates:
-        trials += [Trial(r, loss(r), 25) for r in rates]
-        rates = [r] if (r := next_rate(trials, n, ceiling)) is not None else []
-    return trials
+    """``run_trials``' rate search (the ladder up to ``ceiling``, then bracketing) against a loss of the rate."""
+    return search(lambda r: Trial(r, loss(r), 25), start, n, ceiling)
 
 
 @settings(max_examples=200, deadline=None)

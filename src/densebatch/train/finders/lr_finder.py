@@ -172,7 +172,7 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
     if finder.trials:
         if log is not None:
             log(f"short trials around {suggested:.3g} ({finder.trials} rates, finder.trials):")
-        ceiling = max(candidates.get("minimum", math.inf), suggested)
+        ceiling = max(candidates.get("minimum", math.inf), suggested)  # as run_trials applies it, for the rule's text
         trials = run_trials(trainer, finder, suggested, snap, heldout, log, ceiling)
         best, chosen = best_trial(trials), refine(trials)
         rates = ", ".join(f"{t.lr:.3g}" for t in sorted(trials, key=lambda t: t.lr))

@@ -124,15 +124,21 @@ def run_trials(
         snapshot.restore(trainer)
         return Trial(rate, loss, taken)
 
-    ceiling = max(ceiling, suggested)
-    trials: list[Trial] = []
     try:
-        rates = [r for r in trial_rates(suggested, finder.trials) if not above(r, ceiling)]
-        while rates:
-            trials += [trial(rate) for rate in rates]
-            rates = [r] if (r := next_rate(trials, finder.trials, ceiling)) is not None else []
+        return search(trial, suggested, finder.trials, ceiling)
     finally:
         snapshot.restore(trainer)
+
+
+def search(trial: Callable[[float], Trial], suggested: float, n: int, ceiling: float = math.inf) -> list[Trial]:
+    """The rates the trials try, in order: ``trial_rates(suggested, n)`` up to ``ceiling`` (never below
+    ``suggested``), then one rung at a time while ``next_rate`` asks for one; ``trial(rate)`` runs each."""
+    ceiling = max(ceiling, suggested)
+    trials: list[Trial] = []
+    rates = [r for r in trial_rates(suggested, n) if not above(r, ceiling)]
+    while rates:
+        trials += [trial(rate) for rate in rates]
+        rates = [r] if (r := next_rate(trials, n, ceiling)) is not None else []
     return trials
 
 
