@@ -31,7 +31,9 @@ Setups (``--setup``):
 
 With several ``--seeds`` (data order and dropout; the pre-trained weights are the same) each rate
 is scored by its mean, and each seed's range test suggests its own rate, whose runs make the
-"suggested" row.
+"suggested" row. The check's noise follows: the rate best on the other seeds scored on each, a
+bootstrap over seeds, and each seed's gap to the grid's best (mean ± standard error, and the seeds a
+10% verdict would take).
 
     .venv/bin/python -m benchmarks.finders.lr_grid --setup default --work /tmp/lrgrid --rates 3e-4,1e-3,3e-3,1e-2 --seeds 0,1
     .venv/bin/python -m benchmarks.finders.lr_grid --setup sft --work /tmp/lrgrid --rates 1e-4,3e-4,1e-3,3e-3 --seeds 0,1,2
@@ -216,7 +218,7 @@ def paired_gap(scores: dict, best_lr: float, share: float = 0.10) -> tuple[float
     of ``share`` of the best's mean from none (where a grid's runs jump or not, far more than it has)."""
     gaps = [own - best for own, best in zip(scores[SUGGESTED], scores[best_lr])]
     spread = statistics.stdev(gaps)
-    need = math.ceil(((1.959964 + 0.841621) * spread / (share * statistics.fmean(scores[best_lr]))) ** 2)
+    need = math.ceil(((1.959964 + 0.841621) * spread / max(share * statistics.fmean(scores[best_lr]), 1e-12)) ** 2)
     return statistics.fmean(gaps), spread / math.sqrt(len(gaps)), need
 
 
