@@ -339,8 +339,8 @@ def main(argv=None) -> int:
     result = {"setup": args.setup, "steps": steps, "warmup": warmup, "seeds": seeds, "suggested": suggested, "finder": extra}
     result["scores"] = {str(k): v for k, v in scores.items()}
     result["cross_seed"] = floor if len(seeds) > 1 else None
-    result["seed_interval"] = seed_interval(scores, rates) if len(seeds) > 1 else None
-    result["paired_gap"] = paired_gap(scores, best_lr) if len(seeds) > 1 else None
+    result["seed_interval"] = [lo, hi] if len(seeds) > 1 else None
+    result["paired_gap"] = [gap, err, need] if len(seeds) > 1 else None
     result["passed"] = passed
     (work / (f"result-{tag}.json" if tag else "result.json")).write_text(json.dumps(result, indent=1) + "\n")
     return 0 if passed else 1
