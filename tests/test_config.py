@@ -112,3 +112,21 @@ def test_list_overrides_read_like_the_file(arg, want):
     """A list in YAML flow syntax on the command line means what it means in a file (no quotes kept)."""
     assert load_config(None, [arg]).data.add_special_tokens == want
     assert load_config(None, ["--train.report_to=tensorboard,csv"]).train.report_to == ["tensorboard", "csv"]
+
+
+def test_mlm_takes_every_token_as_a_target():
+    """batching.mode mlm: data.loss_on (a causal setting) is all when unset; response is refused in one line
+    (on data or a source); a saved run keeps what it was prepared with."""
+    from densebatch.config.loading import config_from_dict
+
+    mlm = ["--batching.mode=mlm", "--model.kind=hf", "--model.path=x"]
+    assert load_config(None, mlm).data.loss_on == "all"
+    assert load_config(None, [*mlm, "--data.loss_on=all"]).data.loss_on == "all"
+    assert load_config(None, ["--model.kind=hf", "--model.path=x"]).data.loss_on == "response"  # causal: unchanged
+    with pytest.raises(ConfigError, match=r"^data.loss_on: 'response' .* leave it unset"):
+        load_config(None, [*mlm, "--data.loss_on=response"])
+    two = {"sources": [{"path": "a.jsonl"}, {"path": "b.jsonl", "loss_on": "response"}]}
+    with pytest.raises(ConfigError, match=r"^data.sources\[1\].loss_on"):
+        config_from_dict({"data": two, "batching": {"mode": "mlm"}, "model": {"kind": "hf", "path": "x"}})
+    saved = {"data": {"loss_on": "response"}, "batching": {"mode": "mlm"}, "model": {"kind": "hf", "path": "x"}}
+    assert config_from_dict(saved, saved=True).data.loss_on == "response"

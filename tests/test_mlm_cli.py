@@ -54,6 +54,15 @@ def run(tmp_path_factory):
     return tmp
 
 
+def test_mlm_prepares_every_record_a_cut_leaves_tokens_to(run):
+    """Under mlm every token may be masked: a record whose response the 256-token cut removes is still a
+    document (as causal loss_on: response it would be dropped: no target left)."""
+    (summary,) = (run / "cache").glob("*/summary.json")
+    s = json.loads(summary.read_text())
+    assert s["dropped_no_target"] == 0 and s["truncated"] > 0, s
+    assert s["records_kept"] == 400 and s["train_loss_tokens"] == s["train_tokens"] - s["train_documents"]
+
+
 def _evals(out: Path) -> list[dict]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "eval"]
 

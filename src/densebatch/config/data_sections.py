@@ -126,7 +126,10 @@ class DataConfig:
         "Jinja chat template), raw (plain text) or custom (prompt_format).",
     )
     prompt_format: str | None = _f(None, "custom template: prompt with {named} record fields; the response is fields.output.")
-    loss_on: Literal["all", "response"] = _f("response", "Tokens carrying loss: all, or only the response / assistant turns.")
+    loss_on: Literal["all", "response"] = _f(
+        "response",
+        "Tokens carrying loss: all, or only the response / assistant turns (batching.mode mlm: all, every token may be masked).",
+    )
     text_split: Literal["blank_lines", "chunks"] = _f(
         "blank_lines",
         "format text: split the file into documents on blank lines, or cut its running text (read in blocks of "

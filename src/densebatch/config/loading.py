@@ -201,9 +201,31 @@ def with_overrides(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> d
 def config_from_dict(data: dict, saved: bool = False) -> RunConfig:
     """Validate a plain dict (a parsed YAML file, or a config stored in a checkpoint). ``saved``: written by
     a run (a checkpoint's, ``output_dir/config.yaml``), whose moved keys are read at their new place."""
-    cfg = _build(RunConfig, upgrade_saved(data) if saved else data, "")
+    cfg = _build(RunConfig, upgrade_saved(data) if saved else _mlm_targets(data), "")
     _check(cfg)
     return cfg
+
+
+def _mlm_targets(data: dict) -> dict:
+    """Under ``batching.mode: mlm`` every real token may be masked and predicted, so ``data.loss_on`` (which
+    tokens carry a causal loss) is ``all``: unset (on data and each source), it becomes ``all``; set to
+    ``response``, ``ConfigError`` (it would drop the records whose response a cut removed, and mask
+    nothing differently). A saved run keeps what it was prepared with."""
+    batching, d = data.get("batching"), data.get("data")
+    if not isinstance(batching, dict) or batching.get("mode") != "mlm" or not isinstance(d, (dict, type(None))):
+        return data
+    d = dict(d or {})
+    sources = d.get("sources") if isinstance(d.get("sources"), list) else []
+    for key, value in [("data.loss_on", d.get("loss_on"))] + [
+        (f"data.sources[{i}].loss_on", s.get("loss_on")) for i, s in enumerate(sources) if isinstance(s, dict)
+    ]:
+        if value not in (None, "all"):
+            raise ConfigError(
+                f"{key}: {value!r} picks the tokens of a causal loss; under batching.mode mlm every token may be masked "
+                "and predicted: leave it unset (all)"
+            )
+    d["loss_on"] = "all"
+    return {**data, "data": d}
 
 
 def to_dict(cfg: Any) -> Any:
