@@ -5,6 +5,7 @@ encoder architecture; and models of the other kind are refused in one line."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,6 +90,30 @@ def test_a_model_of_the_other_kind_is_refused_in_one_line(encoder_dirs, tmp_path
     (renamed / "config.json").write_text(meta)
     with pytest.raises(ConfigError, match="saved as RobertaForMaskedLM"):
         check_model_dir(renamed, "mlm")
+
+
+def test_a_config_that_neither_mode_trains_is_refused_with_what_to_change(encoder_dirs, tmp_path):
+    """A masked LM built as a decoder (causal attention, as from_pretrained would run it) is refused for
+    mlm; a causal head over an encoder (is_decoder false) is refused by both modes with one message that
+    sends to neither mode; a class of the model's own (a renamed one) is not loaded as transformers' class."""
+    meta = json.loads((encoder_dirs["bert"] / "config.json").read_text())
+
+    def config_dir(name: str, **changes) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**meta, **changes}))
+        return tmp_path / name
+
+    def refused(path: Path, task: str, match: str) -> str:
+        with pytest.raises(ConfigError, match=match) as e:
+            check_model_dir(path, task)
+        assert "\n" not in str(e.value)
+        return str(e.value)
+
+    refused(config_dir("decoder", is_decoder=True), "mlm", "built as a decoder .* set is_decoder: false")
+    head = config_dir("head", architectures=["BertLMHeadModel"], is_decoder=False)
+    texts = {refused(head, task, "is_decoder false: a causal LM's head") for task in ("mlm", "causal")}
+    assert len(texts) == 1 and "set batching.mode" not in texts.pop()
+    refused(config_dir("mine", architectures=["MyBertForMaskedLM"]), "mlm", "saved as MyBertForMaskedLM .* BertForMaskedLM")
 
 
 def test_unchecked_encoders_and_odd_architecture_lists(encoder_dirs, tmp_path):

@@ -70,9 +70,10 @@ def check_model_dir(path: str | Path, task: str = "causal") -> dict:
     (``causal``: a decoder-only causal LM; ``mlm``, ``batching.mode: mlm``: an encoder masked LM): no
     ``config.json``, an encoder-decoder, a saved class of the other kind (``BertForMaskedLM`` for a causal
     run: ``AutoModelForCausalLM`` would load it as ``BertLMHeadModel``, which reads the future unless it was
-    built as a decoder; a causal LM for an mlm run), a model type transformers has no such class for, or a
-    saved class other than the one transformers would build (a model is never loaded through a class it
-    was not saved as). Returns the parsed config.json."""
+    built as a decoder; a causal LM for an mlm run), an encoder built as a decoder for mlm, a causal head
+    over an encoder that is not a decoder (either mode), a model type transformers has no such class for,
+    or a saved class other than the one transformers would build, its own classes included (a model is
+    never loaded through a class it was not saved as). Returns the parsed config.json."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise ConfigError(f"model.path: '{path}' has no config.json (expected a local Hugging Face model directory)")
@@ -91,13 +92,26 @@ def check_model_dir(path: str | Path, task: str = "causal") -> dict:
     if meta.get("is_encoder_decoder"):
         raise ConfigError(f"model.path: {path} holds an encoder-decoder ({', '.join(saved) or kind}); {supported}")
     heads, other = (MASKED_HEADS, CAUSAL_HEADS) if mlm else (CAUSAL_HEADS, MASKED_HEADS)
+    decoder = bool(meta.get("is_decoder"))
+    if kind in _ENCODERS and not decoder and saved and all(a.endswith(CAUSAL_HEADS) for a in saved):
+        raise ConfigError(  # neither mode trains it as saved: each would send the user to the other
+            f"model.path: {path} holds {', '.join(saved)} with is_decoder false: a causal LM's head over a {kind} "
+            "encoder that attends to later tokens; for batching.mode mlm save it as a ...ForMaskedLM class "
+            "(config.json's architectures), for causal set is_decoder: true in config.json"
+        )
     if saved and not any(a.endswith(heads) for a in saved):
         hint = f": set batching.mode: {'causal' if mlm else 'mlm'}" if any(a.endswith(other) for a in saved) else ""
         raise ConfigError(
             f"model.path: {path} holds {', '.join(saved)}, not a {'masked' if mlm else 'causal'} LM ({auto} would load "
             f"{model_class(kind, task) or 'nothing'} with its own head); {supported}{hint}"
         )
-    if not mlm and kind in _ENCODERS and not meta.get("is_decoder"):
+    if mlm and decoder:
+        raise ConfigError(
+            f"model.path: {path} holds a {kind} built as a decoder (is_decoder true: it attends only to earlier "
+            f"tokens, and {auto}.from_pretrained would run it so); {supported} with bidirectional attention: set "
+            "is_decoder: false in config.json"
+        )
+    if not mlm and kind in _ENCODERS and not decoder:
         raise ConfigError(
             f"model.path: {path} holds a {kind} encoder (is_decoder false: it attends to later tokens); {supported}, "
             "or set batching.mode: mlm"
@@ -112,11 +126,12 @@ def check_model_dir(path: str | Path, task: str = "causal") -> dict:
         raise ConfigError(
             f"model.path: transformers has no {'masked' if mlm else 'causal'} LM for model type {kind!r} ({path}); {supported}"
         )
-    mismatched = [a for a in saved if a.endswith(heads) and a != built and _is_transformers_class(a)]
-    if mismatched:
+    mismatched = [a for a in saved if a.endswith(heads) and a != built]
+    if mismatched:  # a class of the model's own repository too (remote code is not run here)
         raise ConfigError(
             f"model.path: {path} was saved as {mismatched[0]} but {auto} would load it as {built}: a model is not "
-            "trained through a class it was not saved as"
+            f"trained through a class it was not saved as (if it is that model, name {built} in config.json's "
+            "architectures)"
         )
     return meta
 
@@ -128,10 +143,3 @@ def model_class(model_type: str, task: str = "causal") -> str | None:
     except ImportError:
         raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
     return getattr(modeling_auto, TASKS[task][1]).get(model_type)
-
-
-def _is_transformers_class(name: str) -> bool:
-    """A class transformers itself defines (a repository's own class name, e.g. for remote code, is not judged)."""
-    import transformers
-
-    return hasattr(transformers, name)
