@@ -133,6 +133,26 @@ def test_held_out_records_that_repeat_training_records_are_counted(data_cfg, tmp
     assert sep.summary.eval_repeats_train == 2 and len(sep.train) == 40
 
 
+def test_the_leakage_count_spans_a_mixtures_sources(tmp_path):
+    """A held-out record of one source that another source trains on is counted (dedupe off), both ways
+    round: a later source's training record repeating an earlier one's eval, a later eval an earlier train."""
+    files = {"one": [RECORDS[0], RECORDS[1]], "one-eval": [RECORDS[5]], "two": [RECORDS[5], RECORDS[7]], "two-eval": [RECORDS[1]]}
+    for name, recs in files.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    sources = [
+        SourceConfig(path=str(tmp_path / f"{n}.jsonl"), eval_path=str(tmp_path / f"{n}-eval.jsonl")) for n in ("one", "two")
+    ]
+
+    def mixture(dedupe):
+        return prepare(DataConfig(sources=sources, cache_dir=str(tmp_path / "cache"), clean=CleanConfig(dedupe=dedupe)))
+
+    off = mixture(False)
+    assert [x["eval_documents"] for x in off.summary.sources] == [1, 1] and len(off.train) == 4
+    assert off.summary.eval_repeats_train == 2 and "duplicate training records: 2 (warning" in str(off.summary)
+    on = mixture("exact")
+    assert on.summary.eval_repeats_train == 0 and not set(_texts(on.eval)) & set(_texts(on.train))
+
+
 def test_near_without_datasketch_is_one_line(data_cfg, tmp_path, write_jsonl, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasketch", None)  # import fails as when it is not installed
     path = str(write_jsonl(tmp_path / "a.jsonl", RECORDS))

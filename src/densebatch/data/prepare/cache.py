@@ -35,8 +35,8 @@ from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_token
 from densebatch.errors import DataError, UserError
 from densebatch.locks import FileLock, describe
 
-CACHE_VERSION = 5  # 2: stores carry source.npy; tokenizers may add tokens; 3: inputs known by identity; 4: sharded stores;
-# 5: text_split chunks read in blocks (text_blocks.py)
+CACHE_VERSION = 6  # 2: stores carry source.npy; tokenizers may add tokens; 3: inputs known by identity; 4: sharded stores;
+# 5: text_split chunks read in blocks (text_blocks.py); 6: split_keys.npz (the leakage count across a mixture's parts)
 LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
 
 

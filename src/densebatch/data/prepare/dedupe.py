@@ -256,6 +256,31 @@ INDEX_DIR = "dedupe"
 _BATCH = 1 << 16
 
 
+SPLIT_KEYS = "split_keys.npz"
+
+
+def write_split_keys(entry: Path, train: np.ndarray, held: np.ndarray) -> None:
+    """The rendered-text keys of an entry's train and eval documents (staged at ``entry``), for the leakage
+    count across a mixture's parts (``leakage_across``)."""
+    with open(entry / SPLIT_KEYS, "wb") as f:
+        np.savez(f, train=train, eval=held)
+
+
+def leakage_across(entries: list[Path]) -> int:
+    """Held-out documents of any of ``entries`` whose rendered text is a training document of any of them
+    (the mixture's ``eval_repeats_train``: within each part and across parts)."""
+    try:
+        loaded = [np.load(e / SPLIT_KEYS) for e in entries]
+        train = np.concatenate([x["train"] for x in loaded])
+        held = np.concatenate([x["eval"] for x in loaded])
+    except (OSError, ValueError, KeyError) as e:
+        raise DataError(
+            f"{entries[0].parent}: a part's document keys cannot be read ({type(e).__name__}: {e}); delete that "
+            "cache directory and run again"
+        ) from None
+    return int(np.isin(held, train).sum()) if len(held) and len(train) else 0
+
+
 def write_index(entry: Path, keys: Keys, keep: np.ndarray) -> None:
     """The keys of the kept rendered records of an entry (staged at ``entry``), in order, for a later source."""
     d = entry / INDEX_DIR

@@ -63,7 +63,7 @@ from densebatch.data.prepare.cache import (
     read_eval_records,
     source_keys,
 )
-from densebatch.data.prepare.dedupe import Keys, dedupe, dedupe_mode, read_prior, write_index
+from densebatch.data.prepare.dedupe import Keys, dedupe, dedupe_mode, leakage_across, read_prior, write_index, write_split_keys
 from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
 from densebatch.data.prepare.joined import write_mixture_index
 from densebatch.data.prepare.parts import Part, source_parts
@@ -160,13 +160,17 @@ def _cached_or_built(final: Path, tok: Tokenizer, t0: float, build: Callable[[],
     return prepared
 
 
-def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index) -> None:
+def _write(
+    final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index, split_keys
+) -> None:
     """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split);
-    ``index``: (keys, kept) for ``dedupe.write_index``, or None.
+    ``index``: (keys, kept) for ``dedupe.write_index``, or None; ``split_keys``: the text keys of the train
+    and eval documents (``dedupe.write_split_keys``).
     A write that fails (no space left) is one line; the staged directory is removed, nothing half-written stays."""
     with _staged_entry(final, tok, cfg) as tmp:
         if index is not None:
             write_index(tmp, *index)
+        write_split_keys(tmp, *split_keys)
         for split, arrays in (("train", train), ("eval", evals)):
             if arrays is not None:
                 (tmp / split).mkdir()
@@ -261,7 +265,8 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
     zeros = lambda docs: np.zeros(len(docs), np.int16)  # noqa: E731 - one source: every document is source 0
     evals = (*_arrays(eval_docs), zeros(eval_docs)) if eval_docs else None
     records = [d.record for d in eval_docs if d.record is not None] if keeps_records(cfg) else []
-    _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s, index)
+    texts = [np.array([d.text_key for d in docs if d.text_key is not None], "V16") for docs in (train_docs, eval_docs)]
+    _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s, index, texts)
     return tok
 
 
@@ -334,6 +339,8 @@ def _build_mixture(final: Path, cfg: DataConfig, parts: list[Part], tok: Tokeniz
             eval_source=_eval_source(cfg) + " per source",
         )
     summary.parts = [sum(not b.summary.cache_hit for b in built), len(built)]
+    summary.eval_repeats_train = leakage_across([b.cache_dir for b in built])  # across the parts, not only within each
+    assert dedupe_mode(cfg.clean) == "off" or not summary.eval_repeats_train, "dedupe keeps one copy across parts"
     records = [r for b in built for r in b.eval_records]
     if final.exists():  # whole by its own marker, but a part's entry it names is gone: made again
         shutil.rmtree(final)

@@ -45,7 +45,7 @@ import numpy as np
 from densebatch.atomic import pid_alive
 from densebatch.config import DataConfig
 from densebatch.data.prepare import text_blocks
-from densebatch.data.prepare.dedupe import NUM_PERM, Keys, dedupe, dedupe_mode, lsh_shape, repeats, write_index
+from densebatch.data.prepare.dedupe import NUM_PERM, Keys, dedupe, dedupe_mode, lsh_shape, repeats, write_index, write_split_keys
 from densebatch.data.prepare.documents import (
     DROPPED_NO_LOSS,
     DROPPED_NO_TARGET,
@@ -347,6 +347,7 @@ def assemble(
     final = keep & (outcome <= TRUNCATED)
     train, evals = final & ~held, final & held
     s.eval_repeats_train = repeats(keys, train, evals)
+    write_split_keys(train_dir.parent, keys.text[keys.has_text & train], keys.text[keys.has_text & evals])
     assert mode == "off" or not s.eval_repeats_train, "dedupe keeps one copy of each rendered text"
     del keys
     s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
