@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import unicodedata
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,3 +53,29 @@ def test_filters_count_drops():
     kept = [t for t in ["ab", "abcd", "abcd", "abcdefgh", "xyz"] if c.keep(t)]
     assert kept == ["abcd", "abcd", "xyz"]
     assert c.dropped == {"min_chars": 1, "max_chars": 1}
+
+
+def test_a_terms_dictionary_is_read_strictly(tmp_path):
+    """Line and JSON forms give the same table; a duplicate with the same replacement is fine; an empty side,
+    a term given two replacements, or a JSON that is not an object is one line naming the place."""
+    from densebatch.data.prepare.clean import read_terms
+    from densebatch.errors import ConfigError
+
+    def read(name: str, text: str) -> dict:
+        (tmp_path / name).write_text(text, encoding="utf-8")
+        return read_terms(str(tmp_path / name))
+
+    want = {"JS": "JavaScript", "k8s": "Kubernetes", "colour": "color"}
+    assert read("a.txt", "# names\nJS -> JavaScript\nk8s → Kubernetes\ncolour\tcolor\nJS->JavaScript\n") == want
+    assert read("a.json", '{"JS": "JavaScript", "k8s": "Kubernetes", "colour": "color"}') == want
+    bad = {
+        "empty.txt": ("JS -> JavaScript\nk8s -> \n", r"empty.txt:2: expected 'from -> to', both sides non-empty"),
+        "twice.txt": ("JS -> JavaScript\n\nJS -> ECMAScript\n", r"twice.txt:3: 'JS' -> 'ECMAScript', but .*twice.txt:1 gave"),
+        "twice.json": ('{"JS": "JavaScript", "JS": "ECMAScript"}', r"twice.json: key 'JS': 'JS' -> 'ECMAScript'"),
+        "list.json": ('[["JS", "JavaScript"]]', r"list.json: expected a JSON object of terms"),
+        "empty.json": ('{"JS": ""}', r"empty.json: expected a JSON object of non-empty strings to non-empty"),
+    }
+    for name, (text, match) in bad.items():
+        with pytest.raises(ConfigError, match=match) as e:
+            read(name, text)
+        assert "\n" not in str(e.value)

@@ -109,27 +109,43 @@ _ARROWS = re.compile(r"\s*(?:->|→|\t)\s*")
 
 def read_terms(path: str) -> dict[str, str]:
     """The dictionary of ``data.clean.terms``: a JSON object, or ``from -> to`` lines (``→`` or a tab also
-    separate; blank lines and lines starting with ``#`` skipped). A one-line ConfigError names a bad line."""
+    separate; blank lines and lines starting with ``#`` skipped). A one-line ConfigError names a bad line:
+    an empty side (an empty ``to`` would delete the word), or a term given two different replacements."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"data.clean.terms {path}: cannot be read ({type(e).__name__}: {e})") from None
-    if text.lstrip().startswith("{"):
+    where = f"data.clean.terms {path}"
+    if text.lstrip().startswith(("{", "[")):
         try:
-            table = json.loads(text)
+            pairs = json.loads(text, object_pairs_hook=lambda p: p)
         except ValueError as e:
-            raise ConfigError(f"data.clean.terms {path}: not valid JSON ({e})") from None
-        if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in table.items()):
-            raise ConfigError(f"data.clean.terms {path}: expected a JSON object of non-empty strings to strings")
-        return table
-    table = {}
+            raise ConfigError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(pairs, list) or not all(isinstance(p, tuple) for p in pairs):
+            raise ConfigError(f'{where}: expected a JSON object of terms to replacements, like {{"JS": "JavaScript"}}')
+        if not all(isinstance(k, str) and k and isinstance(v, str) and v for k, v in pairs):
+            raise ConfigError(f"{where}: expected a JSON object of non-empty strings to non-empty strings")
+        return _terms_table(((f"{where}: key {k!r}", k, v) for k, v in pairs))
+    lines = []
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         parts = _ARROWS.split(line.strip(), maxsplit=1)
-        if len(parts) != 2 or not parts[0]:
-            raise ConfigError(f"data.clean.terms {path}:{n}: expected 'from -> to'; got {line.strip()!r}")
-        table[parts[0]] = parts[1]
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ConfigError(f"{where}:{n}: expected 'from -> to', both sides non-empty; got {line.strip()!r}")
+        lines.append((f"{where}:{n}", *parts))
+    return _terms_table(lines)
+
+
+def _terms_table(entries) -> dict[str, str]:
+    """{from: to} of (where, from, to) entries; a term given two different replacements is a ConfigError."""
+    table: dict[str, str] = {}
+    first: dict[str, str] = {}
+    for where, old, new in entries:
+        if table.get(old, new) != new:
+            raise ConfigError(f"{where}: {old!r} -> {new!r}, but {first[old]} gave {old!r} -> {table[old]!r}")
+        table[old] = new
+        first.setdefault(old, where)
     return table
 
 
