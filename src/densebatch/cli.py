@@ -51,7 +51,7 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="densebatch",
-        description="Train causal language models with dense batches. "
+        description="Train causal language models (and encoder masked LMs: batching.mode mlm) with dense batches. "
         "Any config field can be overridden as --section.key=value (e.g. --train.max_steps=20).",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -74,6 +74,10 @@ def test_the_warning_names_what_is_alike_only_above_the_threshold():
     line = warning({"length": 0.99, "source": 0.1}, "length_grouped")
     assert line.startswith("warning: length_grouped batches are far more alike than random ones in length (homogeneity 0.99")
     assert "source" not in line.split("quality")[0].split("in length")[1].split(":")[0]
+    # the advice fits the setting: bundling on when it is off, more bundling when it is already auto
+    assert warning({"length": 0.99}, "length_grouped", 0).endswith("set batching.bundle_tokens: auto (or more tokens)")
+    auto = warning({"length": 0.99}, "token_budget", "auto")
+    assert "raise batching.bundle_tokens (auto now)" in auto and "with batching.bundle_tokens auto" not in auto
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Configuration section of the model: the reference GPT or a Hugging Face causal LM, and LoRA."""
+"""Configuration section of the model: the reference GPT or a Hugging Face causal LM (or encoder masked LM), and LoRA."""
 
 from __future__ import annotations
 
@@ -24,7 +24,9 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    kind: Literal["gpt", "hf"] = _f("gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM.")
+    kind: Literal["gpt", "hf"] = _f(
+        "gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM (an encoder masked LM with batching.mode mlm)."
+    )
     path: str | None = _f(None, "hf: a local directory with config.json (weights optional: random init when absent).")
     n_layer: int = _f(4, "gpt: transformer blocks.", minimum=1)
     n_head: int = _f(4, "gpt: attention heads.", minimum=1)

@@ -258,7 +258,7 @@ def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) 
     store = prepared.train
     source_of = store.sources_of if store.sources_of([]) is not None else None  # plans hold store document ids
     h = homogeneity(loader.plan(0), loader.lengths, source_of, len(store.source_names), max_shards=1)
-    return homogeneity_warning_line(h, cfg.batching.strategy)
+    return homogeneity_warning_line(h, cfg.batching.strategy, cfg.batching.bundle_tokens)
 
 
 def step_size_line(loader: StepLoader) -> str | None:

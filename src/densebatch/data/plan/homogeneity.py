@@ -101,14 +101,26 @@ def homogeneity(
     return out
 
 
-def warning(h: dict, strategy: str) -> str | None:
-    """The run's one warning when its batches are far more alike than random ones (None otherwise)."""
+def warning(h: dict, strategy: str, bundle_tokens: int | str = "auto") -> str | None:
+    """The run's one warning when its batches are far more alike than random ones (None otherwise), with
+    the change that mixes them for this strategy and ``batching.bundle_tokens``."""
     alike = {k: v for k, v in h.items() if v is not None and v > HOMOGENEOUS}
     if not alike:
         return None
     what = " and ".join(f"{k} (homogeneity {v:.2f}; random batches: 0)" for k, v in alike.items())
+    if strategy == "random":
+        fix = "random batches this alike are the data's own order of lengths and sources"
+    elif bundle_tokens == 0:
+        fix = "bundled plans mix them: set batching.bundle_tokens: auto (or more tokens)"
+    elif strategy in ("packed", "token_budget", "length_grouped"):
+        fix = (
+            f"bundled plans mix them: raise batching.bundle_tokens ({bundle_tokens} now) so that more documents are "
+            "bundled at random"
+        )
+    else:
+        fix = "bundled plans mix them: batching.strategy packed or token_budget with batching.bundle_tokens auto"
     return (
         f"warning: {strategy} batches are far more alike than random ones in {what}: steps of one length are often "
         "steps of one task or source, which can train worse than random batches (docs/benchmarks.md, time to "
-        "quality); bundled plans mix them: batching.strategy packed or token_budget with batching.bundle_tokens auto"
+        f"quality); {fix}"
     )
