@@ -191,6 +191,16 @@ def test_inspect_shows_records_before_and_after_cleaning(tmp_path, capsys):
     assert ":1: changed" not in out and "output before" not in out  # unchanged values are not shown
     assert main(["inspect", "--num", "1", *args]) == 0
     assert "before:" not in capsys.readouterr().out  # no cleaning step: nothing to compare
+    # a record that cleaning makes a copy of an earlier one says that dedupe then drops it
+    recs.append(_rec("Don\u2019t ship JavaScript", "ok"))  # line 3: line 2's text once line 2 is repaired
+    recs[1], recs[2] = recs[2], recs[1]  # the clean twin first
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs), encoding="utf-8")
+    assert main(["inspect", "--num", "1", *args, *clean, "--data.clean.dedupe=exact"]) == 0
+    assert f"--- {path}:3: changed by fix_encoding, terms; then dropped by dedupe: the same text as {path}:2 ---" in (
+        capsys.readouterr().out
+    )
+    assert main(["inspect", "--num", "1", *args, *clean, "--data.clean.dedupe=off"]) == 0
+    assert "then dropped" not in capsys.readouterr().out
 
 
 def test_near_dedupe_is_the_greedy_rule_on_any_signatures():

@@ -20,6 +20,7 @@ import numpy as np
 
 from densebatch.config import DataConfig
 from densebatch.data.prepare.clean import Cleaner
+from densebatch.data.prepare.dedupe import dedupe_mode, text_key
 from densebatch.data.prepare.default_dataset import generate_records
 from densebatch.data.prepare.source_configs import source_configs
 from densebatch.data.prepare.sources import BadRecord, detect_format, iter_records
@@ -101,6 +102,8 @@ def render_cleaning(cfg: DataConfig, num: int) -> str:
             changes.append((value, new, sorted(cleaner.touched)))
         return new
 
+    dedupe = dedupe_mode(cfg.clean) != "off"  # exact copies after cleaning are marked; near ones only prepare finds
+    seen: dict[bytes, str] = {}  # rendered text -> the first record with it, over every source (as prepare dedupes)
     for name, c in source_configs(cfg):
         fmt = "json" if c.path is None else detect_format(c.path, c.format)
         if fmt == "text":  # paragraphs: the text is the record (as prepare reads it)
@@ -110,13 +113,16 @@ def render_cleaning(cfg: DataConfig, num: int) -> str:
         shown = 0
         for where, rec in islice(_records(c), SCAN):
             changes.clear()
+            copy_of = None
             try:
-                render(rec, c, transform)
+                key = text_key("".join(t for t, _ in render(rec, c, transform)))
+                copy_of = seen.setdefault(key, where) if dedupe else None
             except (RecordError, EmptiedByCleaning):
                 pass  # what was cleaned before the field that failed is still shown
             if not changes:
                 continue
-            out.append(f"--- {where}: changed by {', '.join(sorted({s for _, _, steps in changes for s in steps}))} ---")
+            dropped = f"; then dropped by dedupe: the same text as {copy_of}" if copy_of not in (None, where) else ""
+            out.append(f"--- {where}: changed by {', '.join(sorted({s for _, _, steps in changes for s in steps}))}{dropped} ---")
             for before, after, steps in changes:
                 field = _field(rec, before)
                 out += [f"{field} before: {before!r}", f"{field} after:  {after!r}  ({', '.join(steps)})"]
