@@ -161,16 +161,15 @@ def _cached_or_built(final: Path, tok: Tokenizer, t0: float, build: Callable[[],
 
 
 def _write(
-    final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index, split_keys
+    final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index, keys
 ) -> None:
-    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval split);
-    ``index``: (keys, kept) for ``dedupe.write_index``, or None; ``split_keys``: the text keys of the train
-    and eval documents (``dedupe.write_split_keys``).
-    A write that fails (no space left) is one line; the staged directory is removed, nothing half-written stays."""
+    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval
+    split); ``index``: (keys, kept) for ``dedupe.write_index``, or None; ``keys``: the train and eval documents'
+    text keys (``write_split_keys``). A write that fails (no space left) is one line, nothing half-written stays."""
     with _staged_entry(final, tok, cfg) as tmp:
         if index is not None:
             write_index(tmp, *index)
-        write_split_keys(tmp, *split_keys)
+        write_split_keys(tmp, *keys)
         for split, arrays in (("train", train), ("eval", evals)):
             if arrays is not None:
                 (tmp / split).mkdir()
