@@ -94,7 +94,7 @@ def test_exact_dedupe_spans_the_files_and_an_edited_file_is_prepared_again_with_
     _write(corpus / "c.jsonl", _records(20, 10))
     cfg = data_cfg(path=str(corpus / "*.jsonl"), clean=CleanConfig(dedupe="exact"))
     got = prepare(cfg)
-    assert got.summary.train_documents == 31 and got.summary.cleaning_dropped == {"dedupe_cross_source": 1}
+    assert got.summary.train_documents == 31 and got.summary.cleaning_dropped == {"dedupe_cross_file": 1}
     _write(corpus / "b.jsonl", _records(100, 12))  # edited: it and the file deduped against it are made again
     built.clear()
     assert prepare(cfg).summary.train_documents == 11 + 12 + 10

@@ -326,7 +326,7 @@ def _build_mixture(final: Path, cfg: DataConfig, parts: list[Part], tok: Tokeniz
     built = [_prepare_one(p.name, p.cfg, p.fmt, tok, t0, keys[: i + 1]) for i, p in enumerate(parts)]
     sources = _per_source(cfg, parts, built, tok)
     if len(sources) == 1:  # one source of several files
-        summary = sources[0][1]
+        summary = sources[0][1].of_files()
     else:
         summary = PrepareSummary.combine(
             sources,

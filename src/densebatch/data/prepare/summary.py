@@ -132,6 +132,14 @@ class PrepareSummary:
         out.lengths = percentiles(lengths)
         return out
 
+    def of_files(self) -> PrepareSummary:
+        """This summary as that of one source of several files: its drops of an earlier file's copies are
+        ``dedupe_cross_file`` (in a mixture they count as the source's ``dedupe_cross_source``)."""
+        if "dedupe_cross_source" in self.cleaning_dropped:
+            self.cleaning_dropped["dedupe_cross_file"] = self.cleaning_dropped.pop("dedupe_cross_source")
+            self.cleaning_dropped = dict(sorted(self.cleaning_dropped.items()))
+        return self
+
     def _parts(self) -> str:
         if self.cache_hit or len(self.parts) != 2:
             return ""
