@@ -95,3 +95,14 @@ def test_a_run_stopped_by_sigterm_resumes_with_its_own_steps_and_strategy(tmp_pa
     assert fd.last_step(out) == 40
     saved = load_config(out / "config.yaml")
     assert saved.batching.strategy == "packed" and saved.train.max_steps == 40
+
+
+def test_an_mlm_run_saved_with_causal_loss_tokens_resumes_as_it_ran():
+    """A masked-LM run prepared before data.loss_on became all under mlm (it saved response) resumes with
+    what it saved; a fresh mlm config gets all (the difference is reported, not refused)."""
+    mlm = ["--batching.mode=mlm", "--model.kind=hf", "--model.path=x", "--train.max_steps=60"]
+    saved = to_dict(load_config(None, mlm))
+    saved["data"]["loss_on"] = "response"
+    plan = plan_resume(saved, _requested(mlm), ["--train.max_steps=60"])
+    assert plan.config.data.loss_on == "response" and plan.config.batching.mode == "mlm"
+    assert any(line.startswith("data.loss_on: 'all'") for line in plan.ignored)

@@ -121,7 +121,7 @@ def plan_resume(saved: dict, requested: RunConfig, overrides: list[str]) -> Resu
             plan.changed.append(f"{key}: {old.get(key)!r} → {new[key]!r}")
         else:
             refused.append(f"{key} (saved {old.get(key)!r}, asked {new[key]!r})")
-    plan.config = config_from_dict(merged)
+    plan.config = config_from_dict(merged, saved=True)  # the saved run (a newer rule for a fresh config aside)
     steer = evaluations_steer(plan.config)
     if steer is not None:
         refused += [
