@@ -115,8 +115,8 @@ def render_cleaning(cfg: DataConfig, num: int) -> str:
             changes.clear()
             copy_of = None
             try:
-                key = text_key("".join(t for t, _ in render(rec, c, transform)))
-                copy_of = seen.setdefault(key, where) if dedupe else None
+                segments = render(rec, c, transform)
+                copy_of = seen.setdefault(text_key("".join(t for t, _ in segments)), where) if dedupe else None
             except (RecordError, EmptiedByCleaning):
                 pass  # what was cleaned before the field that failed is still shown
             if not changes:

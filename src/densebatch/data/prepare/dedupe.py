@@ -247,8 +247,12 @@ def _near(keys: Keys, keep: np.ndarray, threshold: float, prior: Keys | None) ->
 
 def repeats(keys: Keys, train: np.ndarray, held: np.ndarray) -> int:
     """Held-out documents whose rendered text is a training document's (``train``/``held``: masks)."""
-    t, e = keys.text[keys.has_text & train], keys.text[keys.has_text & held]
-    return int(np.isin(e, t).sum()) if len(e) and len(t) else 0
+    return count_in(keys.text[keys.has_text & held], keys.text[keys.has_text & train])
+
+
+def count_in(held: np.ndarray, train: np.ndarray) -> int:
+    """How many of the ``held`` text keys are among the ``train`` ones."""
+    return int(np.isin(held, train).sum()) if len(held) and len(train) else 0
 
 
 # ----------------------------------------------------------------------------------------- an entry's index
@@ -278,7 +282,7 @@ def leakage_across(entries: list[Path]) -> int:
             f"{entries[0].parent}: a part's document keys cannot be read ({type(e).__name__}: {e}); delete that "
             "cache directory and run again"
         ) from None
-    return int(np.isin(held, train).sum()) if len(held) and len(train) else 0
+    return count_in(held, train)
 
 
 def write_index(entry: Path, keys: Keys, keep: np.ndarray) -> None:
