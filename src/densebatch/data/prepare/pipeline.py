@@ -163,13 +163,13 @@ def _cached_or_built(final: Path, tok: Tokenizer, t0: float, build: Callable[[],
 def _write(
     final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index, keys
 ) -> None:
-    """One cache entry: ``train`` / ``evals`` are (tokens, offsets, loss_mask, source) tuples (evals None: no eval
-    split); ``index``: (keys, kept) for ``dedupe.write_index``, or None; ``keys``: the train and eval documents'
-    text keys (``write_split_keys``). A write that fails (no space left) is one line, nothing half-written stays."""
+    """One entry: ``train`` / ``evals``, (tokens, offsets, loss_mask, source) tuples (evals None: no eval split); ``index``:
+    (keys, kept) for ``write_index`` (dedupe on), else ``keys``: the splits' text keys. A failed write is one line."""
     with _staged_entry(final, tok, cfg) as tmp:
-        if index is not None:
+        if index is not None:  # dedupe on: the kept records' keys (the leakage count is 0 across parts)
             write_index(tmp, *index)
-        write_split_keys(tmp, *keys)
+        else:
+            write_split_keys(tmp, *keys)
         for split, arrays in (("train", train), ("eval", evals)):
             if arrays is not None:
                 (tmp / split).mkdir()

@@ -347,7 +347,8 @@ def assemble(
     final = keep & (outcome <= TRUNCATED)
     train, evals = final & ~held, final & held
     s.eval_repeats_train = repeats(keys, train, evals)
-    write_split_keys(train_dir.parent, keys.text[keys.has_text & train], keys.text[keys.has_text & evals])
+    if mode == "off":  # for the leakage count across a mixture's parts (with dedupe on it is 0)
+        write_split_keys(train_dir.parent, keys.text[keys.has_text & train], keys.text[keys.has_text & evals])
     assert mode == "off" or not s.eval_repeats_train, "dedupe keeps one copy of each rendered text"
     del keys
     s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
