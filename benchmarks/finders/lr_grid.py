@@ -20,7 +20,8 @@ Setups (``--setup``):
   with color, upper, or key as the new task (``finetune-upper`` was first run after the short-trial
   rule was fixed; ``finetune-key`` after bracketing and the parabola were added to it).
   ``finetune-two``: two new tasks at once (color and parity) for a model tuned on the other two, on
-  records of other seeds (first run after the trials' ceiling was added).
+  records of other seeds (first run after the trials' ceiling was added). ``finetune-upper-key``: the
+  same with upper and key new (first run after the ceiling was kept to models confidently wrong).
 - ``shakespeare``: a GPT-2 pre-trained on tinyshakespeare (../shared), at chance on the embedded
   records' answers, fine-tuned on them.
 - ``sft``: a language model of the embedded records (all four tasks, every token carries loss,
@@ -116,16 +117,20 @@ def loss_text(loss: float) -> str:
     return f"{loss:.3f}" if loss >= 0.01 else f"{loss:.3g}"
 
 
+# two new tasks, the pre-training records' seed, the new records' seed
+TWO_NEW = {"finetune-two": (("color", "parity"), 97531, 13579), "finetune-upper-key": (("upper", "key"), 86420, 24680)}
+
+
 def write_jsonl(records: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
 def finetune_records(setup: str) -> tuple[list[dict], list[dict], list[dict], str]:
     """(pre-training records, fine-tuning records, held-out fine-tuning records, pre-training loss_on)."""
-    if setup == "finetune-two":  # two new tasks at once, for a model tuned on the other two (other records)
-        tasks = ("color", "parity")
-        pre = [r for r in generate_records(20000, seed=97531) if r["task"] not in tasks]
-        new = [r for r in generate_records(8000, seed=13579) if r["task"] in tasks]
+    if setup in TWO_NEW:  # two new tasks at once, for a model tuned on the other two (other records)
+        tasks, pre_seed, new_seed = TWO_NEW[setup]
+        pre = [r for r in generate_records(20000, seed=pre_seed) if r["task"] not in tasks]
+        new = [r for r in generate_records(8000, seed=new_seed) if r["task"] in tasks]
         return pre, new[500:], new[:500], "response"
     if setup.startswith("finetune"):  # a new task for a model instruction-tuned on the three others
         task = {"finetune": FINETUNE_TASK, "finetune-color": "color", "finetune-upper": "upper", "finetune-key": "key"}[setup]
@@ -231,6 +236,7 @@ def main(argv=None) -> int:
         "finetune-upper",
         "finetune-key",
         "finetune-two",
+        "finetune-upper-key",
         "shakespeare",
         "sft",
         "sft-heldout",

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import math
+import types
 
 import numpy as np
 import pytest
@@ -99,10 +100,13 @@ def test_the_range_test_leaves_no_trace(tiny, tmp_path, trials):
     assert _same(ref.optimizer.state_dict(), t.optimizer.state_dict())
 
 
-def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest_heldout_loss(tiny, tmp_path):
+@pytest.mark.parametrize("vocab", [None, 32])
+def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest_heldout_loss(tiny, tmp_path, vocab):
     """Three rates a factor 3 apart around the range test's suggestion, each for trial_steps optimizer steps
     under the run's schedule compressed to that length (warm-up share kept), scored on held-out batches; the
-    suggestion is the trial with the lowest held-out loss, and the range test's own rate is reported."""
+    suggestion is the trial with the lowest held-out loss, and the range test's own rate is reported. No
+    trial runs above the range test's minimum, unless the model says its vocabulary (``config.vocab_size``)
+    and starts no higher than 1.5 x its ln (a model at chance here): then the ladder is whole."""
     from densebatch.train.finders.lr_trials import trial_rates, trial_steps
 
     assert trial_rates(1e-3, 3) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
@@ -110,6 +114,8 @@ def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest
     assert trial_steps(FinderConfig(), 100) == 25 and trial_steps(FinderConfig(), 8) == 10
     assert trial_steps(FinderConfig(trial_steps=7), 100) == 7
     t = _trainer(tiny, tmp_path, max_steps=40, warmup_steps=8)
+    if vocab:
+        t.model.config = types.SimpleNamespace(vocab_size=vocab)
     used = []
     step = t.optimizer.step
 
@@ -122,10 +128,13 @@ def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest
     result = lr_range_test(t, finder)
     base = result.candidates["range test"]
     ceiling = max(result.candidates["minimum"], base)  # no trial above the range test's minimum
+    if vocab:
+        assert np.mean(result.losses[:5]) <= 1.5 * math.log(vocab) and "no ceiling: the range test started" in result.rule
+        ceiling = math.inf
     rates = [r for r in trial_rates(base, 3) if r <= ceiling * (1 + 1e-6)]
     tried = [x["lr"] for x in result.trials]
     assert tried[: len(rates)] == pytest.approx(rates) and 2 <= len(tried) <= 3 + MAX_EXTRA  # the ladder, then bracketing
-    assert max(tried) <= ceiling * (1 + 1e-6) and f"none above {ceiling:.3g}" in result.rule
+    assert max(tried) <= ceiling * (1 + 1e-6) and (vocab or f"none above {ceiling:.3g}" in result.rule)
     trial_lrs = used[len(result.lrs) :]  # after the range test's steps: the trials, 4 steps each
     assert len(trial_lrs) == 4 * len(tried)
     for k, rate in enumerate(tried):  # warm-up 8 of 40 steps -> 1 of 4, then cosine to 0

@@ -10,7 +10,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.train.finders.lr_trials import LADDER, MAX_EXTRA, Trial, above, refine, search
+from densebatch.train.finders.lr_trials import (
+    CONFIDENT,
+    LADDER,
+    MAX_EXTRA,
+    Trial,
+    above,
+    refine,
+    search,
+    trial_ceiling,
+    vocabulary,
+)
 
 
 def _search(loss, start: float, n: int = 3, ceiling: float = math.inf) -> list:
@@ -66,3 +76,31 @@ def test_no_trial_runs_above_the_ceiling_and_below_it_the_search_is_unchanged(of
         assert [t.lr for t in capped] == [t.lr for t in free] and refine(capped) == refine(free)
     elif max(t.lr for t in capped) == min(capped, key=lambda t: t.heldout_loss).lr:  # the best is the top rung allowed
         assert refine(capped) == max(t.lr for t in capped) and optimum > refine(capped) / LADDER**0.5
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(0.0, 30.0), st.sampled_from([None, 2, 259, 1024, 50257]), st.floats(1e-6, 1.0), st.floats(1e-6, 1.0))
+def test_the_ceiling_holds_for_a_model_confidently_wrong_or_of_unknown_vocabulary(start, vocab, minimum, suggested):
+    """Starting above CONFIDENT x ln(vocabulary) (or the vocabulary unknown): no trial above the range test's
+    minimum, never below its suggestion. At or below (a model at chance, or better): no ceiling, and the
+    rule's words say why."""
+    top, words = trial_ceiling(minimum, suggested, start, vocab)
+    if vocab is None or start > CONFIDENT * math.log(vocab):
+        assert top == max(minimum, suggested) and words.startswith(f"none above {top:.3g}")
+    else:
+        assert top == math.inf and words.startswith("no ceiling") and f"ln({vocab})" in words
+    assert trial_ceiling(minimum, suggested, math.nan, 1024)[0] == max(minimum, suggested)  # no start read: kept
+
+
+def test_the_vocabulary_is_read_off_a_hugging_face_or_reference_model_and_else_unknown():
+    import types
+
+    import torch
+
+    from densebatch.model.gpt import GPT, GPTConfig
+
+    assert vocabulary(GPT(GPTConfig(vocab_size=97, block_size=8, n_layer=1, n_head=1, n_embd=8))) == 97
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=61, n_layer=1, n_embd=8, n_head=1, n_positions=8))
+    assert vocabulary(hf) == 61
+    assert vocabulary(torch.nn.Linear(2, 2)) is None and vocabulary(types.SimpleNamespace(config=None)) is None

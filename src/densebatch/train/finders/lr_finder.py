@@ -40,7 +40,7 @@ from densebatch.config import FinderConfig
 from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
-from densebatch.train.finders.lr_trials import best_trial, one_update, refine, run_trials
+from densebatch.train.finders.lr_trials import best_trial, one_update, refine, run_trials, trial_ceiling, vocabulary
 from densebatch.train.guard import FixedClipper
 from densebatch.train.observe.monitor import _fmt_time, strict_json
 from densebatch.train.observe.plots import plot_lr_finder
@@ -172,13 +172,13 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
     if finder.trials:
         if log is not None:
             log(f"short trials around {suggested:.3g} ({finder.trials} rates, finder.trials):")
-        ceiling = max(candidates.get("minimum", math.inf), suggested)  # as run_trials applies it, for the rule's text
+        start = float(np.mean(head)) if head else math.nan
+        ceiling, capped = trial_ceiling(candidates.get("minimum", math.inf), suggested, start, vocabulary(trainer.model))
         trials = run_trials(trainer, finder, suggested, snap, heldout, log, ceiling)
         best, chosen = best_trial(trials), refine(trials)
         rates = ", ".join(f"{t.lr:.3g}" for t in sorted(trials, key=lambda t: t.lr))
         rule = (
-            f"short trials: the lowest held-out loss after {best.steps} steps at {len(trials)} rates ({rates}, none above "
-            f"{ceiling:.3g}, where the range test's loss was lowest) around "
+            f"short trials: the lowest held-out loss after {best.steps} steps at {len(trials)} rates ({rates}; {capped}) around "
             f"the range test's {suggested:.3g} ({RULES[used].split(':')[0]}): {best.lr:.3g}"
             + (f", refined to {chosen:.3g} (the vertex of a parabola through it and its neighbours)" if chosen != best.lr else "")
         )

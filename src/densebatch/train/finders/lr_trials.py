@@ -18,12 +18,17 @@ suggestion may differ from a test without trials.
 Two steps then read the trials as a search rather than a vote. *Bracketing* (``next_rate``): while
 the lowest held-out loss is at an end of the rates tried, the next rung beyond that end is trained
 too, up to ``MAX_EXTRA`` more (the range test may be a factor 10 off: a model that learns the task
-inside the test reads a low rate). *The ceiling*: no trial runs above the rate where the range test's
-smoothed loss was lowest (its ``minimum``; the suggestion itself when that is higher). Past that rate
-~100 steps of growing rates stopped lowering the loss, and a short trial, which anneals before the
-instability of a high rate shows, can still favour it: on docs/finders.md's ``finetune-color`` grid
-25-step trials preferred 2e-2, twice the range test's minimum, on two seeds of five, and whole runs
-there ended 1.5-2x above the grid's best. *The vertex* (``refine``): the rungs are a factor 3 apart and a
+inside the test reads a low rate). *The ceiling*, for a model confidently wrong on its new task (the
+range test's starting loss above ``CONFIDENT`` x ln(vocabulary), where a uniform guess would score 1x):
+no trial runs above the rate where the range test's smoothed loss was lowest (its ``minimum``; the
+suggestion itself when that is higher). Past that rate ~100 steps of growing rates stopped lowering
+the loss, and a short trial, which anneals before the instability of a high rate shows, can still
+favour it: on docs/finders.md's ``finetune-color`` grid (starting loss 16, 2.3x ln 1024) 25-step
+trials preferred 2e-2, twice the range test's minimum, on two seeds of five, and whole runs there
+ended 1.5-2x above the grid's best. A model at or below chance (the loss starts under ``CONFIDENT`` x
+ln V) has no wrong answer to unlearn first, and there the range test's minimum is where the test
+learned the task inside itself, not a limit: ``finetune-upper`` (starting loss 3.5, 0.5x) is best at
+3x its minimum. Without a known vocabulary the ceiling stays. *The vertex* (``refine``): the rungs are a factor 3 apart and a
 run's best rate rarely sits on one, so the suggestion is the vertex of the parabola, in log rate,
 through the best trial and its two neighbours (within half a rung of the best; the best trial's own
 rate when it is at an end or a neighbour diverged).
@@ -52,6 +57,7 @@ from densebatch.train.update import is_empty
 
 LADDER = 3.0  # the factor between neighbouring trial rates
 MAX_EXTRA = 2  # rungs bracketing may add beyond finder.trials
+CONFIDENT = 1.5  # a range test starting above this many times ln(vocabulary): the trials get the ceiling
 
 
 @dataclass
@@ -73,6 +79,30 @@ def trial_rates(suggested: float, n: int) -> list[float]:
     return [suggested * LADDER ** (j - below) for j in range(n)]
 
 
+def vocabulary(model) -> int | None:
+    """The model's output vocabulary (a Hugging Face ``config.vocab_size``, the reference GPT's
+    ``cfg.vocab_size``), None when it does not say."""
+    for cfg in (getattr(model, "config", None), getattr(model, "cfg", None)):
+        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        size = getattr(text, "vocab_size", None)
+        if isinstance(size, int) and size > 1:
+            return size
+    return None
+
+
+def trial_ceiling(minimum: float, suggested: float, start_loss: float, vocab: int | None) -> tuple[float, str]:
+    """The rate no trial runs above, and the rule's words for it: the range test's ``minimum`` (never below
+    ``suggested``) when the test started above ``CONFIDENT`` x ln(``vocab``), or ``vocab`` is unknown;
+    else none (``inf``): a model at or below chance on its task."""
+    if vocab is not None and math.isfinite(start_loss) and start_loss <= CONFIDENT * math.log(vocab):
+        return math.inf, (
+            f"no ceiling: the range test started at loss {start_loss:.3g}, not above {CONFIDENT:g} x ln({vocab}) = "
+            f"{CONFIDENT * math.log(vocab):.3g}"
+        )
+    top = max(minimum, suggested)
+    return top, f"none above {top:.3g}, where the range test's loss was lowest"
+
+
 def trial_steps(finder: FinderConfig, max_steps: int | None) -> int:
     """Steps per trial: ``finder.trial_steps``, else a quarter of ``train.max_steps`` (at least 10; 25
     without a step limit)."""
@@ -90,8 +120,8 @@ def run_trials(
     log: Callable[[str], None] | None = None,
     ceiling: float = math.inf,
 ) -> list[Trial]:
-    """Train each of ``trial_rates(suggested, finder.trials)`` up to ``ceiling`` (the range test's minimum;
-    never below ``suggested``) for ``trial_steps`` steps from the state in ``snapshot`` (a
+    """Train each of ``trial_rates(suggested, finder.trials)`` up to ``ceiling`` (``trial_ceiling``; never
+    below ``suggested``) for ``trial_steps`` steps from the state in ``snapshot`` (a
     ``TrainerSnapshot``, restored after each trial), then the rungs bracketing adds, and score each by the
     held-out loss: the eval data when there are some, else ``heldout`` (batches of the first training
     step, which the trials then skip, as the range test does)."""
