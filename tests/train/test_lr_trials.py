@@ -92,7 +92,7 @@ def test_the_ceiling_holds_for_a_model_confidently_wrong_or_of_unknown_vocabular
     assert trial_ceiling(minimum, suggested, math.nan, 1024)[0] == max(minimum, suggested)  # no start read: kept
 
 
-def test_the_vocabulary_is_read_off_a_hugging_face_or_reference_model_and_else_unknown():
+def test_the_vocabulary_is_read_off_a_hugging_face_or_reference_model_and_else_unknown(tmp_path):
     import types
 
     import torch
@@ -103,4 +103,8 @@ def test_the_vocabulary_is_read_off_a_hugging_face_or_reference_model_and_else_u
     transformers = pytest.importorskip("transformers")
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=61, n_layer=1, n_embd=8, n_head=1, n_positions=8))
     assert vocabulary(hf) == 61
+    from densebatch.model.hf import HFCausalLM
+
+    hf.save_pretrained(tmp_path)
+    assert vocabulary(HFCausalLM(tmp_path)) == 61  # what densebatch trains: its wrapper
     assert vocabulary(torch.nn.Linear(2, 2)) is None and vocabulary(types.SimpleNamespace(config=None)) is None
