@@ -21,7 +21,8 @@ Setups (``--setup``):
   rule was fixed; ``finetune-key`` after bracketing and the parabola were added to it).
   ``finetune-two``: two new tasks at once (color and parity) for a model tuned on the other two, on
   records of other seeds (first run after the trials' ceiling was added). ``finetune-upper-key``: the
-  same with upper and key new (first run after the ceiling was kept to models confidently wrong).
+  same with upper and key new, and ``finetune-upper2`` upper alone on records of other seeds (both first
+  run after the ceiling was kept to models confidently wrong).
 - ``shakespeare``: a GPT-2 pre-trained on tinyshakespeare (../shared), at chance on the embedded
   records' answers, fine-tuned on them.
 - ``sft``: a language model of the embedded records (all four tasks, every token carries loss,
@@ -117,7 +118,14 @@ def loss_text(loss: float) -> str:
     return f"{loss:.3f}" if loss >= 0.01 else f"{loss:.3g}"
 
 
-# two new tasks, the pre-training records' seed, the new records' seed
+# the new task(s), the pre-training records' seed, the new records' seed
+ONE_NEW = {
+    "finetune": (FINETUNE_TASK, 1234, 4321),
+    "finetune-color": ("color", 1234, 4321),
+    "finetune-upper": ("upper", 1234, 4321),
+    "finetune-key": ("key", 1234, 4321),
+    "finetune-upper2": ("upper", 86420, 24680),
+}
 TWO_NEW = {"finetune-two": (("color", "parity"), 97531, 13579), "finetune-upper-key": (("upper", "key"), 86420, 24680)}
 
 
@@ -132,10 +140,10 @@ def finetune_records(setup: str) -> tuple[list[dict], list[dict], list[dict], st
         pre = [r for r in generate_records(20000, seed=pre_seed) if r["task"] not in tasks]
         new = [r for r in generate_records(8000, seed=new_seed) if r["task"] in tasks]
         return pre, new[500:], new[:500], "response"
-    if setup.startswith("finetune"):  # a new task for a model instruction-tuned on the three others
-        task = {"finetune": FINETUNE_TASK, "finetune-color": "color", "finetune-upper": "upper", "finetune-key": "key"}[setup]
-        pre = [r for r in generate_records(20000, seed=1234) if r["task"] != task]
-        new = [r for r in generate_records(12000, seed=4321) if r["task"] == task]
+    if setup in ONE_NEW:  # a new task for a model instruction-tuned on the three others
+        task, pre_seed, new_seed = ONE_NEW[setup]
+        pre = [r for r in generate_records(20000, seed=pre_seed) if r["task"] != task]
+        new = [r for r in generate_records(12000, seed=new_seed) if r["task"] == task]
         return pre, new[500:], new[:500], "response"
     # sft: a language model of the rendered records (every token carries loss), then instruction-tuned
     # on new records of the same tasks (loss on the answers); sft-heldout: the same on other records
@@ -237,6 +245,7 @@ def main(argv=None) -> int:
         "finetune-key",
         "finetune-two",
         "finetune-upper-key",
+        "finetune-upper2",
         "shakespeare",
         "sft",
         "sft-heldout",
