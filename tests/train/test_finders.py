@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import json
 import math
-import types
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import torch
 from densebatch.config import FinderConfig, TrainConfig
 from densebatch.errors import UserError
 from densebatch.train.finders.lr_finder import diverged, lr_range_test, progress_line, schedule, smooth, write_outputs
-from densebatch.train.finders.lr_trials import MAX_EXTRA, Trial, refine
+from densebatch.train.finders.lr_trials import MAX_EXTRA
 from densebatch.train.loop import Trainer
 from densebatch.train.parts import Evaluation, Placement, Reporting
 from densebatch.train.rng import capture_rng_state, restore_rng_state
@@ -98,52 +97,6 @@ def test_the_range_test_leaves_no_trace(tiny, tmp_path, trials):
     assert r1.record["loss"] == r2.record["loss"]
     assert _same(ref.model.state_dict(), t.model.state_dict())
     assert _same(ref.optimizer.state_dict(), t.optimizer.state_dict())
-
-
-@pytest.mark.parametrize("vocab", [None, 32])
-def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest_heldout_loss(tiny, tmp_path, vocab):
-    """Three rates a factor 3 apart around the range test's suggestion, each for trial_steps optimizer steps
-    under the run's schedule compressed to that length (warm-up share kept), scored on held-out batches; the
-    suggestion is the trial with the lowest held-out loss, and the range test's own rate is reported. No
-    trial runs above the range test's minimum, unless the model says its vocabulary (``config.vocab_size``)
-    and starts no higher than 1.5 x its ln (a model at chance here): then the ladder is whole."""
-    from densebatch.train.finders.lr_trials import trial_rates, trial_steps
-
-    assert trial_rates(1e-3, 3) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
-    assert trial_rates(1e-3, 2) == pytest.approx([1e-3 / 3, 1e-3]) and len(trial_rates(1e-3, 5)) == 5
-    assert trial_steps(FinderConfig(), 100) == 25 and trial_steps(FinderConfig(), 8) == 10
-    assert trial_steps(FinderConfig(trial_steps=7), 100) == 7
-    t = _trainer(tiny, tmp_path, max_steps=40, warmup_steps=8)
-    if vocab:
-        t.model.config = types.SimpleNamespace(vocab_size=vocab)
-    used = []
-    step = t.optimizer.step
-
-    def record(*a, **k):
-        used.append(t.optimizer.param_groups[0]["lr"] / t.optimizer.param_groups[0]["lr_mult"])
-        return step(*a, **k)
-
-    finder = dataclasses.replace(FAST, trials=3, trial_steps=4)
-    t.optimizer.step = record
-    result = lr_range_test(t, finder)
-    base = result.candidates["range test"]
-    ceiling = max(result.candidates["minimum"], base)  # no trial above the range test's minimum
-    if vocab:
-        assert np.mean(result.losses[:5]) <= 1.5 * math.log(vocab) and "no ceiling: the range test started" in result.rule
-        ceiling = math.inf
-    rates = [r for r in trial_rates(base, 3) if r <= ceiling * (1 + 1e-6)]
-    tried = [x["lr"] for x in result.trials]
-    assert tried[: len(rates)] == pytest.approx(rates) and 2 <= len(tried) <= 3 + MAX_EXTRA  # the ladder, then bracketing
-    assert max(tried) <= ceiling * (1 + 1e-6) and (vocab or f"none above {ceiling:.3g}" in result.rule)
-    trial_lrs = used[len(result.lrs) :]  # after the range test's steps: the trials, 4 steps each
-    assert len(trial_lrs) == 4 * len(tried)
-    for k, rate in enumerate(tried):  # warm-up 8 of 40 steps -> 1 of 4, then cosine to 0
-        a, b, c, d = trial_lrs[4 * k : 4 * k + 4]
-        assert a == pytest.approx(rate) and b == pytest.approx(rate) and d < c < b
-    trials = [Trial(**x) for x in result.trials]
-    assert result.suggested_lr == refine(trials) and result.used == "trials" and "short trials" in result.rule
-    best = min(result.trials, key=lambda x: x["heldout_loss"])
-    assert best["lr"] / 3**0.5 <= result.suggested_lr <= best["lr"] * 3**0.5  # within half a rung of the best trial
 
 
 def test_one_rate_per_optimizer_step_under_accumulation(tiny, tmp_path):

@@ -1,24 +1,34 @@
-"""The short trials' rate search (``finder.trials``): bracketing past a winning end of the ladder, and the
-parabola's vertex between rungs, against losses given as functions of the rate. The trials inside a
-range test (schedules, no trace, outputs) are in test_finders.py."""
+"""The short trials (``finder.trials``): the rate search (bracketing past a winning end of the ladder, the
+parabola's vertex between rungs) against losses given as functions of the rate; which models get trials
+and a ceiling; the trials inside a range test (rates, schedules, the suggestion). No trace and outputs
+are in test_finders.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_finders import FAST, _trainer
 
+from densebatch.config import FinderConfig
+from densebatch.train.finders.lr_finder import lr_range_test
 from densebatch.train.finders.lr_trials import (
     CONFIDENT,
     LADDER,
     MAX_EXTRA,
     Trial,
     above,
+    confidently_wrong,
     refine,
     search,
     trial_ceiling,
+    trial_rates,
+    trial_steps,
     vocabulary,
 )
 
@@ -108,3 +118,62 @@ def test_the_vocabulary_is_read_off_a_hugging_face_or_reference_model_and_else_u
     hf.save_pretrained(tmp_path)
     assert vocabulary(HFCausalLM(tmp_path)) == 61  # what densebatch trains: its wrapper
     assert vocabulary(torch.nn.Linear(2, 2)) is None and vocabulary(types.SimpleNamespace(config=None)) is None
+
+
+def test_a_model_is_confidently_wrong_above_one_and_a_half_times_ln_vocabulary_and_else_not_or_unknown():
+    assert confidently_wrong(16.0, 1024) and confidently_wrong(10.5, 1024)  # color, parity: 2.2-2.4x ln 1024
+    assert confidently_wrong(7.06, 1024) is False and confidently_wrong(3.4, 1024) is False  # Shakespeare, upper
+    assert confidently_wrong(5.0, None) is None and confidently_wrong(math.nan, 1024) is None
+
+
+# The tiny model starts near ln 32 = 3.47: told its vocabulary is 32 it is at chance (trials, no ceiling);
+# told 2 (1.5 x ln 2 = 1.04) it is confidently wrong (no trials, unless trials_always: then the ceiling).
+@pytest.mark.parametrize(("vocab", "always"), [(None, False), (32, False), (2, False), (2, True)])
+def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest_heldout_loss(tiny, tmp_path, vocab, always):
+    """Three rates a factor 3 apart around the range test's suggestion, each for trial_steps optimizer steps
+    under the run's schedule compressed to that length (warm-up share kept), scored on held-out batches; the
+    suggestion is the trial with the lowest held-out loss, and the range test's own rate is reported. No
+    trial runs above the range test's minimum unless the model says its vocabulary (``config.vocab_size``)
+    and starts no higher than 1.5 x its ln: then the ladder is whole. Starting higher, the range test's
+    rate stands and no trial runs, unless ``finder.trials_always``."""
+    assert trial_rates(1e-3, 3) == pytest.approx([1e-3 / 3, 1e-3, 3e-3])
+    assert trial_rates(1e-3, 2) == pytest.approx([1e-3 / 3, 1e-3]) and len(trial_rates(1e-3, 5)) == 5
+    assert trial_steps(FinderConfig(), 100) == 25 and trial_steps(FinderConfig(), 8) == 10
+    assert trial_steps(FinderConfig(trial_steps=7), 100) == 7
+    t = _trainer(tiny, tmp_path, max_steps=40, warmup_steps=8)
+    if vocab:
+        t.model.config = types.SimpleNamespace(vocab_size=vocab)
+    used = []
+    step = t.optimizer.step
+
+    def record(*a, **k):
+        used.append(t.optimizer.param_groups[0]["lr"] / t.optimizer.param_groups[0]["lr_mult"])
+        return step(*a, **k)
+
+    finder = dataclasses.replace(FAST, trials=3, trial_steps=4, trials_always=always)
+    t.optimizer.step = record
+    result = lr_range_test(t, finder)
+    start = float(np.mean(result.losses[:5]))  # the baseline steps of a 12-step test
+    if vocab == 2 and not always:  # confidently wrong: the range test's own rate, no trial trained
+        assert start > CONFIDENT * math.log(2) and result.trials == [] and len(used) == len(result.lrs)
+        assert result.used != "trials" and result.suggested_lr == result.candidates[result.used]
+        assert "short trials skipped: the model starts confidently wrong" in result.rule and "range test" not in result.candidates
+        return
+    base = result.candidates["range test"]
+    ceiling = max(result.candidates["minimum"], base)  # no trial above the range test's minimum
+    if vocab == 32:
+        assert start <= CONFIDENT * math.log(vocab) and "no ceiling: the range test started" in result.rule
+        ceiling = math.inf
+    rates = [r for r in trial_rates(base, 3) if r <= ceiling * (1 + 1e-6)]
+    tried = [x["lr"] for x in result.trials]
+    assert tried[: len(rates)] == pytest.approx(rates) and 2 <= len(tried) <= 3 + MAX_EXTRA  # the ladder, then bracketing
+    assert max(tried) <= ceiling * (1 + 1e-6) and (vocab == 32 or f"none above {ceiling:.3g}" in result.rule)
+    trial_lrs = used[len(result.lrs) :]  # after the range test's steps: the trials, 4 steps each
+    assert len(trial_lrs) == 4 * len(tried)
+    for k, rate in enumerate(tried):  # warm-up 8 of 40 steps -> 1 of 4, then cosine to 0
+        a, b, c, d = trial_lrs[4 * k : 4 * k + 4]
+        assert a == pytest.approx(rate) and b == pytest.approx(rate) and d < c < b
+    trials = [Trial(**x) for x in result.trials]
+    assert result.suggested_lr == refine(trials) and result.used == "trials" and "short trials" in result.rule
+    best = min(result.trials, key=lambda x: x["heldout_loss"])
+    assert best["lr"] / 3**0.5 <= result.suggested_lr <= best["lr"] * 3**0.5  # within half a rung of the best trial

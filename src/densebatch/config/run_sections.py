@@ -244,11 +244,17 @@ class FinderConfig:
     )
     trials: int = _f(
         0,
-        "Range test, then short trainings at this many rates around its suggestion (a factor 3 apart, none above the "
-        "rate of its lowest loss; up to 2 more beyond an end while the end has the lowest held-out loss), suggesting "
-        "the vertex of a parabola through the best and its neighbours: for a model far from its task; costs (trials "
-        "to trials+2) x trial_steps steps; 0 = off.",
+        "Range test, then short trainings at this many rates around its suggestion (a factor 3 apart; up to 2 more "
+        "beyond an end while the end has the lowest held-out loss), suggesting the vertex of a parabola through the "
+        "best and its neighbours: for a model far from its task and at or below chance on it; a model confidently "
+        "wrong (the test's first loss above 1.5 x ln vocabulary) keeps the range test's rate unless trials_always; "
+        "costs (trials to trials+2) x trial_steps steps; 0 = off.",
         minimum=0,
+    )
+    trials_always: bool = _f(
+        False,
+        "Run the trials also for a model confidently wrong on its task (or of unknown vocabulary), none above the rate "
+        "of the range test's lowest loss.",
     )
     trial_steps: int = _f(0, "Steps of each short trial (0: a quarter of train.max_steps, at least 10).", minimum=0)
     memory_reserve: float = _f(

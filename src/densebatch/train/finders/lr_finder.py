@@ -40,7 +40,16 @@ from densebatch.config import FinderConfig
 from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
-from densebatch.train.finders.lr_trials import best_trial, one_update, refine, run_trials, trial_ceiling, vocabulary
+from densebatch.train.finders.lr_trials import (
+    best_trial,
+    confidently_wrong,
+    one_update,
+    refine,
+    run_trials,
+    skipped,
+    trial_ceiling,
+    vocabulary,
+)
 from densebatch.train.guard import FixedClipper
 from densebatch.train.observe.monitor import _fmt_time, strict_json
 from densebatch.train.observe.plots import plot_lr_finder
@@ -169,11 +178,13 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
         )
     used = choose_rule(smoothed, noise, held)
     suggested, rule, trials = candidates[used], RULES[used], []
-    if finder.trials:
+    start, vocab = (float(np.mean(head)) if head else math.nan), vocabulary(trainer.model)
+    if finder.trials and confidently_wrong(start, vocab) and not finder.trials_always:
+        rule = f"{rule} ({skipped(start, vocab)})"
+    elif finder.trials:
         if log is not None:
             log(f"short trials around {suggested:.3g} ({finder.trials} rates, finder.trials):")
-        start = float(np.mean(head)) if head else math.nan
-        ceiling, capped = trial_ceiling(candidates.get("minimum", math.inf), suggested, start, vocabulary(trainer.model))
+        ceiling, capped = trial_ceiling(candidates.get("minimum", math.inf), suggested, start, vocab)
         trials = run_trials(trainer, finder, suggested, snap, heldout, log, ceiling)
         best, chosen = best_trial(trials), refine(trials)
         rates = ", ".join(f"{t.lr:.3g}" for t in sorted(trials, key=lambda t: t.lr))

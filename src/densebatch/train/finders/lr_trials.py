@@ -15,20 +15,29 @@ whose documents no trial trains on). Without eval data, turning trials on also g
 these held-out batches (and so its held-out curve, which its near-task rule reads), so its own
 suggestion may differ from a test without trials.
 
+*Which models get trials*: those at or below chance on the task (the range test's first loss at most
+``CONFIDENT`` x ln(vocabulary); a uniform guess scores 1x). There the range test errs low (a model that
+learns the task inside the test reads a low rate) and the trials fix it. A model confidently wrong on
+its task (above ``CONFIDENT`` x: it answers its old tasks' words) keeps the range test's rate unless
+``finder.trials_always``: on every grid of docs/finders.md of that kind the range test's own rate did as
+well as the trials or better (the trials there prefer the rate that unlearns the old answers fastest, a
+factor 3 above the one that learns the new task best). The seven grids the rule was chosen on start
+at 0.5x to 1.01x (upper, key, Shakespeare) or at 2.2x to 2.4x (parity, color, two): any factor
+between splits them alike, and 1.5 is the middle, not a fit.
+
 Two steps then read the trials as a search rather than a vote. *Bracketing* (``next_rate``): while
 the lowest held-out loss is at an end of the rates tried, the next rung beyond that end is trained
 too, up to ``MAX_EXTRA`` more (the range test may be a factor 10 off: a model that learns the task
-inside the test reads a low rate). *The ceiling*, for a model confidently wrong on its new task (the
-range test's starting loss above ``CONFIDENT`` x ln(vocabulary), where a uniform guess would score 1x):
-no trial runs above the rate where the range test's smoothed loss was lowest (its ``minimum``; the
-suggestion itself when that is higher). Past that rate ~100 steps of growing rates stopped lowering
-the loss, and a short trial, which anneals before the instability of a high rate shows, can still
-favour it: on docs/finders.md's ``finetune-color`` grid (starting loss 16, 2.3x ln 1024) 25-step
-trials preferred 2e-2, twice the range test's minimum, on two seeds of five, and whole runs there
-ended 1.5-2x above the grid's best. A model at or below chance (the loss starts under ``CONFIDENT`` x
-ln V) has no wrong answer to unlearn first, and there the range test's minimum is where the test
-learned the task inside itself, not a limit: ``finetune-upper`` (starting loss 3.5, 0.5x) is best at
-3x its minimum. Without a known vocabulary the ceiling stays. *The vertex* (``refine``): the rungs are a factor 3 apart and a
+inside the test reads a low rate). *The ceiling*, when trials run for a model confidently wrong
+(``finder.trials_always``) or one whose vocabulary is unknown: no trial runs above the rate where the
+range test's smoothed loss was lowest (its ``minimum``; the suggestion itself when that is higher).
+Past that rate ~100 steps of growing rates stopped lowering the loss, and a short trial, which anneals
+before the instability of a high rate shows, can still favour it: on docs/finders.md's
+``finetune-color`` grid (starting loss 16, 2.3x ln 1024) 25-step trials preferred 2e-2, twice the
+range test's minimum, on two seeds of five, and whole runs there ended 1.5-2x above the grid's best.
+For a model at or below chance there is no ceiling: the range test's minimum is where the test learned
+the task inside itself, not a limit (``finetune-upper``, starting at 3.5 = 0.5x ln 1024, is best at 3x
+its minimum). *The vertex* (``refine``): the rungs are a factor 3 apart and a
 run's best rate rarely sits on one, so the suggestion is the vertex of the parabola, in log rate,
 through the best trial and its two neighbours (within half a rung of the best; the best trial's own
 rate when it is at an end or a neighbour diverged).
@@ -93,11 +102,28 @@ def vocabulary(model) -> int | None:
     return None
 
 
+def confidently_wrong(start_loss: float, vocab: int | None) -> bool | None:
+    """The range test's first loss is above ``CONFIDENT`` x ln(``vocab``) (a uniform guess scores 1x): the
+    model answers its task with confidence, wrongly. None when the vocabulary or the start is unknown."""
+    if vocab is None or not math.isfinite(start_loss):
+        return None
+    return start_loss > CONFIDENT * math.log(vocab)
+
+
+def skipped(start_loss: float, vocab: int) -> str:
+    """The rule's words when ``finder.trials`` is skipped for a model ``confidently_wrong``."""
+    return (
+        f"short trials skipped: the model starts confidently wrong on its task (loss {start_loss:.3g}, above "
+        f"{CONFIDENT:g} x ln({vocab}) = {CONFIDENT * math.log(vocab):.3g}), where the range test's own rate did as well "
+        "or better on the grids of docs/finders.md; finder.trials_always: true runs them"
+    )
+
+
 def trial_ceiling(minimum: float, suggested: float, start_loss: float, vocab: int | None) -> tuple[float, str]:
     """The rate no trial runs above, and the rule's words for it: the range test's ``minimum`` (never below
     ``suggested``) when the test started above ``CONFIDENT`` x ln(``vocab``), or ``vocab`` is unknown;
     else none (``inf``): a model at or below chance on its task."""
-    if vocab is not None and math.isfinite(start_loss) and start_loss <= CONFIDENT * math.log(vocab):
+    if confidently_wrong(start_loss, vocab) is False:
         return math.inf, (
             f"no ceiling: the range test started at loss {start_loss:.3g}, not above {CONFIDENT:g} x ln({vocab}) = "
             f"{CONFIDENT * math.log(vocab):.3g}"
