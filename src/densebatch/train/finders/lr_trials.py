@@ -66,7 +66,7 @@ from densebatch.train.update import is_empty
 
 LADDER = 3.0  # the factor between neighbouring trial rates
 MAX_EXTRA = 2  # rungs bracketing may add beyond finder.trials
-CONFIDENT = 1.5  # a range test starting above this many times ln(vocabulary): the trials get the ceiling
+CONFIDENT = 1.5  # a range test starting above this many times ln(vocabulary): no trials (the model is confidently wrong)
 
 
 @dataclass
