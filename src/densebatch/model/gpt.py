@@ -129,6 +129,11 @@ class GPT(nn.Module):
         self.lm_head.weight = self.wte.weight  # tied: one matrix, saved once
         self.apply(self._init_weights)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model reads and predicts (as ``HFCausalLM.vocab_size``)."""
+        return self.cfg.vocab_size
+
     def _init_weights(self, m: nn.Module) -> None:
         # GPT-2: N(0, 0.02); projections into the residual stream shrink with depth so the
         # residual's variance does not grow with n_layer.

@@ -89,14 +89,11 @@ def trial_rates(suggested: float, n: int) -> list[float]:
 
 
 def vocabulary(model) -> int | None:
-    """The model's output vocabulary (densebatch's Hugging Face wrapper's ``vocab_size``, a transformers
-    model's ``config.vocab_size``, the reference GPT's ``cfg.vocab_size``), None when it does not say."""
-    size = getattr(model, "vocab_size", None)
-    if isinstance(size, int) and size > 1:
-        return size
-    for cfg in (getattr(model, "config", None), getattr(model, "cfg", None)):
-        text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-        size = getattr(text, "vocab_size", None)
+    """The model's output vocabulary: its ``vocab_size`` (densebatch's models: the reference GPT and the
+    Hugging Face wrapper), else a transformers model's ``config``'s; None when it does not say."""
+    cfg = getattr(model, "config", None)
+    for owner in (model, cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg):
+        size = getattr(owner, "vocab_size", None)
         if isinstance(size, int) and size > 1:
             return size
     return None
