@@ -8,8 +8,8 @@ loss fall fastest in a few steps is not the one that learns the task best by the
 ask the question the grid asks, in small: ``N`` rates around the range test's suggestion (a ladder of
 factors of 3: for 3 trials, suggestion / 3, x 1, x 3; ties go to the lower rate), each trained from
 the same initial weights for ``finder.trial_steps`` steps (default: a quarter of ``train.max_steps``,
-at least 10) under the run's own schedule compressed to that length (the same share of warm-up, the
-same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
+at least 10) under the run's own schedule fitted to that length (the run's warm-up steps, at most half
+the trial, then the same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
 of it; without eval data, ``finder.heldout_batches`` (at least 2) batches of the first training step,
 whose documents no trial trains on). Without eval data, turning trials on also gives the range test
 these held-out batches (and so its held-out curve, which its near-task rule reads), so its own
@@ -24,6 +24,12 @@ well as the trials or better (the trials there prefer the rate that unlearns the
 factor 3 above the one that learns the new task best). The seven grids the rule was chosen on start
 at 0.5x to 1.01x (upper, key, Shakespeare) or at 2.2x to 2.4x (parity, color, two): any factor
 between splits them alike, and 1.5 is the middle, not a fit.
+
+*The warm-up* keeps its length in steps, not its share of the run: it steadies the optimizer's first
+updates (Adam's moment estimates start from nothing), and a shorter run needs as many of them. Squeezed
+to its share (2-3 steps of a 25-step trial for a run's 10 of 100), a high rate overshot in the trial
+where the whole run did not, and the trials leaned low: on docs/finders.md's ``finetune-upper2`` their
+25-step winner sat a factor 2-5 below the whole runs' best on every seed.
 
 Two steps then read the trials as a search rather than a vote. *Bracketing* (``next_rate``): while
 the lowest held-out loss is at an end of the rates tried, the next rung beyond that end is trained
@@ -152,8 +158,7 @@ def run_trials(
     held-out loss: the eval data when there are some, else ``heldout`` (batches of the first training
     step, which the trials then skip, as the range test does)."""
     n = trial_steps(finder, trainer.cfg.max_steps)
-    total = trainer.cfg.max_steps or n
-    warmup = min(n - 1, round(trainer.cfg.warmup_steps * n / total)) if trainer.cfg.warmup_steps else 0
+    warmup = min(trainer.cfg.warmup_steps or 0, n // 2)  # the run's warm-up in steps, at most half the trial
     if trainer.eval_data is None and not heldout:
         raise UserError("finder.trials: no held-out data to score the trials on: set data.eval_fraction > 0 or data.eval_path")
     # Without eval data the held-out batches are the first training step's documents: no trial trains on them,
