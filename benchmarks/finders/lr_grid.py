@@ -22,7 +22,8 @@ Setups (``--setup``):
   ``finetune-two``: two new tasks at once (color and parity) for a model tuned on the other two, on
   records of other seeds (first run after the trials' ceiling was added). ``finetune-upper-key``: the
   same with upper and key new, and ``finetune-upper2`` upper alone on records of other seeds (both first
-  run after the ceiling was kept to models confidently wrong).
+  run after the ceiling was kept to models confidently wrong); ``finetune-upper3`` upper alone on records of
+  third seeds (first run after the trials kept the run's warm-up in steps).
 - ``shakespeare``: a GPT-2 pre-trained on tinyshakespeare (../shared), at chance on the embedded
   records' answers, fine-tuned on them.
 - ``sft``: a language model of the embedded records (all four tasks, every token carries loss,
@@ -125,6 +126,7 @@ ONE_NEW = {
     "finetune-upper": ("upper", 1234, 4321),
     "finetune-key": ("key", 1234, 4321),
     "finetune-upper2": ("upper", 86420, 24680),
+    "finetune-upper3": ("upper", 31415, 27182),
 }
 TWO_NEW = {"finetune-two": (("color", "parity"), 97531, 13579), "finetune-upper-key": (("upper", "key"), 86420, 24680)}
 
@@ -246,6 +248,7 @@ def main(argv=None) -> int:
         "finetune-two",
         "finetune-upper-key",
         "finetune-upper2",
+        "finetune-upper3",
         "shakespeare",
         "sft",
         "sft-heldout",
