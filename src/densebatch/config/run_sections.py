@@ -256,7 +256,11 @@ class FinderConfig:
         "Run the trials also for a model confidently wrong on its task (or of unknown vocabulary), none above the rate "
         "of the range test's lowest loss.",
     )
-    trial_steps: int = _f(0, "Steps of each short trial (0: a quarter of train.max_steps, at least 10).", minimum=0)
+    trial_steps: int = _f(
+        0,
+        "Steps of each short trial (0: a quarter of train.max_steps, at least 10), under the run's schedule: its warm-up steps (at most half the trial), then its decay.",
+        minimum=0,
+    )
     memory_reserve: float = _f(
         0.1,
         "Budget finder: share of train.memory_limit_gb it keeps free (fragmentation, evaluation, checkpoint copies), in [0, 0.9].",
