@@ -177,3 +177,25 @@ def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest
     assert result.suggested_lr == refine(trials) and result.used == "trials" and "short trials" in result.rule
     best = min(result.trials, key=lambda x: x["heldout_loss"])
     assert best["lr"] / 3**0.5 <= result.suggested_lr <= best["lr"] * 3**0.5  # within half a rung of the best trial
+
+
+def test_a_trial_keeps_the_runs_warm_up_in_steps_not_its_share_of_the_run(tiny, tmp_path):
+    """A run of 100 steps warming up over 3: each 8-step trial warms up over the same 3 steps (a share would
+    give 0), then decays; the warm-up is what steadies the first updates, whatever the run's length."""
+    t = _trainer(tiny, tmp_path, max_steps=100, warmup_steps=3)
+    t.model.config = types.SimpleNamespace(vocab_size=32)  # at chance: the trials run
+    used = []
+    step = t.optimizer.step
+
+    def record(*a, **k):
+        used.append(t.optimizer.param_groups[0]["lr"] / t.optimizer.param_groups[0]["lr_mult"])
+        return step(*a, **k)
+
+    t.optimizer.step = record
+    result = lr_range_test(t, dataclasses.replace(FAST, trials=2, trial_steps=8))
+    trial_lrs = used[len(result.lrs) :]
+    assert result.trials and len(trial_lrs) == 8 * len(result.trials)
+    for k, trial in enumerate(result.trials):
+        rate, lrs = trial["lr"], trial_lrs[8 * k : 8 * k + 8]
+        assert lrs[:4] == pytest.approx([rate / 3, 2 * rate / 3, rate, rate])
+        assert all(b < a for a, b in zip(lrs[3:], lrs[4:]))  # then cosine down from the peak
