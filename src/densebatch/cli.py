@@ -21,7 +21,7 @@ import argparse
 import sys
 from dataclasses import fields
 
-from densebatch.config import RunConfig
+from densebatch.config import FinderConfig, RunConfig
 from densebatch.errors import UserError
 
 
@@ -86,10 +86,7 @@ def _parser() -> argparse.ArgumentParser:
         "--trials",
         type=int,
         metavar="N",
-        help="then train N rates around the suggestion (a factor 3 apart; up to 2 more while the best is at an end) for "
-        "finder.trial_steps steps each and suggest the rate of lowest held-out loss between them (finder.trials; for a "
-        "model far from its task and at or below chance on it: a model confidently wrong keeps the range test's rate "
-        "unless finder.trials_always; costs N to N+2 x trial_steps steps)",
+        help="finder.trials: " + next(f.metadata["help"] for f in fields(FinderConfig) if f.name == "trials"),
     )
     with_config(
         "find-batch", "Largest batching.max_tokens_per_batch whose worst batch fits the memory, and where throughput levels off."

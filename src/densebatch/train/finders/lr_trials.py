@@ -113,12 +113,17 @@ def confidently_wrong(start_loss: float, vocab: int | None) -> bool | None:
     return start_loss > CONFIDENT * math.log(vocab)
 
 
+def _line(vocab: int) -> str:
+    """The confidence line in the rule's words: ``CONFIDENT`` x ln(``vocab``) and its value."""
+    return f"{CONFIDENT:g} x ln({vocab}) = {CONFIDENT * math.log(vocab):.3g}"
+
+
 def skipped(start_loss: float, vocab: int) -> str:
     """The rule's words when ``finder.trials`` is skipped for a model ``confidently_wrong``."""
     return (
         f"short trials skipped: the model starts confidently wrong on its task (loss {start_loss:.3g}, above "
-        f"{CONFIDENT:g} x ln({vocab}) = {CONFIDENT * math.log(vocab):.3g}), where the range test's own rate did as well "
-        "or better on the grids of docs/finders.md; finder.trials_always: true runs them"
+        f"{_line(vocab)}), where the range test's own rate did as well or better on the grids of docs/finders.md; "
+        "finder.trials_always: true runs them"
     )
 
 
@@ -127,10 +132,7 @@ def trial_ceiling(minimum: float, suggested: float, start_loss: float, vocab: in
     ``suggested``) when the test started above ``CONFIDENT`` x ln(``vocab``), or ``vocab`` is unknown;
     else none (``inf``): a model at or below chance on its task."""
     if confidently_wrong(start_loss, vocab) is False:
-        return math.inf, (
-            f"no ceiling: the range test started at loss {start_loss:.3g}, not above {CONFIDENT:g} x ln({vocab}) = "
-            f"{CONFIDENT * math.log(vocab):.3g}"
-        )
+        return math.inf, f"no ceiling: the range test started at loss {start_loss:.3g}, not above {_line(vocab)}"
     top = max(minimum, suggested)
     return top, f"none above {top:.3g}, where the range test's loss was lowest"
 
