@@ -28,9 +28,9 @@ from densebatch.model.hf_falcon import install as install_falcon_attention
 
 
 def register_attention() -> str:
-    """Make ``attn_implementation="densebatch"`` known to transformers; returns that name. (Falcon, whose
-    layers pick their attention class from a table of their own, gets densebatch's class there too:
-    ``model/hf_falcon.py``.)"""
+    """Make ``attn_implementation="densebatch"`` known to transformers; returns that name. (Falcon before
+    transformers 5.25, whose layers pick their attention class from a table of their own, gets
+    densebatch's class there too: ``model/hf_falcon.py``.)"""
     register()
     install_falcon_attention()
     return "densebatch"

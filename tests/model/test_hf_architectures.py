@@ -90,12 +90,19 @@ FALCON_LAYOUTS = {
 
 @pytest.mark.parametrize("layout", FALCON_LAYOUTS)
 def test_falcon_attends_document_by_document_in_every_qkv_layout(tmp_path, layout, gen):
-    """Falcon picks its attention class from its own table; densebatch's class there (model/hf_falcon.py)
-    keeps packed documents apart with no T x T mask, and has Falcon's own parameters."""
+    """Before transformers 5.25 Falcon picks its attention class from its own table, and densebatch's class
+    there (model/hf_falcon.py) must keep packed documents apart and have Falcon's own parameters; from
+    5.25 Falcon calls the attention interface like other models. Either way packed == alone, which the
+    SDPA reference (the same weights) only gives document by document."""
+    from transformers.models.falcon import modeling_falcon as mf
+
     path = write_config_dir(tmp_path, "falcon", **FALCON_LAYOUTS[layout])
     torch.manual_seed(0)
     model = HFCausalLM(path, attention="segmented").eval()
-    assert type(model.hf.transformer.h[0].self_attention).__name__ == "DenseFalconAttention"
+    own_table = hasattr(mf, "FALCON_ATTENTION_CLASSES")
+    expected = "DenseFalconAttention" if own_table else "FalconAttention"
+    assert type(model.hf.transformer.h[0].self_attention).__name__ == expected
+    assert model.hf.config._attn_implementation == "densebatch"
     reference = HFCausalLM(path, attn_implementation="sdpa").eval()
     reference.load_state_dict(model.state_dict())  # the same parameter names and shapes as Falcon's own class
     loss_diff, logit_diff = packed_vs_alone(model, [random_docs(gen, row, VOCAB) for row in LENGTHS], reference)

@@ -38,8 +38,8 @@ the window is drawn into the mask here (``q - k < sliding_window`` within a docu
 whose layers differ get one mask per layer type (``{"full_attention": ..., "sliding_attention": ...}``,
 which transformers' Gemma 2 and Qwen2/3 accept in place of a tensor). Architectures that cannot be
 isolated are refused when built (``REFUSED``: ALiBi models); soft-capped attention (Gemma 2), which
-SDPA cannot compute, needs ``densebatch`` or ``eager``; Falcon, which picks its attention classes
-itself, gets densebatch's class in its own table (``model/hf_falcon.py``). docs/hf-models.md has the table for every architecture,
+SDPA cannot compute, needs ``densebatch`` or ``eager``; Falcon before transformers 5.25,
+which picks its attention classes itself, gets densebatch's class in its own table (``model/hf_falcon.py``). docs/hf-models.md has the table for every architecture,
 measured by ``benchmarks/model/hf_isolation_table.py`` and checked by tests/model/test_hf_architectures.py.
 """
 
@@ -130,7 +130,7 @@ class HFCausalLM(nn.Module):
         check_architecture(config, attn_implementation)
         if attn_implementation == DENSEBATCH:
             register()
-            if config.model_type == "falcon":  # picks its attention class from its own table
+            if config.model_type == "falcon":  # < 5.25 picks its attention class from its own table
                 install_falcon_attention()
         # model.dtype: the weights as loaded and trained (float32 master weights by default, whatever
         # the checkpoint's dtype; autocast does the low precision). See docs/hf-models.md.

@@ -1,6 +1,8 @@
-"""densebatch's document attention for Falcon, which picks its attention class itself.
+"""densebatch's document attention for Falcon in transformers < 5.25, where Falcon picks its attention class.
 
-Falcon's decoder layer does not go through transformers' ``AttentionInterface``: it looks its attention
+From transformers 5.25 Falcon's attention calls ``ALL_ATTENTION_FUNCTIONS`` like other models, so
+``hf_attention.register()`` is all it needs and ``install()`` does nothing. Before that, Falcon's
+decoder layer does not go through transformers' ``AttentionInterface``: it looks its attention
 class up in its own table (``FALCON_ATTENTION_CLASSES``: eager, sdpa, flash_attention_2), and its model
 always builds a T x T mask first. ``install()`` adds a ``"densebatch"`` entry to that table, so a Falcon
 loaded with ``attn_implementation="densebatch"`` gets ``DenseFalconAttention`` in every layer: the same
@@ -74,8 +76,12 @@ def _attention_class():
 
 
 def install() -> None:
-    """Add densebatch's attention class to Falcon's table (idempotent; transformers imported on first use)."""
+    """Add densebatch's attention class to Falcon's table where Falcon has one (transformers < 5.25);
+    idempotent; transformers imported on first use."""
     from transformers.models.falcon import modeling_falcon as mf
 
-    if NAME not in mf.FALCON_ATTENTION_CLASSES:
-        mf.FALCON_ATTENTION_CLASSES[NAME] = _attention_class()
+    table = getattr(mf, "FALCON_ATTENTION_CLASSES", None)
+    if table is None:  # transformers >= 5.25: Falcon's attention reads AttentionInterface (register())
+        return
+    if NAME not in table:
+        table[NAME] = _attention_class()
