@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_finders import FAST, _trainer
 
-from densebatch.config import FinderConfig
+from densebatch.config import FinderConfig, GroupScheduleConfig
 from densebatch.train.finders.lr_finder import lr_range_test
 from densebatch.train.finders.lr_trials import (
     CONFIDENT,
@@ -199,3 +199,26 @@ def test_a_trial_keeps_the_runs_warm_up_in_steps_not_its_share_of_the_run(tiny, 
         rate, lrs = trial["lr"], trial_lrs[8 * k : 8 * k + 8]
         assert lrs[:4] == pytest.approx([rate / 3, 2 * rate / 3, rate, rate])
         assert all(b < a for a, b in zip(lrs[3:], lrs[4:]))  # then cosine down from the peak
+
+
+def test_a_layer_groups_own_warm_up_is_capped_at_half_a_trial_like_the_runs(tiny, tmp_path):
+    """``train.blocks.warmup_steps: 8`` in a 4-step trial: the blocks warm up over 2 steps and reach the
+    trial's rate, as the run's own warm-up does, instead of still climbing when the trial is scored; the
+    groups without a warm-up of their own follow the run's (none here)."""
+    t = _trainer(tiny, tmp_path, max_steps=100, blocks=GroupScheduleConfig(warmup_steps=8))
+    t.model.config = types.SimpleNamespace(vocab_size=32)  # at chance: the trials run
+    used = []
+    step = t.optimizer.step
+
+    def record(*a, **k):
+        used.append({g["name"].split(".")[0]: g["lr"] / g["lr_mult"] for g in t.optimizer.param_groups})
+        return step(*a, **k)
+
+    t.optimizer.step = record
+    result = lr_range_test(t, dataclasses.replace(FAST, trials=2, trial_steps=4))
+    trial_lrs = used[len(result.lrs) :]
+    assert result.trials and len(trial_lrs) == 4 * len(result.trials)
+    for k, trial in enumerate(result.trials):
+        rate, lrs = trial["lr"], trial_lrs[4 * k : 4 * k + 4]
+        assert [s["blocks"] for s in lrs[:2]] == pytest.approx([rate / 2, rate])
+        assert lrs[0]["head"] == pytest.approx(rate) == lrs[0]["embeddings"]

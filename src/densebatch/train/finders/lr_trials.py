@@ -8,8 +8,8 @@ loss fall fastest in a few steps is not the one that learns the task best by the
 ask the question the grid asks, in small: ``N`` rates around the range test's suggestion (a ladder of
 factors of 3: for 3 trials, suggestion / 3, x 1, x 3; ties go to the lower rate), each trained from
 the same initial weights for ``finder.trial_steps`` steps (default: a quarter of ``train.max_steps``,
-at least 10) under the run's own schedule fitted to that length (the run's warm-up steps, at most half
-the trial, then the same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
+at least 10) under the run's own schedule fitted to that length (``trial_config``: the run's warm-up
+steps and its layer groups' own, each at most half the trial, then the same decay to ``min_lr_ratio``), then scored by the held-out loss (the eval data, ``eval.max_batches``
 of it; without eval data, ``finder.heldout_batches`` (at least 2) batches of the first training step,
 whose documents no trial trains on). Without eval data, turning trials on also gives the range test
 these held-out batches (and so its held-out curve, which its near-task rule reads), so its own
@@ -64,10 +64,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from densebatch.config import FinderConfig
+from densebatch.config import FinderConfig, TrainConfig
 from densebatch.errors import UserError
 from densebatch.train.contracts import TrainerHost
-from densebatch.train.optim import set_lrs
+from densebatch.train.optim import LAYER_GROUPS, set_lrs
 from densebatch.train.update import is_empty
 
 LADDER = 3.0  # the factor between neighbouring trial rates
@@ -145,6 +145,15 @@ def trial_steps(finder: FinderConfig, max_steps: int | None) -> int:
     return max(10, (max_steps or 100) // 4)
 
 
+def trial_config(cfg: TrainConfig, n: int) -> TrainConfig:
+    """The run's schedule fitted to a trial of ``n`` steps: the same decay over ``n`` steps, and every
+    warm-up (``train.warmup_steps`` and each layer group's own, ``train.<group>.warmup_steps``) kept
+    in steps, at most half the trial."""
+    fit = lambda w: None if w is None else min(w, n // 2)  # noqa: E731
+    groups = {g: dataclasses.replace(getattr(cfg, g), warmup_steps=fit(getattr(cfg, g).warmup_steps)) for g in LAYER_GROUPS}
+    return dataclasses.replace(cfg, warmup_steps=fit(cfg.warmup_steps or 0), max_steps=n, **groups)
+
+
 def run_trials(
     trainer: TrainerHost,
     finder: FinderConfig,
@@ -160,7 +169,7 @@ def run_trials(
     held-out loss: the eval data when there are some, else ``heldout`` (batches of the first training
     step, which the trials then skip, as the range test does)."""
     n = trial_steps(finder, trainer.cfg.max_steps)
-    warmup = min(trainer.cfg.warmup_steps or 0, n // 2)  # the run's warm-up in steps, at most half the trial
+    base = trial_config(trainer.cfg, n)
     if trainer.eval_data is None and not heldout:
         raise UserError("finder.trials: no held-out data to score the trials on: set data.eval_fraction > 0 or data.eval_path")
     # Without eval data the held-out batches are the first training step's documents: no trial trains on them,
@@ -170,7 +179,7 @@ def run_trials(
     held_out = (lambda step: any(held_docs.intersection(b.documents) for b in step.batches)) if held_docs else None
 
     def trial(rate: float) -> Trial:
-        cfg = dataclasses.replace(trainer.cfg, lr=rate, warmup_steps=warmup, max_steps=n)
+        cfg = dataclasses.replace(base, lr=rate)
         data.set_step_fraction(None)  # full-size steps, as the range test takes them
         data.max_epochs = None  # cycle the data: a trial may need more steps than an epoch holds
         trainer.model.train()
