@@ -17,6 +17,7 @@ from densebatch.errors import ConfigError
 from densebatch.model import build_model, load_model
 from densebatch.model.attention import document_mask
 from densebatch.model.hf import ALLOWED, HFCausalLM
+from densebatch.model.hf_checks import MIN_TRANSFORMERS, check_transformers
 from densebatch.testing.batches import PACKED_LENGTHS, pack, random_docs
 from densebatch.testing.models import TWO_LAYER_VOCAB, tiny_config, two_layer_config
 
@@ -101,6 +102,25 @@ def test_unsafe_backends_are_refused(config_dirs, impl):
     # flex_attention: GPT-2 refuses it, Llama crashed the process (segfault) with a 4-D mask.
     with pytest.raises(ConfigError, match="cannot keep packed documents isolated"):
         HFCausalLM(config_dirs["llama"], attn_implementation=impl)
+
+
+def test_a_transformers_older_than_the_suite_passes_with_is_refused_in_one_line(config_dirs, monkeypatch):
+    """transformers 4.57 fails inside Falcon and the encoders and 5.5.0's Trainer under DDP takes other
+    losses: an old version is named when the model is built (and by the Trainer helpers), not met later."""
+    import transformers
+
+    import densebatch
+
+    for ok in (MIN_TRANSFORMERS, "5.25.0", "5.10.4", "6.0.0.dev0", "5.5.4+local"):
+        check_transformers(ok)
+    for old in ("4.57.6", "5.5.0", "5.0.0rc1", "5.5.3rc9"):
+        with pytest.raises(ConfigError, match=rf"needs transformers >= {MIN_TRANSFORMERS} \(installed: {old}\)"):
+            check_transformers(old)
+    monkeypatch.setattr(transformers, "__version__", "4.57.6")
+    with pytest.raises(ConfigError, match="pip install -U 'densebatch\\[hf\\]'"):
+        HFCausalLM(config_dirs["llama"])
+    with pytest.raises(ConfigError, match="installed: 4.57.6"):
+        densebatch.register_attention()
 
 
 def test_single_document_rows_fast_path_is_exact(config_dirs, gen):

@@ -62,6 +62,7 @@ from densebatch.model.hf_checks import (  # noqa: F401  (REFUSED: also read by t
     TASKS,
     check_architecture,
     check_model_dir,
+    check_transformers,
     layer_windows,
 )
 from densebatch.model.hf_falcon import install as install_falcon_attention
@@ -126,6 +127,7 @@ class HFCausalLM(nn.Module):
             from transformers import AutoConfig
         except ImportError:
             raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
+        check_transformers(transformers.__version__)
         config = AutoConfig.from_pretrained(path)
         check_architecture(config, attn_implementation)
         if attn_implementation == DENSEBATCH:

@@ -6,10 +6,28 @@ draws it into a mask or passes it to the kernel)."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from densebatch.errors import ConfigError
 from densebatch.model.hf_attention import NAME as DENSEBATCH
+
+MIN_TRANSFORMERS = "5.5.4"  # the oldest transformers the test suite passes with (pyproject.toml says which fail)
+
+
+def check_transformers(version: str) -> None:
+    """``ConfigError`` in one line when the installed transformers is older than ``MIN_TRANSFORMERS``: an
+    older one fails inside transformers (a keyword Falcon does not take, encoders' masks) or, worse, runs
+    with other losses (HF Trainer under DDP in 5.5.0)."""
+
+    def key(v: str) -> tuple[int, ...]:  # the release's leading numbers: 5.5.4rc1 -> (5, 5, 4)
+        return tuple(int(m.group()) if (m := re.match(r"\d+", part)) else 0 for part in v.split(".")[:3])
+
+    if key(version) < key(MIN_TRANSFORMERS):
+        raise ConfigError(
+            f"model.kind hf needs transformers >= {MIN_TRANSFORMERS} (installed: {version}): pip install -U 'densebatch[hf]'"
+        )
+
 
 # Architectures that cannot keep packed documents apart, and why (refused when built).
 _ALIBI = (
