@@ -4,33 +4,39 @@
 # constraints.txt pins every other package to the versions the suite last passed with, so that a
 # release upstream cannot change a test run between two commits (transformers 5.25 once did);
 # pyproject.toml keeps the ranges a user's `pip install densebatch` gets. To try the newest releases:
-# `make clean test CONSTRAINTS=`; when that passes, `make lock` writes them into constraints.txt.
+# `make test CONSTRAINTS=`; when that passes, `make lock` writes them into constraints.txt (pinned for
+# Python 3.11, like the rest of this file). Each way has its own install stamp, and installing one
+# removes the other's, so switching back to the pins reinstalls them.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 CONSTRAINTS ?= constraints.txt
+STAMP := $(BIN)/.installed$(if $(CONSTRAINTS),,-newest)
 
 .PHONY: demo test install clean lock
 
-$(BIN)/.installed: pyproject.toml $(CONSTRAINTS)
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
+	rm -f $(BIN)/.installed $(BIN)/.installed-newest
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS)) -e '.[dev]'
+	$(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS),-U --upgrade-strategy eager torch==2.13.0) -e '.[dev]'
 	touch $@
 
-install: $(BIN)/.installed
+install: $(STAMP)
 
-demo: $(BIN)/.installed
+demo: $(STAMP)
 	$(BIN)/densebatch train
 
-test: $(BIN)/.installed
+test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q -n 2
 
-lock: $(BIN)/.installed
+lock:
+	test -x $(BIN)/pip || { echo "make lock: no $(VENV) to read: run make test first"; exit 1; }
 	{ echo "# Written by make lock: the versions make install last passed make test with (see Makefile)."; \
-	  $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt
+	  $(BIN)/pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.tmp
+	mv constraints.txt.tmp constraints.txt
 
 clean:
 	rm -rf $(VENV) .densebatch-cache runs

@@ -111,9 +111,9 @@ def test_a_transformers_older_than_the_suite_passes_with_is_refused_in_one_line(
 
     import densebatch
 
-    for ok in (MIN_TRANSFORMERS, "5.25.0", "5.10.4", "6.0.0.dev0", "5.5.4+local"):
+    for ok in (MIN_TRANSFORMERS, "5.25.0", "5.10.4", "6.0.0.dev0", "5.5.4+local", "5.5.10"):
         check_transformers(ok)
-    for old in ("4.57.6", "5.5.0", "5.0.0rc1", "5.5.3rc9"):
+    for old in ("4.57.6", "5.5.0", "5.0.0rc1", "5.5.3.post1", "5.5.4rc1"):
         with pytest.raises(ConfigError, match=rf"needs transformers >= {MIN_TRANSFORMERS} \(installed: {old}\)"):
             check_transformers(old)
     monkeypatch.setattr(transformers, "__version__", "4.57.6")
@@ -121,6 +121,16 @@ def test_a_transformers_older_than_the_suite_passes_with_is_refused_in_one_line(
         HFCausalLM(config_dirs["llama"])
     with pytest.raises(ConfigError, match="installed: 4.57.6"):
         densebatch.register_attention()
+
+
+def test_the_refused_versions_are_those_pyproject_toml_excludes():
+    """``MIN_TRANSFORMERS`` and the floors the extras declare are one number (hf, lora, dev)."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    for extra in ("hf", "lora", "dev"):
+        assert f"transformers>={MIN_TRANSFORMERS}" in project["optional-dependencies"][extra], extra
 
 
 def test_single_document_rows_fast_path_is_exact(config_dirs, gen):
@@ -310,8 +320,8 @@ class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "falcon"])
 def test_densebatch_attention_never_builds_a_row_by_row_tensor(config_dirs, kind, gen):
     """A long row of short documents: nothing of T x T elements exists in forward or backward (the 4-D
-    mask path builds (rows, 1, T, T)), and the losses still equal each document alone. Falcon (its own
-    attention class, model/hf_falcon.py) with grouped key/values, which its own class broadcasts."""
+    mask path builds (rows, 1, T, T)), and the losses still equal each document alone. Falcon with grouped
+    key/values (before transformers 5.25 through its own attention class, model/hf_falcon.py)."""
     T = 1024
     lengths = [40] * 25  # 1000 tokens, documents of 40
     if kind == "falcon":

@@ -258,7 +258,7 @@ class FinderConfig:
     )
     trial_steps: int = _f(
         0,
-        "Steps of each short trial (0: a quarter of train.max_steps, at least 10), under the run's schedule: its warm-up steps (at most half the trial), then its decay.",
+        "Steps of each short trial (0: a quarter of train.max_steps, at least 10), under the run's schedule: its warm-up steps and its layer groups' (each at most half the trial), then its decay.",
         minimum=0,
     )
     memory_reserve: float = _f(

@@ -6,7 +6,6 @@ draws it into a mask or passes it to the kernel)."""
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 
 from densebatch.errors import ConfigError
@@ -20,10 +19,13 @@ def check_transformers(version: str) -> None:
     older one fails inside transformers (a keyword Falcon does not take, encoders' masks) or, worse, runs
     with other losses (HF Trainer under DDP in 5.5.0)."""
 
-    def key(v: str) -> tuple[int, ...]:  # the release's leading numbers: 5.5.4rc1 -> (5, 5, 4)
-        return tuple(int(m.group()) if (m := re.match(r"\d+", part)) else 0 for part in v.split(".")[:3])
+    from packaging.version import InvalidVersion, Version  # a dependency of transformers
 
-    if key(version) < key(MIN_TRANSFORMERS):
+    try:
+        old = Version(version) < Version(MIN_TRANSFORMERS)  # 5.5.4rc1 is older, as pip reads it
+    except InvalidVersion:
+        return  # a build that names itself oddly: let it run
+    if old:
         raise ConfigError(
             f"model.kind hf needs transformers >= {MIN_TRANSFORMERS} (installed: {version}): pip install -U 'densebatch[hf]'"
         )
