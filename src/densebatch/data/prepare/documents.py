@@ -24,6 +24,7 @@ from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.chat_template import ChatTemplate
 from densebatch.data.prepare.clean import Cleaner
 from densebatch.data.prepare.dedupe import Signer, dedupe_mode, text_key
+from densebatch.data.prepare.parquet_rows import RowRange, read_parquet_range
 from densebatch.data.prepare.sources import BadRecord, LineRange, iter_records, read_jsonl_range
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, missing_fields, render
@@ -82,11 +83,12 @@ class Builder:
     def read(self, path: str | None, fmt: str) -> list[tuple[str, dict]]:
         return list(self.stream(path, fmt))
 
-    def stream(self, path: str | None, fmt: str, part: LineRange | None = None) -> Iterator[tuple[str, dict]]:
+    def stream(self, path: str | None, fmt: str, part: LineRange | RowRange | None = None) -> Iterator[tuple[str, dict]]:
         """The good records of ``path`` (None: the embedded default dataset; ``part``: those lines of a
-        JSONL file only) in order, one at a time; malformed ones are reported (``bad``) as they are met."""
+        JSONL file or those rows of a Parquet file only) in order, one at a time; malformed ones are
+        reported (``bad``) as they are met."""
         if part is not None:
-            for item in read_jsonl_range(part):
+            for item in read_jsonl_range(part) if isinstance(part, LineRange) else read_parquet_range(part):
                 self.s.records_read += 1
                 if isinstance(item, BadRecord):
                     self.bad(item)
@@ -107,11 +109,11 @@ class Builder:
                 self.bad(item)
                 continue
             if first and fmt in COLUMNAR:
-                self._check_columns(path, list(item[1]))
+                self.check_columns(path, list(item[1]))
             first = False
             yield item
 
-    def _check_columns(self, path: str, columns: list[str]) -> None:
+    def check_columns(self, path: str, columns: list[str]) -> None:
         """A file whose columns lack a field the template reads is one error (every row would fail alike,
         and with ``on_bad_record: skip`` all would be skipped), naming the columns found and those expected."""
         if self.cfg.fields.input_ids in columns:  # pre-tokenised records: no template

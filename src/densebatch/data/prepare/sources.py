@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from densebatch.data.prepare.parquet_rows import read_parquet
 from densebatch.errors import DataError
 
 FORMATS = ("json", "jsonl", "csv", "parquet", "text", "hf_disk")
@@ -111,9 +112,14 @@ def iter_records(path: str | Path, fmt: str = "auto") -> Iterator[tuple[str, dic
     p = Path(path)
     _check_file(p)
     fmt = detect_format(p, fmt)
-    reader = {"json": _json_array, "jsonl": _jsonl, "csv": _csv, "parquet": _parquet, "text": _text_lines, "hf_disk": _hf_disk}[
-        fmt
-    ]
+    reader = {
+        "json": _json_array,
+        "jsonl": _jsonl,
+        "csv": _csv,
+        "parquet": read_parquet,
+        "text": _text_lines,
+        "hf_disk": _hf_disk,
+    }[fmt]
     count = 0
     for item in reader(p):
         count += 1
@@ -337,30 +343,6 @@ def _text_file_lines(p: Path) -> Iterator[str]:
         for i, raw in enumerate(f):
             text = raw.decode("utf-8-sig" if i == 0 else "utf-8", "surrogateescape")
             yield from text.splitlines()  # also \r, \x0b, \x0c, \x1c-\x1e, \x85, \u2028, \u2029 inside a line
-
-
-def _require_pyarrow(what: str):
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        raise DataError(f"reading {what} needs pyarrow: pip install 'densebatch[parquet]'") from None
-
-
-def _parquet(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
-    _require_pyarrow("Parquet")
-    import pyarrow.parquet as pq
-
-    try:
-        pf = pq.ParquetFile(p)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for non-Parquet bytes
-        raise DataError(f"{p}: not a readable Parquet file: {e}") from None
-    if pf.metadata.num_rows == 0:
-        raise DataError(f"{p}: holds no records (a Parquet file with columns {', '.join(pf.schema_arrow.names)} and no rows)")
-    i = 0
-    for batch in pf.iter_batches(batch_size=4096):
-        for rec in batch.to_pylist():
-            yield f"{p}: record {i} (0-based index)", rec
-            i += 1
 
 
 def _hf_disk(d: Path) -> Iterator[tuple[str, dict] | BadRecord]:

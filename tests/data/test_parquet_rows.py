@@ -1,0 +1,140 @@
+"""Parquet files read in row ranges (``data/prepare/parquet_rows.py``): each range is exactly its rows of
+the whole file, a worker reads only the row groups that hold its range, and a prepare that hands row
+ranges to its workers (and ranks) makes the store the in-memory path makes, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import densebatch.data.prepare.documents as documents
+import densebatch.data.prepare.pipeline as pipeline
+import densebatch.data.prepare.sources as sources
+from densebatch.config import CleanConfig
+from densebatch.data.prepare.parquet_rows import RowRange, parquet_ranges, read_parquet, read_parquet_range
+from densebatch.data.prepare.pipeline import prepare
+from densebatch.errors import DataError
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+
+def _write(path, records: list[dict], row_group_size: int):
+    pq.write_table(pa.Table.from_pylist(records), path, row_group_size=row_group_size)
+    return path
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(1, 60), group=st.integers(1, 17), rows=st.integers(1, 20))
+def test_the_ranges_read_back_the_whole_file_in_order_touching_only_their_row_groups(tmp_path, n, group, rows):
+    path = _write(tmp_path / "r.parquet", [{"i": i, "text": f"row {i}"} for i in range(n)], group)
+    ranges = list(parquet_ranges(path, rows))
+    assert [(r.first, r.stop) for r in ranges] == [(a, min(n, a + rows)) for a in range(0, n, rows)]
+    read: list[int] = []
+    original = pq.ParquetFile.read_row_group
+
+    def spy(self, g, *a, **k):
+        read.append(g)
+        return original(self, g, *a, **k)
+
+    pq.ParquetFile.read_row_group = spy
+    try:
+        pieces = []
+        for r in ranges:
+            read.clear()
+            pieces += list(read_parquet_range(r))
+            assert read == list(range(r.first // group, (r.stop - 1) // group + 1))  # its row groups, no other
+    finally:
+        pq.ParquetFile.read_row_group = original
+    assert pieces == list(read_parquet(path))  # the same records under the same names
+
+
+def _records(n: int, seed: int = 0) -> list[dict]:
+    """Alpaca records with exact duplicates, whitespace and HTML that cleaning changes, overlong answers
+    and rows without an instruction (skipped as bad records)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        r = rng.random()
+        if r < 0.05:
+            out.append({"instruction": None, "input": "", "output": "no instruction"})
+        elif r < 0.15:
+            out.append({"instruction": "Repeat.", "input": "", "output": "the same answer"})
+        else:
+            words = " ".join(rng.choice(["alpha", "beta  ", "gamma", "<b>delta</b>"]) for _ in range(rng.randint(1, 90)))
+            out.append({"instruction": f"Task {i}.", "input": "", "output": words})
+    return out
+
+
+def _prepare(data_cfg, path, cache, **kw):
+    clean = CleanConfig(dedupe=True, collapse_whitespace=True, strip_html=True)
+    cfg = data_cfg(
+        path=str(path), cache_dir=str(cache), eval_fraction=0.1, max_seq_len=300, on_bad_record="skip", clean=clean, **kw
+    )
+    return prepare(cfg)
+
+
+def _counts(prepared) -> dict:
+    """The summary but for where the entry lies and how long it took."""
+    return {k: v for k, v in prepared.summary.as_dict().items() if k not in ("seconds", "cache_path")}
+
+
+def _files(entry) -> dict[str, bytes]:
+    return {str(p.relative_to(entry)): p.read_bytes() for p in sorted(entry.rglob("*")) if p.is_file()}
+
+
+def test_a_parquet_file_streams_in_row_ranges_to_the_in_memory_store_byte_for_byte(data_cfg, tmp_path, monkeypatch):
+    path = _write(tmp_path / "r.parquet", _records(500), row_group_size=37)  # ranges of 64 straddle row groups
+    with monkeypatch.context() as m:  # the in-memory path, the reference
+        m.setattr(pipeline, "streamable", lambda *a: False)
+        ref = _prepare(data_cfg, path, tmp_path / "ref")
+    ranges = []
+    real = documents.read_parquet_range
+    monkeypatch.setattr(documents, "read_parquet_range", lambda r: ranges.append(r) or real(r))
+    monkeypatch.setattr(sources, "read_parquet", lambda p: pytest.fail("the whole file was read in this process"))
+    got = _prepare(data_cfg, path, tmp_path / "n1", num_proc=1, chunk_records=64)
+    assert _files(got.cache_dir) == _files(ref.cache_dir)
+    assert ranges == [RowRange(str(path), a, min(500, a + 64)) for a in range(0, 500, 64)]
+    assert ref.summary.skipped and ref.summary.cleaning_dropped["dedupe"] > 10 and _counts(got) == _counts(ref)
+    monkeypatch.undo()  # the workers of a pool are other processes: the stores alone are compared
+    two = _prepare(data_cfg, path, tmp_path / "n2", num_proc=2, chunk_records=64)
+    assert _files(two.cache_dir) == _files(ref.cache_dir)
+
+
+def test_each_rank_reads_only_the_rows_of_its_own_chunks(data_cfg, tmp_path, monkeypatch):
+    from densebatch.data.prepare.parts import prepare_share
+
+    path = _write(tmp_path / "r.parquet", _records(300, seed=1), row_group_size=50)
+    one = _prepare(data_cfg, path, tmp_path / "one", chunk_records=64)
+    real = documents.read_parquet_range
+    clean = CleanConfig(dedupe=True, collapse_whitespace=True, strip_html=True)
+    cfg = data_cfg(
+        path=str(path), cache_dir=str(tmp_path / "ranks"), eval_fraction=0.1, max_seq_len=300, on_bad_record="skip",
+        num_proc=1, chunk_records=64, clean=clean,
+    )  # fmt: skip
+    for rank in (1, 0):
+        ranges: list[RowRange] = []
+        with monkeypatch.context() as m:
+            m.setattr(documents, "read_parquet_range", lambda r, ranges=ranges: ranges.append(r) or real(r))
+            m.setattr(sources, "read_parquet", lambda p: pytest.fail("a rank read the whole file"))
+            prepare_share(cfg, rank, 2)
+        assert [r.first for r in ranges] == [a for k, a in enumerate(range(0, 300, 64)) if k % 2 == rank]
+    got = _prepare(data_cfg, path, tmp_path / "ranks", chunk_records=64, num_proc=1)
+    assert _files(got.cache_dir) == _files(one.cache_dir)
+
+
+def test_a_parquet_file_without_a_field_the_template_reads_is_one_error_before_any_row_is_read(data_cfg, tmp_path, monkeypatch):
+    path = _write(tmp_path / "r.parquet", [{"instruction": "a", "answer": "b"}] * 5, row_group_size=2)
+    messages = []
+    for streamed in (True, False):
+        with monkeypatch.context() as m:
+            m.setattr(pipeline, "streamable", lambda *a, s=streamed: s)
+            with pytest.raises(DataError) as e:
+                _prepare(data_cfg, path, tmp_path / f"s{streamed}", chunk_records=2)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1] and "output" in messages[0] and "\n" not in messages[0]
+    assert json.dumps(messages)
