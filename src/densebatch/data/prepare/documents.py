@@ -24,7 +24,7 @@ from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.chat_template import ChatTemplate
 from densebatch.data.prepare.clean import Cleaner
 from densebatch.data.prepare.dedupe import Signer, dedupe_mode, text_key
-from densebatch.data.prepare.parquet_rows import RowRange, read_parquet_range
+from densebatch.data.prepare.row_ranges import RowRange, read_range
 from densebatch.data.prepare.sources import BadRecord, LineRange, iter_records, read_jsonl_range
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, missing_fields, render
@@ -85,10 +85,10 @@ class Builder:
 
     def stream(self, path: str | None, fmt: str, part: LineRange | RowRange | None = None) -> Iterator[tuple[str, dict]]:
         """The good records of ``path`` (None: the embedded default dataset; ``part``: those lines of a
-        JSONL file or those rows of a Parquet file only) in order, one at a time; malformed ones are
+        JSONL file or those rows of a Parquet file or save_to_disk dataset only) in order, one at a time; malformed ones are
         reported (``bad``) as they are met."""
         if part is not None:
-            for item in read_jsonl_range(part) if isinstance(part, LineRange) else read_parquet_range(part):
+            for item in read_jsonl_range(part) if isinstance(part, LineRange) else read_range(part):
                 self.s.records_read += 1
                 if isinstance(item, BadRecord):
                     self.bad(item)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from densebatch.data.prepare.parquet_rows import read_parquet
+from densebatch.data.prepare.row_ranges import read_hf_disk, read_parquet
 from densebatch.errors import DataError
 
 FORMATS = ("json", "jsonl", "csv", "parquet", "text", "hf_disk")
@@ -118,7 +118,7 @@ def iter_records(path: str | Path, fmt: str = "auto") -> Iterator[tuple[str, dic
         "csv": _csv,
         "parquet": read_parquet,
         "text": _text_lines,
-        "hf_disk": _hf_disk,
+        "hf_disk": read_hf_disk,
     }[fmt]
     count = 0
     for item in reader(p):
@@ -343,33 +343,3 @@ def _text_file_lines(p: Path) -> Iterator[str]:
         for i, raw in enumerate(f):
             text = raw.decode("utf-8-sig" if i == 0 else "utf-8", "surrogateescape")
             yield from text.splitlines()  # also \r, \x0b, \x0c, \x1c-\x1e, \x85, \u2028, \u2029 inside a line
-
-
-def _hf_disk(d: Path) -> Iterator[tuple[str, dict] | BadRecord]:
-    """A ``datasets`` ``save_to_disk`` directory, read with ``datasets.load_from_disk`` (a DatasetDict: its train split)."""
-    try:
-        import datasets
-    except ImportError:
-        raise DataError(
-            f"{d}: reading a Hugging Face save_to_disk directory needs datasets: pip install 'densebatch[datasets]'"
-        ) from None
-    try:
-        ds = datasets.load_from_disk(str(d))
-    except FileNotFoundError:
-        raise DataError(
-            f"{d}: a directory, but not a Hugging Face save_to_disk dataset (datasets.load_from_disk cannot read it)"
-        ) from None
-    except Exception as e:  # a damaged or foreign directory: datasets raises many kinds
-        why = (str(e).splitlines() or [type(e).__name__])[0]
-        raise DataError(f"{d}: not a readable Hugging Face save_to_disk dataset: {why}") from None
-    if isinstance(ds, datasets.DatasetDict):
-        if "train" not in ds:
-            raise DataError(f"{d}: a DatasetDict without a 'train' split; point data.path at one of: {', '.join(ds)}")
-        ds, d = ds["train"], d / "train"
-    if len(ds) == 0:
-        raise DataError(f"{d}: holds no records (a dataset with columns {', '.join(ds.column_names)} and no rows)")
-    i = 0
-    for batch in ds.iter(batch_size=4096):  # columns -> rows
-        for rec in (dict(zip(batch, row)) for row in zip(*batch.values())):
-            yield f"{d}: record {i} (0-based index)", rec
-            i += 1

@@ -6,8 +6,8 @@ cleaned, filtered, tokenised and finished (``documents.Builder``) by a pool of `
 worker processes (inline when there is one chunk or one process), which write it to
 ``cache_dir/.chunks-<key>-<chunk_records>/chunk-000123.npz`` (its documents' tokens, loss mask,
 lengths, content hashes, rendered-text hashes, with near dedupe their MinHash signatures and band hashes,
-and what ``finish_one`` did to each; a JSONL or Parquet chunk is a line or row range that the worker
-reads itself) with its bad
+and what ``finish_one`` did to each; a JSONL, Parquet or save_to_disk chunk is a line or row range that the
+worker reads itself) with its bad
 records and counts beside it (and, for the embedded dataset, its records); the ``.npz`` is renamed
 into place last, so a chunk file is complete or absent. What needs every document happens once all chunks are written, in input order, on
 per-document arrays only (about 30 bytes a document; near dedupe adds 8 a band): the dedupe (``dedupe.py``:
@@ -57,7 +57,8 @@ from densebatch.data.prepare.documents import (
     count_outcome,
     finish_one,
 )
-from densebatch.data.prepare.parquet_rows import RowRange, columns, parquet_ranges, row_name
+from densebatch.data.prepare.row_ranges import FORMATS as ROW_FORMATS
+from densebatch.data.prepare.row_ranges import RowRange, columns, row_ranges
 from densebatch.data.prepare.sources import BadRecord, LineRange, jsonl_ranges
 from densebatch.data.prepare.store_write import StoreWriter
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
@@ -105,7 +106,7 @@ def _init_worker(tok: Tokenizer) -> None:
 
 def _run_chunk(cfg: DataConfig, index: int, work, stage: str, blocks: bool, tok: Tokenizer | None = None) -> int:
     """Prepare chunk ``index`` into ``stage``: ``work`` is its good records, or its ``LineRange`` (JSONL) or
-    ``RowRange`` (Parquet), read here; returns ``index``."""
+    ``RowRange`` (Parquet, save_to_disk), read here; returns ``index``."""
     running = Path(stage) / f".running-{index:06d}-{os.getpid()}"  # names the chunk if this process dies
     running.touch()
     _prepare_chunk(cfg, index, work, Path(stage), tok if tok is not None else _TOK, blocks)
@@ -176,17 +177,17 @@ def keeps_records(cfg: DataConfig) -> bool:
 
 
 def _work(b: Builder, path: str | None, fmt: str) -> Iterator[Chunk]:
-    """The source's chunks in order: JSONL and Parquet as line or row ranges that the workers (of this
-    rank only) read and parse themselves (this process only finds the cuts), any other input as lists of
+    """The source's chunks in order: JSONL as line ranges, Parquet and save_to_disk datasets as row ranges,
+    that the workers (of this rank only) read and parse themselves (this process only finds the cuts), any other input as lists of
     good records read here."""
     if fmt == "jsonl" and path is not None:
         for i, r in enumerate(jsonl_ranges(path, b.cfg.chunk_records)):
             yield Chunk(i, f"{path}:{r.first_line}", f"{path}:{r.last_line}", r)
         return
-    if fmt == "parquet" and path is not None:  # one file (a pattern's files are prepared one by one: parts.py)
-        b.check_columns(path, columns(path))  # as the first record read here would have been
-        for i, r in enumerate(parquet_ranges(path, b.cfg.chunk_records)):
-            yield Chunk(i, row_name(Path(r.path), r.first), row_name(Path(r.path), r.stop - 1), r)
+    if fmt in ROW_FORMATS and path is not None:  # one input (a pattern's files are prepared one by one: parts.py)
+        b.check_columns(path, columns(path, fmt))  # as the first record read here would have been
+        for i, r in enumerate(row_ranges(path, fmt, b.cfg.chunk_records)):
+            yield Chunk(i, *r.names(), r)
         return
     items, size = b.stream(path, fmt), b.cfg.chunk_records
     if fmt == "text" and b.cfg.text_split == "chunks":  # blocks of running text: about a KiB a record's worth

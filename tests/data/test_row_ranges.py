@@ -1,6 +1,7 @@
-"""Parquet files read in row ranges (``data/prepare/parquet_rows.py``): each range is exactly its rows of
-the whole file, a worker reads only the row groups that hold its range, and a prepare that hands row
-ranges to its workers (and ranks) makes the store the in-memory path makes, byte for byte."""
+"""Parquet files and save_to_disk datasets read in row ranges (``data/prepare/row_ranges.py``): each range
+is exactly its rows of the whole input, a worker reads only the row groups that hold its range, and a
+prepare that hands row ranges to its workers (and ranks) makes the store the in-memory path makes, byte
+for byte."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import densebatch.data.prepare.documents as documents
 import densebatch.data.prepare.pipeline as pipeline
 import densebatch.data.prepare.sources as sources
 from densebatch.config import CleanConfig
-from densebatch.data.prepare.parquet_rows import RowRange, parquet_ranges, read_parquet, read_parquet_range
 from densebatch.data.prepare.pipeline import prepare
+from densebatch.data.prepare.row_ranges import RowRange, read_parquet, read_range, row_ranges
 from densebatch.errors import DataError
 
 pa = pytest.importorskip("pyarrow")
@@ -32,7 +33,7 @@ def _write(path, records: list[dict], row_group_size: int):
 @given(n=st.integers(1, 60), group=st.integers(1, 17), rows=st.integers(1, 20))
 def test_the_ranges_read_back_the_whole_file_in_order_touching_only_their_row_groups(tmp_path, n, group, rows):
     path = _write(tmp_path / "r.parquet", [{"i": i, "text": f"row {i}"} for i in range(n)], group)
-    ranges = list(parquet_ranges(path, rows))
+    ranges = list(row_ranges(path, "parquet", rows))
     assert [(r.first, r.stop) for r in ranges] == [(a, min(n, a + rows)) for a in range(0, n, rows)]
     read: list[int] = []
     original = pq.ParquetFile.read_row_group
@@ -46,7 +47,7 @@ def test_the_ranges_read_back_the_whole_file_in_order_touching_only_their_row_gr
         pieces = []
         for r in ranges:
             read.clear()
-            pieces += list(read_parquet_range(r))
+            pieces += list(read_range(r))
             assert read == list(range(r.first // group, (r.stop - 1) // group + 1))  # its row groups, no other
     finally:
         pq.ParquetFile.read_row_group = original
@@ -87,18 +88,31 @@ def _files(entry) -> dict[str, bytes]:
     return {str(p.relative_to(entry)): p.read_bytes() for p in sorted(entry.rglob("*")) if p.is_file()}
 
 
-def test_a_parquet_file_streams_in_row_ranges_to_the_in_memory_store_byte_for_byte(data_cfg, tmp_path, monkeypatch):
-    path = _write(tmp_path / "r.parquet", _records(500), row_group_size=37)  # ranges of 64 straddle row groups
+def _write_input(tmp_path, fmt: str, records: list[dict], group: int):
+    """The records as a Parquet file (row groups of ``group``) or a save_to_disk DatasetDict; its path and
+    the path its records are named by."""
+    if fmt == "parquet":
+        path = _write(tmp_path / "r.parquet", records, group)
+        return path, path
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(records)}).save_to_disk(str(tmp_path / "hf"))
+    return tmp_path / "hf", tmp_path / "hf" / "train"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "hf_disk"])
+def test_a_row_addressable_input_streams_in_row_ranges_to_the_in_memory_store_byte_for_byte(data_cfg, tmp_path, monkeypatch, fmt):
+    path, named = _write_input(tmp_path, fmt, _records(500), group=37)  # ranges of 64 straddle row groups
     with monkeypatch.context() as m:  # the in-memory path, the reference
         m.setattr(pipeline, "streamable", lambda *a: False)
         ref = _prepare(data_cfg, path, tmp_path / "ref")
     ranges = []
-    real = documents.read_parquet_range
-    monkeypatch.setattr(documents, "read_parquet_range", lambda r: ranges.append(r) or real(r))
-    monkeypatch.setattr(sources, "read_parquet", lambda p: pytest.fail("the whole file was read in this process"))
+    real = documents.read_range
+    monkeypatch.setattr(documents, "read_range", lambda r: ranges.append(r) or real(r))
+    for whole in ("read_parquet", "read_hf_disk"):
+        monkeypatch.setattr(sources, whole, lambda p: pytest.fail("the whole input was read in this process"))
     got = _prepare(data_cfg, path, tmp_path / "n1", num_proc=1, chunk_records=64)
     assert _files(got.cache_dir) == _files(ref.cache_dir)
-    assert ranges == [RowRange(str(path), a, min(500, a + 64)) for a in range(0, 500, 64)]
+    assert ranges == [RowRange(str(path), a, min(500, a + 64), fmt, str(named)) for a in range(0, 500, 64)]
     assert ref.summary.skipped and ref.summary.cleaning_dropped["dedupe"] > 10 and _counts(got) == _counts(ref)
     monkeypatch.undo()  # the workers of a pool are other processes: the stores alone are compared
     two = _prepare(data_cfg, path, tmp_path / "n2", num_proc=2, chunk_records=64)
@@ -110,7 +124,7 @@ def test_each_rank_reads_only_the_rows_of_its_own_chunks(data_cfg, tmp_path, mon
 
     path = _write(tmp_path / "r.parquet", _records(300, seed=1), row_group_size=50)
     one = _prepare(data_cfg, path, tmp_path / "one", chunk_records=64)
-    real = documents.read_parquet_range
+    real = documents.read_range
     clean = CleanConfig(dedupe=True, collapse_whitespace=True, strip_html=True)
     cfg = data_cfg(
         path=str(path), cache_dir=str(tmp_path / "ranks"), eval_fraction=0.1, max_seq_len=300, on_bad_record="skip",
@@ -119,7 +133,7 @@ def test_each_rank_reads_only_the_rows_of_its_own_chunks(data_cfg, tmp_path, mon
     for rank in (1, 0):
         ranges: list[RowRange] = []
         with monkeypatch.context() as m:
-            m.setattr(documents, "read_parquet_range", lambda r, ranges=ranges: ranges.append(r) or real(r))
+            m.setattr(documents, "read_range", lambda r, ranges=ranges: ranges.append(r) or real(r))
             m.setattr(sources, "read_parquet", lambda p: pytest.fail("a rank read the whole file"))
             prepare_share(cfg, rank, 2)
         assert [r.first for r in ranges] == [a for k, a in enumerate(range(0, 300, 64)) if k % 2 == rank]
