@@ -17,7 +17,7 @@ import densebatch.data.prepare.pipeline as pipeline
 import densebatch.data.prepare.sources as sources
 from densebatch.config import CleanConfig
 from densebatch.data.prepare.pipeline import prepare
-from densebatch.data.prepare.row_ranges import RowRange, read_parquet, read_range, row_ranges
+from densebatch.data.prepare.row_ranges import GROUP_CHUNKS, RowRange, ranged, read_parquet, read_range, row_ranges
 from densebatch.errors import DataError
 
 pa = pytest.importorskip("pyarrow")
@@ -152,3 +152,17 @@ def test_a_parquet_file_without_a_field_the_template_reads_is_one_error_before_a
         messages.append(str(e.value))
     assert messages[0] == messages[1] and "output" in messages[0] and "\n" not in messages[0]
     assert json.dumps(messages)
+
+
+def test_a_parquet_file_of_row_groups_far_larger_than_a_range_is_read_whole_here(data_cfg, tmp_path, monkeypatch):
+    """Each range would decode its whole row group again: one group of 300 rows and ranges of 16 (more
+    than ``GROUP_CHUNKS`` ranges a group) are read in order by this process, into the same store."""
+    assert 300 > GROUP_CHUNKS * 16
+    path = _write(tmp_path / "r.parquet", _records(300, seed=3), row_group_size=300)
+    assert not ranged(path, "parquet", 16) and ranged(path, "parquet", 300 // GROUP_CHUNKS + 1)
+    with monkeypatch.context() as m:
+        m.setattr(pipeline, "streamable", lambda *a: False)
+        ref = _prepare(data_cfg, path, tmp_path / "ref")
+    monkeypatch.setattr(documents, "read_range", lambda r: pytest.fail("read in ranges"))
+    got = _prepare(data_cfg, path, tmp_path / "whole", num_proc=1, chunk_records=16)
+    assert _files(got.cache_dir) == _files(ref.cache_dir)
