@@ -5,7 +5,6 @@ for byte."""
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -141,17 +140,36 @@ def test_each_rank_reads_only_the_rows_of_its_own_chunks(data_cfg, tmp_path, mon
     assert _files(got.cache_dir) == _files(one.cache_dir)
 
 
-def test_a_parquet_file_without_a_field_the_template_reads_is_one_error_before_any_row_is_read(data_cfg, tmp_path, monkeypatch):
-    path = _write(tmp_path / "r.parquet", [{"instruction": "a", "answer": "b"}] * 5, row_group_size=2)
+def _bad_input(tmp_path, case: str):
+    rows = [{"instruction": "a", "input": "", "output": "b"}] * 5
+    if case == "parquet without output":
+        return _write(tmp_path / "r.parquet", [{"instruction": "a", "answer": "b"}] * 5, row_group_size=2)
+    if case == "empty parquet file":
+        (tmp_path / "r.parquet").write_bytes(b"")
+        return tmp_path / "r.parquet"
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(rows if case == "dataset formatted without output" else [{"instruction": "a"}] * 5)
+    if case == "dataset formatted without output":  # column_names still lists output; its rows do not hold it
+        ds.set_format(type=None, columns=["instruction", "input"])
+    ds.save_to_disk(str(tmp_path / "hf"))
+    return tmp_path / "hf"
+
+
+@pytest.mark.parametrize(
+    "case", ["parquet without output", "empty parquet file", "dataset without output", "dataset formatted without output"]
+)
+def test_a_bad_input_is_the_in_memory_paths_one_line_error_before_any_range_is_read(data_cfg, tmp_path, monkeypatch, case):
+    path = _bad_input(tmp_path, case)
     messages = []
     for streamed in (True, False):
         with monkeypatch.context() as m:
             m.setattr(pipeline, "streamable", lambda *a, s=streamed: s)
+            m.setattr(documents, "read_range", lambda r: pytest.fail("a range was read"))
             with pytest.raises(DataError) as e:
                 _prepare(data_cfg, path, tmp_path / f"s{streamed}", chunk_records=2)
         messages.append(str(e.value))
-    assert messages[0] == messages[1] and "output" in messages[0] and "\n" not in messages[0]
-    assert json.dumps(messages)
+    assert messages[0] == messages[1] and "\n" not in messages[0]
+    assert ("the file is empty" if case == "empty parquet file" else "output") in messages[0]
 
 
 def test_a_parquet_file_of_row_groups_far_larger_than_a_range_is_read_whole_here(data_cfg, tmp_path, monkeypatch):

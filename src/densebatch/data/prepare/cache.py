@@ -35,8 +35,11 @@ from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_token
 from densebatch.errors import DataError, UserError
 from densebatch.locks import FileLock, describe
 
-CACHE_VERSION = 6  # 2: stores carry source.npy; tokenizers may add tokens; 3: inputs known by identity; 4: sharded stores;
-# 5: text_split chunks read in blocks (text_blocks.py); 6: split_keys.npz (the leakage count across a mixture's parts)
+CACHE_VERSION = 7  # 2: stores carry source.npy; tokenizers may add tokens; 3: inputs known by identity; 4: sharded stores;
+# 5: text_split chunks read in blocks (text_blocks.py); 6: split_keys.npz (the leakage count across a mixture's parts);
+# 7: Parquet and save_to_disk chunks are row ranges whose workers count the rows read (row_ranges.py): a chunk
+# file of 6 counted none, so a run left half done by 6 resumes into a fresh directory
+
 LEARNED_TOKENIZER = "tokenizer"  # where a bpe:N tokenizer is kept inside the cache entry
 
 

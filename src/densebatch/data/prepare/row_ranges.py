@@ -39,6 +39,8 @@ def require_pyarrow(what: str) -> None:
 def open_parquet(p: Path):
     """``pyarrow.parquet.ParquetFile`` of ``p``; ``DataError`` in one line for bytes that are not Parquet or
     a file without rows."""
+    if p.is_file() and p.stat().st_size == 0:  # as sources.iter_records says it
+        raise DataError(f"{p}: the file is empty")
     require_pyarrow("Parquet")
     import pyarrow.parquet as pq
 
@@ -146,9 +148,12 @@ def row_ranges(path: str | Path, fmt: str, rows: int) -> Iterator[RowRange]:
 
 
 def columns(path: str | Path, fmt: str) -> list[str]:
-    """The input's columns (every record's fields), from its schema."""
+    """The fields of the input's records: a Parquet file's schema; a dataset's first row as it reads (a
+    dataset saved with ``set_format(columns=...)`` yields those columns only, whatever ``column_names`` says)."""
     p = Path(path)
-    return list(open_parquet(p).schema_arrow.names if fmt == "parquet" else open_hf_disk(p)[0].column_names)
+    if fmt == "parquet":
+        return list(open_parquet(p).schema_arrow.names)
+    return list(next(_rows(open_hf_disk(p)[0][:1])))
 
 
 def read_range(r: RowRange) -> Iterator[tuple[str, dict]]:
