@@ -179,33 +179,9 @@ def test_short_trials_train_each_rate_from_the_same_start_and_suggest_the_lowest
     assert best["lr"] / 3**0.5 <= result.suggested_lr <= best["lr"] * 3**0.5  # within half a rung of the best trial
 
 
-def test_a_trial_keeps_the_runs_warm_up_in_steps_not_its_share_of_the_run(tiny, tmp_path):
-    """A run of 100 steps warming up over 3: each 8-step trial warms up over the same 3 steps (a share would
-    give 0), then decays; the warm-up is what steadies the first updates, whatever the run's length."""
-    t = _trainer(tiny, tmp_path, max_steps=100, warmup_steps=3)
-    t.model.config = types.SimpleNamespace(vocab_size=32)  # at chance: the trials run
-    used = []
-    step = t.optimizer.step
-
-    def record(*a, **k):
-        used.append(t.optimizer.param_groups[0]["lr"] / t.optimizer.param_groups[0]["lr_mult"])
-        return step(*a, **k)
-
-    t.optimizer.step = record
-    result = lr_range_test(t, dataclasses.replace(FAST, trials=2, trial_steps=8))
-    trial_lrs = used[len(result.lrs) :]
-    assert result.trials and len(trial_lrs) == 8 * len(result.trials)
-    for k, trial in enumerate(result.trials):
-        rate, lrs = trial["lr"], trial_lrs[8 * k : 8 * k + 8]
-        assert lrs[:4] == pytest.approx([rate / 3, 2 * rate / 3, rate, rate])
-        assert all(b < a for a, b in zip(lrs[3:], lrs[4:]))  # then cosine down from the peak
-
-
-def test_a_layer_groups_own_warm_up_is_capped_at_half_a_trial_like_the_runs(tiny, tmp_path):
-    """``train.blocks.warmup_steps: 8`` in a 4-step trial: the blocks warm up over 2 steps and reach the
-    trial's rate, as the run's own warm-up does, instead of still climbing when the trial is scored; the
-    groups without a warm-up of their own follow the run's (none here)."""
-    t = _trainer(tiny, tmp_path, max_steps=100, blocks=GroupScheduleConfig(warmup_steps=8))
+def _trial_rates(t, steps: int) -> tuple[list[float], list[list[dict]]]:
+    """Two trials of ``steps`` steps after the range test of ``t``: the trials' rates and, per trial, the
+    rate of each layer group (embeddings, blocks, head) at each of its steps."""
     t.model.config = types.SimpleNamespace(vocab_size=32)  # at chance: the trials run
     used = []
     step = t.optimizer.step
@@ -215,10 +191,27 @@ def test_a_layer_groups_own_warm_up_is_capped_at_half_a_trial_like_the_runs(tiny
         return step(*a, **k)
 
     t.optimizer.step = record
-    result = lr_range_test(t, dataclasses.replace(FAST, trials=2, trial_steps=4))
+    result = lr_range_test(t, dataclasses.replace(FAST, trials=2, trial_steps=steps))
     trial_lrs = used[len(result.lrs) :]
-    assert result.trials and len(trial_lrs) == 4 * len(result.trials)
-    for k, trial in enumerate(result.trials):
-        rate, lrs = trial["lr"], trial_lrs[4 * k : 4 * k + 4]
-        assert [s["blocks"] for s in lrs[:2]] == pytest.approx([rate / 2, rate])
-        assert lrs[0]["head"] == pytest.approx(rate) == lrs[0]["embeddings"]
+    assert result.trials and len(trial_lrs) == steps * len(result.trials)
+    return [x["lr"] for x in result.trials], [trial_lrs[steps * k : steps * (k + 1)] for k in range(len(result.trials))]
+
+
+def test_a_trial_keeps_the_runs_warm_up_in_steps_not_its_share_of_the_run(tiny, tmp_path):
+    """A run of 100 steps warming up over 3: each 8-step trial warms up over the same 3 steps (a share would
+    give 0), then decays; the warm-up is what steadies the first updates, whatever the run's length."""
+    rates, per_trial = _trial_rates(_trainer(tiny, tmp_path, max_steps=100, warmup_steps=3), 8)
+    for rate, steps in zip(rates, per_trial):
+        lrs = [s["head"] for s in steps]
+        assert lrs[:4] == pytest.approx([rate / 3, 2 * rate / 3, rate, rate])
+        assert all(b < a for a, b in zip(lrs[3:], lrs[4:]))  # then cosine down from the peak
+
+
+def test_a_layer_groups_own_warm_up_is_capped_at_half_a_trial_like_the_runs(tiny, tmp_path):
+    """``train.blocks.warmup_steps: 8`` in a 4-step trial: the blocks warm up over 2 steps and reach the
+    trial's rate, as the run's own warm-up does, instead of still climbing when the trial is scored; the
+    groups without a warm-up of their own follow the run's (none here)."""
+    t = _trainer(tiny, tmp_path, max_steps=100, blocks=GroupScheduleConfig(warmup_steps=8))
+    for rate, steps in zip(*_trial_rates(t, 4)):
+        assert [s["blocks"] for s in steps[:2]] == pytest.approx([rate / 2, rate])
+        assert steps[0]["head"] == pytest.approx(rate) == steps[0]["embeddings"]
