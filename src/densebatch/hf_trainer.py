@@ -32,9 +32,7 @@ def register_attention() -> str:
     """Make ``attn_implementation="densebatch"`` known to transformers; returns that name. (Falcon before
     transformers 5.25, whose layers pick their attention class from a table of their own, gets
     densebatch's class there too: ``model/hf_falcon.py``.)"""
-    import transformers
-
-    check_transformers(transformers.__version__)
+    check_transformers()
     register()
     install_falcon_attention()
     return "densebatch"
@@ -48,9 +46,7 @@ def dense_batches(
     (``rows_per_batch``, ``long_docs``, ``bundle_tokens``, ``pad_to_multiple_of``, ...); ``pad_id``
     defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
     (packed rows as long as the budget: one row a batch)."""
-    import transformers
-
-    check_transformers(transformers.__version__)
+    check_transformers()
     args = trainer.args
     tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
     tok = getattr(tok, "tokenizer", tok)  # a processor's tokenizer

@@ -127,7 +127,7 @@ class HFCausalLM(nn.Module):
             from transformers import AutoConfig
         except ImportError:
             raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
-        check_transformers(transformers.__version__)
+        check_transformers()
         config = AutoConfig.from_pretrained(path)
         check_architecture(config, attn_implementation)
         if attn_implementation == DENSEBATCH:

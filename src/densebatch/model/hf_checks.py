@@ -14,12 +14,16 @@ from densebatch.model.hf_attention import NAME as DENSEBATCH
 MIN_TRANSFORMERS = "5.5.4"  # the oldest transformers the test suite passes with (pyproject.toml says which fail)
 
 
-def check_transformers(version: str) -> None:
-    """``ConfigError`` in one line when the installed transformers is older than ``MIN_TRANSFORMERS``: an
-    older one fails inside transformers (a keyword Falcon does not take, encoders' masks) or, worse, runs
-    with other losses (HF Trainer under DDP in 5.5.0)."""
-
+def check_transformers(version: str | None = None) -> None:
+    """``ConfigError`` in one line when transformers ``version`` (None: the installed one's) is older than
+    ``MIN_TRANSFORMERS``: an older one fails inside transformers (a keyword Falcon does not take, encoders'
+    masks) or, worse, runs with other losses (HF Trainer under DDP in 5.5.0)."""
     from packaging.version import InvalidVersion, Version  # a dependency of transformers
+
+    if version is None:
+        import transformers
+
+        version = transformers.__version__
 
     try:
         old = Version(version) < Version(MIN_TRANSFORMERS)  # 5.5.4rc1 is older, as pip reads it

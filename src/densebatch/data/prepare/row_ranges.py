@@ -12,7 +12,7 @@ chunks' rows, not the whole input: the counterpart of ``sources.jsonl_ranges``.
 
 A Parquet row group is decoded whole to read any of its rows, so a file whose row groups are much
 larger than a range (pyarrow writes up to 1M rows a group by default) is not read in ranges
-(``ranged``): every range would decode its whole group, 25 ranges of 4,096 rows in one group of 200,000
+(``cut``): every range would decode its whole group, 25 ranges of 4,096 rows in one group of 200,000
 took 4.8 s where the whole file read in order takes 0.4 s. Up to ``GROUP_CHUNKS`` ranges a group, the
 decoding a range repeats stays small beside tokenising its records.
 """
@@ -125,35 +125,25 @@ class RowRange:
         return row_name(Path(self.named), self.first), row_name(Path(self.named), self.stop - 1)
 
 
-def ranged(path: str | Path, fmt: str, rows: int) -> bool:
-    """Whether ``path`` is read in ranges of ``rows`` rows: a save_to_disk dataset always (a slice of a
-    memory-mapped table reads only its rows), a Parquet file when no row group holds more than
-    ``GROUP_CHUNKS`` ranges' rows."""
-    if fmt != "parquet":
-        return fmt in FORMATS
-    meta = open_parquet(Path(path)).metadata
-    return max(meta.row_group(g).num_rows for g in range(meta.num_row_groups)) <= GROUP_CHUNKS * rows
-
-
-def row_ranges(path: str | Path, fmt: str, rows: int) -> Iterator[RowRange]:
-    """``path`` cut into ranges of ``rows`` rows (the last may hold fewer), from its row count only."""
+def cut(path: str | Path, fmt: str, rows: int) -> tuple[list[str], list[RowRange]] | None:
+    """(the fields of the input's records, the input cut into ranges of ``rows`` rows), from one look at
+    it, no row parsed; None when it is not read in ranges: a format not in ``FORMATS``, or a Parquet file
+    with a row group of more than ``GROUP_CHUNKS`` ranges' rows. The fields: a Parquet file's schema; a
+    dataset's first row as it reads (a dataset saved with ``set_format(columns=...)`` yields those columns
+    only, whatever ``column_names`` says)."""
+    if fmt not in FORMATS:
+        return None
     p = Path(path)
     if fmt == "parquet":
-        n, named = open_parquet(p).metadata.num_rows, p
+        pf = open_parquet(p)
+        meta = pf.metadata
+        if max(meta.row_group(g).num_rows for g in range(meta.num_row_groups)) > GROUP_CHUNKS * rows:
+            return None
+        n, named, fields = meta.num_rows, p, list(pf.schema_arrow.names)
     else:
         ds, named = open_hf_disk(p)
-        n = len(ds)
-    for first in range(0, n, rows):
-        yield RowRange(str(p), first, min(n, first + rows), fmt, str(named))
-
-
-def columns(path: str | Path, fmt: str) -> list[str]:
-    """The fields of the input's records: a Parquet file's schema; a dataset's first row as it reads (a
-    dataset saved with ``set_format(columns=...)`` yields those columns only, whatever ``column_names`` says)."""
-    p = Path(path)
-    if fmt == "parquet":
-        return list(open_parquet(p).schema_arrow.names)
-    return list(next(_rows(open_hf_disk(p)[0][:1])))
+        n, fields = len(ds), list(next(_rows(ds[:1])))
+    return fields, [RowRange(str(p), first, min(n, first + rows), fmt, str(named)) for first in range(0, n, rows)]
 
 
 def read_range(r: RowRange) -> Iterator[tuple[str, dict]]:

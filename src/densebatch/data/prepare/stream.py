@@ -57,7 +57,7 @@ from densebatch.data.prepare.documents import (
     count_outcome,
     finish_one,
 )
-from densebatch.data.prepare.row_ranges import RowRange, columns, ranged, row_ranges
+from densebatch.data.prepare.row_ranges import RowRange, cut
 from densebatch.data.prepare.sources import BadRecord, LineRange, jsonl_ranges
 from densebatch.data.prepare.store_write import StoreWriter
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
@@ -183,9 +183,10 @@ def _work(b: Builder, path: str | None, fmt: str) -> Iterator[Chunk]:
         for i, r in enumerate(jsonl_ranges(path, b.cfg.chunk_records)):
             yield Chunk(i, f"{path}:{r.first_line}", f"{path}:{r.last_line}", r)
         return
-    if path is not None and ranged(path, fmt, b.cfg.chunk_records):  # one input (a pattern's: one by one, parts.py)
-        b.check_columns(path, columns(path, fmt))  # as the first record read here would have been
-        for i, r in enumerate(row_ranges(path, fmt, b.cfg.chunk_records)):
+    if path is not None and (rows := cut(path, fmt, b.cfg.chunk_records)):  # one input (a pattern's: parts.py)
+        fields, ranges = rows
+        b.check_columns(path, fields)  # as the first record read here would have been
+        for i, r in enumerate(ranges):
             yield Chunk(i, *r.names(), r)
         return
     items, size = b.stream(path, fmt), b.cfg.chunk_records
