@@ -119,16 +119,18 @@ def loss_text(loss: float) -> str:
     return f"{loss:.3f}" if loss >= 0.01 else f"{loss:.3g}"
 
 
-# the new task(s), the pre-training records' seed, the new records' seed
-ONE_NEW = {
-    "finetune": (FINETUNE_TASK, 1234, 4321),
-    "finetune-color": ("color", 1234, 4321),
-    "finetune-upper": ("upper", 1234, 4321),
-    "finetune-key": ("key", 1234, 4321),
-    "finetune-upper2": ("upper", 86420, 24680),
-    "finetune-upper3": ("upper", 31415, 27182),
+# a new setup's new task(s) (the others are the pre-training's), the pre-training records' seed, the new
+# records' seed, and how many records are drawn for the new ones (fewer for two tasks: as many of each)
+NEW_TASKS = {
+    "finetune": ((FINETUNE_TASK,), 1234, 4321, 12000),
+    "finetune-color": (("color",), 1234, 4321, 12000),
+    "finetune-upper": (("upper",), 1234, 4321, 12000),
+    "finetune-key": (("key",), 1234, 4321, 12000),
+    "finetune-upper2": (("upper",), 86420, 24680, 12000),
+    "finetune-upper3": (("upper",), 31415, 27182, 12000),
+    "finetune-two": (("color", "parity"), 97531, 13579, 8000),
+    "finetune-upper-key": (("upper", "key"), 86420, 24680, 8000),
 }
-TWO_NEW = {"finetune-two": (("color", "parity"), 97531, 13579), "finetune-upper-key": (("upper", "key"), 86420, 24680)}
 
 
 def write_jsonl(records: list[dict], path: Path) -> None:
@@ -137,15 +139,10 @@ def write_jsonl(records: list[dict], path: Path) -> None:
 
 def finetune_records(setup: str) -> tuple[list[dict], list[dict], list[dict], str]:
     """(pre-training records, fine-tuning records, held-out fine-tuning records, pre-training loss_on)."""
-    if setup in TWO_NEW:  # two new tasks at once, for a model tuned on the other two (other records)
-        tasks, pre_seed, new_seed = TWO_NEW[setup]
+    if setup in NEW_TASKS:  # new task(s) for a model instruction-tuned on the others
+        tasks, pre_seed, new_seed, drawn = NEW_TASKS[setup]
         pre = [r for r in generate_records(20000, seed=pre_seed) if r["task"] not in tasks]
-        new = [r for r in generate_records(8000, seed=new_seed) if r["task"] in tasks]
-        return pre, new[500:], new[:500], "response"
-    if setup in ONE_NEW:  # a new task for a model instruction-tuned on the three others
-        task, pre_seed, new_seed = ONE_NEW[setup]
-        pre = [r for r in generate_records(20000, seed=pre_seed) if r["task"] != task]
-        new = [r for r in generate_records(12000, seed=new_seed) if r["task"] == task]
+        new = [r for r in generate_records(drawn, seed=new_seed) if r["task"] in tasks]
         return pre, new[500:], new[:500], "response"
     # sft: a language model of the rendered records (every token carries loss), then instruction-tuned
     # on new records of the same tasks (loss on the answers); sft-heldout: the same on other records
