@@ -236,21 +236,7 @@ def paired_gap(scores: dict, best_lr: float, share: float = 0.10) -> tuple[float
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    setups = (
-        "default",
-        "finetune",
-        "finetune-color",
-        "finetune-upper",
-        "finetune-key",
-        "finetune-two",
-        "finetune-upper-key",
-        "finetune-upper2",
-        "finetune-upper3",
-        "shakespeare",
-        "sft",
-        "sft-heldout",
-        "sft-heldout2",
-    )
+    setups = ("default", *NEW_TASKS, "shakespeare", "sft", "sft-heldout", "sft-heldout2")
     ap.add_argument("--setup", choices=setups, required=True)
     ap.add_argument("--work", required=True, help="directory for data, runs and logs (reused when present)")
     ap.add_argument("--rates", default="1e-4,3e-4,1e-3,3e-3,1e-2", help="comma list of peak learning rates")
