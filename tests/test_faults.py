@@ -229,6 +229,8 @@ def test_sigterm_saves_a_clean_checkpoint_exits_0_and_resumes_exactly(tmp_path, 
     sections = {"train": {"max_steps": steps}, "checkpoint": {"every_steps": 0}}  # SIGTERM's is the only checkpoint
     ref_cfg = fd.write_config(tmp_path / "ref.yaml", tmp_path / "ref", cache_dir, **sections)
     assert fd.run_in_process(["train", str(ref_cfg)]) == 0
+    saves = lambda run: [rec["step"] for rec in fd.metrics(run) if rec["kind"] == "checkpoint"]  # noqa: E731
+    assert saves(tmp_path / "ref") == [steps]  # the run's last checkpoint is in metrics.jsonl too
     cfg = fd.write_config(tmp_path / "run.yaml", tmp_path / "out", cache_dir, **sections)
     out = tmp_path / "out"
 
@@ -244,9 +246,11 @@ def test_sigterm_saves_a_clean_checkpoint_exits_0_and_resumes_exactly(tmp_path, 
     assert not [p for p in (out / "checkpoints").iterdir() if p.name.startswith(".")]
     assert not (out / "final").exists()  # interrupted: no final model, no final eval
     assert not [rec for rec in fd.metrics(out) if rec["kind"] == "eval"]
+    assert saves(out) == [stopped_at]  # the stop's checkpoint is recorded like any other
 
     capsys.readouterr()
     assert fd.run_in_process(["train", str(cfg), "--resume"]) == 0
     assert _resumed_from(capsys.readouterr().out)[1] == stopped_at
     assert fd.train_losses(out) == fd.train_losses(tmp_path / "ref")
+    assert saves(out) == [stopped_at, steps]
     assert (out / "final" / "model.safetensors").is_file()

@@ -35,6 +35,7 @@ from densebatch.train.checkpoint import CheckpointManager
 from densebatch.train.checkpoint_async import CheckpointWriter
 from densebatch.train.checkpoint_format import encode_tree
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
+from densebatch.train.observe.monitor import METRICS_FILE, MetricsWriter
 from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
 from densebatch.train.rng import capture_rng_state, restore_rng_state
 
@@ -159,13 +160,27 @@ class Session:
         previous = install_signal_handlers(self.trainer, self.log)
         try:
             result = self.trainer.run()
-            path = self.save() if self.last_saved_step != self.trainer.state.step else None
+            path = self._last_save() if self.last_saved_step != self.trainer.state.step else None
             path = self.writer.wait() or path  # the run ends once its last checkpoint is complete
             if path is not None:
                 print(f"checkpoint: {path}", flush=True)
         finally:
             restore_signal_handlers(previous, stopped_by_signal=self.trainer.should_stop)
         return result
+
+    def _last_save(self) -> Path | None:
+        """``save`` once the trainer's run is over: its ``metrics.jsonl`` is closed by then (the run closes it
+        whichever way it ends), so the main rank opens it again to append this checkpoint's record, as every
+        other save's is (the trackers get it either way)."""
+        t = self.trainer
+        if t.dist.is_main and t.metrics is None:
+            t.metrics = MetricsWriter(t.output_dir / METRICS_FILE)
+        try:
+            return self.save()
+        finally:
+            if t.metrics is not None:
+                t.metrics.close()
+                t.metrics = None
 
 
 def keyed(state) -> dict:
