@@ -42,10 +42,14 @@ class HealthConfig:
         minimum=0.0,
     )
     slow_ratio: float = _f(
-        0.5, "Warn when the median tokens/s of the last 20 steps falls below this share of the run's median.", minimum=0.0
+        0.5,
+        "Warn when the median tokens/s of the last 20 steps falls below this share of the median of the 50 steps before them.",
+        minimum=0.0,
     )
     fill_ratio: float = _f(
-        0.7, "Warn when the median fill rate of the last 20 steps falls below this share of the run's median.", minimum=0.0
+        0.7,
+        "Warn when the median fill rate of the last 20 steps falls below this share of the median of the 50 steps before them.",
+        minimum=0.0,
     )
     clip_share: float = _f(
         0.5, "Warn when the gradient norm is clipped on more than this share of the last 50 steps.", minimum=0.0

@@ -225,7 +225,7 @@ class HealthMonitor:
                 key,
                 step,
                 f"{what} fell to {recent:.4g} (median of the last {drop.recent.size} steps), {recent / reference:.0%} of "
-                f"the run's median {reference:.4g} (warning below {ratio:.0%})",
+                f"the median {reference:.4g} of the {len(drop.reference)} steps before them (warning below {ratio:.0%})",
                 recent,
                 ratio * reference,
             )
