@@ -11,7 +11,7 @@ steps' own wall time, evaluations excluded), steps and real tokens until the fir
 reaches the target, with the final quality.
 
 - ``--set default``: the embedded default (the demo's data, tokenizer, model, learning rate and step of
-  ~96 loss tokens, ``train.loss_tokens_per_step``; four tasks whose answers differ in length). Target:
+  ~96 loss tokens, ``train.loss_tokens_per_step``; four tasks with one-word answers; one task's prompts all short). Target:
   exact-match accuracy >= 0.99 on 200 held-out prompts. Setups ending in ``/1`` take one batch a step
   instead (``loss_tokens_per_step: null``), as the demo did before.
 - ``--set mixture``: the shared instruction data, chat threads and Shakespeare as three sources
