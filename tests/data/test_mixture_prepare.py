@@ -108,6 +108,7 @@ def test_adding_a_source_tokenises_only_that_one_and_names_are_not_keys(tmp_path
     again = prepare(renamed)
     assert built == [c] and again.summary.cache_hit and again.train.source_names == ["alpha", "beta", "third"]
     assert [x["name"] for x in again.summary.sources] == ["alpha", "beta", "third"]
+    assert again.summary.source == "alpha, beta, third"  # the summary's source line too, not the names it was built under
 
 
 def test_a_source_inherits_unset_keys_and_overrides_the_rest(tmp_path, records, write_jsonl):

@@ -392,9 +392,7 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Prepared:
         if store is not None:
             store.meta["sources"] = names
     prepared.weights, prepared.source_names = mixture_weights(cfg), names
-    facts = prepared.summary.sources
-    for x, name in zip(facts, names):
-        x["name"] = name
-    for x, share in zip(facts, epoch_shares(prepared.train, prepared.weights, seed).values()):
+    prepared.summary.name_sources(names)
+    for x, share in zip(prepared.summary.sources, epoch_shares(prepared.train, prepared.weights, seed).values()):
         x["share"] = share["share"]
     return prepared

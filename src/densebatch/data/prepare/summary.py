@@ -83,6 +83,14 @@ class PrepareSummary:
     def source_names(self) -> list[str]:
         return [x["name"] for x in self.sources]
 
+    def name_sources(self, names: list[str]) -> None:
+        """Give the per-source facts (and a mixture's source line) the configured ``names``: names are
+        configuration, not content, so an entry made under other names is reused with these."""
+        for x, name in zip(self.sources, names):
+            x["name"] = name
+        if self.format == "mixture":
+            self.source = ", ".join(names)
+
     def source_facts(self, name: str, path: str) -> dict:
         """This (one source's) summary as one line of a mixture's per-source facts."""
         return {
