@@ -25,6 +25,7 @@ from densebatch.model.export import export_gpt_as_hf
 from densebatch.model.lora import is_adapter_dir, load_adapter
 from densebatch.run.auto import resolved_budget
 from densebatch.run.build import eval_loader, resolve_config
+from densebatch.run.demo import DEMO_OVERRIDES
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
 from densebatch.run.owned import eval_view, note_lines, prompt_for, same_documents
 from densebatch.train.checkpoint import Checkpoint, checkpoint_step, latest_valid, load_checkpoint
@@ -50,21 +51,28 @@ wrong types and invalid values stop the run with a message naming the key (exit 
 `densebatch config --keys` prints this table; `densebatch config CONFIG` prints a resolved configuration.
 With no config, `densebatch train` runs the embedded default (`configs/default.yaml` writes it out).
 This page is generated: `densebatch config --keys --markdown > docs/configuration.md`.
-
-| key | default | meaning |
-|---|---|---|
 """
+
+
+def demo_line() -> str:
+    """The defaults are those of a config file (and of a run on your own data); what the demo sets on top."""
+    keys = ", ".join(f"`{o[2:]}`" for o in DEMO_OVERRIDES)
+    return (
+        "The defaults below are those of a config file, and of a command line that names data of its own; the demo "
+        f"(no config, no data.path / data.sources) sets these on top: {keys} (`densebatch config` prints it resolved)."
+    )
 
 
 def config_markdown() -> str:
     rows = "".join(f"| `{k}` | `{d}` | {h.replace('|', '/')} |\n" for k, d, h in describe())
-    return CONFIG_DOC_HEADER + rows
+    return CONFIG_DOC_HEADER + "\n" + demo_line() + "\n\n| key | default | meaning |\n|---|---|---|\n" + rows
 
 
 def config_command(cfg: RunConfig, args) -> int:
     if args.keys and args.markdown:
         print(config_markdown(), end="")
     elif args.keys:
+        print(demo_line().replace("`", "") + "\n")
         width = max(len(k) for k, _, _ in describe())
         for key, default, help_ in describe():
             print(f"{key:<{width}}  {default:<18}  {help_}")
