@@ -1,5 +1,6 @@
 """Guards on the trees around the package: tests and benchmarks never import each other, benchmarks run as
-modules (no ``sys.path`` edits), and ``densebatch.testing`` is a leaf no other module of the package imports.
+modules (no ``sys.path`` edits), ``densebatch.testing`` is a leaf no other module of the package imports, and
+docs/architecture.md names every module of the package (its map drifted once by 27 modules).
 
 Code both trees need lives in ``densebatch.testing``. Imports are read with ``ast`` (inside functions too);
 each guard is a function of a ``{path: source}`` mapping, so a planted violation shows that it fails.
@@ -86,3 +87,16 @@ def test_planted_violations_are_caught():
     planted = {"src/densebatch/train/x.py": "from densebatch import testing\n"}
     assert reaching(planted, {"densebatch.testing"}) == ["src/densebatch/train/x.py imports densebatch.testing"]
     assert path_edits({"benchmarks/b.py": "import sys\nsys.path.insert(0, 'x')\n"}) == ["benchmarks/b.py:2 uses sys.path"]
+
+
+def unmapped(files: list[str], doc: str) -> list[str]:
+    """The package modules (paths under ``src/densebatch``) that the architecture doc ``doc`` never names, by
+    their path inside the package or their file name."""
+    inside = [str(Path(f).relative_to("src/densebatch")) for f in files if not f.endswith("__init__.py")]
+    return [m for m in inside if m not in doc and Path(m).name not in doc]
+
+
+def test_the_architecture_doc_names_every_module_of_the_package():
+    doc = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    assert unmapped(list(sources("src/densebatch")), doc) == [], "place it in docs/architecture.md's module map"
+    assert unmapped(["src/densebatch/data/prepare/new_stage.py"], doc) == ["data/prepare/new_stage.py"]
