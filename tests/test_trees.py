@@ -94,7 +94,7 @@ def unmapped(files: list[str], doc: str) -> list[str]:
     """The package modules (paths under ``src/densebatch``) that the architecture doc ``doc`` never names, by
     their path inside the package or their file name."""
     inside = [str(Path(f).relative_to("src/densebatch")) for f in files if not f.endswith("__init__.py")]
-    named = lambda name: re.search(rf"(?<![\w/.]){re.escape(name)}", doc)  # noqa: E731  (not store_io.py for io.py)
+    named = lambda name: re.search(rf"(?<![\w.]){re.escape(name)}", doc)  # noqa: E731  (not store_io.py for io.py)
     return [m for m in inside if not named(m) and not named(Path(m).name)]
 
 
