@@ -64,6 +64,21 @@ def test_json_array_errors(tmp_path):
         list(iter_records(p))
 
 
+def test_json_nested_past_the_parsers_depth_is_a_bad_record_not_a_traceback(tmp_path):
+    """A line nested thousands of levels deep (json raises RecursionError) is skipped and counted as JSONL,
+    and one line of error in a JSON array, which cannot be read around it."""
+    deep = '{"a": ' + "[" * 5000 + "]" * 5000 + "}"
+    p = tmp_path / "a.jsonl"
+    p.write_text('{"a": 1}\n' + deep + '\n{"a": 2}\n')
+    items = list(iter_records(p))
+    assert [(b.where, b.reason) for b in items if isinstance(b, BadRecord)] == [(f"{p}:2", "invalid_json")]
+    assert _good(items) == [{"a": 1}, {"a": 2}]
+    p = tmp_path / "a.json"
+    p.write_text("[" + deep + "]")
+    with pytest.raises(DataError, match="nested too deeply"):
+        list(iter_records(p))
+
+
 @pytest.mark.parametrize("content", [b"", b"  \n\n  "])
 def test_empty_files_are_errors(tmp_path, content):
     for name in ("a.jsonl", "a.json", "a.csv", "a.txt"):

@@ -209,6 +209,9 @@ def _jsonl(p: Path, part: LineRange | None = None) -> Iterator[tuple[str, dict] 
             except json.JSONDecodeError as e:
                 yield BadRecord(where, "invalid_json", _jsonl_error(text, e, lineno))
                 continue
+            except RecursionError:
+                yield BadRecord(where, "invalid_json", TOO_DEEP)
+                continue
             if not isinstance(obj, dict):
                 yield BadRecord(where, "wrong_type", f"expected a JSON object per line, got {type(obj).__name__}")
                 continue
@@ -216,6 +219,9 @@ def _jsonl(p: Path, part: LineRange | None = None) -> Iterator[tuple[str, dict] 
         if part is not None and not part.last:  # a record follows in the next range: these were between records
             for b in blank:
                 yield BadRecord(f"{p}:{b}", "blank_line", "blank line (JSONL holds one JSON object on every line)")
+
+
+TOO_DEEP = "JSON nested too deeply to read (lists or objects about a thousand levels deep)"
 
 
 def _lines_until(f, size: int) -> Iterator[bytes]:
@@ -243,7 +249,7 @@ def _looks_like_jsonl(text: str) -> bool:
     lines = [line for line in text.splitlines() if line.strip()][:2]
     try:
         return len(lines) == 2 and all(isinstance(json.loads(line), dict) for line in lines)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return False
 
 
@@ -251,6 +257,8 @@ def _json_array(p: Path) -> Iterator[tuple[str, dict] | BadRecord]:
     text = p.read_bytes().decode("utf-8-sig", "surrogateescape")
     try:
         data = json.loads(text)
+    except RecursionError:
+        raise DataError(f"{p}: {TOO_DEEP} (a JSON array cannot be read around it; as JSONL the line would be skipped)") from None
     except json.JSONDecodeError as e:
         if _looks_like_jsonl(text):
             raise DataError(
