@@ -317,11 +317,14 @@ def test_learned_bpe_with_pretokenized_records_says_what_to_set(data_cfg, tmp_pa
         prepare(data_cfg(path=str(path), tokenizer="bpe:400", template="raw"))
 
 
-@pytest.mark.parametrize("damage", ["meta_keys", "summary", "array"])
+@pytest.mark.parametrize("damage", ["meta_keys", "summary", "array", "cut", "junk_meta", "gone", "eval_cut"])
 def test_damaged_cache_entry_is_a_one_line_error_naming_the_directory(data_cfg, tmp_path, records, write_jsonl, damage):
-    """A complete entry (its marker's sizes still match) that does not read back: say which directory to delete."""
+    """A complete entry that does not read back (its marker's sizes still match), or whose store's files no longer
+    match their recorded sizes (cut, rewritten, deleted): say which directory to delete. Before, the second kind
+    was taken for an absent entry, rebuilt beside the one that stayed, and failed an assertion every time."""
     path = write_jsonl(tmp_path / "a.jsonl", records)
-    entry = prepare(data_cfg(path=str(path))).cache_dir
+    cfg = lambda: data_cfg(path=str(path), eval_fraction=0.3)  # noqa: E731  (an eval split to damage too)
+    entry = prepare(cfg()).cache_dir
     if damage == "meta_keys":  # same size: the marker still trusts it; eos/pad/vocab are gone
         meta = entry / "train" / "meta.json"
         text = meta.read_text()
@@ -329,14 +332,22 @@ def test_damaged_cache_entry_is_a_one_line_error_naming_the_directory(data_cfg, 
     elif damage == "summary":
         f = entry / "summary.json"
         f.write_text("x" * len(f.read_text()))
-    else:
+    elif damage == "array":
         f = entry / "train" / "shard-000000" / "tokens.npy"
         f.write_bytes(b"\0" * f.stat().st_size)
+    elif damage in ("cut", "eval_cut"):
+        f = entry / ("train" if damage == "cut" else "eval") / "shard-000000" / "tokens.npy"
+        f.write_bytes(f.read_bytes()[:10])
+    elif damage == "junk_meta":
+        (entry / "train" / "meta.json").write_text("junk")
+    else:
+        (entry / "train" / "shard-000000" / "lengths.npy").unlink()
     with pytest.raises(DataError, match="delete that directory") as e:
-        prepare(data_cfg(path=str(path)))
+        prepare(cfg())
     assert str(entry) in str(e.value) and "\n" not in str(e.value)
     shutil.rmtree(entry)  # what the message says to do
-    assert len(prepare(data_cfg(path=str(path))).train) == len(records)
+    again = prepare(cfg())
+    assert len(again.train) + len(again.eval) == len(records)
 
 
 def test_densebatch_prepare_never_imports_torch(data_cfg, tmp_path, records, write_jsonl):

@@ -144,7 +144,15 @@ def check_meta(store: DocumentStore, tok: Tokenizer) -> None:
 def load_entry(final: Path, tok: Tokenizer) -> tuple[DocumentStore, DocumentStore | None, Tokenizer, PrepareSummary] | None:
     """(train, eval, tokenizer, summary) of the complete entry ``final``; None when
     there is none. An entry that is complete but does not read back raises a one-line ``DataError``."""
-    if not marker_ok(final) or not DocumentStore.is_complete(final / "train"):
+    if not marker_ok(final):
+        return None
+    if broken := [s for s in ("train", "eval") if (final / s).exists() and DocumentStore.damaged(final / s)]:
+        raise DataError(
+            f"{final}: the cached documents cannot be used (its {broken[0]} documents were damaged after they were "
+            "written: a file is missing or its size is not the one recorded); delete that directory and run again "
+            "(it is rebuilt from the data)"
+        )
+    if not DocumentStore.is_complete(final / "train"):  # a mixture whose source's entry is gone: made again
         return None
     try:
         if isinstance(tok, PendingBPE):  # a learned tokenizer lives with the documents it made

@@ -262,6 +262,17 @@ class DocumentStore:
         shards = read_index(d)
         return shards is not None and _shards_ok(shards)
 
+    @staticmethod
+    def damaged(directory: str | Path) -> bool:
+        """A store whose own files do not match what its marker and index record: a file missing, cut or
+        rewritten. The shards it names outside itself (a mixture's sources') are not its own: missing, the
+        store is incomplete (``is_complete``), not damaged."""
+        d = Path(directory).resolve()
+        if not marker_ok(d):
+            return True
+        shards = read_index(d)
+        return shards is None or not _shards_ok([e for e in shards if e["dir"].is_relative_to(d)])
+
     def __len__(self) -> int:
         return len(self.lengths)
 
