@@ -6,6 +6,7 @@ while the first finishes; a lock left by a killed run is taken over)."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import time
 import warnings
@@ -120,3 +121,52 @@ def test_a_run_that_wrote_nothing_leaves_no_directory_behind(tmp_path):
     with RunLock(tmp_path / "mine"):
         pass
     assert (tmp_path / "mine").is_dir()  # a directory the user made is never removed
+
+
+def test_a_checkpoint_mirror_is_one_runs_and_is_never_pruned_by_another(tmp_path, capsys):
+    """checkpoint.mirror_dir is marked as its run's: a second run pointed at it is refused (before, it pruned the
+    first run's checkpoints there, and with checkpoint.resume: auto resumed from them), so is a directory of files
+    that is no mirror; the run itself, fresh after its directory is gone, counts its mirrored checkpoints as a
+    run, and --overwrite deletes them with the rest."""
+    mirror, cache = tmp_path / "mirror", f"--data.cache_dir={tmp_path / 'cache'}"
+    run = lambda out, *more: main(["train", *TINY, cache, f"--output_dir={out}", f"--checkpoint.mirror_dir={mirror}", *more])  # noqa: E731
+    assert run(tmp_path / "a", "--train.max_steps=3", "--checkpoint.every_steps=1", "--checkpoint.keep_last=2") == 0
+    mirrored = _snapshot(mirror)
+    assert [s for s, _ in list_checkpoints(mirror)] == [3, 2]
+    for more in ([], ["--checkpoint.resume=auto"], ["--overwrite"]):
+        capsys.readouterr()
+        assert run(tmp_path / "b", "--train.max_steps=2", *more) == 2
+        err = capsys.readouterr().err.strip()
+        assert "the checkpoint mirror of another run" in err and str(tmp_path / "a") in err and len(err.splitlines()) == 1
+        assert _snapshot(mirror) == mirrored and not (tmp_path / "b" / "metrics.jsonl").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert main(["train", *TINY, cache, f"--output_dir={tmp_path / 'c'}", f"--checkpoint.mirror_dir={tmp_path / 'mine'}"]) == 2
+    assert (
+        "is no run's checkpoint mirror" in capsys.readouterr().err and (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    )
+    for p in (tmp_path / "a").iterdir():  # the run's own directory lost; its mirror stays: still a run
+        p.unlink() if p.is_file() else shutil.rmtree(p)
+    assert run(tmp_path / "a", "--train.max_steps=2") == 2
+    assert "checkpoint.mirror_dir" in capsys.readouterr().err and _snapshot(mirror) == mirrored
+    assert run(tmp_path / "a", "--train.max_steps=2", "--checkpoint.every_steps=1", "--overwrite") == 0
+    assert [s for s, _ in list_checkpoints(mirror)] == [2, 1]  # the deleted run's step 3 is gone with it
+
+
+def test_files_a_run_would_write_over_are_refused_where_no_run_is(tmp_path, capsys):
+    """A config.yaml of the user's (output_dir: . beside it), plots or tracker files in an output_dir holding no
+    run: refused, untouched; --overwrite replaces them. An empty output_dir (the current directory) is refused."""
+    out, cache = tmp_path / "proj", f"--data.cache_dir={tmp_path / 'cache'}"
+    out.mkdir()
+    (out / "config.yaml").write_text("# my notes\ntrain: {max_steps: 2}\n")
+    (out / "plots").mkdir()
+    (out / "plots" / "loss.png").write_bytes(b"mine")
+    before = _snapshot(out)
+    assert main(["train", *TINY, cache, f"--output_dir={out}", "--train.max_steps=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "holds no run, but files a run writes (plots, config.yaml)" in err and "--overwrite" in err
+    assert {k: v for k, v in _snapshot(out).items() if k != LOCK_FILE} == before  # the lock file stays, empty
+    assert main(["train", *TINY, cache, f"--output_dir={out}", "--train.max_steps=2", "--overwrite"]) == 0
+    assert "# my notes" not in (out / "config.yaml").read_text() and not (out / "plots" / "loss.png").exists()
+    assert main(["train", *TINY, cache, "--output_dir=", "--train.max_steps=2"]) == 2
+    assert "output_dir: empty" in capsys.readouterr().err

@@ -1,7 +1,9 @@
-"""The files of a run directory (``output_dir``), and whether one already holds a run."""
+"""The files of a run directory (``output_dir``), whether one already holds a run, and the mark that ties a
+checkpoint mirror (``checkpoint.mirror_dir``) to the one run it mirrors."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from densebatch.train.observe.monitor import METRICS_FILE
@@ -23,3 +25,24 @@ def holds_a_run(out: Path) -> list[str]:
         if p.is_file() or (p.is_dir() and any(p.iterdir())):
             found.append(name)
     return found
+
+
+def foreign_outputs(out: Path) -> list[str]:
+    """Files a run writes (its configuration, plots, trackers' files) found in ``out`` where ``holds_a_run``
+    finds no run: the user's own (a config.yaml beside them) or another tool's, which a run would write over."""
+    return [name for name in RUN_OUTPUTS[3:] if (p := out / name).is_file() or (p.is_dir() and any(p.iterdir()))]
+
+
+MIRROR_MARK = "densebatch-mirror.json"  # in checkpoint.mirror_dir: {"output_dir": the run it mirrors}
+
+
+def mirror_owner(mirror: Path) -> str | None:
+    """The run directory ``mirror`` is the checkpoint mirror of (its mark), "" for a mark that does not read,
+    None when it has no mark."""
+    try:
+        owner = json.loads((mirror / MIRROR_MARK).read_text(encoding="utf-8"))["output_dir"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return owner if isinstance(owner, str) else ""

@@ -23,17 +23,19 @@ number of processes keeps the global batch by changing ``train.grad_accum_batche
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from densebatch.atomic import remove_dir, write_file
 from densebatch.config import RunConfig, config_from_dict, parse_override, to_dict
 from densebatch.errors import ConfigError, UserError
 from densebatch.run.auto import keep_resolved
-from densebatch.run.layout import CHECKPOINT_DIR, RUN_OUTPUTS, holds_a_run
-from densebatch.train.checkpoint import latest_valid, load_checkpoint
+from densebatch.run.layout import CHECKPOINT_DIR, MIRROR_MARK, RUN_OUTPUTS, foreign_outputs, holds_a_run, mirror_owner
+from densebatch.train.checkpoint import latest_valid, list_checkpoints, load_checkpoint
 from densebatch.train.distributed import Distributed
 
 RESUMABLE = frozenset(
@@ -142,6 +144,7 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
     """(configuration to run, checkpoint to resume from or None), after the resume / overwrite rules."""
     out = Path(requested.output_dir)
     ck = requested.checkpoint
+    mirror = own_mirror(out, ck.mirror_dir, dist)  # before anything reads or prunes it
     path = None
     skipped: list[str] = []
     if resume or ck.resume == "auto":
@@ -152,6 +155,9 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
 
         path = latest_valid(out / CHECKPOINT_DIR, ck.mirror_dir, on_skip=skip, dist=dist)
     found = holds_a_run(out)  # after latest_valid removed the leftovers of dead saves
+    mirrored = list_checkpoints(mirror) if mirror is not None else []
+    found += [f"checkpoint.mirror_dir {mirror}: {len(mirrored)} checkpoints"] if mirrored else []
+    strays = [] if found else foreign_outputs(out)
     if path is None:
         if found and not overwrite and resume:
             # Starting afresh would replace the run's final model and metrics: its checkpoints may be
@@ -166,12 +172,19 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
                 f"{out} already holds a run ({', '.join(found)}); continue it with --resume, "
                 f"or start over with --overwrite (deletes it), or set --output_dir"
             )
+        if strays and not overwrite:
+            raise UserError(
+                f"{out} holds no run, but files a run writes ({', '.join(strays)}), which it would replace; move them, "
+                "set --output_dir, or --overwrite (deletes them)"
+            )
         if resume:
             _warn(dist, f"no checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
-        if found and dist.is_main:
+        if (found or strays) and dist.is_main:
             for name in RUN_OUTPUTS:
                 target = out / name
                 shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+            for _, p in mirrored:  # the deleted run's copies: a resume must never jump onto them
+                remove_dir(p)
         dist.barrier()
         return requested, None
     extra = load_checkpoint(path, parts=("extra",), verified=True).extra_state  # hashed once, just above
@@ -198,6 +211,34 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
         for line in plan.ignored:
             print(f"  ignored: {line}", flush=True)
     return cfg, path
+
+
+def own_mirror(out: Path, mirror_dir: str | None, dist: Distributed) -> Path | None:
+    """``checkpoint.mirror_dir``, marked as this run's (``layout.MIRROR_MARK``). A mirror is one run's: its
+    pruning keeps only that run's last checkpoints, and a resume reads the newest there; so one marked for
+    another run, or one holding files without a mark, is refused (before, a second run sharing it deleted the
+    first's checkpoints, and with ``checkpoint.resume: auto`` resumed from them). The main rank decides."""
+    if mirror_dir is None or Path(mirror_dir).resolve() == (out / CHECKPOINT_DIR).resolve():
+        return None  # none, or the checkpoints themselves (nothing is copied there)
+    mirror, me = Path(mirror_dir), str(out.resolve())
+    problem = None
+    if dist.is_main:
+        owner = mirror_owner(mirror)
+        if owner is not None and owner != me:
+            problem = (
+                f"checkpoint.mirror_dir {mirror}: the checkpoint mirror of another run ({owner or 'its mark does not read'})"
+            )
+        elif owner is None and mirror.is_dir() and any(mirror.iterdir()):
+            problem = f"checkpoint.mirror_dir {mirror}: holds files, but is no run's checkpoint mirror"
+        elif owner is None:
+            write_file(mirror / MIRROR_MARK, json.dumps({"output_dir": me}) + "\n")
+    problem = dist.broadcast_object(problem)
+    if problem is not None:
+        raise UserError(
+            f"{problem}; a run keeps only its own last checkpoints there and resumes from them: give this run a "
+            "new or empty directory"
+        )
+    return mirror
 
 
 def _warn(dist: Distributed, text: str) -> None:

@@ -50,6 +50,8 @@ from densebatch.train.session import Session
 
 def train(path: str | None, overrides: list[str], resume: bool = False, overwrite: bool = False) -> int:
     requested = resolve_config(path, overrides)
+    if not str(requested.output_dir).strip():  # before the lock, which would be taken in the current directory
+        raise ConfigError("output_dir: empty; name the run's directory (an empty one would be the current directory)")
     dist = Distributed.from_environment(requested.train.device)
     try:
         with RunLock(requested.output_dir, dist):  # one writer per run directory, for the whole run
