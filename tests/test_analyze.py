@@ -72,6 +72,16 @@ def test_plot_writes_png(tmp_path):
     out = analyze_main(LENGTHS, S, plot=f, strategies=["packed", "random"])
     assert f.read_bytes()[:4] == b"\x89PNG"
     assert f"wrote {f}: histogram" in out
+    bare = tmp_path / "hist"  # no suffix: the file named is the file written (matplotlib wrote hist.png)
+    assert f"wrote {bare}: histogram" in analyze_main(LENGTHS, S, plot=bare, strategies=["packed"])
+    assert bare.read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "hist.png").exists()
+
+
+@pytest.mark.parametrize("where", ["a_directory", "missing/parent.json"])
+def test_an_output_that_cannot_be_written_is_one_line(tmp_path, where):
+    (tmp_path / "a_directory").mkdir()
+    with pytest.raises(UserError, match=r"--dump-plan .*: cannot be written"):
+        analyze_main(LENGTHS, S, dump_plan=tmp_path / where, strategy="packed")
 
 
 def test_read_lengths_text_and_npy(tmp_path):
@@ -82,6 +92,9 @@ def test_read_lengths_text_and_npy(tmp_path):
     np.save(n, np.array([4, 9], np.int32))
     assert read_lengths(n).tolist() == [4, 9]
     t.write_text("3\nabc\n")
+    with pytest.raises(UserError, match=r"l.txt:2: expected one integer"):
+        read_lengths(t)
+    t.write_bytes(b"3\n\xff\xfe\n")  # not UTF-8: the line is named, no UnicodeDecodeError
     with pytest.raises(UserError, match=r"l.txt:2: expected one integer"):
         read_lengths(t)
     t.write_text("3\n0\n")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -77,3 +78,15 @@ def test_plot_command_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert "does not exist" in err[0] and "no metrics.jsonl" in err[1] and "no train or eval record" in err[2]
     assert "pip install 'densebatch[plot]'" in err[3]
     assert not (tmp_path / "plots").exists()
+
+
+def test_plot_reads_past_a_damaged_line_and_names_a_plots_path_it_cannot_write(run, capsys, tmp_path):
+    damaged = tmp_path / "run"
+    damaged.mkdir()
+    (damaged / "metrics.jsonl").write_bytes((run / "metrics.jsonl").read_bytes() + b"\xff\xfe not UTF-8\n")
+    assert main(["plot", str(damaged)]) == 0  # the damaged line is skipped, as a torn one is
+    shutil.rmtree(damaged / "plots")
+    (damaged / "plots").write_text("a file")
+    capsys.readouterr()
+    assert main(["plot", str(damaged)]) == 2
+    assert "the plots cannot be written there" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def read_lengths(path: str | Path) -> np.ndarray:
     except ValueError:
         pass
     out = []
-    with p.open(encoding="utf-8") as f:
+    with p.open(encoding="utf-8", errors="replace") as f:  # a byte that is not UTF-8 shows as a bad line
         for line_no, line in enumerate(f, 1):
             s = line.strip()
             if not s:
@@ -179,8 +179,17 @@ def write_plot(lengths: np.ndarray, results: dict[str, dict], path: str | Path, 
         bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#999"},
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with _written(path, "--plot") as f:
+        fig.savefig(f, dpi=120, format="png")  # the file named, whatever its suffix (not PATH.png)
     plt.close(fig)
+
+
+def _written(path: str | Path, option: str):
+    """``path`` opened for writing, or one line saying why it cannot be (a directory, a missing parent)."""
+    try:
+        return open(path, "wb")  # noqa: SIM115  (the caller's with closes it)
+    except OSError as e:
+        raise UserError(f"{option} {path}: cannot be written ({e.strerror or e})") from None
 
 
 def analyze_main(
@@ -219,7 +228,8 @@ def analyze_main(
             if selection is None
             else materialise(plan_epoch_sharded(lengths, s, seed, 0, selection))
         )
-        Path(dump_plan).write_text(json.dumps(plan.doc_lists(), separators=(",", ":")), encoding="utf-8")
+        with _written(dump_plan, "--dump-plan") as f:
+            f.write(json.dumps(plan.doc_lists(), separators=(",", ":")).encode("utf-8"))
         wrote.append(f"wrote {dump_plan}: the {name} plan, {plan.num_batches} batches → rows → document indices")
     if plot is not None:
         write_plot(lengths, results, plot, settings)

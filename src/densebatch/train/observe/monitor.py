@@ -69,7 +69,7 @@ def read_metrics(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.exists():
         return out
-    for line in p.read_text(encoding="utf-8").splitlines():
+    for line in p.read_text(encoding="utf-8", errors="replace").splitlines():  # a damaged line is skipped
         try:
             rec = json.loads(line)
         except json.JSONDecodeError:

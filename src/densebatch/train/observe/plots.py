@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, UserError
 from densebatch.train.observe.monitor import METRICS_FILE, read_metrics
 
 PLOTS_DIR = "plots"
@@ -335,6 +335,9 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     ]
     for name, has_data, draw in todo:
         if has_data:
-            out.mkdir(parents=True, exist_ok=True)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a file of that name, no permission
+                raise UserError(f"{out}: the plots cannot be written there ({e.strerror or e})") from None
             drawn.append(draw(data, out / f"{name}.png"))
     return drawn
