@@ -215,7 +215,14 @@ def eval_command(args, overrides: list[str]) -> int:
     model, tok, tokenizer_dir = build_trained(kind, d, saved or cfg, ckpt)
     prepared = _eval_documents(cfg, saved, tok, tokenizer_dir)
     if prepared.eval is None:
-        raise UserError("there is no evaluation split: set data.eval_path or data.eval_fraction > 0")
+        d = cfg.data
+        why = (
+            "no document of its eval_path was kept (every record skipped, or none with a loss token; densebatch "
+            "prepare with the same settings counts why)"
+            if d.eval_path or any(s.eval_path for s in d.sources)
+            else "set data.eval_path or data.eval_fraction > 0"
+        )
+        raise UserError(f"there is no evaluation split: {why}")
     device = resolve_device(cfg.train.device)
     loader = eval_loader(cfg, prepared.eval)  # full-context rows, as the evaluations of a run (run/build.py)
     result = evaluate_batches(
