@@ -13,3 +13,9 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """Input data cannot be read or is malformed (message names file:line where possible)."""
+
+
+def json_type(value) -> str:
+    """What a parsed JSON value is, in words (``a list``, ``a string``, ...), for the messages that refuse a file."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number", float: "a number"}
+    return names.get(type(value), "null")

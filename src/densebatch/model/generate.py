@@ -9,6 +9,8 @@ rerun the whole sequence each step. Measured: reference GPT (4 layers, width 128
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from torch import Tensor
@@ -20,12 +22,27 @@ def _pick(logits: Tensor, temperature: float, top_k: int | None, generator: torc
     """Next token per row from last-position logits (rows, vocab). (rows,)"""
     if temperature <= 0.0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    # Shifted so the largest logit is 0 before the division, by a temperature no smaller than float32 holds: a tiny
+    # temperature then sends the others to -inf (the most likely token is sampled) instead of every logit to +-inf
+    # or 0/0 (NaN probabilities). Softmax is shift-invariant: the distribution is the same.
+    logits = logits.float()
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / max(temperature, torch.finfo(torch.float32).tiny)
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (rows, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(
+    temperature: float, top_k: int | None, names: tuple[str, str] = ("generate: temperature", "generate: top_k")
+) -> None:
+    """``UserError`` (naming ``names``: the arguments as the caller spells them) unless ``temperature`` is a
+    finite number >= 0 and ``top_k`` is None or a positive integer."""
+    if not (math.isfinite(temperature) and temperature >= 0.0):
+        raise UserError(f"{names[0]}: expected a finite number >= 0 (0 = greedy); got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"{names[1]}: expected a positive integer (sample among the k most likely tokens); got {top_k}")
 
 
 @torch.no_grad()
@@ -45,6 +62,7 @@ def generate_batch(
     batch stops when every row has stopped or after ``max_new_tokens``, or when the longest row
     reaches the model's context length.
     """
+    check_sampling(temperature, top_k)
     prompts = [p.tolist() if isinstance(p, Tensor) else list(p) for p in prompts]
     if not prompts:
         return []

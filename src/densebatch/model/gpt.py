@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from densebatch.batch import Batch
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, json_type
 from densebatch.model.attention import (
     BACKENDS,
     AttentionPlan,
@@ -257,9 +257,7 @@ class GPT(nn.Module):
         from safetensors.torch import load_file
 
         path = Path(path)
-        meta = json.loads((path / "config.json").read_text())
-        meta.pop("densebatch_kind", None)
-        model = cls(GPTConfig(**meta))
+        model = cls(read_saved_config(path / "config.json"))
         try:  # safetensors only: a tampered or truncated file is refused, never unpickled
             state = load_file(str(path / "model.safetensors"))
             state["lm_head.weight"] = state["wte.weight"]
@@ -267,3 +265,43 @@ class GPT(nn.Module):
         except Exception as e:  # SafetensorError, OSError, missing / mis-shaped keys
             raise ConfigError(f"{path / 'model.safetensors'}: cannot be loaded as this model's weights: {e}") from None
         return model
+
+
+_POSITIVE = ("vocab_size", "n_layer", "n_head", "n_embd", "block_size")
+_CHOICES = {"attention": BACKENDS, "loss_head": LOSS_HEADS}
+
+
+def read_saved_config(cfg_file: Path) -> GPTConfig:
+    """The ``GPTConfig`` a saved ``config.json`` holds, checked: ``ConfigError`` in one line naming the file and
+    the field when it is not what ``GPT.write_config`` writes (a hand-edited or damaged file)."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{cfg_file} is not a model configuration densebatch saved: {why}")
+
+    try:
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise bad(f"not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise bad(f"expected a JSON object; got {json_type(meta)}")
+    meta = {k: v for k, v in meta.items() if k != "densebatch_kind"}
+    unknown = [k for k in meta if k not in {f.name for f in fields(GPTConfig)}]
+    if unknown:
+        raise bad(f"unknown field {unknown[0]!r}")
+    if "vocab_size" not in meta:
+        raise bad("vocab_size is missing")
+    for key in _POSITIVE:
+        if key in meta and not (type(meta[key]) is int and meta[key] > 0):
+            raise bad(f"{key} must be a positive integer (got {meta[key]!r})")
+    dropout = meta.get("dropout", 0.0)
+    if type(dropout) not in (int, float) or not 0 <= dropout < 1:
+        raise bad(f"dropout must be a number in [0, 1) (got {dropout!r})")
+    for key, choices in _CHOICES.items():
+        if key in meta and meta[key] not in choices:
+            raise bad(f"{key} must be one of {', '.join(choices)} (got {meta[key]!r})")
+    if type(meta.get("gradient_checkpointing", False)) is not bool:
+        raise bad(f"gradient_checkpointing must be true or false (got {meta['gradient_checkpointing']!r})")
+    cfg = GPTConfig(**meta)
+    if cfg.n_embd % cfg.n_head:
+        raise bad(f"n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
+    return cfg

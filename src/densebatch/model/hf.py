@@ -64,6 +64,9 @@ from densebatch.model.hf_checks import (  # noqa: F401  (REFUSED: also read by t
     check_model_dir,
     check_transformers,
     layer_windows,
+    load_errors,
+    read_hf_config,
+    unbuildable,
 )
 from densebatch.model.hf_falcon import install as install_falcon_attention
 from densebatch.model.hf_masks import hf_document_mask
@@ -124,11 +127,10 @@ class HFCausalLM(nn.Module):
             raise ConfigError(f"model.dtype: expected one of {', '.join(DTYPES)}; got {dtype!r}")
         try:
             import transformers
-            from transformers import AutoConfig
         except ImportError:
             raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
         check_transformers()
-        config = AutoConfig.from_pretrained(path)
+        config = read_hf_config(path)
         check_architecture(config, attn_implementation)
         if attn_implementation == DENSEBATCH:
             register()
@@ -151,9 +153,9 @@ class HFCausalLM(nn.Module):
                     self.hf = auto.from_pretrained(path, **kw)
                 else:
                     self.hf = auto.from_config(config, **kw)
-        except ValueError as e:  # "X does not support an attention implementation through ..."
-            if "attention implementation" not in str(e):
-                raise
+        except load_errors() as e:  # the directory's files, unless "X does not support an attention implementation ..."
+            if not isinstance(e, ValueError) or "attention implementation" not in str(e):
+                raise unbuildable(e, path, "build the model from its config.json") from None
             raise ConfigError(
                 f"model.attn_implementation: {config.model_type} cannot run {attn_implementation!r} "
                 f"(transformers: {str(e).splitlines()[0][:120]}); try the other of {', '.join(ALLOWED)}"

@@ -1,14 +1,15 @@
 """What the Hugging Face adapter checks before it builds a model: that the directory holds a decoder-only
 causal LM (or, for ``batching.mode: mlm``, an encoder masked LM), that the architecture can keep packed
 documents apart under the chosen attention, and which sliding window each layer type has (``model/hf.py``
-draws it into a mask or passes it to the kernel)."""
+draws it into a mask or passes it to the kernel); and the one line a user reads when transformers cannot make
+a model of the directory's files (``unbuildable``)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, json_type
 from densebatch.model.hf_attention import NAME as DENSEBATCH
 
 MIN_TRANSFORMERS = "5.5.4"  # the oldest transformers the test suite passes with (pyproject.toml says which fail)
@@ -105,8 +106,7 @@ def check_model_dir(path: str | Path, task: str = "causal") -> dict:
         meta = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:
         raise ConfigError(f"model.path: {path / 'config.json'} is not valid JSON ({e})") from None
-    kind, saved = meta.get("model_type", "?"), meta.get("architectures") or []
-    saved = [a for a in ([saved] if isinstance(saved, str) else saved) if isinstance(a, str)]
+    kind, saved = _names(meta, path / "config.json")
     mlm = task == "mlm"
     auto = TASKS[task][0]
     if mlm:
@@ -158,6 +158,59 @@ def check_model_dir(path: str | Path, task: str = "causal") -> dict:
             "architectures)"
         )
     return meta
+
+
+def _names(meta, cfg_file: Path) -> tuple[str, list[str]]:
+    """(model_type, the saved class names) of a parsed config.json; ``ConfigError`` naming the file when it is
+    not an object or those fields are not a name and a list of names."""
+    why = None if isinstance(meta, dict) else f"expected a JSON object; got {json_type(meta)}"
+    kind, saved = (meta.get("model_type", "?"), meta.get("architectures") or []) if why is None else ("?", [])
+    if why is None and not isinstance(kind, str):
+        why = f"model_type must be a string (got {kind!r})"
+    elif why is None and not isinstance(saved, (list, str)):
+        why = f"architectures must be a list of class names (got {saved!r})"
+    if why is not None:
+        raise ConfigError(f"model.path: {cfg_file} is not a model configuration: {why}")
+    return kind, [a for a in ([saved] if isinstance(saved, str) else saved) if isinstance(a, str)]
+
+
+def read_hf_config(path: Path):
+    """``AutoConfig.from_pretrained(path)``; ``ConfigError`` in one line when transformers cannot read its
+    config.json (a value of the wrong type: ``"n_layer": "two"``)."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path)
+    except load_errors() as e:
+        raise unbuildable(e, path, "read its config.json") from None
+
+
+def load_errors() -> tuple[type[Exception], ...]:
+    """What transformers raises when a directory's files do not make a model: a config value of the wrong type
+    or size (a width its heads do not divide, a negative dimension, an unknown activation), weights that are
+    damaged, truncated or of other shapes than the config's. Not TypeError or AttributeError: those are bugs."""
+    from safetensors import SafetensorError
+
+    try:
+        from huggingface_hub.errors import StrictDataclassError  # a config field of the wrong type
+    except ImportError:  # an older hub, which has no strict configs
+        StrictDataclassError = ValueError  # noqa: N806
+    return (OSError, ValueError, KeyError, ZeroDivisionError, RuntimeError, SafetensorError, StrictDataclassError)
+
+
+def unbuildable(e: Exception, path: Path, doing: str) -> ConfigError:
+    """The one line for ``e``, raised by transformers while it was ``doing`` (read its config.json, build the
+    model...) with the files of ``path``: the exception's type and message, weights named when they are at fault."""
+    text = " ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    text = text if len(text) <= 200 else text[:197] + "..."
+    if "ignore_mismatched_sizes" in text:  # printed after transformers' load report, which lists each tensor
+        return ConfigError(
+            f"model.path {path}: transformers could not load its weights: their shapes do not match its config.json "
+            "(transformers' load report above lists each tensor)"
+        )
+    if doing.startswith("build") and (isinstance(e, OSError) or type(e).__name__ == "SafetensorError" or "state_dict" in text):
+        doing = "load its weights"  # from_pretrained builds, then reads the weights: these are the weights' fault
+    return ConfigError(f"model.path {path}: transformers could not {doing}: {type(e).__name__}: {text}")
 
 
 def model_class(model_type: str, task: str = "causal") -> str | None:

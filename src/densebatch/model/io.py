@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, json_type
 from densebatch.model.gpt import GPT, KIND
 from densebatch.model.hf import HFCausalLM
 from densebatch.model.hf_checks import MASKED_HEADS
@@ -31,9 +31,13 @@ def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module
         raise ConfigError(f"'{path}' is not a saved model: no config.json there")
     try:
         meta = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{cfg_file}: not valid JSON: {e}") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{cfg_file} is not a model configuration: expected a JSON object; got {json_type(meta)}")
     if meta.get("densebatch_kind") == KIND:
         return GPT.load(path)
-    masked = any(str(a).endswith(MASKED_HEADS) for a in meta.get("architectures") or ())
+    saved = meta.get("architectures")  # a list of class names (or one); check_model_dir refuses anything else
+    saved = [saved] if isinstance(saved, str) else saved if isinstance(saved, list) else []
+    masked = any(str(a).endswith(MASKED_HEADS) for a in saved)
     return HFCausalLM(path, attn_implementation=attn_implementation, task="mlm" if masked else "causal")

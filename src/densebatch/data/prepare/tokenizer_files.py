@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from densebatch.errors import ConfigError
+from densebatch.errors import ConfigError, json_type
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _DROPPED_KEYS = ("added_tokens_decoder", "chat_template", "auto_map")  # rewritten or meaningless once saved here
@@ -38,6 +38,55 @@ def read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ConfigError(f"data.tokenizer: {path} is not a valid JSON object")
     return data
+
+
+_SAVED_FIELDS = {  # densebatch_tokenizer.json's fields: (whether a value fits, what it must be)
+    "pad_id": (lambda v: v is None or type(v) is int, "an integer or null"),
+    "base_vocab_size": (lambda v: type(v) is int and v > 0, "a positive integer"),
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "eos_token": (lambda v: isinstance(v, str), "a string"),
+    "mask_token": (lambda v: v is None or isinstance(v, str), "a string or null"),
+}
+
+_ADDED = {  # kind -> (what each entry of "added" is, whether an entry fits)
+    "byte": ("[text, special] pairs", lambda a: isinstance(a, list) and len(a) == 2 and isinstance(a[0], str) and a[0] != ""),
+    "hf": (  # the tokens added to the saved tokenizer.json, with their ids
+        '{"content", "id", "special"} objects',
+        lambda a: isinstance(a, dict) and isinstance(a.get("content"), str) and type(a.get("id")) is int,
+    ),
+}
+
+
+def read_saved_meta(path: Path) -> dict:
+    """The ``densebatch_tokenizer.json`` that ``Tokenizer.save`` wrote, checked: ``ConfigError`` in one line
+    naming the file and the field when it is not JSON, not an object, or a field has the wrong type."""
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"{path} is not a tokenizer densebatch saved: {why}")
+
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(f"not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise bad(f"expected a JSON object; got {json_type(meta)}")
+    kind = meta.setdefault("kind", "hf")
+    if kind not in ("byte", "hf"):
+        raise bad(f"kind must be 'byte' or 'hf' (got {_shown(kind)})")
+    for key, (fits, what) in _SAVED_FIELDS.items():
+        if key in meta and not fits(meta[key]):
+            raise bad(f"{key} must be {what} (got {_shown(meta[key])})")
+    added = meta.setdefault("added", [])
+    what, fits = _ADDED[kind]
+    if not isinstance(added, list) or not all(map(fits, added)):
+        wrong = added if not isinstance(added, list) else next(a for a in added if not fits(a))
+        raise bad(f"added must be a list of {what} (got {_shown(wrong)})")
+    return meta
+
+
+def _shown(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_config(directory: Path) -> dict:

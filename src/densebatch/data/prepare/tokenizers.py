@@ -43,6 +43,7 @@ from densebatch.data.prepare.tokenizer_files import (
     byte_level_tokenizer,
     read_chat_template,
     read_config,
+    read_saved_meta,
     template_variables,
     token_text,
     write_hf_files,
@@ -376,9 +377,8 @@ def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None, adde
     if p.is_file():
         return _load_tokenizer_json(p, str(spec), pad_id, added=added)
     if p.is_dir():
-        meta_path = p / SAVED_META
-        if meta_path.is_file():
-            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        if (p / SAVED_META).is_file():
+            meta = read_saved_meta(p / SAVED_META)  # checked: a damaged file is named, not a traceback
             pad = meta.get("pad_id") if pad_id is None else pad_id
             if meta.get("kind") == "byte":
                 return ByteTokenizer(pad, [*map(tuple, meta.get("added", [])), *added])
