@@ -170,3 +170,17 @@ def test_files_a_run_would_write_over_are_refused_where_no_run_is(tmp_path, caps
     assert "# my notes" not in (out / "config.yaml").read_text() and not (out / "plots" / "loss.png").exists()
     assert main(["train", *TINY, cache, "--output_dir=", "--train.max_steps=2"]) == 2
     assert "output_dir: empty" in capsys.readouterr().err
+
+
+def test_overwrite_deletes_the_old_run_only_once_the_new_one_is_set_up(tmp_path, capsys):
+    """--overwrite with a typo in the new run's data or model leaves the old run as it was (before, the old run
+    was deleted first, and the typo then left neither)."""
+    out, cache = tmp_path / "run", f"--data.cache_dir={tmp_path / 'cache'}"
+    assert main(["train", *TINY, cache, f"--output_dir={out}", "--train.max_steps=2"]) == 0
+    before = _snapshot(out)
+    for typo in (f"--data.path={tmp_path / 'missing.jsonl'}", "--model.kind=hf", "--model.block_size=8"):
+        assert main(["train", *TINY, cache, f"--output_dir={out}", "--overwrite", typo]) == 2
+        assert _snapshot(out) == before, typo
+    capsys.readouterr()
+    assert main(["train", *TINY, cache, f"--output_dir={out}", "--overwrite", "--train.max_steps=1"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines() if '"train"' in line] == [1]

@@ -141,7 +141,9 @@ def plan_resume(saved: dict, requested: RunConfig, overrides: list[str]) -> Resu
 
 
 def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed):
-    """(configuration to run, checkpoint to resume from or None), after the resume / overwrite rules."""
+    """(configuration to run, checkpoint to resume from or None, what ``--overwrite`` deletes or None), after the
+    resume / overwrite rules. The deletion is the caller's to call once the new run is set up: a typo in the new
+    run's data or model then leaves the old run as it was."""
     out = Path(requested.output_dir)
     ck = requested.checkpoint
     mirror = own_mirror(out, ck.mirror_dir, dist)  # before anything reads or prunes it
@@ -179,14 +181,17 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
             )
         if resume:
             _warn(dist, f"no checkpoint in {out / CHECKPOINT_DIR} to resume from: starting fresh")
-        if (found or strays) and dist.is_main:
-            for name in RUN_OUTPUTS:
-                target = out / name
-                shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-            for _, p in mirrored:  # the deleted run's copies: a resume must never jump onto them
-                remove_dir(p)
-        dist.barrier()
-        return requested, None
+
+        def start_over() -> None:  # --overwrite: called once the new run is set up (data, model), before it writes
+            if dist.is_main:
+                for name in RUN_OUTPUTS:
+                    target = out / name
+                    shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
+                for _, p in mirrored:  # the deleted run's copies: a resume must never jump onto them
+                    remove_dir(p)
+            dist.barrier()
+
+        return requested, None, (start_over if found or strays else None)
     extra = load_checkpoint(path, parts=("extra",), verified=True).extra_state  # hashed once, just above
     requested = keep_resolved(requested, extra["config"])  # `auto` asked again: the value the run found
     plan = plan_resume(extra["config"], requested, overrides)
@@ -210,7 +215,7 @@ def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwr
             print(f"  changed: {line}", flush=True)
         for line in plan.ignored:
             print(f"  ignored: {line}", flush=True)
-    return cfg, path
+    return cfg, path, None
 
 
 def own_mirror(out: Path, mirror_dir: str | None, dist: Distributed) -> Path | None:

@@ -61,12 +61,14 @@ def train(path: str | None, overrides: list[str], resume: bool = False, overwrit
 
 
 def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
-    cfg, resume_from = resolve_run(requested, overrides, resume, overwrite, dist)
+    cfg, resume_from, start_over = resolve_run(requested, overrides, resume, overwrite, dist)
     out = Path(cfg.output_dir)
     # FSDP: the model is built on the meta device and each rank materialises only its shards (no process
     # holds it whole); the budget finder then sizes the sharded step
     sharded = cfg.train.distributed == "fsdp" and dist.enabled
     s = setup(cfg, dist, on_meta=sharded)  # documents (rank 0 first), then the seeded model: run/build.py
+    if start_over is not None:  # --overwrite: the old run goes only once the new one's data and model are there
+        start_over()
     prepared, model, device = s.prepared, s.model, s.device
     tok = prepared.tokenizer
     if not sharded:
