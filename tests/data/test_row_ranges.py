@@ -154,6 +154,9 @@ def _bad_input(tmp_path, case: str):
     if case == "empty parquet file":
         (tmp_path / "r.parquet").write_bytes(b"")
         return tmp_path / "r.parquet"
+    if case == "a file as hf_disk":  # format hf_disk given for a file: not "a directory, but ..."
+        (tmp_path / "r.jsonl").write_text('{"instruction": "a", "output": "b"}\n')
+        return tmp_path / "r.jsonl"
     datasets = pytest.importorskip("datasets")
     ds = datasets.Dataset.from_list(rows if case == "dataset formatted without output" else [{"instruction": "a"}] * 5)
     if case == "dataset formatted without output":  # column_names still lists output; its rows do not hold it
@@ -163,7 +166,14 @@ def _bad_input(tmp_path, case: str):
 
 
 @pytest.mark.parametrize(
-    "case", ["parquet without output", "empty parquet file", "dataset without output", "dataset formatted without output"]
+    "case",
+    [
+        "parquet without output",
+        "empty parquet file",
+        "dataset without output",
+        "dataset formatted without output",
+        "a file as hf_disk",
+    ],
 )
 def test_a_bad_input_is_the_in_memory_paths_one_line_error_before_any_range_is_read(data_cfg, tmp_path, monkeypatch, case):
     path = _bad_input(tmp_path, case)
@@ -173,10 +183,12 @@ def test_a_bad_input_is_the_in_memory_paths_one_line_error_before_any_range_is_r
             m.setattr(pipeline, "streamable", lambda *a, s=streamed: s)
             m.setattr(documents, "read_range", lambda r: pytest.fail("a range was read"))
             with pytest.raises(DataError) as e:
-                _prepare(data_cfg, path, tmp_path / f"s{streamed}", chunk_records=2)
+                fmt = {"format": "hf_disk"} if case == "a file as hf_disk" else {}
+                _prepare(data_cfg, path, tmp_path / f"s{streamed}", chunk_records=2, **fmt)
         messages.append(str(e.value))
     assert messages[0] == messages[1] and "\n" not in messages[0]
-    assert ("the file is empty" if case == "empty parquet file" else "output") in messages[0]
+    expected = {"empty parquet file": "the file is empty", "a file as hf_disk": "a file; data.format hf_disk reads"}
+    assert expected.get(case, "output") in messages[0]
 
 
 def test_a_parquet_file_of_row_groups_far_larger_than_a_range_is_read_whole_here(data_cfg, tmp_path, monkeypatch):

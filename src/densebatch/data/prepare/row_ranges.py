@@ -63,6 +63,8 @@ def open_hf_disk(d: Path):
         raise DataError(
             f"{d}: reading a Hugging Face save_to_disk directory needs datasets: pip install 'densebatch[datasets]'"
         ) from None
+    if d.is_file():
+        raise DataError(f"{d}: a file; data.format hf_disk reads the directory a Hugging Face save_to_disk wrote")
     try:
         ds = datasets.load_from_disk(str(d))
     except FileNotFoundError:
