@@ -75,6 +75,9 @@ def test_inspect_marks_loss_tokens(tmp_path, capsys):
     assert main(["inspect", "--num", "1", f"--data.cache_dir={tmp_path}", "--data.default.num_records=50"]) == 0
     out = capsys.readouterr().out
     assert "### Response:" in out and "carry loss" in out
+    for start in ("999999", "-1"):  # past the split, or before it: one line saying what it holds (it printed nothing)
+        assert main(["inspect", "--start", start, f"--data.cache_dir={tmp_path}", "--data.default.num_records=50"]) == 2
+        assert "the train split holds documents 0 to" in capsys.readouterr().err
 
 
 def test_analyze_lengths_json_and_dump_plan(tmp_path, capsys):

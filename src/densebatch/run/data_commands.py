@@ -27,6 +27,8 @@ def inspect_command(cfg: RunConfig, args) -> int:
     store = prepared.train if args.split == "train" else prepared.eval
     if store is None:
         raise UserError("there is no eval split: set data.eval_path or data.eval_fraction > 0")
+    if not 0 <= args.start < len(store):
+        raise UserError(f"--start {args.start}: the {args.split} split holds documents 0 to {len(store) - 1}")
     stop = min(len(store), args.start + max(0, args.num))
     print(render_documents(store, prepared.tokenizer, range(args.start, stop), color=sys.stdout.isatty()), end="")
     print(render_cleaning(cfg.data, max(1, args.num)), end="")
