@@ -126,8 +126,13 @@ def _parser() -> argparse.ArgumentParser:
         help='the user\'s text; for a custom template with several fields, a JSON object: \'{"field": "...", ...}\'',
     )
     sp.add_argument("--max-new-tokens", type=int, default=64)
-    sp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    sp.add_argument("--top-k", type=int, default=None)
+    sp.add_argument("--temperature", type=float, default=0.0, help="a finite number >= 0; 0 = greedy")
+    sp.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="with --temperature > 0: sample among the k most likely tokens (k >= 1; default all)",
+    )
     sp.add_argument("--raw", action="store_true", help="send the prompt verbatim instead of through the run's template")
 
     sp = sub.add_parser(

@@ -10,14 +10,24 @@ from densebatch.config.run_sections import RunConfig
 from densebatch.errors import ConfigError
 
 
-def prompt_fields(prompt_format: str) -> list[str]:
-    """The record fields a custom prompt format names; ConfigError for positional or malformed ones."""
+def prompt_fields(prompt_format: str, key: str = "data.prompt_format") -> list[str]:
+    """The record fields a custom prompt format names; ConfigError (naming ``key``) for positional or malformed
+    ones, and for conversions (``{q!r}``) and format specs (``{q:>9}``): a field's text goes in as it is."""
     try:
-        names = [name for _, name, _, _ in string.Formatter().parse(prompt_format) if name is not None]
+        parts = [(name, spec, conv) for _, name, spec, conv in string.Formatter().parse(prompt_format) if name is not None]
     except ValueError as e:
-        raise ConfigError(f"data.prompt_format: {e} (write literal braces as {{{{ and }}}})") from None
+        raise ConfigError(f"{key}: {e} (write literal braces as {{{{ and }}}})") from None
+    names = [name for name, _, _ in parts]
     if any(not n or not n.isidentifier() for n in names):
-        raise ConfigError(f"data.prompt_format: every placeholder must name a record field, like {{question}}; got {names}")
+        raise ConfigError(f"{key}: every placeholder must name a record field, like {{question}}; got {names}")
+    for name, spec, conv in parts:
+        if spec or conv:
+            written = "{" + name + (f"!{conv}" if conv else "") + (f":{spec}" if spec else "") + "}"
+            raise ConfigError(
+                f"{key}: placeholder {written} has a "
+                + ("conversion" if conv else "format spec")
+                + f"; a record field goes in as its text: write {{{name}}} (literal braces as {{{{ and }}}})"
+            )
     return names
 
 
@@ -52,6 +62,7 @@ def _check(cfg: RunConfig) -> None:
     if m.kind == "gpt" and m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({m.n_head}); got {m.n_embd}")
     _check_hf_model(m)
+    _check_probabilities(cfg)
     if not 0.0 <= cfg.train.label_smoothing < 1.0:
         raise ConfigError(f"train.label_smoothing: expected a number in [0, 1); got {cfg.train.label_smoothing}")
     if not 0.0 < cfg.train.guard.rollback_lr_factor <= 1.0:
@@ -83,6 +94,18 @@ def _check_hf_model(m: ModelConfig) -> None:
         )
 
 
+def _check_probabilities(cfg: RunConfig) -> None:
+    """Ranges torch enforces only once the model or optimizer is built (a traceback by then): [0, 1) each."""
+    o = cfg.train.optimizer
+    for key, value in (
+        ("model.dropout", cfg.model.dropout),
+        ("train.optimizer.beta1", o.beta1),
+        ("train.optimizer.beta2", o.beta2),
+    ):
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"{key}: expected a number in [0, 1); got {value}")
+
+
 def _check_sources(d: DataConfig) -> None:
     """A mixture: paths set, names unique, weights on every source or on none, a custom prompt where needed."""
     if not d.sources:
@@ -104,7 +127,7 @@ def _check_sources(d: DataConfig) -> None:
             fmt = s.prompt_format or d.prompt_format
             if not fmt:
                 raise ConfigError(f"{key}.prompt_format: required when the source's template is custom")
-            prompt_fields(fmt)
+            prompt_fields(fmt, f"{key}.prompt_format" if s.prompt_format else "data.prompt_format")
     weighted = [s.weight is not None for s in d.sources]
     if any(weighted) and not all(weighted):
         i = weighted.index(False)

@@ -64,7 +64,7 @@ class DefaultDataConfig:
     """The embedded default dataset, generated from a seed with no files."""
 
     num_records: int = _f(6000, "Records to generate (train + eval).", minimum=10)
-    seed: int = _f(1234, "Seed of the generator (independent of the run seed).")
+    seed: int = _f(1234, "Seed of the generator (independent of the run seed), in [0, 2**63).", minimum=0)
 
 
 Format = Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"]

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import difflib
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -137,11 +138,24 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             kwargs[f.name] = _build(tp, data[name], key)
             continue
         value = _coerce(key, data[name], tp)
+        _check_number(key, value)
         minimum = f.metadata.get("minimum")
         if minimum is not None and isinstance(value, (int, float)) and value < minimum:  # not "auto"
             raise ConfigError(f"{key}: expected a value >= {minimum}; got {value!r}")
         kwargs[f.name] = value
     return cls(**kwargs)
+
+
+INT_LIMIT = 2**63  # what numpy and torch hold (int64): a larger integer would overflow deep inside a run
+
+
+def _check_number(key: str, value: Any) -> None:
+    """Every float key is finite (a NaN or infinite rate would crash the optimizer, or train every weight to
+    NaN and report success); every integer key fits in 64 bits."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: expected a finite number; got {value!r}")
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT_LIMIT <= value < INT_LIMIT:
+        raise ConfigError(f"{key}: expected an integer below 2**63 ({INT_LIMIT}); got {value}")
 
 
 def parse_override(arg: str) -> tuple[list[str], Any]:
@@ -168,12 +182,50 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not p.is_file():
             raise ConfigError(f"config file '{path}' not found")
         try:
-            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+            data = _read_yaml(p.read_text(encoding="utf-8"), str(path)) or {}
         except (yaml.YAMLError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
     return config_from_dict(with_overrides(data, overrides), saved)
+
+
+def _read_yaml(text: str, where: str) -> Any:
+    """``yaml.safe_load``, but a key repeated in one mapping is a ``ConfigError`` naming it and its line
+    (PyYAML keeps the last one silently: ``train: {max_steps: 3}`` then ``train: {lr: 1}`` drops max_steps)."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_repeated_keys(node, where, "", set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+def _refuse_repeated_keys(node: yaml.Node, where: str, prefix: str, seen_nodes: set[int]) -> None:
+    if id(node) in seen_nodes:  # an alias: its node was checked where its anchor is (and may refer to itself)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_repeated_keys(item, where, f"{prefix}[{i}]", seen_nodes)
+    elif isinstance(node, yaml.MappingNode):
+        lines: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # <<: *base: the keys written here override the base's
+                continue
+            name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            key = f"{prefix}.{name}" if prefix else name
+            line = key_node.start_mark.line + 1
+            if name in lines:
+                raise ConfigError(
+                    f"{where}:{line}: duplicate key '{key}' (already set on line {lines[name]}; YAML would keep only "
+                    "the last): write each key once"
+                )
+            lines[name] = line
+            _refuse_repeated_keys(value_node, where, key, seen_nodes)
 
 
 def with_overrides(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> dict:

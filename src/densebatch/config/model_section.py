@@ -32,7 +32,7 @@ class ModelConfig:
     n_head: int = _f(4, "gpt: attention heads.", minimum=1)
     n_embd: int = _f(128, "gpt: width.", minimum=1)
     block_size: int = _f(1024, "gpt: context length (largest position + 1).", minimum=2)
-    dropout: float = _f(0.0, "gpt: dropout probability.", minimum=0.0)
+    dropout: float = _f(0.0, "gpt: dropout probability, in [0, 1).", minimum=0.0)
     vocab_size: int | None = _f(None, "gpt: vocabulary size; none = the tokenizer's.")
     attention: Literal["auto", "flex", "varlen", "segmented", "masked"] = _f(
         "auto",

@@ -63,8 +63,8 @@ class OptimizerConfig:
 
     weight_decay: float = _f(0.1, "AdamW weight decay (not on norms, biases or embeddings unless decay_all).", minimum=0.0)
     decay_all: bool = _f(False, "Apply weight decay to every parameter.")
-    beta1: float = _f(0.9, "AdamW beta1.", minimum=0.0)
-    beta2: float = _f(0.95, "AdamW beta2.", minimum=0.0)
+    beta1: float = _f(0.9, "AdamW beta1, in [0, 1).", minimum=0.0)
+    beta2: float = _f(0.95, "AdamW beta2, in [0, 1).", minimum=0.0)
     eps: float = _f(1e-8, "AdamW epsilon.", minimum=0.0)
 
 
@@ -279,7 +279,7 @@ class FinderConfig:
 @dataclass
 class RunConfig:
     output_dir: str = _f("runs/default", "Where metrics, checkpoints and the final model go.")
-    seed: int = _f(0, "Seed of everything random in the run.")
+    seed: int = _f(0, "Seed of everything random in the run, in [0, 2**63).", minimum=0)
     data: DataConfig = _f(DataConfig, "Data preparation.")
     batching: BatchingConfig = _f(BatchingConfig, "Batch planning and collation.")
     model: ModelConfig = _f(ModelConfig, "Model.")

@@ -38,6 +38,7 @@ from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
+from densebatch.model.attention import resolve_backend
 from densebatch.model.hf_checks import check_model_dir
 from densebatch.model.hf_weights import fill_from_files, missing_weights, weight_files
 from densebatch.model.lora import lora_summary
@@ -274,6 +275,27 @@ def step_size_line(loader: StepLoader) -> str | None:
     )
 
 
+def usable_device(name: str) -> torch.device:
+    """``train.device`` resolved (``resolve_device``), refused in one line when it names cuda on a machine or a
+    torch build without it."""
+    if name == "cuda" and not torch.cuda.is_available():
+        why = (
+            "no CUDA device is visible" if torch.backends.cuda.is_built() else f"torch {torch.__version__} is built without CUDA"
+        )
+        raise ConfigError(f"train.device: cuda is not available here ({why}); use auto or cpu")
+    return resolve_device(name)
+
+
+def training_device(cfg: RunConfig, dist: Distributed) -> torch.device:
+    """The device a run trains on, refused in one line when this machine cannot train there: ``train.device``
+    cuda without CUDA, or a ``model.attention`` kernel with no backward pass on it (flex on CPU; varlen
+    without CUDA FlashAttention), which would otherwise fail inside the first step."""
+    device = dist.device if dist.enabled else usable_device(cfg.train.device)
+    if cfg.model.kind == "gpt" or cfg.model.attn_implementation == "densebatch":  # densebatch's kernels
+        resolve_backend(cfg.model.attention, device, training=True)
+    return device
+
+
 @dataclass
 class Setup:
     """What ``setup`` built: the configuration, the ranks, the documents and the model on its device."""
@@ -291,6 +313,7 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     refused without work is refused first: a wrong ``model.path``, an ``output_dir`` that cannot be written
     (``data.cache_dir`` is tried when an entry is to be written: a complete entry reads without writing).
     ``on_meta``: the model is to be sharded, built on the meta device where it can be (``build_run_model``)."""
+    device = training_device(cfg, dist)
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
         check_model_dir(cfg.model.path, cfg.batching.mode)
     problem = None
@@ -304,7 +327,6 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     prepared = prepare_on_every_rank(cfg, dist)
     if (cut := check_truncation(cfg, prepared)) is not None and dist.is_main:
         print(cut, flush=True)
-    device = dist.device if dist.enabled else resolve_device(cfg.train.device)
     model, record, why = build_run_model(cfg, prepared, device, on_meta)
     if dist.is_main and why is not None:
         print(

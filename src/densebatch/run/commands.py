@@ -22,15 +22,15 @@ from densebatch.errors import UserError
 from densebatch.model import GPT, build_model, load_model
 from densebatch.model import generate as generate_ids
 from densebatch.model.export import export_gpt_as_hf
+from densebatch.model.generate import check_sampling
 from densebatch.model.lora import is_adapter_dir, load_adapter
 from densebatch.run.auto import resolved_budget
-from densebatch.run.build import eval_loader, resolve_config
+from densebatch.run.build import eval_loader, resolve_config, usable_device
 from densebatch.run.demo import DEMO_OVERRIDES
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
 from densebatch.run.owned import eval_view, note_lines, prompt_for, same_documents
 from densebatch.train.checkpoint import Checkpoint, checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
-from densebatch.train.loop import resolve_device
 
 
 def analyze_command(cfg: RunConfig, args) -> int:
@@ -223,7 +223,7 @@ def eval_command(args, overrides: list[str]) -> int:
             else "set data.eval_path or data.eval_fraction > 0"
         )
         raise UserError(f"there is no evaluation split: {why}")
-    device = resolve_device(cfg.train.device)
+    device = usable_device(cfg.train.device)
     loader = eval_loader(cfg, prepared.eval)  # full-context rows, as the evaluations of a run (run/build.py)
     result = evaluate_batches(
         model.to(device),
@@ -252,8 +252,7 @@ def generate_command(args) -> int:
     (``run/owned.py``: alpaca, chatml, chat_template, custom) unless --raw."""
     if args.max_new_tokens < 1:
         raise UserError("--max-new-tokens: expected a positive integer")
-    if args.temperature < 0:
-        raise UserError("--temperature: expected 0 (greedy) or more")
+    check_sampling(args.temperature, args.top_k, ("--temperature", "--top-k"))
     kind, d, _ = find_model_dir(args.checkpoint)
     run_cfg, ckpt = open_trained(kind, d)
     model, tok, _ = build_trained(kind, d, run_cfg, ckpt)
