@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from densebatch.batch import Batch
-from densebatch.errors import ConfigError, json_type
+from densebatch.errors import ConfigError, read_json_object
 from densebatch.model.attention import (
     BACKENDS,
     AttentionPlan,
@@ -278,12 +278,7 @@ def read_saved_config(cfg_file: Path) -> GPTConfig:
     def bad(why: str) -> ConfigError:
         return ConfigError(f"{cfg_file} is not a model configuration densebatch saved: {why}")
 
-    try:
-        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-        raise bad(f"not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise bad(f"expected a JSON object; got {json_type(meta)}")
+    meta = read_json_object(cfg_file, "a model configuration densebatch saved")
     meta = {k: v for k, v in meta.items() if k != "densebatch_kind"}
     unknown = [k for k in meta if k not in {f.name for f in fields(GPTConfig)}]
     if unknown:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch.nn as nn
 
-from densebatch.errors import ConfigError, json_type
+from densebatch.errors import ConfigError, read_json_object
 from densebatch.model.gpt import GPT, KIND
 from densebatch.model.hf import HFCausalLM
 from densebatch.model.hf_checks import MASKED_HEADS
@@ -29,12 +28,7 @@ def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise ConfigError(f"'{path}' is not a saved model: no config.json there")
-    try:
-        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{cfg_file}: not valid JSON: {e}") from None
-    if not isinstance(meta, dict):
-        raise ConfigError(f"{cfg_file} is not a model configuration: expected a JSON object; got {json_type(meta)}")
+    meta = read_json_object(cfg_file, "a model configuration")
     if meta.get("densebatch_kind") == KIND:
         return GPT.load(path)
     saved = meta.get("architectures")  # a list of class names (or one); check_model_dir refuses anything else

@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from densebatch.errors import ConfigError, json_type
+from densebatch.errors import ConfigError, read_json_object
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _DROPPED_KEYS = ("added_tokens_decoder", "chat_template", "auto_map")  # rewritten or meaningless once saved here
@@ -64,12 +64,7 @@ def read_saved_meta(path: Path) -> dict:
     def bad(why: str) -> ConfigError:
         return ConfigError(f"{path} is not a tokenizer densebatch saved: {why}")
 
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"not valid JSON ({e})") from None
-    if not isinstance(meta, dict):
-        raise bad(f"expected a JSON object; got {json_type(meta)}")
+    meta = read_json_object(path, "a tokenizer densebatch saved")
     kind = meta.setdefault("kind", "hf")
     if kind not in ("byte", "hf"):
         raise bad(f"kind must be 'byte' or 'hf' (got {_shown(kind)})")
