@@ -131,8 +131,13 @@ def test_a_checkpoint_mirror_is_one_runs_and_is_never_pruned_by_another(tmp_path
     mirror, cache = tmp_path / "mirror", f"--data.cache_dir={tmp_path / 'cache'}"
     run = lambda out, *more: main(["train", *TINY, cache, f"--output_dir={out}", f"--checkpoint.mirror_dir={mirror}", *more])  # noqa: E731
     assert run(tmp_path / "a", "--train.max_steps=3", "--checkpoint.every_steps=1", "--checkpoint.keep_last=2") == 0
-    mirrored = _snapshot(mirror)
     assert [s for s, _ in list_checkpoints(mirror)] == [3, 2]
+    (mirror / "densebatch-mirror.json").unlink()  # as a mirror written before mirrors were marked
+    assert run(tmp_path / "b", "--train.max_steps=2") == 2  # still not another run's
+    assert run(tmp_path / "a", "--resume", "--train.max_steps=4", "--checkpoint.every_steps=1", "--checkpoint.keep_last=2") == 0
+    assert (mirror / "densebatch-mirror.json").is_file()  # its own run took it over, and marked it
+    shutil.rmtree(mirror / "step-000004")  # the mirror's newest is step 3 again: the resume's later steps out of the way
+    mirrored = _snapshot(mirror)
     for more in ([], ["--checkpoint.resume=auto"], ["--overwrite"]):
         capsys.readouterr()
         assert run(tmp_path / "b", "--train.max_steps=2", *more) == 2

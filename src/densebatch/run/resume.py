@@ -35,7 +35,7 @@ from densebatch.config import RunConfig, config_from_dict, parse_override, to_di
 from densebatch.errors import ConfigError, UserError
 from densebatch.run.auto import keep_resolved
 from densebatch.run.layout import CHECKPOINT_DIR, MIRROR_MARK, RUN_OUTPUTS, foreign_outputs, holds_a_run, mirror_owner
-from densebatch.train.checkpoint import latest_valid, list_checkpoints, load_checkpoint
+from densebatch.train.checkpoint import CheckpointError, latest_valid, list_checkpoints, load_checkpoint
 from densebatch.train.distributed import Distributed
 
 RESUMABLE = frozenset(
@@ -233,7 +233,7 @@ def own_mirror(out: Path, mirror_dir: str | None, dist: Distributed) -> Path | N
             problem = (
                 f"checkpoint.mirror_dir {mirror}: the checkpoint mirror of another run ({owner or 'its mark does not read'})"
             )
-        elif owner is None and mirror.is_dir() and any(mirror.iterdir()):
+        elif owner is None and mirror.is_dir() and any(mirror.iterdir()) and not _unmarked_mirror_of(mirror, me):
             problem = f"checkpoint.mirror_dir {mirror}: holds files, but is no run's checkpoint mirror"
         elif owner is None:
             write_file(mirror / MIRROR_MARK, json.dumps({"output_dir": me}) + "\n")
@@ -244,6 +244,22 @@ def own_mirror(out: Path, mirror_dir: str | None, dist: Distributed) -> Path | N
             "new or empty directory"
         )
     return mirror
+
+
+def _unmarked_mirror_of(mirror: Path, me: str) -> bool:
+    """``mirror`` holds only checkpoints (and leftovers of saves), each saved by the run in ``me``: a mirror
+    written before mirrors were marked, which its own run takes over."""
+    found = list_checkpoints(mirror)
+    ours = {p.name for _, p in found}
+    if not found or any(
+        e.name not in ours and not e.name.startswith(".tmp-") and ".damaged" not in e.name for e in mirror.iterdir()
+    ):
+        return False
+    try:
+        saved = [load_checkpoint(p, parts=("extra",), verified=True).extra_state["config"]["output_dir"] for _, p in found]
+    except (CheckpointError, OSError, KeyError, TypeError):
+        return False
+    return all(str(Path(d).resolve()) == me for d in saved)
 
 
 def _warn(dist: Distributed, text: str) -> None:
