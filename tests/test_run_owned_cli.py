@@ -278,3 +278,14 @@ def test_prompt_for_applies_the_runs_cleaning_and_refuses_an_empty_prompt():
     assert note is None and "### Instruction:\nName a colour.\n\n### Response:\n" in text
     with pytest.raises(UserError, match="--prompt: field 'instruction' is empty"):
         prompt_for("   ", cfg, None)
+
+
+def test_eval_of_an_eval_path_that_kept_nothing_says_so(chatml_run, tmp, capsys):
+    """Every record of the eval file skipped: the message names that, not "set data.eval_path" (it is set)."""
+    bad = tmp / "bad-eval.jsonl"
+    bad.write_text("not json\n{also not\n")
+    capsys.readouterr()
+    args = ["--checkpoint", str(chatml_run), f"--data.eval_path={bad}", "--data.on_bad_record=skip"]
+    assert main(["eval", *args]) == 2
+    err = capsys.readouterr().err
+    assert "no document of its eval_path was kept" in err and "set data.eval_path" not in err
