@@ -313,3 +313,24 @@ def test_fsdp_with_compiled_blocks_trains_like_ddp(tmp, ddp):
     m = re.search(r"compile: (\d+) graphs", r.stdout)
     assert m and int(m.group(1)) > 0, r.stdout[-2000:]
     assert close(losses(out), losses(ddp)), (losses(out), losses(ddp))
+
+
+def test_bad_input_ends_every_rank_in_its_own_line(tmp):
+    """A malformed line only rank 0's whole pass reports, and train.device cuda on a torch without it: each
+    rank ends with densebatch's one line, exit code 2; before, the other rank died in a gloo barrier
+    ("Connection closed by peer") or in torch.cuda.set_device, traceback and all."""
+    from densebatch.data.prepare.default_dataset import generate_records
+
+    lines = [json.dumps({k: r[k] for k in ("instruction", "input", "output")}) for r in generate_records(300)]
+    lines[251] = "{broken"
+    bad = tmp / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    import torch
+
+    cases = [f"--data.path={bad}"] + ([] if torch.cuda.is_available() else ["--train.device=cuda"])
+    for i, case in enumerate(cases):
+        r = launch(["train", str(_config(tmp)), f"--output_dir={tmp / f'bad-{i}'}", case], timeout=180)
+        assert r.returncode != 0 and "exitcode  : 2" in r.stderr, why(r)
+        assert "densebatch: error: " in r.stderr, why(r)
+        for crash in ("Connection closed by peer", "_cuda_setDevice", "[rank0]: Traceback", "[rank1]: Traceback"):
+            assert crash not in r.stderr, why(r)

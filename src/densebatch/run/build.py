@@ -43,7 +43,7 @@ from densebatch.model.hf_checks import check_model_dir
 from densebatch.model.hf_weights import fill_from_files, missing_weights, weight_files
 from densebatch.model.lora import lora_summary
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
-from densebatch.train.distributed import Distributed
+from densebatch.train.distributed import Distributed, check_device
 from densebatch.train.loop import resolve_device
 from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init, recording, storage_key
 
@@ -86,12 +86,20 @@ def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
         if dist.agree(problem is not None):  # one rank failing stops all: none waits at the barrier below
             raise problem or UserError("data: preparing the documents failed on another rank (its message says why)")
         dist.barrier()
+    problem = None
     if dist.is_main:
-        prepared = prepare(cfg.data, cfg.seed)
-        print(prepared.summary, flush=True)
-        if (line := added_tokens_line(prepared.tokenizer.added)) is not None:
-            print(line, flush=True)
-    dist.barrier()
+        try:  # the bad input only the whole pass finds (a malformed line under bpe:N, the eval split): every rank stops
+            prepared = prepare(cfg.data, cfg.seed)
+        except UserError as e:
+            problem = e
+        else:
+            print(prepared.summary, flush=True)
+            if (line := added_tokens_line(prepared.tokenizer.added)) is not None:
+                print(line, flush=True)
+    if dist.enabled and dist.agree(problem is not None):  # in place of the barrier: none waits for a rank that failed
+        raise problem or UserError("data: preparing the documents failed on rank 0 (its message says why)")
+    if problem is not None:
+        raise problem
     if not dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
     return prepared
@@ -278,11 +286,7 @@ def step_size_line(loader: StepLoader) -> str | None:
 def usable_device(name: str) -> torch.device:
     """``train.device`` resolved (``resolve_device``), refused in one line when it names cuda on a machine or a
     torch build without it."""
-    if name == "cuda" and not torch.cuda.is_available():
-        why = (
-            "no CUDA device is visible" if torch.backends.cuda.is_built() else f"torch {torch.__version__} is built without CUDA"
-        )
-        raise ConfigError(f"train.device: cuda is not available here ({why}); use auto or cpu")
+    check_device(name)
     return resolve_device(name)
 
 

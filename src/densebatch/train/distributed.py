@@ -20,7 +20,17 @@ import torch.distributed as tdist
 from torch import Tensor, nn
 
 from densebatch.batch import Batch
+from densebatch.errors import ConfigError
 from densebatch.train.evaluate import AUTOCAST_DTYPES, resolve_precision
+
+
+def check_device(name: str) -> None:
+    """``ConfigError`` in one line when ``train.device`` names cuda on a machine or a torch build without it."""
+    if name == "cuda" and not torch.cuda.is_available():
+        why = (
+            "no CUDA device is visible" if torch.backends.cuda.is_built() else f"torch {torch.__version__} is built without CUDA"
+        )
+        raise ConfigError(f"train.device: cuda is not available here ({why}); use auto or cpu")
 
 
 @dataclass
@@ -106,6 +116,7 @@ class Distributed:
     @classmethod
     def from_environment(cls, device: str = "auto") -> Distributed:
         """Join the torchrun process group (or a one-process context when not launched)."""
+        check_device(device)  # every rank, before any CUDA call: one line, not torch's traceback on each
         if not cls.launched():
             dev = torch.device(
                 "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
