@@ -190,3 +190,26 @@ def test_two_processes_under_torchrun_train_as_one_with_twice_the_accumulation(b
     assert np.allclose(ranks[0]["sums"], ranks[1]["sums"], atol=0)  # DDP: the same weights on both ranks
     assert np.allclose(ranks[0]["sums"], alone[0]["sums"], rtol=1e-5, atol=1e-5)
     assert np.allclose(ranks[0]["logs"], alone[0]["logs"], atol=1e-4)
+
+
+def test_settings_and_rows_longer_than_the_models_positions_are_refused_before_training(base, tmp_path):
+    """A bad strategy or budget is refused when dense_batches is called (it surfaced at trainer.train()), and
+    rows longer than the model's 256 positions before the first step (an index error deep in the embedding)."""
+    dataset = datasets.Dataset.from_dict({"input_ids": [list(range(1, 301)), list(range(1, 41))] * 4})
+    for bad, match in (({"strategy": "bogus"}, "strategy: expected one of"), ({"max_tokens_per_batch": 0}, "positive")):
+        with pytest.raises(ValueError, match=match):
+            densebatch.dense_batches(_trainer(base, tmp_path / "a", dataset, steps=1), **bad)
+    cases = {
+        ("packed", 512): "pass seq_len=256",
+        ("token_budget", 512): "pass max_tokens_per_batch <= 256",
+        ("random", 512): "cut the documents to 256 tokens",
+    }
+    for (strategy, budget), fix in cases.items():
+        trainer = _trainer(base, tmp_path / strategy, dataset, steps=1)
+        densebatch.dense_batches(trainer, strategy=strategy, seq_len=budget, max_tokens_per_batch=budget, rows_per_batch=2)
+        with pytest.raises(ValueError, match=f"has 256 positions: {fix}"):
+            trainer.get_train_dataloader()
+    trainer = densebatch.dense_batches(
+        _trainer(base, tmp_path / "ok", dataset, steps=1), strategy="token_budget", max_tokens_per_batch=256
+    )
+    assert next(iter(trainer.get_train_dataloader()))["input_ids"].shape[1] <= 256  # long documents split to the budget

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.torch_loader import dataloader
 from densebatch.model.hf_attention import register
 from densebatch.model.hf_checks import check_transformers
@@ -47,6 +48,7 @@ def dense_batches(
     defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
     (packed rows as long as the budget: one row a batch)."""
     check_transformers()
+    PlanSettings(strategy=strategy, max_tokens_per_batch=max_tokens_per_batch, seq_len=seq_len or max_tokens_per_batch)
     args = trainer.args
     tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
     tok = getattr(tok, "tokenizer", tok)  # a processor's tokenizer
@@ -58,7 +60,7 @@ def dense_batches(
     def get_train_dataloader():
         if trainer.train_dataset is None:
             raise ValueError("dense_batches: the trainer has no train_dataset")
-        return dataloader(
+        loader = dataloader(
             trainer.train_dataset,
             strategy=strategy,
             seq_len=seq_len or max_tokens_per_batch,
@@ -69,6 +71,27 @@ def dense_batches(
             pin_memory=args.dataloader_pin_memory,
             **settings,
         )
+        check_positions(loader.batch_sampler, trainer.model)
+        return loader
 
     trainer.get_train_dataloader = get_train_dataloader
     return trainer
+
+
+def check_positions(sampler, model) -> None:
+    """``ValueError`` before training when a row can be longer than the model's positions (an index error
+    deep inside its embedding otherwise, at the first long row): packed rows are ``seq_len`` long,
+    token_budget rows at most the budget, random and length_grouped rows the longest document."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    positions = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(cfg, k, None), int)), None)
+    s, longest = sampler.settings, int(sampler.lengths.max())
+    row = (
+        s.seq_len if s.strategy == "packed" else min(longest, s.max_tokens_per_batch) if s.strategy == "token_budget" else longest
+    )
+    if positions and row > positions:
+        fix = {"packed": f"pass seq_len={positions}", "token_budget": f"pass max_tokens_per_batch <= {positions}"}
+        raise ValueError(
+            f"dense_batches: {s.strategy} rows of up to {row} tokens, but the model has {positions} positions: "
+            + fix.get(s.strategy, f"cut the documents to {positions} tokens, or use packed / token_budget rows")
+        )
