@@ -50,6 +50,11 @@ def dense_batches(
     check_transformers()
     PlanSettings(strategy=strategy, max_tokens_per_batch=max_tokens_per_batch, seq_len=seq_len or max_tokens_per_batch)
     args = trainer.args
+    if getattr(args, "train_sampling_strategy", None) == "group_by_length" or getattr(args, "group_by_length", False) is True:
+        raise ValueError(
+            "dense_batches: the trainer's group_by_length would be ignored (densebatch plans the batches): drop it, "
+            "and pass strategy='length_grouped' (or better packed / token_budget)"
+        )
     tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
     tok = getattr(tok, "tokenizer", tok)  # a processor's tokenizer
     pad = getattr(tok, "pad_token_id", None)

@@ -143,7 +143,10 @@ class DenseBatchSampler:
     def load_state_dict(self, state: dict) -> None:
         if int(state["seed"]) != self.seed:
             raise ValueError(f"sampler state has seed {state['seed']}, this sampler {self.seed}: plans would differ")
-        self.epoch, self.step = int(state["epoch"]), int(state["step"])
+        epoch, step = int(state["epoch"]), int(state["step"])
+        if epoch < 0 or step < 0:
+            raise ValueError(f"sampler state: epoch and step must be >= 0; got epoch {epoch}, step {step}")
+        self.epoch, self.step = epoch, step
 
 
 def _column_lengths(dataset, key: str) -> np.ndarray | None:
@@ -155,8 +158,36 @@ def _column_lengths(dataset, key: str) -> np.ndarray | None:
         import pyarrow.compute as pc
 
         return np.asarray(pc.list_value_length(table.column(key)).to_numpy(zero_copy_only=False), np.int64)
-    except (ImportError, KeyError, TypeError, ValueError, AttributeError):
+    except Exception:  # not a list column (pyarrow's ArrowNotImplementedError, ...): read item by item, which says why
         return None
+
+
+def _check_dataset(dataset) -> None:
+    """``TypeError`` / ``ValueError`` saying what to pass, for what ``Documents`` cannot read by index."""
+    if isinstance(dataset, Mapping):  # a DatasetDict, or a dict of columns
+        raise TypeError(
+            f"dataset: a mapping (keys {', '.join(map(str, list(dataset)[:4]))}); pass one split, e.g. dataset['train']"
+        )
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise TypeError(
+            f"dataset: expected a map-style dataset (a list, a datasets.Dataset); got {type(dataset).__name__}: list() it"
+        )
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list) and "input_ids" not in columns:
+        raise ValueError(f"dataset: no input_ids column (columns: {', '.join(columns)}): tokenize it first")
+
+
+def _token_ids(ids, doc: int) -> np.ndarray:
+    """Document ``doc``'s ids as int64, or ``ValueError`` naming it: not a flat list of integers (floats are
+    not truncated, text is not read as digits)."""
+    try:
+        arr = np.asarray(ids)
+    except ValueError:  # ragged nesting
+        arr = None
+    if arr is None or arr.ndim != 1 or (len(arr) and arr.dtype.kind not in "iu"):
+        what = "nested lists" if arr is None or arr.ndim > 1 else f"{arr.dtype} values" if arr.ndim else type(ids).__name__
+        raise ValueError(f"document {doc}: input_ids must be a flat list of integer token ids; got {what}")
+    return arr.astype(np.int64, copy=False)
 
 
 class Documents:
@@ -168,11 +199,12 @@ class Documents:
     are read once (from the Arrow table for a Hugging Face dataset, else item by item)."""
 
     def __init__(self, dataset, lengths: Sequence[int] | None = None) -> None:
+        _check_dataset(dataset)
         self.dataset = dataset
         if lengths is None:
             lengths = _column_lengths(dataset, "input_ids")
         if lengths is None:
-            lengths = [len(self._ids(dataset[i])) for i in range(len(dataset))]
+            lengths = [len(_token_ids(self._ids(dataset[i]), i)) for i in range(len(dataset))]
         self.lengths = np.asarray(lengths, np.int64)
         if len(self.lengths) != len(dataset):
             raise ValueError(f"lengths: {len(self.lengths)} for {len(dataset)} documents")
@@ -190,7 +222,7 @@ class Documents:
         if not isinstance(piece, Piece):
             piece = Piece(int(piece), 0, int(self.lengths[int(piece)]), 0)
         item = self.dataset[piece.doc]
-        ids = np.asarray(self._ids(item), np.int64)
+        ids = _token_ids(self._ids(item), piece.doc)
         n = len(ids)
         if isinstance(item, Mapping) and item.get("labels") is not None:
             mask = (np.asarray(item["labels"], np.int64) != IGNORE_INDEX).astype(np.uint8)
@@ -347,4 +379,6 @@ def causal_loss(logits: torch.Tensor, batch: dict, num_items_in_batch: int | tor
     flat = logits.reshape(-1, logits.shape[-1]).float()
     total = torch.nn.functional.cross_entropy(flat, shifted, ignore_index=IGNORE_INDEX, reduction="sum")
     n = (shifted != IGNORE_INDEX).sum() if num_items_in_batch is None else num_items_in_batch
+    if num_items_in_batch is not None and not torch.is_tensor(n) and n < 1:  # a tensor is the trainer's count
+        raise ValueError(f"num_items_in_batch: expected the step's number of targets (>= 1); got {n!r}")
     return total / torch.as_tensor(n, dtype=total.dtype, device=total.device).clamp(min=1)

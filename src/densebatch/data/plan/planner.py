@@ -64,8 +64,11 @@ class PlanSettings:
         if self.long_docs not in ("split", "truncate"):
             raise ValueError(f"long_docs: expected split or truncate; got {self.long_docs!r}")
         for name in ("rows_per_batch", "max_tokens_per_batch", "seq_len", "pad_to_multiple_of", "mega_batch_mult", "shard_docs"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"{name}: expected a positive integer; got {getattr(self, name)!r}")
+            v = getattr(self, name)  # an integer, not "16" or 16.5 (which failed later inside numpy)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+                raise ValueError(f"{name}: expected a positive integer; got {v!r}")
+        if not isinstance(self.drop_last, (bool, np.bool_)):  # "no" is truthy
+            raise ValueError(f"drop_last: expected true or false; got {self.drop_last!r}")
         if self.bundle_tokens != "auto" and int(self.bundle_tokens) < 0:
             raise ValueError(f"bundle_tokens: expected auto, 0 (off) or a positive number of tokens; got {self.bundle_tokens!r}")
         if self.strategy == "packed" and self.bundle_tokens != "auto" and int(self.bundle_tokens) > self.seq_len // 2:
