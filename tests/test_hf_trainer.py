@@ -201,7 +201,7 @@ def test_settings_and_rows_longer_than_the_models_positions_are_refused_before_t
             densebatch.dense_batches(_trainer(base, tmp_path / "a", dataset, steps=1), **bad)
     cases = {
         ("packed", 512): "pass seq_len=256",
-        ("token_budget", 512): "pass max_tokens_per_batch <= 256",
+        ("token_budget", 512): "pass max_tokens_per_batch=256",
         ("random", 512): "cut the documents to 256 tokens",
     }
     for (strategy, budget), fix in cases.items():

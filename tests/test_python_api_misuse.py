@@ -78,3 +78,29 @@ def test_a_trainer_grouping_by_length_is_refused_by_dense_batches(tmp_path):
     trainer = transformers.Trainer(model=model, args=args, train_dataset=[[1, 2, 3]])
     with pytest.raises(ValueError, match="group_by_length would be ignored"):
         densebatch.dense_batches(trainer)
+
+
+def test_ids_past_the_models_vocabulary_and_a_pad_id_outside_it_are_named():
+    """An id past vocab_size (a tokenizer other than the model's) is named with its documents at its batch, not
+    an index error deep in the embedding; a pad id outside the vocabulary, or negative, when the loader is made."""
+    with pytest.raises(ValueError, match=r"token id 300 in document\(s\) 1: past the model's vocabulary of 256 ids"):
+        list(densebatch.dataloader([[1, 2, 3], [4, 300]], strategy="random", rows_per_batch=1, vocab_size=256))
+    for pad, said in ((-1, "pad_id: expected a token id in 0 .. "), (1000, r"pad_id: expected a token id in 0 \.\. 255")):
+        with pytest.raises(ValueError, match=said):
+            densebatch.dataloader([[1, 2, 3]], pad_id=pad, vocab_size=256)
+
+
+def test_dense_batches_checks_ids_against_the_trainers_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from densebatch.testing.models import tiny_config
+
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=64))
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=[[1, 2, 3], [5, 100, 7]])
+    loader = densebatch.dense_batches(
+        trainer, strategy="random", rows_per_batch=2, max_tokens_per_batch=64
+    ).get_train_dataloader()
+    with pytest.raises(ValueError, match="token id 100 .* past the model's vocabulary of 64 ids"):
+        next(iter(loader))
+    with pytest.raises(ValueError, match=r"pad_id: expected a token id in 0 \.\. 63; got 64"):
+        densebatch.dense_batches(trainer, strategy="random", pad_id=64).get_train_dataloader()

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import Any
 
 from densebatch.data.plan.planner import PlanSettings
+from densebatch.data.plan.rules import longest_row
 from densebatch.data.torch_loader import dataloader
 from densebatch.model.hf_attention import register
 from densebatch.model.hf_checks import check_transformers
@@ -61,6 +62,9 @@ def dense_batches(
     pad = getattr(tok, "eos_token_id", None) if pad is None else pad
     settings.setdefault("pad_id", 0 if pad is None else int(pad))
     settings.setdefault("seed", args.seed)
+    text = trainer.model.config.get_text_config() if hasattr(getattr(trainer.model, "config", None), "get_text_config") else None
+    if isinstance(vocab := getattr(text, "vocab_size", None), int):
+        settings.setdefault("vocab_size", vocab)  # ids past it, the pad id included, are refused by name
 
     def get_train_dataloader():
         if trainer.train_dataset is None:
@@ -90,13 +94,10 @@ def check_positions(sampler, model) -> None:
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     positions = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(cfg, k, None), int)), None)
-    s, longest = sampler.settings, int(sampler.lengths.max())
-    row = (
-        s.seq_len if s.strategy == "packed" else min(longest, s.max_tokens_per_batch) if s.strategy == "token_budget" else longest
-    )
+    s = sampler.settings
+    row, key = longest_row(s, int(sampler.lengths.max()))
     if positions and row > positions:
-        fix = {"packed": f"pass seq_len={positions}", "token_budget": f"pass max_tokens_per_batch <= {positions}"}
+        fix = f"pass {key}={positions}" if key else f"cut the documents to {positions} tokens, or use packed / token_budget rows"
         raise ValueError(
-            f"dense_batches: {s.strategy} rows of up to {row} tokens, but the model has {positions} positions: "
-            + fix.get(s.strategy, f"cut the documents to {positions} tokens, or use packed / token_budget rows")
+            f"dense_batches: {s.strategy} rows of up to {row} tokens, but the model has {positions} positions: {fix}"
         )

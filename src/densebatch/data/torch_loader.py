@@ -240,11 +240,20 @@ class Collator:
     """``collate_fn`` for ``Documents`` items of one sampler batch: the causal collator's batch, as a dict of
     tensors (``format="hf"``) or a ``Batch`` (``format="batch"``); see the module docstring."""
 
-    def __init__(self, pad_id: int, pad_to_multiple_of: int = 1, format: str = "hf", use_loss_mask: bool = True) -> None:
+    def __init__(
+        self,
+        pad_id: int,
+        pad_to_multiple_of: int = 1,
+        format: str = "hf",
+        use_loss_mask: bool = True,
+        vocab_size: int | None = None,
+    ) -> None:
         if format not in ("hf", "batch"):
             raise ValueError(f"format: expected hf or batch; got {format!r}")
+        if not 0 <= int(pad_id) < (vocab_size or 2**31):  # it fills input_ids: an embedding row must exist for it
+            raise ValueError(f"pad_id: expected a token id in 0 .. {(vocab_size or 2**31) - 1}; got {pad_id}")
         self.collator = CausalCollator(pad_id, pad_to_multiple_of, use_loss_mask)
-        self.pad_id, self.format = int(pad_id), format
+        self.pad_id, self.format, self.vocab_size = int(pad_id), format, vocab_size
 
     def __call__(self, items: list[dict]) -> dict | Batch:
         if not items:  # a rank with no share of the last step: one padding token, no loss
@@ -260,6 +269,11 @@ class Collator:
             rows[p.row].append((i, 0, p.stop - p.start))
         batch = self.collator(store, rows)
         batch = dataclasses.replace(batch, documents=tuple(sorted({int(it["piece"].doc) for it in items})))
+        if self.vocab_size is not None and (top := int(batch.input_ids.max())) >= self.vocab_size:  # the model's embedding
+            raise ValueError(  # would fail with an index error deep inside; name the documents instead
+                f"token id {top} in document(s) {', '.join(map(str, batch.documents[:5]))}: past the model's "
+                f"vocabulary of {self.vocab_size} ids (a tokenizer other than the model's?)"
+            )
         return batch if self.format == "batch" else to_hf(batch)
 
 
@@ -343,15 +357,17 @@ def dataloader(
     config (``long_docs``, ``bundle_tokens``, ``mega_batch_mult``, ``drop_last``, ``shard_docs``) pass as
     keywords; the rest of ``kwargs`` go to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
     ``rank`` / ``world_size`` default to ``torch.distributed``'s. ``pad_id`` only fills padding (its
-    labels are -100 and it never attends to a document)."""
+    labels are -100 and it never attends to a document). ``vocab_size``: the model's; a batch holding an id
+    past it is refused, naming its documents."""
     plan_keys = {"long_docs", "bundle_tokens", "mega_batch_mult", "drop_last", "shard_docs"}
     batching = {k: kwargs.pop(k) for k in list(kwargs) if k in plan_keys}
+    vocab_size = kwargs.pop("vocab_size", None)
     docs = Documents(dataset, lengths)
     sampler = DenseBatchSampler(
         docs.lengths, strategy, seq_len, max_tokens_per_batch, rows_per_batch, seed, rank, world_size,
         pad_to_multiple_of=pad_to_multiple_of, **batching,
     )  # fmt: skip
-    return DenseDataLoader(docs, sampler, Collator(pad_id, pad_to_multiple_of, format), **kwargs)
+    return DenseDataLoader(docs, sampler, Collator(pad_id, pad_to_multiple_of, format, vocab_size=vocab_size), **kwargs)
 
 
 def _targets(batch: dict) -> torch.Tensor:

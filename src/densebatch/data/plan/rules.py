@@ -140,3 +140,14 @@ def worst_batches(lengths: np.ndarray, settings: PlanSettings, seed: int) -> lis
         n = max(1, settings.max_tokens_per_batch // _up(lengths.max(), settings.pad_to_multiple_of))
         out.append(([[(int(d), 0, int(lengths[d]))] for d in order[:n]], 0))
     return out
+
+
+def longest_row(settings, longest: int) -> tuple[int, str | None]:
+    """(the longest row a plan of ``settings`` lays out for documents of at most ``longest`` tokens, the setting
+    that bounds it): packed rows are ``seq_len`` long, token_budget rows at most the budget (a longer document
+    is split or cut), random and length_grouped rows the longest document (None: no setting bounds them)."""
+    if settings.strategy == "packed":
+        return int(settings.seq_len), "seq_len"
+    if settings.strategy == "token_budget":
+        return min(int(longest), int(settings.max_tokens_per_batch)), "max_tokens_per_batch"
+    return int(longest), None
