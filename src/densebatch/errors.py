@@ -1,5 +1,8 @@
 """Error types for user mistakes: the CLI prints their message and exits with code 2, no traceback."""
 
+import json
+from pathlib import Path
+
 
 class UserError(Exception):
     """A mistake the user can fix (bad config, bad input file). Message must say what to do."""
@@ -24,9 +27,6 @@ def json_type(value) -> str:
 def read_json_object(path, what: str) -> dict:
     """The JSON object in the file ``path``; ``ConfigError`` in one line when it is not valid JSON (UTF-8) or
     not an object: "``path`` is not ``what``: ..." (a saved file the user edited, or damage)."""
-    import json
-    from pathlib import Path
-
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError

@@ -62,8 +62,7 @@ def dense_batches(
     pad = getattr(tok, "eos_token_id", None) if pad is None else pad
     settings.setdefault("pad_id", 0 if pad is None else int(pad))
     settings.setdefault("seed", args.seed)
-    text = trainer.model.config.get_text_config() if hasattr(getattr(trainer.model, "config", None), "get_text_config") else None
-    if isinstance(vocab := getattr(text, "vocab_size", None), int):
+    if isinstance(vocab := getattr(_text_config(trainer.model), "vocab_size", None), int):
         settings.setdefault("vocab_size", vocab)  # ids past it, the pad id included, are refused by name
 
     def get_train_dataloader():
@@ -91,8 +90,7 @@ def check_positions(sampler, model) -> None:
     """``ValueError`` before training when a row can be longer than the model's positions (an index error
     deep inside its embedding otherwise, at the first long row): packed rows are ``seq_len`` long,
     token_budget rows at most the budget, random and length_grouped rows the longest document."""
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    cfg = _text_config(model)
     positions = next((v for k in ("max_position_embeddings", "n_positions") if isinstance(v := getattr(cfg, k, None), int)), None)
     s = sampler.settings
     row, key = longest_row(s, int(sampler.lengths.max()))
@@ -101,3 +99,9 @@ def check_positions(sampler, model) -> None:
         raise ValueError(
             f"dense_batches: {s.strategy} rows of up to {row} tokens, but the model has {positions} positions: {fix}"
         )
+
+
+def _text_config(model):
+    """The model's (text) configuration: its vocabulary and positions; None when it has none."""
+    cfg = getattr(model, "config", None)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

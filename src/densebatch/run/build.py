@@ -96,10 +96,8 @@ def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
             print(prepared.summary, flush=True)
             if (line := added_tokens_line(prepared.tokenizer.added)) is not None:
                 print(line, flush=True)
-    if dist.enabled and dist.agree(problem is not None):  # in place of the barrier: none waits for a rank that failed
+    if dist.agree(problem is not None):  # in place of the barrier: none waits for a rank that failed
         raise problem or UserError("data: preparing the documents failed on rank 0 (its message says why)")
-    if problem is not None:
-        raise problem
     if not dist.is_main:
         prepared = prepare(cfg.data, cfg.seed)
     return prepared

@@ -19,18 +19,18 @@ RUN_OUTPUTS = (
 def holds_a_run(out: Path) -> list[str]:
     """The outputs of an earlier run found in ``out`` (metrics, checkpoints, final model); empty when
     it is safe to start there."""
-    found = []
-    for name in RUN_OUTPUTS[:3]:
-        p = out / name
-        if p.is_file() or (p.is_dir() and any(p.iterdir())):
-            found.append(name)
-    return found
+    return [name for name in RUN_OUTPUTS[:3] if _present(out / name)]
+
+
+def _present(p: Path) -> bool:
+    """A file, or a directory that holds something."""
+    return p.is_file() or (p.is_dir() and any(p.iterdir()))
 
 
 def foreign_outputs(out: Path) -> list[str]:
     """Files a run writes (its configuration, plots, trackers' files) found in ``out`` where ``holds_a_run``
     finds no run: the user's own (a config.yaml beside them) or another tool's, which a run would write over."""
-    return [name for name in RUN_OUTPUTS[3:] if (p := out / name).is_file() or (p.is_dir() and any(p.iterdir()))]
+    return [name for name in RUN_OUTPUTS[3:] if _present(out / name)]
 
 
 MIRROR_MARK = "densebatch-mirror.json"  # in checkpoint.mirror_dir: {"output_dir": the run it mirrors}
