@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from densebatch.analyze import analyze_main, read_lengths
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.strategies import STRATEGIES
 from densebatch.errors import UserError
 
 LENGTHS = np.random.default_rng(0).lognormal(np.log(200), 1.0, 800).astype(np.int64).clip(1, 3000)

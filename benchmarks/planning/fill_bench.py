@@ -15,7 +15,8 @@ import sys
 import numpy as np
 
 from benchmarks.common import SHARED_SETS, shared_lengths
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.strategies import STRATEGIES
 
 
 def synthetic(name: str, n: int = 20000, seed: int = 0) -> np.ndarray:

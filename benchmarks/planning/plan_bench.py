@@ -19,7 +19,8 @@ import time
 
 import numpy as np
 
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.strategies import STRATEGIES
 
 
 def lognormal(n: int, seed: int = 0) -> np.ndarray:

@@ -22,10 +22,11 @@ import numpy as np
 
 from densebatch.data.plan.homogeneity import homogeneity
 from densebatch.data.plan.mixture import Selection, plan_source_stats
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.shards import plan_epoch_sharded
 from densebatch.data.plan.source_balance import balance_line, batch_balance
 from densebatch.data.plan.store_epochs import materialise, select
+from densebatch.data.plan.strategies import STRATEGIES
 from densebatch.errors import ConfigError, DataError, UserError
 
 
@@ -70,7 +71,7 @@ def read_lengths(path: str | Path) -> np.ndarray:
 def analyze(
     lengths: np.ndarray,
     settings: PlanSettings,
-    strategies=STRATEGIES,
+    strategies=tuple(STRATEGIES),
     seed: int = 0,
     selection: Selection | None = None,
     source_facts: list[dict] | None = None,
@@ -195,7 +196,7 @@ def _written(path: str | Path, option: str):
 def analyze_main(
     lengths: np.ndarray,
     settings: PlanSettings,
-    strategies=STRATEGIES,
+    strategies=tuple(STRATEGIES),
     json_out: bool = False,
     dump_plan: str | Path | None = None,
     strategy: str | None = None,

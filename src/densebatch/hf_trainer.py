@@ -1,7 +1,7 @@
 """Dense batches inside Hugging Face ``Trainer`` and TRL's ``SFTTrainer``: one call on the trainer.
 
     trainer = Trainer(model=model, args=args, train_dataset=tokenized)   # or SFTTrainer(...)
-    densebatch.dense_batches(trainer, strategy="packed", seq_len=2048, max_tokens_per_batch=16384)
+    densebatch.dense_batches(trainer, seq_len=2048, max_tokens_per_batch=16384)   # packed rows (the default)
     trainer.train()
 
 ``dense_batches`` replaces the trainer's training ``DataLoader`` by ``densebatch.dataloader`` over its
@@ -24,6 +24,7 @@ from typing import Any
 
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import longest_row
+from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
 from densebatch.data.torch_loader import dataloader
 from densebatch.model.hf_attention import register
 from densebatch.model.hf_checks import check_transformers
@@ -41,7 +42,7 @@ def register_attention() -> str:
 
 
 def dense_batches(
-    trainer, strategy: str = "packed", max_tokens_per_batch: int = 8192, seq_len: int | None = None, **settings: Any
+    trainer, strategy: str = DEFAULT_STRATEGY, max_tokens_per_batch: int = 8192, seq_len: int | None = None, **settings: Any
 ):
     """Make ``trainer`` (a ``transformers.Trainer`` or a subclass such as ``trl.SFTTrainer``) train on
     densebatch's batches; returns it. ``settings``: the other ``densebatch.dataloader`` keywords
@@ -54,7 +55,7 @@ def dense_batches(
     if getattr(args, "train_sampling_strategy", None) == "group_by_length" or getattr(args, "group_by_length", False) is True:
         raise ValueError(
             "dense_batches: the trainer's group_by_length would be ignored (densebatch plans the batches): drop it, "
-            "and pass strategy='length_grouped' (or better packed / token_budget)"
+            f"and pass strategy={LengthGrouped.name!r} (or better packed / token_budget)"
         )
     tok = getattr(trainer, "processing_class", None) or getattr(trainer, "tokenizer", None)
     tok = getattr(tok, "tokenizer", tok)  # a processor's tokenizer

@@ -8,8 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densebatch.data.plan.mixture import mixture_epoch, plan_source_stats, select_mixture
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings
+from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.shards import plan_epoch_sharded
+from densebatch.data.plan.strategies import STRATEGIES
 
 
 def sources(n: int = 2000, k: int = 2, seed: int = 0, cap: int = 700) -> list[np.ndarray]:

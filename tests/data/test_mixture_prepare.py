@@ -13,9 +13,10 @@ from densebatch.batch import IGNORE_INDEX
 from densebatch.config import DataConfig, SourceConfig
 from densebatch.data.load.collate import CausalCollator
 from densebatch.data.plan.mixture import plan_source_stats
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.steps import rows_of
 from densebatch.data.plan.store_epochs import epoch_selection, plan_store_epoch
+from densebatch.data.plan.strategies import STRATEGIES
 from densebatch.data.prepare import documents
 from densebatch.data.prepare.pipeline import prepare
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs

@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from densebatch.data.plan.packing import FILLER_SHARE, bundle
 from densebatch.data.plan.packing import exact_cuts as _exact_cuts
 from densebatch.data.plan.packing import greedy_cuts as _greedy_cuts
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
+from densebatch.data.plan.strategies import STRATEGIES
 
 lengths_st = st.lists(st.integers(1, 300), min_size=0, max_size=120).map(lambda x: np.array(x, np.int64))
 settings_st = st.builds(
     PlanSettings,
-    strategy=st.sampled_from(STRATEGIES),
+    strategy=st.sampled_from(list(STRATEGIES)),
     rows_per_batch=st.integers(1, 9),
     max_tokens_per_batch=st.integers(256, 1200),
     seq_len=st.integers(16, 256),
@@ -79,13 +80,13 @@ def check_budget(s: PlanSettings, plan, lengths=None, sharded: bool = False) -> 
     if s.strategy in ("token_budget", "packed"):
         assert (slots <= s.max_tokens_per_batch).all()
     if s.strategy == "packed":
-        assert (rl <= s.seq_len).all() and (nrows <= s.rows_per_packed_batch).all()
-    elif s.strategy == "token_budget" and (cap := s.bundle_cap_for(_cap(s))):
+        assert (rl <= s.seq_len).all() and (nrows <= STRATEGIES["packed"].rows_per_batch(s)).all()
+    elif s.strategy == "token_budget" and (cap := STRATEGIES["token_budget"].bundle_cap(s, _cap(s))):
         assert (rl[several] < 2 * cap).all()  # under twice the bundle cap in all
         assert (pieces[in_bundle] <= cap).all()
     elif s.strategy == "length_grouped" and s.bundle_tokens != 0:
         if lengths is not None and not sharded:
-            cap = s.grouped_bundle_cap(np.asarray(lengths))
+            cap = STRATEGIES["length_grouped"].bundle_cap(s, np.asarray(lengths))
             assert (rl[several] < 2 * cap).all() and (pieces[in_bundle] <= cap).all()
             if s.bundle_tokens == "auto":  # no row longer than the longest document
                 assert (rl <= max(lengths)).all()
@@ -291,7 +292,7 @@ def test_length_grouped_rows_of_bundles_mix_tasks_without_larger_batches():
 
     hf = plan_epoch(lengths, dataclasses.replace(s, bundle_tokens=0), 0, 0)
     bundled = plan_epoch(lengths, s, 0, 0)
-    assert s.grouped_bundle_cap(lengths) == 69  # min(90th percentile 133, half the longest 139 // 2)
+    assert STRATEGIES["length_grouped"].bundle_cap(s, lengths) == 69  # min(90th percentile 133, half the longest 139 // 2)
     assert purity(hf) > 0.45  # measured 0.50: one task a batch
     assert purity(bundled) < 0.8 * purity(hf)
     assert bundled.stats()["fill_rate"] > hf.stats()["fill_rate"]

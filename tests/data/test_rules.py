@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from densebatch.config import BatchingConfig
-from densebatch.data.plan.planner import STRATEGIES, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.rules import (
     budget_range,
     check_batching,
@@ -23,6 +23,7 @@ from densebatch.data.plan.rules import (
     truncation_cap,
     worst_batches,
 )
+from densebatch.data.plan.strategies import STRATEGIES
 from densebatch.data.prepare.store import DocumentStore
 from densebatch.errors import ConfigError
 
@@ -30,7 +31,7 @@ lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=60).map(lambda v
 
 
 @settings(max_examples=60, deadline=None)
-@given(lengths=lengths_st, strategy=st.sampled_from(STRATEGIES), seq_len=st.integers(8, 64), m=st.sampled_from([1, 8]))
+@given(lengths=lengths_st, strategy=st.sampled_from(list(STRATEGIES)), seq_len=st.integers(8, 64), m=st.sampled_from([1, 8]))
 def test_full_context_settings_never_split_or_truncate_a_document(lengths, strategy, seq_len, m):
     train = PlanSettings(strategy=strategy, seq_len=seq_len, max_tokens_per_batch=4 * -(-seq_len // m) * m, pad_to_multiple_of=m)
     plan = plan_epoch(lengths, full_context_settings(train, int(lengths.max())), seed=0, epoch=0)

@@ -10,8 +10,9 @@ from test_plan import check_budget, check_coverage, lengths_st, settings_st
 
 from densebatch.data.plan.bijection import Bijection
 from densebatch.data.plan.mixture import select_mixture
-from densebatch.data.plan.planner import STRATEGIES, Plan, PlanSettings, plan_epoch
+from densebatch.data.plan.planner import Plan, PlanSettings, plan_epoch
 from densebatch.data.plan.shards import ShardedPlan, plan_epoch_sharded
+from densebatch.data.plan.strategies import STRATEGIES
 
 FEW = settings(max_examples=50, deadline=None)
 

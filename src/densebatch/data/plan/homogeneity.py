@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from densebatch.data.plan.strategies import STRATEGIES
 from densebatch.data.prepare.joined import JoinedArray
 from densebatch.data.prepare.store import take, windows
 
@@ -108,17 +109,7 @@ def warning(h: dict, strategy: str, bundle_tokens: int | str = "auto") -> str | 
     if not alike:
         return None
     what = " and ".join(f"{k} (homogeneity {v:.2f}; random batches: 0)" for k, v in alike.items())
-    if strategy == "random":
-        fix = "random batches this alike are the data's own order of lengths and sources"
-    elif bundle_tokens == 0:
-        fix = "bundled plans mix them: set batching.bundle_tokens: auto (or more tokens)"
-    elif strategy in ("packed", "token_budget", "length_grouped"):
-        fix = (
-            f"bundled plans mix them: raise batching.bundle_tokens ({bundle_tokens} now) so that more documents are "
-            "bundled at random"
-        )
-    else:
-        fix = "bundled plans mix them: batching.strategy packed or token_budget with batching.bundle_tokens auto"
+    fix = STRATEGIES[strategy].homogeneity_advice(bundle_tokens)
     return (
         f"warning: {strategy} batches are far more alike than random ones in {what}: steps of one length are often "
         "steps of one task or source, which can train worse than random batches (docs/benchmarks.md, time to "

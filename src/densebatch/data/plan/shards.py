@@ -37,7 +37,8 @@ import numpy as np
 from densebatch.data.plan.bijection import Bijection
 from densebatch.data.plan.mixture import Selection
 from densebatch.data.plan.packing import ranges
-from densebatch.data.plan.planner import STRATEGIES, Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
+from densebatch.data.plan.planner import Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
+from densebatch.data.plan.strategies import STRATEGIES
 from densebatch.data.prepare.joined import JoinedArray
 from densebatch.data.prepare.store import take, windows
 
@@ -68,8 +69,7 @@ class ShardedPlan:
                 "the sources' lengths must be laid end to end in the order of the selection"
             )
         n = len(self.lengths) if selection is None else selection.num_docs
-        unit = {"random": settings.rows_per_batch, "length_grouped": settings.rows_per_batch * settings.mega_batch_mult}
-        u = unit.get(settings.strategy, 1)
+        u = STRATEGIES[settings.strategy].shard_unit(settings)
         self.num_docs = n
         self.shard_docs = max(u, settings.shard_docs // u * u)
         self.num_shards = max(1, -(-n // self.shard_docs))
@@ -118,7 +118,7 @@ class ShardedPlan:
         if self.num_shards == 1:
             p = plan_epoch(lengths, self.settings, self.seed, self.epoch)
         else:
-            key = [self.seed % 2**63, self.epoch % 2**63, STRATEGIES.index(self.settings.strategy), _SHARD_TAG, k]
+            key = [self.seed % 2**63, self.epoch % 2**63, STRATEGIES[self.settings.strategy].seed_tag, _SHARD_TAG, k]
             p = plan_documents(lengths, self.settings, np.random.default_rng(np.random.SeedSequence(key)))
         return dataclasses.replace(p, doc=docs[p.doc], split=docs[p.split], truncated=docs[p.truncated], dropped=docs[p.dropped])
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from densebatch.data.plan.planner import Plan
+from densebatch.data.plan.plan import Plan
 from densebatch.data.prepare.store import WINDOW_TOKENS, read_ranges, take
 
 
