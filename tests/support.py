@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.store.store import DocumentStore
 
 REPO = Path(__file__).resolve().parents[1]
 GPT2_EOS = 50256

@@ -111,12 +111,12 @@ def test_a_stage_importing_another_stage_is_caught():
     planted = {
         "data/prepare/planted.py": "def f():\n    from densebatch.data.plan.store_epochs import epoch_shares\n",
         "data/plan/planted.py": "from densebatch.data.prepare import store\n",
-        "data/load/planted.py": "import densebatch.data.prepare.joined\n",
+        "data/load/planted.py": "import densebatch.data.prepare.sources\n",
         "data/plan/fine.py": "from densebatch.data.store.store import DocumentStore\n",
         "run/fine.py": "from densebatch.data.prepare.pipeline import prepare\nfrom densebatch.data.plan import rules\n",
     }
     assert stages_reaching_across(planted) == [
         "data/prepare/planted.py imports densebatch.data.plan.store_epochs",
         "data/plan/planted.py imports densebatch.data.prepare",
-        "data/load/planted.py imports densebatch.data.prepare.joined",
+        "data/load/planted.py imports densebatch.data.prepare.sources",
     ]

@@ -75,7 +75,7 @@ def _prepared_dataset(cache: Path):
     from densebatch.data.prepare.pipeline import prepare
 
     cfg = load_config(None, [*ARGS, f"--data.cache_dir={cache}"])
-    store = prepare(cfg.data, cfg.seed).train
+    store = prepare(cfg.data).train
     docs = [store.document(i) for i in range(len(store))]
     return datasets.Dataset.from_dict({"input_ids": [t.tolist() for t, _ in docs], "loss_mask": [m.tolist() for _, m in docs]})
 

@@ -68,7 +68,7 @@ def _evals(out: Path) -> list[dict]:
 
 
 def test_a_bert_learns_masked_tokens_and_from_pretrained_loads_it(run):
-    from densebatch.data.prepare.store import DocumentStore
+    from densebatch.data.store.store import DocumentStore
     from densebatch.model import load_model
 
     evals = _evals(run / "out")

@@ -208,7 +208,7 @@ def test_a_store_that_needs_more_open_files_than_allowed_is_one_line(tmp_path, m
     """Raised to the hard limit when it must be; beyond it, one line saying what to do."""
     import resource
 
-    from densebatch.data.prepare.store import DocumentStore
+    from densebatch.data.store.store import DocumentStore
     from densebatch.errors import DataError
 
     store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1])] * 4).save(tmp_path / "s", shard_tokens=3)  # 4 shards

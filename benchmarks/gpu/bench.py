@@ -173,7 +173,7 @@ def main(argv=None) -> int:
         f"transformers {transformers.__version__}; peak: {peak_note}"
     )
     lengths, source = oasst_lengths(a.shared_data)
-    from densebatch.data.prepare.store import DocumentStore
+    from densebatch.data.store.store import DocumentStore
 
     table, skipped, out = [], [], {"device": str(device), "peak_flops": peak, "runs": []}
     for model in a.models:

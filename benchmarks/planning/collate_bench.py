@@ -20,7 +20,7 @@ import torch
 from benchmarks.common import shared_data_dir, texts
 from densebatch.data.load.collate import CausalCollator
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
-from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.store.store import DocumentStore
 from densebatch.testing.book import book_collate, gpt2_tokenizer
 
 EOS = 50256

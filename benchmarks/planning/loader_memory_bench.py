@@ -38,7 +38,7 @@ class Ones:
 
 def LengthsStore(lengths: np.ndarray):
     """A store in memory whose every token and mask entry reads 1: only its lengths are real."""
-    from densebatch.data.prepare.store import DocumentStore
+    from densebatch.data.store.store import DocumentStore
 
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     ones = Ones(int(offsets[-1]))

@@ -37,7 +37,7 @@ def main() -> None:
     a = ap.parse_args()
     args = mixture_args(require_shared_data(a.data_dir)) + MIXTURE_SETUPS["packed-2816"]
     cfg = load_config(None, [*args, f"--seed={a.seed}"])
-    prepared = prepare(cfg.data, cfg.seed)
+    prepared = prepare(cfg.data)
     store = prepared.train
     lengths = np.asarray(store.lengths, dtype=np.int64)
     selection = select(store, prepared.weights, cfg.seed, 0, lengths)

@@ -29,7 +29,7 @@ reaches the target, with the final quality.
 
 Peers: random padded batches (``random``, 8 rows) and Hugging Face ``group_by_length``, which is
 ``length_grouped`` at HF's settings (one document a row, ``bundle_tokens: 0``; mega-batches of 50
-batches, sorted; tests/data/test_plan.py checks that it has Hugging Face's shape). ``*-sorted``
+batches, sorted; tests/data/plan/test_plan.py checks that it has Hugging Face's shape). ``*-sorted``
 setups are the plans before bundling (``batching.bundle_tokens=0``), kept to show what bundling changed. A run that never reaches the
 target shows ``-``. Results append to ``--out`` as JSON lines, so an interrupted sweep keeps its runs.
 """

@@ -37,9 +37,9 @@ def _rss_gb() -> float:
 def write_store(directory: Path, n: int, seed: int = 0, sources: int = 1) -> None:
     """The store of ``n`` lognormal lengths, shard by shard (a million lengths in memory at a time); with
     ``sources`` > 1, the shards are split among that many sources, end to end (a mixture's layout)."""
-    from densebatch.data.prepare.joined import FORMAT, write_index
-    from densebatch.data.prepare.store_io import write_marker
-    from densebatch.data.prepare.store_write import _header
+    from densebatch.data.store.joined import FORMAT, write_index
+    from densebatch.data.store.store_io import write_marker
+    from densebatch.data.store.store_write import _header
 
     directory.mkdir(parents=True)
     rng = np.random.default_rng(seed)
@@ -90,7 +90,7 @@ def run_one(directory: Path, mode: str, weights: tuple[float, ...] | None = None
     from densebatch.data.load.loader import StepLoader
     from densebatch.data.plan.planner import PlanSettings
     from densebatch.data.plan.steps import StepSettings
-    from densebatch.data.prepare.store import DocumentStore
+    from densebatch.data.store.store import DocumentStore
 
     store = DocumentStore.open(directory)
     n = len(store)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from densebatch.data.load.collate import CausalCollator
-from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.store.store import DocumentStore
 from densebatch.model import GPT, GPTConfig
 
 VOCAB, DOC_LEN, COPIES, ROWS, STEPS, LR = 32, 8, 3, 8, 150, 1e-2

@@ -18,7 +18,7 @@ from densebatch.data.load.loader import StepLoader
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.source_balance import batch_balance
 from densebatch.data.plan.store_epochs import select
-from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.store.store import DocumentStore
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_loop import _FakeRanks  # noqa: E402

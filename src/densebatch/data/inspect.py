@@ -24,9 +24,9 @@ from densebatch.data.prepare.dedupe import dedupe_mode, text_key
 from densebatch.data.prepare.default_dataset import generate_records
 from densebatch.data.prepare.source_configs import source_configs
 from densebatch.data.prepare.sources import BadRecord, detect_format, iter_records
-from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, render
 from densebatch.data.prepare.tokenizers import Tokenizer
+from densebatch.data.store.store import DocumentStore
 from densebatch.errors import DataError
 
 LOSS_OPEN, LOSS_CLOSE = "[[", "]]"

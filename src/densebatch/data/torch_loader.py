@@ -42,7 +42,7 @@ import torch
 from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.data.load.collate import CausalCollator
 from densebatch.data.plan.strategies import DEFAULT_STRATEGY
-from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.store.store import DocumentStore
 from densebatch.data.torch_sampler import DenseBatchSampler, Piece
 
 

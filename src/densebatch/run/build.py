@@ -33,9 +33,9 @@ from densebatch.data.plan.source_balance import balance_line, batch_balance
 from densebatch.data.plan.steps import StepSettings
 from densebatch.data.plan.store_epochs import eval_documents
 from densebatch.data.prepare.parts import prepare_share
-from densebatch.data.prepare.pipeline import Prepared, prepare
-from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.prepare.pipeline import Prepared
 from densebatch.data.prepare.vocab import added_tokens_line
+from densebatch.data.store.store import DocumentStore
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
 from densebatch.model.attention import resolve_backend
@@ -43,6 +43,7 @@ from densebatch.model.hf_checks import check_model_dir
 from densebatch.model.hf_weights import fill_from_files, missing_weights, weight_files
 from densebatch.model.lora import lora_summary
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
+from densebatch.run.data_commands import prepare_data
 from densebatch.train.distributed import Distributed, check_device
 from densebatch.train.loop import resolve_device
 from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init, recording, storage_key
@@ -89,7 +90,7 @@ def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
     problem = None
     if dist.is_main:
         try:  # the bad input only the whole pass finds (a malformed line under bpe:N, the eval split): every rank stops
-            prepared = prepare(cfg.data, cfg.seed)
+            prepared = prepare_data(cfg.data, cfg.seed)
         except UserError as e:
             problem = e
         else:
@@ -99,7 +100,7 @@ def prepare_on_every_rank(cfg: RunConfig, dist: Distributed) -> Prepared:
     if dist.agree(problem is not None):  # in place of the barrier: none waits for a rank that failed
         raise problem or UserError("data: preparing the documents failed on rank 0 (its message says why)")
     if not dist.is_main:
-        prepared = prepare(cfg.data, cfg.seed)
+        prepared = prepare_data(cfg.data, cfg.seed)
     return prepared
 
 

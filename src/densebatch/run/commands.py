@@ -16,7 +16,6 @@ from densebatch.config import RunConfig, config_from_dict, describe, load_config
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import check_batching
 from densebatch.data.prepare.cache import LEARNED_TOKENIZER
-from densebatch.data.prepare.pipeline import prepare as prepare_data
 from densebatch.data.prepare.tokenizers import has_tokenizer_files, load_data_tokenizer, load_tokenizer
 from densebatch.errors import UserError
 from densebatch.model import GPT, build_model, load_model
@@ -26,6 +25,7 @@ from densebatch.model.generate import check_sampling
 from densebatch.model.lora import is_adapter_dir, load_adapter
 from densebatch.run.auto import resolved_budget
 from densebatch.run.build import eval_loader, resolve_config, usable_device
+from densebatch.run.data_commands import prepare_data
 from densebatch.run.demo import DEMO_OVERRIDES
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
 from densebatch.run.owned import eval_view, note_lines, prompt_for, same_documents

@@ -5,11 +5,22 @@ from __future__ import annotations
 
 import sys
 
-from densebatch.config import RunConfig
+from densebatch.config import DataConfig, RunConfig
 from densebatch.data.inspect import render_cleaning, render_documents
-from densebatch.data.prepare.pipeline import prepare as prepare_data
+from densebatch.data.plan.store_epochs import epoch_shares
+from densebatch.data.prepare.pipeline import Prepared, prepare
 from densebatch.data.prepare.vocab import added_tokens_line
 from densebatch.errors import UserError
+
+
+def prepare_data(cfg: DataConfig, seed: int = 0) -> Prepared:
+    """``prepare``, with each source's ``share`` in the summary: of epoch 0's tokens at ``seed`` under the configured
+    weights (``store_epochs.epoch_shares``: what the plans select, which the prepare stage knows nothing of)."""
+    prepared = prepare(cfg)
+    shares = epoch_shares(prepared.train, prepared.weights, seed)
+    for x, share in zip(prepared.summary.sources, shares.values()):
+        x["share"] = share["share"]
+    return prepared
 
 
 def prepare_command(cfg: RunConfig, args) -> int:

@@ -1,6 +1,6 @@
 """The book's reference pieces (../shared/data/README.md): its prompt text, its tokenizer and its collate.
 
-The collate equivalence test (tests/data/test_collate.py), the fixtures it falls back on
+The collate equivalence test (tests/data/load/test_collate.py), the fixtures it falls back on
 (tests/fixtures/make_fixtures.py) and the collate benchmark (benchmarks/planning/collate_bench.py)
 compare densebatch with these.
 """

@@ -30,14 +30,31 @@ prepared one) also gives ``source_ids``: each real token's source, -1 at padding
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from densebatch.batch import IGNORE_INDEX, Batch
-from densebatch.data.prepare.store import read_ranges
+from densebatch.data.store.store import DocumentStore, read_ranges
 from densebatch.errors import ConfigError, DataError
+
+Row = Sequence[tuple[int, int, int]]  # a row: its pieces (doc, start, stop)
+
+
+class Collator(Protocol):
+    """What the loader needs of a collator: rows of a store's documents → one ``Batch``.
+
+    ``pad_id`` fills a null batch (an idle rank's share); ``masked_rate`` is the share of real tokens that
+    become targets when the batch is collated (masked LM), None when the store's loss mask decides which
+    tokens are targets (causal LM): the loader counts a step's loss tokens from it before collating."""
+
+    pad_id: int
+    masked_rate: float | None
+
+    def __call__(self, store: DocumentStore, rows: Sequence[Row], step: tuple[int, int] = (0, 0)) -> Batch: ...
 
 
 @dataclass(frozen=True)
@@ -162,9 +179,12 @@ class CausalCollator:
     def __init__(self, pad_id: int, pad_to_multiple_of: int = 1, use_loss_mask: bool = True):
         if pad_to_multiple_of < 1:
             raise ValueError(f"pad_to_multiple_of: expected a positive integer; got {pad_to_multiple_of}")
-        self.pad_id, self.pad_to_multiple_of, self.use_loss_mask = int(pad_id), int(pad_to_multiple_of), use_loss_mask
+        self.pad_id = int(pad_id)
+        self.pad_to_multiple_of = int(pad_to_multiple_of)
+        self.use_loss_mask = use_loss_mask
+        self.masked_rate: float | None = None  # targets: the store's loss mask
 
-    def __call__(self, store, rows, step: tuple[int, int] = (0, 0)) -> Batch:
+    def __call__(self, store: DocumentStore, rows: Sequence[Row], step: tuple[int, int] = (0, 0)) -> Batch:
         g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, self.use_loss_mask)
         return g.batch(torch.from_numpy(g.input_ids), torch.from_numpy(g.labels), int((g.labels != IGNORE_INDEX).sum()))
 
@@ -209,6 +229,7 @@ class MaskedLMCollator:
     def __init__(
         self,
         pad_id: int,
+        *,
         mask_id: int | None,
         vocab_size: int,
         special_ids=(),
@@ -223,11 +244,16 @@ class MaskedLMCollator:
             )
         if not 0.0 < mlm_probability < 1.0:
             raise ValueError(f"mlm_probability: expected a number in (0, 1); got {mlm_probability}")
-        self.pad_id, self.mask_id, self.vocab_size = int(pad_id), int(mask_id), int(vocab_size)
+        self.pad_id = int(pad_id)
+        self.mask_id = int(mask_id)
+        self.vocab_size = int(vocab_size)
         self.special_ids = np.array(sorted({int(i) for i in special_ids} | {self.mask_id}), np.int64)
-        self.mlm_probability, self.seed, self.pad_to_multiple_of = float(mlm_probability), int(seed), int(pad_to_multiple_of)
+        self.mlm_probability = float(mlm_probability)
+        self.masked_rate: float | None = self.mlm_probability  # targets: drawn here, a share of the real tokens
+        self.seed = int(seed)
+        self.pad_to_multiple_of = int(pad_to_multiple_of)
 
-    def __call__(self, store, rows, step: tuple[int, int] = (0, 0)) -> Batch:
+    def __call__(self, store: DocumentStore, rows: Sequence[Row], step: tuple[int, int] = (0, 0)) -> Batch:
         g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, use_loss_mask=False)
         ids = g.input_ids.reshape(-1)
         at = g.token_at
@@ -245,7 +271,7 @@ class MaskedLMCollator:
         return g.batch(torch.from_numpy(out.reshape(shape)), torch.from_numpy(labels.reshape(shape)), int(chosen.sum()))
 
 
-def collator_from_config(cfg, meta: dict, seed: int = 0):
+def collator_from_config(cfg, meta: dict, seed: int = 0) -> Collator:
     """The collator a ``BatchingConfig`` asks for (``mode`` causal or mlm), from a store's ``meta``.
 
     ``prepare`` checks the meta of the stores it hands out; a store made some other way that lacks
@@ -262,6 +288,12 @@ def collator_from_config(cfg, meta: dict, seed: int = 0):
     if cfg.mode == "mlm":
         special = set(meta.get("special_ids") or ()) | ({meta["eos_id"]} if meta.get("eos_id") is not None else set())
         return MaskedLMCollator(
-            pad_id, meta.get("mask_id"), meta["vocab_size"], special, cfg.mlm_probability, seed, cfg.pad_to_multiple_of
+            pad_id,
+            mask_id=meta.get("mask_id"),
+            vocab_size=meta["vocab_size"],
+            special_ids=special,
+            mlm_probability=cfg.mlm_probability,
+            seed=seed,
+            pad_to_multiple_of=cfg.pad_to_multiple_of,
         )
     return CausalCollator(pad_id, cfg.pad_to_multiple_of)

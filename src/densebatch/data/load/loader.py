@@ -28,11 +28,13 @@ import numpy as np
 import torch
 
 from densebatch.batch import Batch, Step
+from densebatch.data.load.collate import Collator
 from densebatch.data.plan.mixture import Selection
 from densebatch.data.plan.planner import Plan, PlanSettings
 from densebatch.data.plan.shards import EpochRows
 from densebatch.data.plan.steps import StepSettings, cumulative_row_loss_tokens, rows_of, share, step_documents, step_stop
 from densebatch.data.plan.store_epochs import rows_of_epoch, select
+from densebatch.data.store.store import DocumentStore
 from densebatch.errors import DataError
 
 _DONE = object()
@@ -41,9 +43,9 @@ _DONE = object()
 class StepLoader:
     def __init__(
         self,
-        store,
+        store: DocumentStore,
         settings: PlanSettings,
-        collator,
+        collator: Collator,
         seed: int,
         steps: StepSettings | None = None,
         prefetch: int = 2,
@@ -59,7 +61,7 @@ class StepLoader:
         self.rank, self.world_size = self.step_settings.rank, self.step_settings.world_size
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.lengths = store.lengths  # as stored (uint32 memory-mapped from disk): never copied whole
-        self.pad_id = int(getattr(collator, "pad_id", 0))
+        self.pad_id = int(collator.pad_id)
         self.max_epochs = max_epochs
         self.weights = weights  # data.sources' weights (store order); None: every document once an epoch
         self._fraction: Callable[[int], float] | None = None  # a batch-size schedule's cut; None: full-size steps
@@ -101,7 +103,7 @@ class StepLoader:
         plan = self.plan(epoch)
         with self._lock:
             if epoch not in self._cum:
-                rate = getattr(self.collator, "mlm_probability", None)  # masked-LM: drawn at collate time
+                rate = self.collator.masked_rate  # masked LM: a share of the tokens, drawn at collate time
                 self._cum[epoch] = cumulative_row_loss_tokens(plan, self.store, rate)
             return self._cum[epoch]
 

@@ -23,8 +23,8 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from densebatch.data.plan.strategies import STRATEGIES
-from densebatch.data.prepare.joined import JoinedArray
-from densebatch.data.prepare.store import take, windows
+from densebatch.data.store.joined import JoinedArray
+from densebatch.data.store.store import take, windows
 
 HOMOGENEOUS = 0.3  # above this (length or source), a run warns that its batches are far from random samples
 

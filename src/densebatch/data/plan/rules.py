@@ -12,7 +12,7 @@ import numpy as np
 
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.strategies import STRATEGIES
-from densebatch.data.prepare.store import read_ranges, windows
+from densebatch.data.store.store import read_ranges, windows
 from densebatch.errors import ConfigError
 
 

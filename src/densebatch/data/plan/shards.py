@@ -39,8 +39,8 @@ from densebatch.data.plan.mixture import Selection
 from densebatch.data.plan.packing import ranges
 from densebatch.data.plan.planner import Plan, PlanSettings, join_plans, plan_documents, plan_epoch, plan_stats
 from densebatch.data.plan.strategies import STRATEGIES
-from densebatch.data.prepare.joined import JoinedArray
-from densebatch.data.prepare.store import take, windows
+from densebatch.data.store.joined import JoinedArray
+from densebatch.data.store.store import take, windows
 
 _SHARD_TAG = 0x534844  # keeps the shard order's stream apart from the planners' streams of the same seed
 _MAX_BLOCK = 64  # documents kept together when dealt into shards: contiguous reads of the lengths

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from densebatch.data.plan.store_epochs import select
-from densebatch.data.prepare.store_io import take
+from densebatch.data.store.store_io import take
 
 SAMPLE_BATCHES = 20_000  # ~0.5% sampling error on a source with 3% of the loss tokens
 _TAG = 0x42414C  # keeps this draw apart from the planner's streams of the same seed

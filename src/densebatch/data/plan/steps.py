@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from densebatch.data.plan.plan import Plan
-from densebatch.data.prepare.store import WINDOW_TOKENS, read_ranges, take
+from densebatch.data.store.store import WINDOW_TOKENS, read_ranges, take
 
 
 @dataclass(frozen=True)

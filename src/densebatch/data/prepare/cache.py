@@ -29,9 +29,9 @@ from densebatch.config import DataConfig
 from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.dedupe import dedupe_mode, key_material
 from densebatch.data.prepare.sources import detect_format
-from densebatch.data.prepare.store import DocumentStore, marker_ok
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_tokenizer
+from densebatch.data.store.store import DocumentStore, marker_ok
 from densebatch.errors import DataError, UserError
 from densebatch.locks import FileLock, describe
 

@@ -25,10 +25,10 @@ from densebatch.data.prepare.cache import source_keys
 from densebatch.data.prepare.documents import Builder
 from densebatch.data.prepare.source_configs import source_configs
 from densebatch.data.prepare.sources import detect_format, expand, is_pattern
-from densebatch.data.prepare.store import marker_ok
-from densebatch.data.prepare.stream import prepare_chunks, stage_dir, streamable, workers
+from densebatch.data.prepare.stream import prepare_chunks, stage_dir, workers
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, load_data_tokenizer
+from densebatch.data.store.store import marker_ok
 from densebatch.errors import DataError
 
 
@@ -83,7 +83,7 @@ def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
     parts = source_parts(cfg)
     for p, key in zip(parts, source_keys([p.cfg for p in parts], tok)):
         final = Path(p.cfg.cache_dir) / key
-        if not streamable(p.cfg, p.fmt, tok) or marker_ok(final):
+        if marker_ok(final):
             continue
         b = Builder(p.cfg, tok, PrepareSummary(source=p.cfg.path or p.name))
         done += len(

@@ -1,6 +1,6 @@
 """prepare: records → tokenised documents on disk (train + eval DocumentStores), cached by inputs and settings.
 
-``prepare(cfg: DataConfig, seed=0) -> Prepared``. For each source (``data.path``, or each of
+``prepare(cfg: DataConfig) -> Prepared``. For each source (``data.path``, or each of
 ``data.sources``), in order, for each record in file order (``documents.Builder``):
 read (``sources``) → render with the template, cleaning each field value (``templates``, ``clean``)
 → length filters → tokenize each segment on its own and concatenate, so the loss mask is exact by
@@ -53,7 +53,6 @@ import numpy as np
 
 from densebatch.atomic import io_reason
 from densebatch.config import DataConfig
-from densebatch.data.plan.store_epochs import epoch_shares
 from densebatch.data.prepare.cache import (
     CACHE_VERSION,
     LEARNED_TOKENIZER,
@@ -63,27 +62,24 @@ from densebatch.data.prepare.cache import (
     read_eval_records,
     source_keys,
 )
-from densebatch.data.prepare.dedupe import Keys, dedupe, dedupe_mode, leakage_across, read_prior, write_index, write_split_keys
-from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
-from densebatch.data.prepare.joined import write_mixture_index
+from densebatch.data.prepare.dedupe import Keys, dedupe_mode, leakage_across, read_prior
+from densebatch.data.prepare.documents import Builder, learn_bpe
 from densebatch.data.prepare.parts import Part, source_parts
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format
-from densebatch.data.prepare.store import DocumentStore, staged_store, write_marker
-from densebatch.data.prepare.store_write import write_store_files
 from densebatch.data.prepare.stream import (
     WorkerDied,
     assemble,
-    keeps_records,
     prepare_chunks,
     remove_stage,
     stage_dir,
-    streamable,
     workers,
 )
 from densebatch.data.prepare.stream_cut import cut_chunks
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
+from densebatch.data.store.joined import write_mixture_index
+from densebatch.data.store.store import DocumentStore, staged_store, write_marker
 from densebatch.errors import DataError, UserError
 
 
@@ -120,13 +116,6 @@ def _meta(tok: Tokenizer, cfg: DataConfig, split: str) -> dict:
     }
 
 
-def _arrays(docs: list[Doc]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    lengths = np.array([0] + [len(d.tokens) for d in docs], np.int64)
-    tokens = np.concatenate([d.tokens for d in docs]) if docs else np.zeros(0, np.int32)
-    mask = np.concatenate([d.mask for d in docs]) if docs else np.zeros(0, np.uint8)
-    return tokens, np.cumsum(lengths), mask
-
-
 def _eval_source(cfg: DataConfig) -> str:
     if cfg.eval_path is not None:
         return f"eval_path {cfg.eval_path}"
@@ -158,24 +147,6 @@ def _cached_or_built(final: Path, tok: Tokenizer, t0: float, build: Callable[[],
     assert prepared is not None, "a freshly written cache must be complete"
     prepared.summary.cache_hit = False
     return prepared
-
-
-def _write(
-    final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: list, summary: PrepareSummary, index, keys
-) -> None:
-    """One entry: ``train`` / ``evals``, (tokens, offsets, loss_mask, source) tuples (evals None: no eval split); ``index``:
-    (keys, kept) for ``write_index`` (dedupe on), else ``keys``: the splits' text keys. A failed write is one line."""
-    with _staged_entry(final, tok, cfg) as tmp:
-        if index is not None:  # dedupe on: the kept records' keys (the leakage count is 0 across parts)
-            write_index(tmp, *index)
-        else:
-            write_split_keys(tmp, *keys)
-        for split, arrays in (("train", train), ("eval", evals)):
-            if arrays is not None:
-                (tmp / split).mkdir()
-                meta = dict(_meta(tok, cfg, split), sources=summary.source_names)
-                write_store_files(tmp / split, *arrays[:3], meta, arrays[3], cfg.shard_tokens)
-        _write_entry_files(tmp, records, summary)
 
 
 @contextlib.contextmanager
@@ -211,87 +182,52 @@ def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float
     return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, prior))
 
 
-def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, prior: list[Path]) -> Tokenizer:
-    """One source's entry: streamed (``_build_streamed``); this in-memory path is the reference the
-    streamed store is tested against, byte for byte (``stream.streamable`` patched)."""
-    s = PrepareSummary(
+def _summary(cfg: DataConfig, fmt: str, tok: Tokenizer) -> PrepareSummary:
+    """The summary one source's build fills in."""
+    return PrepareSummary(
         source=cfg.path or "embedded default dataset",
         format=fmt,
         template=cfg.template,
         tokenizer=tok.name,
         eval_source=_eval_source(cfg),
     )
+
+
+def _prior_keys(cfg: DataConfig, prior: list[Path]) -> Keys | None:
+    """The kept records' keys of a mixture's sources before this one (None with dedupe off)."""
     mode = dedupe_mode(cfg.clean)
-    before = read_prior(prior, mode == "near") if mode != "off" else None
-    if streamable(cfg, fmt, tok):
-        return _build_streamed(final, name, cfg, fmt, tok, s, before)
-    b = Builder(cfg, tok, s)
-    items = b.read(cfg.path, fmt)
-    if isinstance(tok, PendingBPE):
-        tok = b.tok = learn_bpe([(items, cfg)], tok)
-        s.tokenizer = tok.name
-    eval_docs: list[Doc] = []
-    if cfg.eval_path is not None:
-        eval_fmt = detect_format(cfg.eval_path, cfg.format)
-        eval_docs = b.documents(b.read(cfg.eval_path, eval_fmt))
-        eval_docs = b.chunk(eval_docs) if cfg.text_split == "chunks" and eval_fmt == "text" else eval_docs
-    train_docs = b.documents(items)
-    if fmt == "text" and cfg.text_split == "chunks":  # blocks of running text → pieces, before dedupe (none for pieces)
-        train_docs = b.chunk(train_docs)
-    index = None
-    if mode != "off":  # eval_path's records first: a training record that repeats one of them is dropped
-        both, n_eval = eval_docs + train_docs, len(eval_docs)
-        keys = Keys.of_docs(both, b.signer.bands if b.signer is not None else None)
-        keep, drops = dedupe(keys, mode, cfg.clean.near_threshold, before)
-        index = keys, keep
-        for k, v in drops.items():
-            b.cleaner.drop(k, v)
-        eval_docs, train_docs = (
-            [d for d, k in zip(both[:n_eval], keep) if k],
-            [d for d, k in zip(both[n_eval:], keep[n_eval:]) if k],
-        )
-    if cfg.eval_path is None:
-        train_docs, eval_docs = split_eval(train_docs, cfg.eval_fraction)
-    train_docs, eval_docs = b.finish(train_docs), b.finish(eval_docs)
-    trained = {d.text_key for d in train_docs if d.text_key is not None}
-    s.eval_repeats_train = sum(d.text_key in trained for d in eval_docs)
-    assert mode == "off" or not s.eval_repeats_train, "dedupe keeps one copy of each rendered text"
-    s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
-    if not train_docs:
-        raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
-    s.fill_counts(train_docs, eval_docs)
-    s.sources = [s.source_facts(name, s.source)]
-    zeros = lambda docs: np.zeros(len(docs), np.int16)  # noqa: E731 - one source: every document is source 0
-    evals = (*_arrays(eval_docs), zeros(eval_docs)) if eval_docs else None
-    records = [d.record for d in eval_docs if d.record is not None] if keeps_records(cfg) else []
-    texts = [np.array([d.text_key for d in docs if d.text_key is not None], "V16") for docs in (train_docs, eval_docs)]
-    _write(final, tok, cfg, (*_arrays(train_docs), zeros(train_docs)), evals, records, s, index, texts)
-    return tok
+    if mode == "off":
+        return None
+    return read_prior(prior, mode == "near")
 
 
-def _build_streamed(
-    final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, s: PrepareSummary, prior: Keys | None
-) -> Tokenizer:
-    """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``): the
-    documents of ``_build_one``'s in-memory path, with memory bounded by the chunk."""
+def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, prior: list[Path]) -> Tokenizer:
+    """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``), with
+    memory bounded by the chunk; returns the tokenizer its documents were made with. The tests build the same
+    entry in memory (``tests/data/prepare/in_memory_prepare.py``) and compare the two byte for byte."""
+    s = _summary(cfg, fmt, tok)
+    before = _prior_keys(cfg, prior)
     if isinstance(tok, PendingBPE):  # learned from a first pass over the records (bad ones reported by the second)
-        tok = learn_bpe([(Builder(cfg, tok, PrepareSummary(), collect_bad=True).stream(cfg.path, fmt), cfg)], tok)
+        first_pass = Builder(cfg, tok, PrepareSummary(), collect_bad=True).stream(cfg.path, fmt)
+        tok = learn_bpe([(first_pass, cfg)], tok)
         s.tokenizer = tok.name
     b = Builder(cfg, tok, s)
     stage = stage_dir(final, cfg)  # kept if this run dies or is stopped: the next one goes on from it
+    blocks = cfg.text_split == "chunks"
     try:
         chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
-        held, blocks = [], cfg.text_split == "chunks"  # eval_path's chunks: the eval split, deduped first
+        held = []  # eval_path's chunks: the eval split, deduped first
         if cfg.eval_path is not None:
             eval_fmt = detect_format(cfg.eval_path, cfg.format)
             held = prepare_chunks(b, cfg.eval_path, eval_fmt, stage / "eval", workers(cfg))
-            held = cut_chunks(b, held, stage / "eval") if blocks and eval_fmt == "text" else held
+            if blocks and eval_fmt == "text":
+                held = cut_chunks(b, held, stage / "eval")
         if blocks and fmt == "text":  # blocks of running text → documents (stream_cut.py)
             chunks = cut_chunks(b, chunks, stage)
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with _staged_entry(final, tok, cfg) as tmp:
             records, _ = assemble(
-                b, held + chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta, prior, held_chunks=len(held)
+                b, held + chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta, before, held_chunks=len(held)
             )
             s.sources = [s.source_facts(name, s.source)]
             _write_entry_files(tmp, records, s)
@@ -377,9 +313,9 @@ def _per_source(cfg: DataConfig, parts: list[Part], built: list[Prepared], tok: 
 
 
 # -------------------------------------------------------------------------------- entry point
-def prepare(cfg: DataConfig, seed: int = 0) -> Prepared:
-    """Prepare (or reuse from the cache) the train and eval documents that ``cfg`` describes; the
-    summary's per-source ``share`` is that of epoch 0's tokens at ``seed`` with the configured weights."""
+def prepare(cfg: DataConfig) -> Prepared:
+    """Prepare (or reuse from the cache) the train and eval documents that ``cfg`` describes. The summary's
+    per-source ``share`` (of an epoch's tokens, a plan's) is filled in by the caller that prints it (``run/``)."""
     t0 = time.perf_counter()
     tok = load_data_tokenizer(cfg)
     parts = source_parts(cfg)
@@ -393,6 +329,4 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Prepared:
             store.meta["sources"] = names
     prepared.weights, prepared.source_names = mixture_weights(cfg), names
     prepared.summary.name_sources(names)
-    for x, share in zip(prepared.summary.sources, epoch_shares(prepared.train, prepared.weights, seed).values()):
-        x["share"] = share["share"]
     return prepared

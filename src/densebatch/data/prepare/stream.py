@@ -16,7 +16,8 @@ hashes, as ``documents.split_eval``), the counts, among them held-out documents 
 The stores are then written by appending each chunk's kept documents to the split's files
 (``store_write.StoreWriter``: shards of ``data.shard_tokens``), one chunk in memory at a time.
 
-The documents, their order and every count are those of the in-memory path (``pipeline._build_one``),
+The documents, their order and every count are those of the tests' in-memory build
+(``tests/data/prepare/in_memory_prepare.py``),
 byte for byte, for any number of workers (tested). A run that dies keeps its chunk files: the next
 prepare of the same inputs and settings reads the input again but tokenises only the chunks that are
 missing. A worker that dies fails the prepare with one line naming the chunk's first and last record.
@@ -25,7 +26,7 @@ are the eval split, and with dedupe on a training record that repeats one of the
 With ``text_split: chunks`` the records are blocks of running text (``text_blocks.py``), kept whole by
 the workers and cut into documents by ``stream_cut.py`` before the assembly. A learned ``bpe:N`` tokenizer
 is trained first, from the records as they are read (``documents.learn_bpe``), then the chunks are
-tokenised with it. Every source streams (``streamable``); the in-memory path stays as the tests' reference.
+tokenised with it. Every source streams.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ from densebatch.data.prepare.documents import (
 )
 from densebatch.data.prepare.row_ranges import RowRange, cut
 from densebatch.data.prepare.sources import BadRecord, LineRange, jsonl_ranges
-from densebatch.data.prepare.store_write import StoreWriter
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.prepare.tokenizers import Tokenizer
+from densebatch.data.store.store_write import StoreWriter
 from densebatch.errors import DataError
 
 CHUNK_FILES = "chunk-{:06d}"
@@ -69,13 +70,6 @@ CHUNK_FILES = "chunk-{:06d}"
 
 class WorkerDied(DataError):
     """A preparation worker died: its chunk files stay for the next run to go on from."""
-
-
-def streamable(cfg: DataConfig, fmt: str, tok: Tokenizer) -> bool:
-    """Whether this source is prepared chunk by chunk: every one is (a ``bpe:N`` tokenizer is learned first,
-    from the records as they are read); ``pipeline._build_one``'s in-memory path stays as the reference
-    the tests compare the streamed store with."""
-    return True
 
 
 def workers(cfg: DataConfig) -> int:

@@ -24,7 +24,7 @@ from densebatch.data.plan.rules import (
     worst_batches,
 )
 from densebatch.data.plan.strategies import STRATEGIES
-from densebatch.data.prepare.store import DocumentStore
+from densebatch.data.store.store import DocumentStore
 from densebatch.errors import ConfigError
 
 lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=60).map(lambda v: np.array(v, dtype=np.int64))

@@ -206,7 +206,7 @@ def test_mlm_masking_depends_only_on_seed_epoch_document_and_position(data):
     row or batch: what makes mlm evaluation the same under every strategy and a step split over ranks
     the same as one process."""
     store = _mlm_store()
-    coll = MaskedLMCollator(0, 3, 1000, (0, 1, 2, 3), mlm_probability=0.3, seed=7)
+    coll = MaskedLMCollator(0, mask_id=3, vocab_size=1000, special_ids=(0, 1, 2, 3), mlm_probability=0.3, seed=7)
     alone = {}
     for d in range(len(store.lengths)):
         b = coll(store, [[(d, 0, int(store.lengths[d]))]], step=(4, 0))
@@ -324,7 +324,9 @@ def test_batch_carries_single_doc_rows_max_position_and_documents(docs, data, mu
             row.append((d, a, data.draw(st.integers(a + 1, L))))
         rows.append(row)
     if mlm:
-        b = MaskedLMCollator(0, 21, 30, (0, 20), mlm_probability=0.3, pad_to_multiple_of=mult)(store, rows)
+        b = MaskedLMCollator(0, mask_id=21, vocab_size=30, special_ids=(0, 20), mlm_probability=0.3, pad_to_multiple_of=mult)(
+            store, rows
+        )
     else:
         b = CausalCollator(pad_id=0, pad_to_multiple_of=mult)(store, rows)
     assert b.single_doc_rows == all(len(r) == 1 for r in rows)
@@ -363,7 +365,7 @@ def test_mlm_probability_zero_is_refused_at_load():
 
 
 def test_source_ids_follow_the_batch_to_a_device():
-    from densebatch.data.prepare.store import DocumentStore
+    from densebatch.data.store.store import DocumentStore
 
     store = DocumentStore.from_documents([([1, 2, 3], [0, 1, 1]), ([4, 5], [0, 1])], {"sources": ["x", "y"]}, source=[0, 1])
     batch = CausalCollator(0)(store, [[(0, 0, 3), (1, 0, 2)], [(1, 0, 2)]])

@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 import pytest
+from in_memory_prepare import in_memory
 
-import densebatch.data.prepare.pipeline as pipeline
 from densebatch.config import CleanConfig, DataConfig, SourceConfig
 from densebatch.data.prepare.dedupe import lsh_shape
 from densebatch.data.prepare.pipeline import prepare
@@ -80,8 +80,8 @@ def test_near_dedupe_gives_the_same_store_for_any_number_of_processes(data_cfg, 
     recs = pretokenised + [dict(r, id=i) for i in range(4) for r in RECORDS]  # ids: no record alike, texts repeat
     path = str(write_jsonl(tmp_path / "a.jsonl", recs))
     cfg = dict(path=path, eval_fraction=0.2, clean=CleanConfig(dedupe="near", collapse_whitespace=True))
-    with pytest.MonkeyPatch.context() as m:  # the in-memory path (bpe:N and eval_path take it)
-        m.setattr(pipeline, "streamable", lambda *a: False)
+    with pytest.MonkeyPatch.context() as m:  # the in-memory build, the reference
+        in_memory(m)
         ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), **cfg))
     for n in (1, 2):  # 10 chunks of 4 records: copies across chunks and processes
         got = prepare(data_cfg(cache_dir=str(tmp_path / f"n{n}"), num_proc=n, chunk_records=4, **cfg))

@@ -10,9 +10,9 @@ import random
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from in_memory_prepare import in_memory
 
 import densebatch.data.prepare.documents as documents
-import densebatch.data.prepare.pipeline as pipeline
 import densebatch.data.prepare.sources as sources
 from densebatch.config import CleanConfig
 from densebatch.data.prepare.pipeline import prepare
@@ -109,7 +109,7 @@ def _write_input(tmp_path, fmt: str, records: list[dict], group: int):
 def test_a_row_addressable_input_streams_in_row_ranges_to_the_in_memory_store_byte_for_byte(data_cfg, tmp_path, monkeypatch, fmt):
     path, named = _write_input(tmp_path, fmt, _records(500), group=37)  # ranges of 64 straddle row groups
     with monkeypatch.context() as m:  # the in-memory path, the reference
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = _prepare(data_cfg, path, tmp_path / "ref")
     ranges = []
     real = documents.read_range
@@ -180,7 +180,8 @@ def test_a_bad_input_is_the_in_memory_paths_one_line_error_before_any_range_is_r
     messages = []
     for streamed in (True, False):
         with monkeypatch.context() as m:
-            m.setattr(pipeline, "streamable", lambda *a, s=streamed: s)
+            if not streamed:
+                in_memory(m)
             m.setattr(documents, "read_range", lambda r: pytest.fail("a range was read"))
             with pytest.raises(DataError) as e:
                 fmt = {"format": "hf_disk"} if case == "a file as hf_disk" else {}
@@ -198,7 +199,7 @@ def test_a_parquet_file_of_row_groups_far_larger_than_a_range_is_read_whole_here
     path = _write(tmp_path / "r.parquet", _records(300, seed=3), row_group_size=300)
     assert cut(path, "parquet", 16) is None and cut(path, "parquet", 300 // GROUP_CHUNKS + 1) is not None
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = _prepare(data_cfg, path, tmp_path / "ref")
     monkeypatch.setattr(documents, "read_range", lambda r: pytest.fail("read in ranges"))
     got = _prepare(data_cfg, path, tmp_path / "whole", num_proc=1, chunk_records=16)

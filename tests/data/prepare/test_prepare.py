@@ -12,8 +12,8 @@ import pytest
 
 from densebatch.config import CleanConfig
 from densebatch.data.prepare.pipeline import prepare
-from densebatch.data.prepare.store import MARKER
 from densebatch.data.prepare.templates import alpaca_prompt
+from densebatch.data.store.store import MARKER
 from densebatch.errors import ConfigError, DataError
 
 

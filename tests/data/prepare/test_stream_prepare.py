@@ -10,6 +10,7 @@ import random
 
 import numpy as np
 import pytest
+from in_memory_prepare import in_memory
 
 import densebatch.data.prepare.pipeline as pipeline
 import densebatch.data.prepare.stream as stream
@@ -55,7 +56,7 @@ def test_the_streamed_store_is_the_in_memory_one_byte_for_byte_for_any_number_of
     path = tmp_path / "r.jsonl"
     path.write_bytes(b"\n".join(_records(700)) + b"\n")
     with monkeypatch.context() as m:  # the in-memory path, the reference
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = _prepare(data_cfg, path, tmp_path, "ref")
     for n in (1, 2, 3):  # 11 chunks, on 1, 2 and 3 processes
         got = _prepare(data_cfg, path, tmp_path, f"n{n}", num_proc=n, chunk_records=64)
@@ -84,7 +85,7 @@ def test_an_eval_path_streams_to_the_in_memory_store_byte_for_byte(data_cfg, tmp
         return prepare(cfg)
 
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = run("ref")
     held_chunks = []
     real = pipeline.assemble
@@ -114,7 +115,7 @@ def test_running_text_streams_in_blocks_and_gives_the_tokens_of_one_pass(
     monkeypatch.setattr(text_blocks, "BLOCK_BYTES", 700)
     kw = {"path": str(path), "text_split": "chunks", "chunk_tokens": 64, "tokenizer": str(gpt2_dir), "max_seq_len": 64}
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), eval_fraction=0.1, **kw))
         whole = prepare(data_cfg(cache_dir=str(tmp_path / "whole"), **kw))
     for n in (1, 2):
@@ -157,7 +158,7 @@ def test_running_text_in_blocks_with_crlf_cleaning_or_a_record_eval_file(
     if variant == "jsonl_eval_path":
         kw.update(eval_path=str(held), template="raw", format="auto")
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), **kw))
     got = prepare(data_cfg(cache_dir=str(tmp_path / "got"), num_proc=2, chunk_records=2, **kw))
     assert _files(got.cache_dir) == _files(ref.cache_dir)
@@ -177,7 +178,7 @@ def test_a_learned_bpe_is_trained_from_the_records_as_read_then_the_chunks_strea
     path.write_bytes(b"\n".join(r for r in _records(400, seed=2) if b"input_ids" not in r) + b"\n")  # ids: refused
     (tmp_path / "ids.jsonl").write_text('{"input_ids": [1, 2, 3]}\n{"instruction": "a", "input": "", "output": "b"}\n')
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = _prepare(data_cfg, path, tmp_path, "ref", tokenizer="bpe:300")
     got = _prepare(data_cfg, path, tmp_path, "got", tokenizer="bpe:300", num_proc=2, chunk_records=64)
     assert _files(got.cache_dir) == _files(ref.cache_dir)
@@ -191,7 +192,7 @@ def test_the_embedded_dataset_streams_too_with_its_held_out_records(data_cfg, tm
 
     cfg = {"default": DefaultDataConfig(num_records=900), "eval_fraction": 0.05}
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = prepare(data_cfg(cache_dir=str(tmp_path / "ref"), **cfg))
     got = prepare(data_cfg(cache_dir=str(tmp_path / "got"), num_proc=2, chunk_records=128, **cfg))
     assert _files(got.cache_dir) == _files(ref.cache_dir)
@@ -235,7 +236,7 @@ def test_a_dead_worker_is_one_line_and_the_rerun_prepares_only_the_missing_chunk
     got = _prepare(data_cfg, path, tmp_path, "c", num_proc=1, chunk_records=64)
     assert 3 in redone and not any(f"chunk-{i:06d}.npz" in done for i in redone)  # no completed chunk redone
     with monkeypatch.context() as m:
-        m.setattr(pipeline, "streamable", lambda *a: False)
+        in_memory(m)
         ref = _prepare(data_cfg, path, tmp_path, "ref")
     assert _files(got.cache_dir) == _files(ref.cache_dir)
 

@@ -36,8 +36,8 @@ from pathlib import Path
 import numpy as np
 
 from densebatch.atomic import staged_dir
-from densebatch.data.prepare.joined import FORMAT, INDEX, JoinedArray, read_index
-from densebatch.data.prepare.store_io import (
+from densebatch.data.store.joined import FORMAT, INDEX, JoinedArray, read_index
+from densebatch.data.store.store_io import (
     MARKER,
     WINDOW_TOKENS,
     document_loss_tokens,
@@ -48,7 +48,7 @@ from densebatch.data.prepare.store_io import (
     windows,
     write_marker,
 )
-from densebatch.data.prepare.store_write import DEFAULT_SHARD_TOKENS, write_store_files
+from densebatch.data.store.store_write import DEFAULT_SHARD_TOKENS, write_store_files
 from densebatch.errors import DataError
 
 STORE_FORMAT = FORMAT

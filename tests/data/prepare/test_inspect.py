@@ -6,8 +6,8 @@ import pytest
 
 from densebatch.data.inspect import render_documents
 from densebatch.data.prepare.pipeline import prepare
-from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.tokenizers import load_tokenizer
+from densebatch.data.store.store import DocumentStore
 from densebatch.errors import DataError
 
 

@@ -21,6 +21,7 @@ from densebatch.data.prepare import documents
 from densebatch.data.prepare.pipeline import prepare
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.errors import DataError
+from densebatch.run.data_commands import prepare_data
 
 SETTINGS = PlanSettings(seq_len=256, max_tokens_per_batch=1024, rows_per_batch=4)
 
@@ -63,7 +64,7 @@ def test_weights_3_and_1_give_75_and_25_percent_of_each_epochs_tokens(tmp_path, 
 
 
 def test_without_weights_an_epoch_is_plan_epoch_itself(tmp_path, two_equal_sources):
-    prepared = prepare(_cfg(tmp_path, two_equal_sources))
+    prepared = prepare_data(_cfg(tmp_path, two_equal_sources))
     assert prepared.weights is None and epoch_selection(prepared.train, None, 3, 1) is None
     a = plan_store_epoch(prepared.train, SETTINGS, 3, 1)
     b = plan_epoch(np.asarray(prepared.train.lengths), SETTINGS, 3, 1)
@@ -74,7 +75,7 @@ def test_without_weights_an_epoch_is_plan_epoch_itself(tmp_path, two_equal_sourc
 
 
 def test_store_layout_eval_per_source_and_summary(tmp_path, two_equal_sources):
-    prepared = prepare(_cfg(tmp_path, two_equal_sources, (3, 1)))
+    prepared = prepare_data(_cfg(tmp_path, two_equal_sources, (3, 1)))
     for store in (prepared.train, prepared.eval):
         assert store.meta["sources"] == ["alpha", "beta"] and np.all(np.diff(store.source) >= 0)
         o = store.source_offsets()
@@ -179,8 +180,8 @@ def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_
     from densebatch.data.load.collate import CausalCollator
     from densebatch.data.plan.planner import plan_epoch
     from densebatch.data.plan.steps import rows_of
-    from densebatch.data.prepare.joined import read_index
-    from densebatch.data.prepare.store import DocumentStore, read_ranges
+    from densebatch.data.store.joined import read_index
+    from densebatch.data.store.store import DocumentStore, read_ranges
 
     cfg = _cfg(tmp_path, two_equal_sources)
     prepared = prepare(cfg)

@@ -48,7 +48,7 @@ def test_steps_are_opt_in_and_counted():
 
 
 def test_filters_count_drops():
-    """Length filters per record; dedupe needs every record and is judged later (tests/data/test_dedupe.py)."""
+    """Length filters per record; dedupe needs every record and is judged later (tests/data/prepare/test_dedupe.py)."""
     c = Cleaner(CleanConfig(dedupe=True, min_chars=3, max_chars=6))
     kept = [t for t in ["ab", "abcd", "abcd", "abcdefgh", "xyz"] if c.keep(t)]
     assert kept == ["abcd", "abcd", "xyz"]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from densebatch.data.prepare.joined import JoinedArray
+from densebatch.data.store.joined import JoinedArray
 
 MARKER = "COMPLETE"
 WINDOW_TOKENS = 1 << 20  # tokens of the loss mask summed at once (8 MB of prefix sums), whatever the corpus

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from densebatch.data.prepare.joined import FORMAT, write_index
-from densebatch.data.prepare.store_io import document_loss_tokens, write_marker
+from densebatch.data.store.joined import FORMAT, write_index
+from densebatch.data.store.store_io import document_loss_tokens, write_marker
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128M tokens: 256 MB of uint16 ids and 128 MB of mask a shard
 _SHARD = "shard-{:06d}"

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.steps import StepSettings, cumulative_row_loss_tokens, micro_batches, share, step_stop
-from densebatch.data.prepare.store import DocumentStore, document_loss_tokens
+from densebatch.data.store.store import DocumentStore, document_loss_tokens
 
 
 def _plan(lengths, strategy="token_budget", seed=0, **kw):
@@ -130,7 +130,7 @@ def test_row_loss_tokens_from_per_document_counts_equal_the_token_by_token_count
     window (windows of 8 and 64 tokens cut documents and pieces): the same prefix sums as counting every
     target, for every strategy, so step boundaries are today's."""
     import densebatch.data.plan.steps as steps_mod
-    import densebatch.data.prepare.store_io as store_mod
+    import densebatch.data.store.store_io as store_mod
 
     plan = _plan(lengths, strategy, seed=seed, seq_len=24, max_tokens_per_batch=48)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.data.prepare.store import MARKER, DocumentStore, take
+from densebatch.data.store.store import MARKER, DocumentStore, take
 from densebatch.errors import DataError
 
 docs_strategy = st.lists(st.lists(st.tuples(st.integers(0, 50_000), st.integers(0, 1)), min_size=1, max_size=30), max_size=20)
@@ -46,7 +46,7 @@ def test_round_trip_through_disk_in_shards(tmp_path_factory, docs, shard_tokens,
 def test_document_spans_from_disk_cross_blocks_and_windows(tmp_path, monkeypatch):
     """Spans of documents far apart (other 64-document blocks, other windows of the lengths, other shards)
     from the offsets held every 64 documents, against the offsets in memory."""
-    import densebatch.data.prepare.store as store_mod
+    import densebatch.data.store.store as store_mod
 
     monkeypatch.setattr(store_mod, "WINDOW_TOKENS", 256)  # the held offsets computed over 4 windows
     rng = np.random.default_rng(0)
