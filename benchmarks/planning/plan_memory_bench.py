@@ -27,8 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import CACHE, REPO
-
-STRATEGIES = ("random", "length_grouped", "token_budget", "packed")
+from densebatch.data.plan.strategies import STRATEGIES  # numpy only: the parent measures nothing itself
 
 
 def lengths_file(n: int) -> Path:
@@ -67,7 +66,8 @@ def child(path: str, strategy: str, mode: str, shard_docs: int, seq_len: int, ma
 
 def random_breakdown(n: int) -> None:
     """CPU seconds of each step of the whole-corpus random planner (why it grows faster than n)."""
-    from densebatch.data.plan.planner import PlanSettings, _one_doc_per_row
+    from densebatch.data.plan.planner import PlanSettings
+    from densebatch.data.plan.strategies import _one_item_per_row
 
     x = np.load(lengths_file(n))
     rng = np.random.default_rng(0)
@@ -81,7 +81,7 @@ def random_breakdown(n: int) -> None:
     print(f"| step ({n:,} documents) | CPU s |\n|---|---|")
     perm = step("rng.permutation(n)", lambda: rng.permutation(n))
     step("lengths[perm]", lambda: x[perm])
-    plan = step("Plan arrays (_one_doc_per_row)", lambda: _one_doc_per_row(perm, x, PlanSettings(strategy="random")))
+    plan = step("Plan arrays (_one_item_per_row)", lambda: _one_item_per_row(perm, x, PlanSettings(strategy="random")))
     step("plan.stats()", plan.stats)
     step("np.arange(n).sum() (fresh pages)", lambda: np.arange(n).sum())
 

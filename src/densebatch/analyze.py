@@ -70,6 +70,7 @@ def read_lengths(path: str | Path) -> np.ndarray:
 
 def analyze(
     lengths: np.ndarray,
+    *,
     settings: PlanSettings,
     strategies=tuple(STRATEGIES),
     seed: int = 0,
@@ -217,7 +218,9 @@ def analyze_main(
     if len(lengths) == 0:
         raise DataError("no document lengths to analyze")
     strategies = list(strategies or STRATEGIES)
-    results = analyze(lengths, settings, strategies, seed, selection, source_facts)
+    results = analyze(
+        lengths, settings=settings, strategies=strategies, seed=seed, selection=selection, source_facts=source_facts
+    )
     wrote: list[str] = []
     if dump_plan is not None:
         name = strategy or settings.strategy

@@ -94,7 +94,7 @@ class _Gathered:
         )
 
 
-def _gather(store, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bool) -> _Gathered:
+def _gather(store, *, rows, pad_id: int, pad_to_multiple_of: int, use_loss_mask: bool) -> _Gathered:
     pieces = [p for row in rows for p in row]
     nrows = len(rows)
     if pieces:
@@ -185,7 +185,9 @@ class CausalCollator:
         self.masked_rate: float | None = None  # targets: the store's loss mask
 
     def __call__(self, store: DocumentStore, rows: Sequence[Row], step: tuple[int, int] = (0, 0)) -> Batch:
-        g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, self.use_loss_mask)
+        g = _gather(
+            store, rows=rows, pad_id=self.pad_id, pad_to_multiple_of=self.pad_to_multiple_of, use_loss_mask=self.use_loss_mask
+        )
         return g.batch(torch.from_numpy(g.input_ids), torch.from_numpy(g.labels), int((g.labels != IGNORE_INDEX).sum()))
 
 
@@ -254,7 +256,7 @@ class MaskedLMCollator:
         self.pad_to_multiple_of = int(pad_to_multiple_of)
 
     def __call__(self, store: DocumentStore, rows: Sequence[Row], step: tuple[int, int] = (0, 0)) -> Batch:
-        g = _gather(store, rows, self.pad_id, self.pad_to_multiple_of, use_loss_mask=False)
+        g = _gather(store, rows=rows, pad_id=self.pad_id, pad_to_multiple_of=self.pad_to_multiple_of, use_loss_mask=False)
         ids = g.input_ids.reshape(-1)
         at = g.token_at
         tokens = ids[at]  # (n,) the real tokens

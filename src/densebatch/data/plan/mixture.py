@@ -137,7 +137,7 @@ def select_mixture(
     rows = []  # (source, pass, lo, hi, reps, tokens)
     for s, (x, n, t, target) in enumerate(zip(source_lengths, sizes, tokens, targets)):
         if target:
-            rows += _window(x, s, n, t, epoch * target, (epoch + 1) * target, seed)
+            rows += _window(x, s=s, n=n, t=t, a=epoch * target, b=(epoch + 1) * target, seed=seed)
     cols = np.array(rows, np.int64).reshape(-1, 6).T
     start = np.concatenate([[0], np.cumsum((cols[3] - cols[2]) * cols[4])]).astype(np.int64)
     return Selection(offsets, *cols, start, int(seed), names)
@@ -193,7 +193,7 @@ def _targets(tokens: list[int], weights, total: int, names) -> list[int]:
     return [round(Fraction(total) * wi / sum(w)) for wi in w]
 
 
-def _window(lengths, s: int, n: int, t: int, a: int, b: int, seed: int) -> list[tuple]:
+def _window(lengths, *, s: int, n: int, t: int, a: int, b: int, seed: int) -> list[tuple]:
     """Segments of source s's stream whose documents start in tokens [a, b): whole passes become
     one repeated segment, partial passes a range of that pass's permutation."""
     out = []
@@ -207,7 +207,7 @@ def _window(lengths, s: int, n: int, t: int, a: int, b: int, seed: int) -> list[
             continue
         perm = Bijection(n, [seed, _PASS_TAG, s, p])
         inner = [x for x in (x0, x1) if 0 < x < t]  # window ends inside the pass: found by walking it
-        cut = dict(zip(inner, _first_start_at_least(lengths, perm, inner, n, t)))
+        cut = dict(zip(inner, _first_start_at_least(lengths, perm=perm, targets=inner, n=n, t=t)))
         cut[0], cut[t] = (0, 0), (n, t)
         (j0, c0), (j1, c1) = cut[x0], cut[x1]
         if j1 > j0:
@@ -216,7 +216,7 @@ def _window(lengths, s: int, n: int, t: int, a: int, b: int, seed: int) -> list[
     return out
 
 
-def _first_start_at_least(lengths, perm: Bijection, targets: list[int], n: int, t: int) -> list[tuple[int, int]]:
+def _first_start_at_least(lengths, *, perm: Bijection, targets: list[int], n: int, t: int) -> list[tuple[int, int]]:
     """For each target x (ascending): the first position j of the permuted pass whose document starts at
     token >= x, and that start (n and t when none does). Walks the pass in steps: memory O(step)."""
     found, base, i = [], 0, 0

@@ -90,11 +90,11 @@ def cumulative_row_loss_tokens(plan: Plan, store, rate: float | None = None) -> 
     else:
         whole = (plan.start == 0) & (plan.stop >= doc_len)
         per = np.where(whole, take(store.doc_loss_tokens, doc), 0).astype(np.int64)
-        _add_split_pieces(per, np.flatnonzero(~whole), first, last, store.loss_mask)
+        _add_split_pieces(per, idx=np.flatnonzero(~whole), first=first, last=last, loss_mask=store.loss_mask)
     return np.concatenate([[0], np.cumsum(per)])[plan.row_ptr]
 
 
-def _add_split_pieces(per: np.ndarray, idx: np.ndarray, first: np.ndarray, last: np.ndarray, loss_mask) -> None:
+def _add_split_pieces(per: np.ndarray, *, idx: np.ndarray, first: np.ndarray, last: np.ndarray, loss_mask) -> None:
     """``per[idx]`` = the mask's ones in ``[first, last)`` of each of those pieces: only their ranges are read
     (``read_ranges``, in token order), at most about ``WINDOW_TOKENS`` of them at a time."""
     if not len(idx):

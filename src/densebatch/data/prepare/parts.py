@@ -87,6 +87,14 @@ def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
             continue
         b = Builder(p.cfg, tok, PrepareSummary(source=p.cfg.path or p.name))
         done += len(
-            prepare_chunks(b, p.cfg.path, p.fmt, stage_dir(final, p.cfg), workers(p.cfg), share=(rank, world_size), mine=True)
+            prepare_chunks(
+                b,
+                path=p.cfg.path,
+                fmt=p.fmt,
+                stage=stage_dir(final, p.cfg),
+                num_proc=workers(p.cfg),
+                share=(rank, world_size),
+                mine=True,
+            )
         )
     return done

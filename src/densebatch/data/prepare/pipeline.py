@@ -53,6 +53,7 @@ import numpy as np
 
 from densebatch.atomic import io_reason
 from densebatch.config import DataConfig
+from densebatch.data.prepare.assemble import assemble
 from densebatch.data.prepare.cache import (
     CACHE_VERSION,
     LEARNED_TOKENIZER,
@@ -69,7 +70,6 @@ from densebatch.data.prepare.source_configs import mixture_weights, source_confi
 from densebatch.data.prepare.sources import detect_format
 from densebatch.data.prepare.stream import (
     WorkerDied,
-    assemble,
     prepare_chunks,
     remove_stage,
     stage_dir,
@@ -129,7 +129,9 @@ def _load_cached(final: Path, tok: Tokenizer, t0: float) -> Prepared | None:
     if entry is None:
         return None
     train, evals, tok, summary = entry
-    summary.cache_hit, summary.seconds, summary.cache_path = True, time.perf_counter() - t0, str(final)
+    summary.cache_hit = True
+    summary.seconds = time.perf_counter() - t0
+    summary.cache_path = str(final)
     return Prepared(train, evals, tok, summary, final)
 
 
@@ -178,7 +180,8 @@ def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float
     """One source's entry (built, or found in the cache). ``keys``: a mixture's source keys up to this
     one's (``cache.source_keys``), whose entries before it hold the records it is deduped against."""
     keys = keys or [cache_key(cfg, tok)]
-    final, prior = Path(cfg.cache_dir) / keys[-1], [Path(cfg.cache_dir) / k for k in keys[:-1]]
+    final = Path(cfg.cache_dir) / keys[-1]
+    prior = [Path(cfg.cache_dir) / k for k in keys[:-1]]
     return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, prior))
 
 
@@ -215,19 +218,27 @@ def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer
     stage = stage_dir(final, cfg)  # kept if this run dies or is stopped: the next one goes on from it
     blocks = cfg.text_split == "chunks"
     try:
-        chunks = prepare_chunks(b, cfg.path, fmt, stage, workers(cfg))
+        chunks = prepare_chunks(b, path=cfg.path, fmt=fmt, stage=stage, num_proc=workers(cfg))
         held = []  # eval_path's chunks: the eval split, deduped first
         if cfg.eval_path is not None:
             eval_fmt = detect_format(cfg.eval_path, cfg.format)
-            held = prepare_chunks(b, cfg.eval_path, eval_fmt, stage / "eval", workers(cfg))
+            held = prepare_chunks(b, path=cfg.eval_path, fmt=eval_fmt, stage=stage / "eval", num_proc=workers(cfg))
             if blocks and eval_fmt == "text":
                 held = cut_chunks(b, held, stage / "eval")
         if blocks and fmt == "text":  # blocks of running text → documents (stream_cut.py)
             chunks = cut_chunks(b, chunks, stage)
         meta = dict(_meta(tok, cfg, "train"), sources=[name])
         with _staged_entry(final, tok, cfg) as tmp:
-            records, _ = assemble(
-                b, held + chunks, stage, cfg.eval_fraction, tmp / "train", tmp / "eval", meta, before, held_chunks=len(held)
+            records = assemble(
+                b,
+                chunks=held + chunks,
+                stage=stage,
+                eval_fraction=cfg.eval_fraction,
+                train_dir=tmp / "train",
+                eval_dir=tmp / "eval",
+                meta=meta,
+                prior=before,
+                held_chunks=len(held),
             )
             s.sources = [s.source_facts(name, s.source)]
             _write_entry_files(tmp, records, s)
@@ -327,6 +338,7 @@ def prepare(cfg: DataConfig) -> Prepared:
     for store in (prepared.train, prepared.eval):  # names are configuration, not content: never in a key
         if store is not None:
             store.meta["sources"] = names
-    prepared.weights, prepared.source_names = mixture_weights(cfg), names
+    prepared.weights = mixture_weights(cfg)
+    prepared.source_names = names
     prepared.summary.name_sources(names)
     return prepared

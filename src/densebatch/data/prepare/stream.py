@@ -47,22 +47,17 @@ import numpy as np
 from densebatch.atomic import pid_alive
 from densebatch.config import DataConfig
 from densebatch.data.prepare import text_blocks
-from densebatch.data.prepare.dedupe import NUM_PERM, Keys, dedupe, dedupe_mode, lsh_shape, repeats, write_index, write_split_keys
+from densebatch.data.prepare.dedupe import Keys
 from densebatch.data.prepare.documents import (
-    DROPPED_NO_LOSS,
-    DROPPED_NO_TARGET,
-    DROPPED_OVERLONG,
     KEPT,
     TRUNCATED,
     Builder,
-    count_outcome,
     finish_one,
 )
 from densebatch.data.prepare.row_ranges import RowRange, cut
-from densebatch.data.prepare.sources import BadRecord, LineRange, jsonl_ranges
-from densebatch.data.prepare.summary import PrepareSummary, percentiles
+from densebatch.data.prepare.sources import LineRange, jsonl_ranges
+from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import Tokenizer
-from densebatch.data.store.store_write import StoreWriter
 from densebatch.errors import DataError
 
 CHUNK_FILES = "chunk-{:06d}"
@@ -183,7 +178,8 @@ def _work(b: Builder, path: str | None, fmt: str) -> Iterator[Chunk]:
         for i, r in enumerate(ranges):
             yield Chunk(i, *r.names(), r)
         return
-    items, size = b.stream(path, fmt), b.cfg.chunk_records
+    items = b.stream(path, fmt)
+    size = b.cfg.chunk_records
     if fmt == "text" and b.cfg.text_split == "chunks":  # blocks of running text: about a KiB a record's worth
         size = max(1, size * 1024 // text_blocks.BLOCK_BYTES)
     for i, part in enumerate(iter(lambda: list(islice(items, size)), [])):
@@ -191,7 +187,14 @@ def _work(b: Builder, path: str | None, fmt: str) -> Iterator[Chunk]:
 
 
 def prepare_chunks(
-    b: Builder, path: str | None, fmt: str, stage: Path, num_proc: int, share: tuple[int, int] = (0, 1), mine: bool = False
+    b: Builder,
+    *,
+    path: str | None,
+    fmt: str,
+    stage: Path,
+    num_proc: int,
+    share: tuple[int, int] = (0, 1),
+    mine: bool = False,
 ) -> list[Chunk]:
     """Prepare every chunk of ``path`` that ``stage`` does not already hold, on ``num_proc`` processes;
     the chunks, in order (malformed records found while reading here are reported through ``b``).
@@ -272,119 +275,6 @@ def _dead_chunk(pool: cf.ProcessPoolExecutor, stage: Path, failed: int) -> int:
 def load_chunk(stage: Path, index: int, names) -> dict[str, np.ndarray]:
     with np.load(stage / f"{CHUNK_FILES.format(index)}.npz", allow_pickle=False) as z:
         return {k: z[k] for k in names}
-
-
-def assemble(
-    b: Builder,
-    chunks: list[Chunk],
-    stage: Path,
-    eval_fraction: float,
-    train_dir: Path,
-    eval_dir: Path,
-    meta: dict,
-    prior: Keys | None = None,
-    held_chunks: int = 0,
-) -> tuple[list[dict], bool]:
-    """Dedupe (against ``prior`` too: the kept records of a mixture's earlier sources), split, count and write
-    the stores from the chunk files (and the dedupe keys of the kept records, for a later source); (held-out
-    records, has an eval split). ``held_chunks``: the first chunks are ``data.eval_path``'s, whose documents
-    are the eval split (deduped first, as the in-memory path does; no split by hash then)."""  # fmt: skip
-    cfg, s = b.cfg, b.s
-    for c in chunks:
-        c.stage = c.stage or stage
-    infos = [json.loads((c.stage / f"{CHUNK_FILES.format(c.index)}.json").read_text(encoding="utf-8")) for c in chunks]
-    sizes = [info["documents"] for info in infos]
-    n = sum(sizes)
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-    def column(name: str, dtype, width: tuple = ()) -> np.ndarray:  # one per-document column of every chunk
-        out, at = np.empty((n, *width), dtype), 0
-        for c, m in zip(chunks, sizes):
-            if m:
-                out[at : at + m] = load_chunk(c.stage, c.index, (name,))[name]
-                at += m
-        return out
-
-    def sigs(idx: np.ndarray) -> np.ndarray:  # the signatures of these documents (ascending), chunk by chunk
-        out = np.empty((len(idx), NUM_PERM), np.uint16)
-        part = np.searchsorted(starts, idx, side="right") - 1
-        for j in np.unique(part):
-            sel = part == j
-            out[sel] = load_chunk(chunks[j].stage, chunks[j].index, ("sig",))["sig"][idx[sel] - starts[j]]
-        return out
-
-    # malformed records, all first (as one process reads every record before rendering: the training file's, then eval_path's)
-    for info in infos[held_chunks:] + infos[:held_chunks]:
-        s.records_read += info["read"]
-        for where, reason, message in info["read_bad"]:
-            b.bad(BadRecord(where, reason, message))
-    for info in infos:  # then bad records met while rendering, and cleaning counts, in input order
-        for where, reason, message in info["bad"]:
-            b.bad(BadRecord(where, reason, message))
-        for k, v in info["changed"].items():
-            b.cleaner.changed[k] = b.cleaner.changed.get(k, 0) + v
-        for k, v in info["dropped"].items():
-            b.cleaner.dropped[k] = b.cleaner.dropped.get(k, 0) + v
-    mode = dedupe_mode(cfg.clean)
-    keys = Keys(column("text_key", "V16"), column("has_text_key", bool))
-    if mode == "near":
-        keys.has_sig, keys.sigs = column("has_sig", bool), sigs
-        keys.bands = column("bands", np.uint64, (lsh_shape(cfg.clean.near_threshold)[0],))
-    keep, drops = dedupe(keys, mode, cfg.clean.near_threshold, prior)
-    for k, v in drops.items():
-        b.cleaner.dropped[k] = b.cleaner.dropped.get(k, 0) + v
-    if mode != "off":
-        write_index(train_dir.parent, keys, keep)
-    keys.bands = None
-    docs = np.flatnonzero(keep)
-    held = np.zeros(n, bool)
-    n_eval = 0 if eval_fraction <= 0 or len(docs) < 2 else min(len(docs) - 1, max(1, round(eval_fraction * len(docs))))
-    if held_chunks:  # eval_path's documents
-        held[: starts[held_chunks]], n_eval = True, 0
-    if n_eval:  # the smallest content hashes, ties by position (documents.split_eval): a stable sort
-        held[docs[np.argsort(column("key", np.uint64)[docs], kind="stable")[:n_eval]]] = True
-    del docs
-    outcome = column("outcome", np.int8)
-    for o in (TRUNCATED, DROPPED_OVERLONG, DROPPED_NO_TARGET, DROPPED_NO_LOSS):
-        count_outcome(s, o, int(((outcome == o) & keep).sum()))
-    final = keep & (outcome <= TRUNCATED)
-    train, evals = final & ~held, final & held
-    s.eval_repeats_train = repeats(keys, train, evals)
-    if mode == "off":  # for the leakage count across a mixture's parts (with dedupe on it is 0)
-        write_split_keys(train_dir.parent, keys.text[keys.has_text & train], keys.text[keys.has_text & evals])
-    assert mode == "off" or not s.eval_repeats_train, "dedupe keeps one copy of each rendered text"
-    del keys
-    s.cleaning_changed, s.cleaning_dropped = dict(b.cleaner.changed), dict(sorted(b.cleaner.dropped.items()))
-    if not train.any():
-        raise DataError(f"{s.source}: no usable training documents remain ({s.accounting()})")
-    lengths, loss = column("lengths", np.uint32), column("loss", np.uint32)
-    s.train_documents, s.eval_documents = int(train.sum()), int(evals.sum())
-    s.train_tokens, s.eval_tokens = int(lengths[train].sum(dtype=np.int64)), int(lengths[evals].sum(dtype=np.int64))
-    s.train_loss_tokens, s.eval_loss_tokens = int(loss[train].sum(dtype=np.int64)), int(loss[evals].sum(dtype=np.int64))
-    s.lengths = percentiles(lengths[train])
-    del lengths, loss
-    writers = {False: StoreWriter(train_dir, dict(meta, split="train"), cfg.shard_tokens)}
-    if s.eval_documents:
-        writers[True] = StoreWriter(eval_dir, dict(meta, split="eval"), cfg.shard_tokens)
-    records: list[dict] = []
-    start = 0
-    for c, m in zip(chunks, sizes):  # one chunk's documents in memory at a time
-        p = load_chunk(c.stage, c.index, ("outcome", "lengths", "tokens", "mask"))
-        kept = p["outcome"] <= TRUNCATED  # the chunk file holds the tokens of these, in order
-        lens = p["lengths"][kept].astype(np.int64)
-        to_eval, wanted = held[start : start + m][kept], final[start : start + m][kept]
-        for split, w in writers.items():  # each split's documents of this chunk in one write
-            docs_here = wanted & (to_eval == split)
-            if docs_here.any():
-                at = np.repeat(docs_here, lens)
-                w.extend(p["tokens"][at], p["mask"][at], lens[docs_here])
-        if keeps_records(cfg) and (here := np.flatnonzero(evals[start : start + m])).size:
-            lines = (c.stage / f"{CHUNK_FILES.format(c.index)}.records.jsonl").read_text(encoding="utf-8").splitlines()
-            records += [r for r in (json.loads(lines[k]) for k in here) if r is not None]
-        start += m
-    for w in writers.values():
-        w.close()
-    return records, s.eval_documents > 0
 
 
 def remove_stage(stage: Path) -> None:

@@ -1,6 +1,6 @@
 """``text_split: chunks``, streamed: the workers' blocks of running text (``stream.py`` chunk files, each
 block one document with its end-of-text) cut into documents of ``data.chunk_tokens`` tokens, chunk file
-by chunk file, into chunk files of the same kind that ``stream.assemble`` then reads as any other.
+by chunk file, into chunk files of the same kind that ``assemble.assemble`` then reads as any other.
 
 One input chunk's blocks and less than one document of carry are in memory at a time. The pieces are
 those of ``documents.Builder.chunk`` over all blocks at once (the same ``text_blocks`` functions), so
