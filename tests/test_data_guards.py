@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ast
 import re
+import typing
 from pathlib import Path
 
 import numpy as np
 
+from densebatch.config import BatchingConfig
 from densebatch.data.plan.planner import PlanSettings
-from densebatch.data.plan.strategies import STRATEGIES
+from densebatch.data.plan.strategies import DEFAULT_STRATEGY, STRATEGIES
 
 PKG = Path(__file__).resolve().parents[1] / "src" / "densebatch"
 NAME = re.compile(r"""['"](random|length_grouped|token_budget|packed)['"]""")  # the issue's own check, as git grep runs it
@@ -90,6 +92,11 @@ def test_the_registry_holds_four_strategies_with_a_plan_and_a_fixed_seed_tag():
         settings = PlanSettings(strategy=s.name, rows_per_batch=2, seq_len=16, max_tokens_per_batch=32)
         plan = s.plan(lengths, settings, np.random.default_rng(0))
         assert sorted(plan.doc.tolist()) == [0, 1, 2, 3, 4]
+
+
+def test_the_config_literal_names_exactly_the_registered_strategies():
+    literal = typing.get_args(typing.get_type_hints(BatchingConfig)["strategy"])
+    assert list(literal) == list(STRATEGIES) and BatchingConfig().strategy == DEFAULT_STRATEGY
 
 
 # ------------------------------------------------------------------- negative controls

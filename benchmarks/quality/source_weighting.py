@@ -40,7 +40,7 @@ def main() -> None:
     prepared = prepare(cfg.data)
     store = prepared.train
     lengths = np.asarray(store.lengths, dtype=np.int64)
-    selection = select(store, prepared.weights, cfg.seed, 0, lengths)
+    selection = select(store, weights=prepared.weights, seed=cfg.seed, epoch=0, lengths=lengths)
     source = selection.source_of(np.arange(len(lengths)))
     loss = np.asarray(store.doc_loss_tokens, dtype=np.float64)
     k = len(store.source_names)

@@ -249,7 +249,7 @@ def analyze_prepared(prepared, settings: PlanSettings, seed: int = 0, **kw) -> s
     """``analyze_main`` on prepared documents (``prepare``'s result), reporting per source: what was
     prepared and what epoch 0's plan of each strategy holds with the run's weights."""
     lengths = np.asarray(prepared.train.lengths, dtype=np.int64)
-    selection = select(prepared.train, prepared.weights, seed, 0, lengths)
+    selection = select(prepared.train, weights=prepared.weights, seed=seed, epoch=0, lengths=lengths)
     text = analyze_main(lengths, settings, seed=seed, selection=selection, source_facts=prepared.summary.sources, **kw)
     factors = (
         None

@@ -84,7 +84,7 @@ def test_the_loader_hands_over_the_selection_its_plan_drew():
     store = _store([(300, 12, 3), (100, 80, 60)])
     settings = PlanSettings(strategy="packed", seq_len=128, max_tokens_per_batch=256)
     loader = StepLoader(store, settings, CausalCollator(pad_id=0), seed=5, weights=[3.0, 1.0], prefetch=0)
-    drawn = select(store, [3.0, 1.0], 5, 0)
+    drawn = select(store, weights=[3.0, 1.0], seed=5, epoch=0)
     handed = loader.selection(0)
     assert handed is not None and handed.num_docs == drawn.num_docs
     assert loader.plan(0).sharded.selection is handed and loader.selection(0) is handed  # drawn once, planned from

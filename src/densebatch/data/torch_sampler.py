@@ -79,7 +79,7 @@ class DenseBatchSampler:
         """The global plan of ``epoch`` (all ranks): a ``Plan``, or above ``shard_docs`` documents an
         ``EpochRows`` that builds the pieces of the rows asked for from their shard."""
         if self._plan is None or self._plan[0] != epoch:
-            self._plan = (epoch, rows_of_epoch(self.lengths, self.settings, self.seed, epoch))
+            self._plan = (epoch, rows_of_epoch(self.lengths, settings=self.settings, seed=self.seed, epoch=epoch))
         return self._plan[1]
 
     def __len__(self) -> int:

@@ -54,8 +54,8 @@ def test_weights_3_and_1_give_75_and_25_percent_of_each_epochs_tokens(tmp_path, 
     s = PlanSettings(**{**SETTINGS.__dict__, "strategy": strategy})
     natural = plan_epoch(np.asarray(store.lengths), s, 0, 0).stats()["fill_rate"]
     for epoch in (0, 1):
-        plan = plan_store_epoch(store, s, 0, epoch, prepared.weights)
-        shares = plan_source_stats(plan, epoch_selection(store, prepared.weights, 0, epoch))
+        plan = plan_store_epoch(store, settings=s, seed=0, epoch=epoch, weights=prepared.weights)
+        shares = plan_source_stats(plan, epoch_selection(store, weights=prepared.weights, seed=0, epoch=epoch))
         assert abs(shares["alpha"]["share"] - 0.75) <= 0.02 and abs(shares["beta"]["share"] - 0.25) <= 0.02
         real, slots = plan.batch_stats()
         assert real.sum() == sum(x["tokens"] for x in shares.values())  # the shares count every planned token
@@ -65,8 +65,8 @@ def test_weights_3_and_1_give_75_and_25_percent_of_each_epochs_tokens(tmp_path, 
 
 def test_without_weights_an_epoch_is_plan_epoch_itself(tmp_path, two_equal_sources):
     prepared = prepare_data(_cfg(tmp_path, two_equal_sources))
-    assert prepared.weights is None and epoch_selection(prepared.train, None, 3, 1) is None
-    a = plan_store_epoch(prepared.train, SETTINGS, 3, 1)
+    assert prepared.weights is None and epoch_selection(prepared.train, weights=None, seed=3, epoch=1) is None
+    a = plan_store_epoch(prepared.train, settings=SETTINGS, seed=3, epoch=1)
     b = plan_epoch(np.asarray(prepared.train.lengths), SETTINGS, 3, 1)
     assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("doc", "start", "stop", "row_ptr", "batch_ptr"))
     shares = {x["name"]: x["share"] for x in prepared.summary.sources}
@@ -144,7 +144,7 @@ def test_bpe_mixture_learns_one_vocabulary_from_every_source(tmp_path, two_equal
 def test_collated_source_ids_give_exact_per_source_token_counts(tmp_path, two_equal_sources):
     prepared = prepare(_cfg(tmp_path, two_equal_sources, (3, 1)))
     store = prepared.train
-    plan = plan_store_epoch(store, SETTINGS, 0, 0, prepared.weights)
+    plan = plan_store_epoch(store, settings=SETTINGS, seed=0, epoch=0, weights=prepared.weights)
     collate = CausalCollator(store.pad_id)
     counts = np.zeros(2, np.int64)
     for b in range(plan.num_batches):
@@ -168,7 +168,7 @@ def test_collated_source_ids_give_exact_per_source_token_counts(tmp_path, two_eq
 def test_weights_must_match_the_stores_sources(tmp_path, two_equal_sources):
     prepared = prepare(_cfg(tmp_path, two_equal_sources))
     with pytest.raises(DataError, match="3 weights for prepared documents of 2 sources"):
-        epoch_selection(prepared.train, (1, 1, 1), 0, 0)
+        epoch_selection(prepared.train, weights=(1, 1, 1), seed=0, epoch=0)
 
 
 def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_equal_sources):

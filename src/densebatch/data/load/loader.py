@@ -82,7 +82,9 @@ class StepLoader:
             if epoch not in self._plans:
                 self._plans = {e: p for e, p in self._plans.items() if e >= epoch - 1}
                 self._cum = {e: c for e, c in self._cum.items() if e in self._plans}
-                self._plans[epoch] = rows_of_epoch(self.lengths, self.settings, self.seed, epoch, self.selection(epoch))
+                self._plans[epoch] = rows_of_epoch(
+                    self.lengths, settings=self.settings, seed=self.seed, epoch=epoch, selection=self.selection(epoch)
+                )
             return self._plans[epoch]
 
     def selection(self, epoch: int) -> Selection | None:
@@ -93,7 +95,9 @@ class StepLoader:
         with self._selection_lock:
             if epoch not in self._selections:
                 self._selections = {e: x for e, x in self._selections.items() if e >= epoch - 1}
-                self._selections[epoch] = select(self.store, self.weights, self.seed, epoch, self.lengths)
+                self._selections[epoch] = select(
+                    self.store, weights=self.weights, seed=self.seed, epoch=epoch, lengths=self.lengths
+                )
             return self._selections[epoch]
 
     def _cum_tokens(self, epoch: int) -> np.ndarray | None:

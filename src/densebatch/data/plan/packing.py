@@ -77,7 +77,7 @@ def best_fit_decreasing(hist: np.ndarray, S: int) -> Groups:
     return Groups(parent, glen, gmul, gcount)
 
 
-def layout_rows(groups: Groups, order: np.ndarray, seq_len: int, rows_per_batch: int, rng):
+def layout_rows(groups: Groups, *, order: np.ndarray, seq_len: int, rows_per_batch: int, rng):
     """Turn live groups (count x chain of (length, multiplicity)) into shuffled CSR rows.
 
     ``order`` lists pieces longest first; returns (src: plan position -> piece, its length, row_ptr, batch_ptr).

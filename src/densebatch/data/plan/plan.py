@@ -78,10 +78,12 @@ class Plan:
 
     def stats(self) -> dict:
         real, slots = self.batch_stats()
-        return plan_stats(real, slots, self.num_rows, len(self.split), len(self.truncated), len(self.dropped))
+        return plan_stats(
+            real, slots=slots, rows=self.num_rows, split=len(self.split), truncated=len(self.truncated), dropped=len(self.dropped)
+        )
 
 
-def plan_stats(real: np.ndarray, slots: np.ndarray, rows: int, split: int, truncated: int, dropped: int) -> dict:
+def plan_stats(real: np.ndarray, *, slots: np.ndarray, rows: int, split: int, truncated: int, dropped: int) -> dict:
     """A plan's report from its real tokens and slots per batch (whole or sharded plans alike)."""
     return {
         "fill_rate": float(real.sum() / max(1, slots.sum())),

@@ -198,7 +198,14 @@ class ShardedPlan:
         return [[[d for d, _, _ in row] for row in b] for b in self.iter_batches()]
 
     def stats(self) -> dict:
-        report = plan_stats(self._real, self._slots, self.num_rows, self.num_split, self.num_truncated, self.num_dropped)
+        report = plan_stats(
+            self._real,
+            slots=self._slots,
+            rows=self.num_rows,
+            split=self.num_split,
+            truncated=self.num_truncated,
+            dropped=self.num_dropped,
+        )
         return {**report, "shards": self.num_shards}
 
 

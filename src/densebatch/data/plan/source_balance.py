@@ -45,7 +45,7 @@ def batch_balance(
     if weights is None:
         docs = rng.integers(0, len(store), size=batches * rows)
     else:
-        selection = selection if selection is not None else select(store, weights, seed, 0)
+        selection = selection if selection is not None else select(store, weights=weights, seed=seed, epoch=0)
         docs = selection.docs(rng.integers(0, selection.num_docs, size=batches * rows))
     loss = take(store.doc_loss_tokens if counts is None else counts, docs).astype(np.float64)
     cell = np.repeat(np.arange(batches, dtype=np.int64), rows) * k + store.sources_of(docs)  # (batch, source)

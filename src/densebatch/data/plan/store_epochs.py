@@ -19,7 +19,7 @@ from densebatch.data.store.spans import source_lengths
 from densebatch.errors import DataError
 
 
-def select(store, weights, seed: int, epoch: int, lengths=None) -> Selection:
+def select(store, *, weights, seed: int, epoch: int, lengths=None) -> Selection:
     """The ``Selection`` of ``epoch`` (``weights`` None: natural shares, every document once)."""
     names = store.source_names
     if weights is not None and len(weights) != len(names):
@@ -32,25 +32,27 @@ def select(store, weights, seed: int, epoch: int, lengths=None) -> Selection:
         raise DataError(f"data.sources: {e}") from None
 
 
-def epoch_selection(store, weights, seed: int, epoch: int, lengths=None) -> Selection | None:
+def epoch_selection(store, *, weights, seed: int, epoch: int, lengths=None) -> Selection | None:
     """The documents epoch ``epoch`` plans, or None when it is every document once (no weights)."""
-    return None if weights is None else select(store, weights, seed, epoch, lengths)
+    return None if weights is None else select(store, weights=weights, seed=seed, epoch=epoch, lengths=lengths)
 
 
-def plan_store_epoch(store, settings: PlanSettings, seed: int, epoch: int, weights=None, lengths=None) -> Plan:
+def plan_store_epoch(store, *, settings: PlanSettings, seed: int, epoch: int, weights=None, lengths=None) -> Plan:
     """One epoch's whole plan (all ranks) of ``store``'s documents mixed by ``weights``, as one ``Plan`` with
     store document ids (a document an up-weighted source repeats appears once per repeat). Without
     weights: ``plan_epoch`` itself. With weights: the sharded planner on the epoch's selection, its
     shards laid end to end (memory as ``plan_epoch``'s: every piece of the epoch)."""
     lengths = store.lengths if lengths is None else lengths
-    selection = epoch_selection(store, weights, seed, epoch, lengths)
+    selection = epoch_selection(store, weights=weights, seed=seed, epoch=epoch, lengths=lengths)
     if selection is None and len(lengths) <= settings.shard_docs:
         return plan_epoch(np.asarray(lengths, np.int64), settings, seed, epoch)  # one shard: the sharded plan is this one
     # Large corpora are planned shard by shard (bounded planning memory, the plan `analyze` reports).
     return materialise(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
 
 
-def rows_of_epoch(lengths, settings: PlanSettings, seed: int, epoch: int, selection: Selection | None = None) -> Plan | EpochRows:
+def rows_of_epoch(
+    lengths, *, settings: PlanSettings, seed: int, epoch: int, selection: Selection | None = None
+) -> Plan | EpochRows:
     """The rows of one epoch of ``lengths`` (or of ``selection``'s documents: ``select``) as a loader reads
     them: the whole ``Plan`` up to ``shard_docs`` documents, else an ``EpochRows`` of the sharded plan,
     which holds the shards' index, not their pieces (bounded memory)."""
@@ -66,7 +68,7 @@ def materialise(sharded: ShardedPlan) -> Plan:
 
 def epoch_shares(store, weights, seed: int, epoch: int = 0) -> dict[str, dict]:
     """{source: documents, tokens, share} of the tokens epoch ``epoch`` selects (before planning)."""
-    return select(store, weights, seed, epoch).stats()
+    return select(store, weights=weights, seed=seed, epoch=epoch).stats()
 
 
 EVAL_STREAM = 0xE7A1  # the eval selection's own random stream: no other draw of the run moves it

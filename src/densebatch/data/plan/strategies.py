@@ -284,12 +284,12 @@ class Packed(Strategy):
         if self.bundle_cap(s) < 1:
             order = desc_random_ties(plen, rng)
             groups = best_fit_decreasing(np.bincount(plen, minlength=S + 1), S)
-            src, src_len, row_ptr, batch_ptr = layout_rows(groups, order, S, rows, rng)
+            src, src_len, row_ptr, batch_ptr = layout_rows(groups, order=order, seq_len=S, rows_per_batch=rows, rng=rng)
             return Plan(*pc.take(src, src_len), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
         items = bundle(plen, self.bundle_cap(s), rng)
         order = desc_stable(items.length)  # bundles and single pieces come shuffled: ties need no more randomness
         groups = best_fit_decreasing(np.bincount(items.length, minlength=S + 1), S)
-        src, _, item_row_ptr, batch_ptr = layout_rows(groups, order, S, rows, rng)
+        src, _, item_row_ptr, batch_ptr = layout_rows(groups, order=order, seq_len=S, rows_per_batch=rows, rng=rng)
         pieces = items.expand(src)
         row_ptr = np.concatenate([[0], np.cumsum(items.counts(src))])[item_row_ptr].astype(np.int64)
         return Plan(*pc.take(pieces, plen[pieces]), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
