@@ -17,9 +17,9 @@ def tiny_hf_model_with_tokenizer(d: Path) -> tuple[int, object]:
     """A random 1-layer GPT-2 in ``d`` with a learned 300-id BPE beside it (tokenizer.json +
     tokenizer_config.json, as a Hugging Face model directory holds them). Returns (vocab, tokenizer)."""
     transformers = pytest.importorskip("transformers")
-    from densebatch.data.prepare.tokenizers import train_bpe
+    from densebatch.data.prepare.learned_bpe import train_bpe
 
-    tok = train_bpe(TEXTS, 300)
+    tok = train_bpe(TEXTS, vocab_size=300)
     d.mkdir(parents=True)
     tok._tok.save(str(d / "tokenizer.json"))
     (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from densebatch.cli import main
-from densebatch.data.prepare.tokenizers import SAVED_META, load_tokenizer, train_bpe
+from densebatch.data.prepare.learned_bpe import train_bpe
+from densebatch.data.prepare.tokenizers import SAVED_META, load_tokenizer
 from densebatch.errors import ConfigError
 from densebatch.model import load_model
 from densebatch.testing.models import tiny_config, tiny_gpt
@@ -75,7 +76,7 @@ def test_a_damaged_byte_tokenizer_meta_is_named(final, text, why):
 @pytest.fixture
 def bpe_dir(tmp_path) -> Path:
     d = tmp_path / "bpe"
-    train_bpe(TEXTS, 300).save(d)
+    train_bpe(TEXTS, vocab_size=300).save(d)
     return d
 
 

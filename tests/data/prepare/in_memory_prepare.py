@@ -14,7 +14,8 @@ import numpy as np
 from densebatch.config import DataConfig
 from densebatch.data.prepare import pipeline
 from densebatch.data.prepare.dedupe import Keys, dedupe, dedupe_mode, write_index, write_split_keys
-from densebatch.data.prepare.documents import Builder, Doc, learn_bpe, split_eval
+from densebatch.data.prepare.documents import Builder, Doc, split_eval
+from densebatch.data.prepare.learned_bpe import learn_bpe
 from densebatch.data.prepare.sources import detect_format
 from densebatch.data.prepare.stream import keeps_records
 from densebatch.data.prepare.summary import PrepareSummary

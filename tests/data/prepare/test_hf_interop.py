@@ -14,11 +14,12 @@ import pytest
 
 from densebatch.config import DataConfig
 from densebatch.data.prepare.chat_template import ChatTemplate
+from densebatch.data.prepare.learned_bpe import train_bpe
 from densebatch.data.prepare.pipeline import prepare
 from densebatch.data.prepare.sources import iter_records
 from densebatch.data.prepare.templates import RecordError, render, render_text
 from densebatch.data.prepare.tokenizer_files import byte_level_tokenizer
-from densebatch.data.prepare.tokenizers import ByteTokenizer, load_data_tokenizer, load_tokenizer, train_bpe
+from densebatch.data.prepare.tokenizers import ByteTokenizer, load_data_tokenizer, load_tokenizer
 from densebatch.errors import ConfigError, DataError
 
 transformers = pytest.importorskip("transformers")
@@ -135,7 +136,7 @@ def _tokenizers(tmp_path, gpt2_dir):
     return {
         "default": load_tokenizer("default"),
         "default+pad+added": load_tokenizer("default", 258, [("<|im_start|>", True), ("<|im_end|>", True), ("HELLO", False)]),
-        "bpe:300": train_bpe(["the cat sat on the mat " * 20, "Hello world, hello"], 300, added=[("<|x|>", True)]),
+        "bpe:300": train_bpe(["the cat sat on the mat " * 20, "Hello world, hello"], vocab_size=300, added=[("<|x|>", True)]),
         "gpt2 files": load_tokenizer(str(gpt2_dir)),
         "gpt2 files+chatml": load_tokenizer(str(gpt2_dir), None, [("<|im_start|>", True), ("<|im_end|>", True)]),
         "tokenizer.json": load_tokenizer(str(chat / "tokenizer.json")),

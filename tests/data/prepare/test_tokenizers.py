@@ -102,10 +102,10 @@ def test_tokenizer_json_without_eos_is_a_config_error(tmp_path):
 
 # ----------------------------------------------------------------------------- bpe:N (learned)
 def test_learned_bpe_is_deterministic_and_round_trips(tmp_path):
-    from densebatch.data.prepare.tokenizers import train_bpe
+    from densebatch.data.prepare.learned_bpe import train_bpe
 
     texts = [f"Below is an instruction number {i}. Write a response." for i in range(300)]
-    a, b = train_bpe(texts, 400), train_bpe(texts, 400)
+    a, b = train_bpe(texts, vocab_size=400), train_bpe(texts, vocab_size=400)
     assert a.fingerprint() == b.fingerprint()
     assert a.vocab_size <= 400 and a.decode([a.eos_id]) == "<|endoftext|>" and a.mask_id is not None
     ids = a.encode("Below is an instruction — ünïcode too")

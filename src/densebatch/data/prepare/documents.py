@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,7 +29,7 @@ from densebatch.data.prepare.sources import BadRecord, LineRange, iter_records, 
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, missing_fields, render
 from densebatch.data.prepare.text_blocks import cut, piece_key, text_blocks, without_inner_ends
-from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, train_bpe
+from densebatch.data.prepare.tokenizers import Tokenizer
 from densebatch.errors import DataError
 
 _ENCODE_CHUNK = 4096  # texts per encode_batch call: large enough for the library's threads
@@ -273,44 +273,3 @@ def split_eval(docs: list[Doc], fraction: float) -> tuple[list[Doc], list[Doc]]:
 
 
 # --------------------------------------------------------------------------------- bpe:N
-def learn_bpe(sources: Iterable[tuple[Iterable[tuple[str, dict]], DataConfig]], pending: PendingBPE) -> Tokenizer:
-    """Learn ``bpe:N`` from the rendered text of every source's training records, in source order
-    (held-out ones included: the split is drawn from token contents afterwards; no label is involved).
-    The records are read as they come (a list, or a reader's stream): the trainer keeps its counts, not
-    the text. Pre-tokenised records are refused (``refuse_ids_for_a_new_bpe``)."""
-    rendered = 0
-
-    def texts() -> Iterator[str]:
-        nonlocal rendered
-        for items, cfg in sources:
-            first, found, n = None, 0, 0
-            for where, rec in items:
-                n += 1
-                if cfg.fields.input_ids in rec:
-                    first, found = first or where, found + 1
-                elif first is None:  # once one is found, the rest is only counted for the message
-                    try:
-                        text = "".join(t for t, _ in render(rec, cfg))
-                    except (RecordError, EmptiedByCleaning):
-                        continue  # reported when the documents are built
-                    rendered += 1
-                    yield text
-            if first is not None:
-                refuse_ids_for_a_new_bpe(first, found, n, cfg, pending)
-
-    tok = train_bpe(texts(), pending.vocab_size, pending.requested_pad_id, pending.name, pending.requested)
-    if not rendered:
-        raise DataError(f"data.tokenizer {pending.name}: no readable text to learn a tokenizer from")
-    return tok
-
-
-def refuse_ids_for_a_new_bpe(first: str, found: int, n: int, cfg: DataConfig, pending: PendingBPE) -> None:
-    """Pre-tokenised records (``found`` of ``n``, the first at ``first``) hold ids of a tokenizer that
-    already exists: learning a new one from text (``bpe:N``) cannot give their ids a meaning, and there
-    may be no text at all to learn from."""
-    every = "every record is" if found == n else f"{found} of {n} records are"
-    raise DataError(
-        f"data.tokenizer {pending.name} learns a new tokenizer from text, but {every} pre-tokenised (field "
-        f"'{cfg.fields.input_ids}', first at {first}): set data.tokenizer to the tokenizer that made the ids "
-        "(a tokenizer.json or model directory; or auto with model.kind hf)"
-    )

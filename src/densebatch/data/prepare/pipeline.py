@@ -64,7 +64,8 @@ from densebatch.data.prepare.cache import (
     source_keys,
 )
 from densebatch.data.prepare.dedupe import Keys, dedupe_mode, leakage_across, read_prior
-from densebatch.data.prepare.documents import Builder, learn_bpe
+from densebatch.data.prepare.documents import Builder
+from densebatch.data.prepare.learned_bpe import learn_bpe
 from densebatch.data.prepare.parts import Part, source_parts
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
 from densebatch.data.prepare.sources import detect_format

@@ -25,7 +25,7 @@ missing. A worker that dies fails the prepare with one line naming the chunk's f
 are the eval split, and with dedupe on a training record that repeats one of them is dropped.
 With ``text_split: chunks`` the records are blocks of running text (``text_blocks.py``), kept whole by
 the workers and cut into documents by ``stream_cut.py`` before the assembly. A learned ``bpe:N`` tokenizer
-is trained first, from the records as they are read (``documents.learn_bpe``), then the chunks are
+is trained first, from the records as they are read (``learned_bpe.learn_bpe``), then the chunks are
 tokenised with it. Every source streams.
 """
 

@@ -15,7 +15,7 @@
   ``<|endoftext|>``, 50256 for GPT-2).
 - a directory written by ``Tokenizer.save`` (so a checkpoint carries its tokenizer).
 - ``"bpe:N"``: a byte-level BPE of ``N`` ids learned from the run's own training text at prepare
-  time (``train_bpe``), stored with the prepared documents. ``load_tokenizer`` returns a
+  time (``learned_bpe.train_bpe``), stored with the prepared documents. ``load_tokenizer`` returns a
   ``PendingBPE`` placeholder for it; ``prepare`` trains and caches the real one.
 
 Every tokenizer has ``encode``, ``encode_batch``, ``decode``, ``eos_id``, ``pad_id`` (default: eos),
@@ -295,9 +295,6 @@ def _load_bpe_files(directory: Path, pad_id: int | None, added: Added = ()) -> H
     return HFTokenizer(tok, str(directory), eos, None, pad_id, added, config, read_chat_template(directory, config))
 
 
-BPE_SPECIALS = ("<|endoftext|>", "<|mask|>")
-
-
 class PendingBPE(Tokenizer):
     """``bpe:N`` before training: knows its size and identity (for cache keys), encodes nothing."""
 
@@ -310,8 +307,11 @@ class PendingBPE(Tokenizer):
             raise ConfigError(
                 f"data.tokenizer: bpe:N needs N between 300 and 1000000 (256 bytes + merges); got {self.vocab_size}"
             )
-        self.name, self.requested_pad_id, self.requested = spec, pad_id, unique_tokens(added)
-        self.base_vocab_size, self.added = self.vocab_size, []
+        self.name = spec
+        self.requested_pad_id = pad_id
+        self.requested = unique_tokens(added)
+        self.base_vocab_size = self.vocab_size
+        self.added = []
         self.eos_id = self.pad_id = 0  # unknown until trained
         self.mask_id = None
 
@@ -321,27 +321,6 @@ class PendingBPE(Tokenizer):
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         raise RuntimeError("bpe:N tokenizer used before prepare trained it")
-
-
-def train_bpe(texts, vocab_size: int, pad_id: int | None = None, name: str | None = None, added: Added = ()) -> HFTokenizer:
-    """A byte-level BPE with ``vocab_size`` ids learned from ``texts`` (deterministic for the same
-    texts in the same order): every byte stays encodable, frequent strings become single ids;
-    ``added`` tokens come after them."""
-    from tokenizers import Tokenizer as _Tok
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    tok = _Tok(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=list(BPE_SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator((utf8(t).decode("utf-8", "replace") for t in texts), trainer=trainer)  # as encode_batch reads them
-    return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id, added)
 
 
 def has_tokenizer_files(directory: str | Path) -> bool:
