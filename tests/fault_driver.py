@@ -139,34 +139,20 @@ def install_faults(faults: dict) -> None:
     if hold := faults.get("hold_prepare"):
         from densebatch.data.prepare import pipeline
 
-        orig_write, orig_store_files = pipeline._write, pipeline.write_store_files
         go, kill = Path(hold["go"]), bool(hold.get("kill"))
-
-        def write_entry(*args, **kwargs):
-            deadline = time.monotonic() + 120
-            while not go.exists() and time.monotonic() < deadline:
-                time.sleep(0.01)
-            orig_write(*args, **kwargs)
-
-        def write_store_files(directory, *args, **kwargs):
-            orig_store_files(directory, *args, **kwargs)
-            if kill:
-                _torn(Path(directory) / "shard-000000" / "tokens.npy")
-                _kill_self()
-
         orig_assemble = pipeline.assemble
 
-        def assemble(b, chunks, stage, eval_fraction, train_dir, *args, **kwargs):  # the streamed path's writer
+        def assemble(b, **kwargs):  # the writer of every prepared entry
             deadline = time.monotonic() + 120
             while not go.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
-            out = orig_assemble(b, chunks, stage, eval_fraction, train_dir, *args, **kwargs)
+            out = orig_assemble(b, **kwargs)
             if kill:
-                _torn(Path(train_dir) / "shard-000000" / "tokens.npy")
+                _torn(Path(kwargs["train_dir"]) / "shard-000000" / "tokens.npy")
                 _kill_self()
             return out
 
-        pipeline._write, pipeline.write_store_files, pipeline.assemble = write_entry, write_store_files, assemble
+        pipeline.assemble = assemble
     if faults.get("no_rng_restore"):
         import densebatch.train.session as session
 

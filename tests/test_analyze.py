@@ -41,7 +41,7 @@ def test_dump_plan_places_every_document_once(tmp_path, strategy, capsys):
     out = analyze_main(LENGTHS, S, dump_plan=f, strategy=strategy)
     assert f"wrote {f}: the {strategy} plan" in out  # says where it wrote
     batches = json.loads(f.read_text())
-    plan = plan_epoch(LENGTHS, dataclasses.replace(S, strategy=strategy), 0, 0)
+    plan = plan_epoch(LENGTHS, settings=dataclasses.replace(S, strategy=strategy), seed=0, epoch=0)
     assert batches == plan.doc_lists()
     docs = np.array([d for b in batches for row in b for d in row])
     cap = S.seq_len if strategy == "packed" else S.max_tokens_per_batch  # token_budget: a row holds one batch at most

@@ -55,7 +55,9 @@ def main() -> None:
     ours = CausalCollator(pad_id=EOS)
     rows = [[(i, 0, len(docs[i]))] for i in pick]
     results["densebatch CausalCollator (padded rows)"] = median_ms(lambda: ours(store, rows), a.repeats)
-    packed = plan_epoch(store.lengths[pick], PlanSettings(strategy="packed", seq_len=4096, max_tokens_per_batch=1 << 20), 0, 0)
+    packed = plan_epoch(
+        store.lengths[pick], settings=PlanSettings(strategy="packed", seq_len=4096, max_tokens_per_batch=1 << 20), seed=0, epoch=0
+    )
     prow = [[(pick[d], s, e) for d, s, e in row] for row in packed.batch(0)]
     results[f"densebatch CausalCollator (packed, {len(prow)} row)"] = median_ms(lambda: ours(store, prow), a.repeats)
     results["book custom_collate_fn"] = median_ms(lambda: book_collate([d[:-1] for d in items]), a.repeats)

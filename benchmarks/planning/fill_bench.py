@@ -53,11 +53,11 @@ def main() -> None:
         cells = [f"{x.sum() / (len(x) * x.max()):.3f}"]
         stats = {}
         for st in STRATEGIES:
-            p = plan_epoch(x, PlanSettings(**{**base.__dict__, "strategy": st}), 0, 0)
+            p = plan_epoch(x, settings=PlanSettings(**{**base.__dict__, "strategy": st}), seed=0, epoch=0)
             stats[st] = (p, p.stats())
             cells.append(f"{stats[st][1]['fill_rate']:.3f} ({p.num_batches})")
         rows_hf = max(1, a.max_tokens // int(x.max()))
-        hf = plan_epoch(x, PlanSettings(strategy="length_grouped", rows_per_batch=rows_hf), 0, 0)
+        hf = plan_epoch(x, settings=PlanSettings(strategy="length_grouped", rows_per_batch=rows_hf), seed=0, epoch=0)
         real, _ = hf.batch_stats()
         cells.append(f"{real.mean() / a.max_tokens:.3f} of cap ({hf.num_batches})")
         bound = -(-int(x.sum()) // a.seq_len)

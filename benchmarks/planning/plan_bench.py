@@ -69,8 +69,8 @@ def main() -> None:
         cells = []
         for st in STRATEGIES:
             s = PlanSettings(strategy=st, seq_len=2048, max_tokens_per_batch=8192)
-            plan_epoch(x, s, 0, 0)  # warm-up (page faults of fresh buffers)
-            w, c = timed(lambda x=x, s=s: plan_epoch(x, s, 0, 1), 5 if n < 1_000_000 else 3)
+            plan_epoch(x, settings=s, seed=0, epoch=0)  # warm-up (page faults of fresh buffers)
+            w, c = timed(lambda x=x, s=s: plan_epoch(x, settings=s, seed=0, epoch=1), 5 if n < 1_000_000 else 3)
             cells.append(f"{w:.3f} / {c:.3f}")
         t = trl_time(x, 2048) if n <= a.trl_max else None
         cells.append("n/a" if t is None else f"{t:.2f}")
@@ -87,7 +87,7 @@ def bundles(sizes: list[int]) -> None:
             for rep in range(3):
                 for bt in ("0", "auto"):
                     s = PlanSettings(strategy=st, seq_len=2048, max_tokens_per_batch=8192, bundle_tokens=0 if bt == "0" else bt)
-                    runs[bt].append(timed(lambda x=x, s=s, rep=rep: plan_epoch(x, s, rep, 1), 1))
+                    runs[bt].append(timed(lambda x=x, s=s, rep=rep: plan_epoch(x, settings=s, seed=rep, epoch=1), 1))
             med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v)) for k, v in runs.items()}
             print(
                 f"| {n:,} | {st} | {med['0'][0]:.2f} / {med['0'][1]:.2f} | {med['auto'][0]:.2f} / {med['auto'][1]:.2f} "

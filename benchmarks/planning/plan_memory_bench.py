@@ -53,7 +53,7 @@ def child(path: str, strategy: str, mode: str, shard_docs: int, seq_len: int, ma
     loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     s = PlanSettings(strategy=strategy, seq_len=seq_len, max_tokens_per_batch=max_tokens, rows_per_batch=8, shard_docs=shard_docs)
     w, c = time.perf_counter(), time.process_time()
-    plan = plan_epoch(x, s, 0, 0) if mode == "whole" else plan_epoch_sharded(x, s, 0, 0)
+    plan = plan_epoch(x, settings=s, seed=0, epoch=0) if mode == "whole" else plan_epoch_sharded(x, settings=s, seed=0, epoch=0)
     stats = plan.stats()
     wall, cpu = time.perf_counter() - w, time.process_time() - c
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

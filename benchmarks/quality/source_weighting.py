@@ -49,7 +49,7 @@ def main() -> None:
     print(f"natural share of the loss tokens: {np.round(natural, 4).tolist()}")
     for name in a.strategies.split(","):
         settings = dataclasses.replace(PlanSettings.from_config(cfg.batching), strategy=name)
-        plan = plan_epoch_sharded(lengths, settings, cfg.seed, 0, selection)
+        plan = plan_epoch_sharded(lengths, settings=settings, seed=cfg.seed, epoch=0, selection=selection)
         shares = []
         for batch in plan.doc_lists():
             docs = np.array([d for row in batch for d in row], dtype=np.int64)

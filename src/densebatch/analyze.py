@@ -85,7 +85,9 @@ def analyze(
             raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
         s = dataclasses.replace(settings, strategy=name)
         t0 = time.perf_counter()
-        plan = plan_epoch_sharded(lengths, s, seed, 0, selection)  # bounded memory: shard by shard past shard_docs
+        plan = plan_epoch_sharded(
+            lengths, settings=s, seed=seed, epoch=0, selection=selection
+        )  # bounded memory: shard by shard past shard_docs
         stats = plan.stats()
         stats["plan_seconds"] = time.perf_counter() - t0
         many = selection is not None and selection.num_sources > 1
@@ -228,9 +230,9 @@ def analyze_main(
             raise ConfigError(f"--strategy: expected one of {', '.join(STRATEGIES)}; got {name!r}")
         s = dataclasses.replace(settings, strategy=name)
         plan = (
-            plan_epoch(lengths, s, seed, 0)
+            plan_epoch(lengths, settings=s, seed=seed, epoch=0)
             if selection is None
-            else materialise(plan_epoch_sharded(lengths, s, seed, 0, selection))
+            else materialise(plan_epoch_sharded(lengths, settings=s, seed=seed, epoch=0, selection=selection))
         )
         with _written(dump_plan, "--dump-plan") as f:
             f.write(json.dumps(plan.doc_lists(), separators=(",", ":")).encode("utf-8"))

@@ -95,7 +95,7 @@ class DenseBatchSampler:
         ptr = plan.batch_ptr
         w = self.world_size
         start, stop = int(ptr[step * w]), int(ptr[min(plan.num_batches, (step + 1) * w)])
-        mine = share(plan, start, stop, self.rank, w)
+        mine = share(plan, start=start, stop=stop, rank=self.rank, world_size=w)
         rows = rows_of(plan, mine[0]) if mine else []
         return [Piece(d, a, b, r) for r, row in enumerate(rows) for d, a, b in row]
 

@@ -134,7 +134,7 @@ def test_book_equivalence_on_its_own_data(book_items):
     loader = torch.utils.data.DataLoader(range(n_train), batch_size=8, shuffle=True, drop_last=True, collate_fn=list)
     book_batches = list(itertools.islice(loader, limit))
     widths = []
-    plan = plan_epoch(lengths + 1, PlanSettings(strategy="random", rows_per_batch=8), seed=123, epoch=0)
+    plan = plan_epoch(lengths + 1, settings=PlanSettings(strategy="random", rows_per_batch=8), seed=123, epoch=0)
     our_batches = [[d for row in plan.batch(i) for d, _, _ in row] for i in range(plan.num_batches)][:limit]
     assert len(book_batches) >= FIXTURE_BATCHES and len(our_batches) >= FIXTURE_BATCHES
     for k, idx in enumerate(book_batches + our_batches):
@@ -282,7 +282,7 @@ def test_split_plan_keeps_every_target_of_the_unsplit_documents(docs, strategy, 
     s = PlanSettings(
         strategy=strategy, seq_len=seq_len, max_tokens_per_batch=max(seq_len, 16), long_docs="split", rows_per_batch=3
     )
-    plan = plan_epoch(store.lengths, s, seed=seed, epoch=0)
+    plan = plan_epoch(store.lengths, settings=s, seed=seed, epoch=0)
     coll = CausalCollator(pad_id=0, use_loss_mask=use_mask)
     batches = [coll(store, plan.batch(i)) for i in range(plan.num_batches)]
     whole = coll(store, [[(d, 0, int(n))] for d, n in enumerate(store.lengths)])

@@ -87,7 +87,7 @@ def test_every_rank_gets_the_share_it_would_get_from_the_whole_plan(
 def test_rows_spanning_shards_are_the_materialised_rows():
     lengths = np.random.default_rng(0).integers(1, 300, 500)
     sharded = plan_epoch_sharded(
-        lengths, PlanSettings(strategy="packed", seq_len=128, max_tokens_per_batch=512, shard_docs=64), 1, 0
+        lengths, settings=PlanSettings(strategy="packed", seq_len=128, max_tokens_per_batch=512, shard_docs=64), seed=1, epoch=0
     )
     rows, whole = EpochRows(sharded), materialise(sharded)
     assert np.array_equal(rows.batch_ptr, whole.batch_ptr) and rows.num_rows == whole.num_rows

@@ -102,7 +102,7 @@ def check_budget(s: PlanSettings, plan, lengths=None, sharded: bool = False) -> 
 @FEW
 @given(lengths_st, settings_st, st.integers(0, 2**32), st.integers(0, 5))
 def test_every_document_once_and_budgets_hold(lengths, s, seed, epoch):
-    plan = plan_epoch(lengths, s, seed, epoch)
+    plan = plan_epoch(lengths, settings=s, seed=seed, epoch=epoch)
     check_coverage(lengths, s, plan)
     check_budget(s, plan, lengths)
 
@@ -110,7 +110,7 @@ def test_every_document_once_and_budgets_hold(lengths, s, seed, epoch):
 @FEW
 @given(lengths_st, settings_st, st.integers(0, 2**32))
 def test_same_seed_same_plan(lengths, s, seed):
-    a, b = plan_epoch(lengths, s, seed, 3), plan_epoch(lengths, s, seed, 3)
+    a, b = plan_epoch(lengths, settings=s, seed=seed, epoch=3), plan_epoch(lengths, settings=s, seed=seed, epoch=3)
     for f in ("doc", "start", "stop", "row_ptr", "batch_ptr"):
         assert np.array_equal(getattr(a, f), getattr(b, f))
 
@@ -119,7 +119,7 @@ def test_same_seed_same_plan(lengths, s, seed):
 def test_next_epoch_changes_order(strategy):
     lengths = np.random.default_rng(0).integers(1, 200, 500)
     s = PlanSettings(strategy=strategy, seq_len=256, max_tokens_per_batch=1024)
-    a, b = plan_epoch(lengths, s, 7, 0), plan_epoch(lengths, s, 7, 1)
+    a, b = plan_epoch(lengths, settings=s, seed=7, epoch=0), plan_epoch(lengths, settings=s, seed=7, epoch=1)
     assert not np.array_equal(a.doc, b.doc)
     assert sorted(a.doc.tolist()) == sorted(b.doc.tolist())
 
@@ -127,8 +127,8 @@ def test_next_epoch_changes_order(strategy):
 @FEW
 @given(lengths_st, settings_st, st.integers(0, 2**32), st.integers(2, 5))
 def test_rank_shares_are_disjoint_cover_each_step_and_keep_budgets(lengths, s, seed, world):
-    whole = plan_epoch(lengths, s, seed, 0)
-    shares = [plan_epoch(lengths, s, seed, 0, rank=r, world_size=world) for r in range(world)]
+    whole = plan_epoch(lengths, settings=s, seed=seed, epoch=0)
+    shares = [plan_epoch(lengths, settings=s, seed=seed, epoch=0, rank=r, world_size=world) for r in range(world)]
     assert len({p.num_batches for p in shares}) == 1, "every rank takes the same number of steps"
     key = lambda p: sorted(zip(p.doc.tolist(), p.start.tolist(), p.stop.tolist()))
     assert sorted(sum((key(p) for p in shares), [])) == key(whole)
@@ -151,7 +151,7 @@ def check_budget_shards(s: PlanSettings, plan) -> None:
 
 def test_rank_must_be_valid():
     with pytest.raises(ValueError, match="rank"):
-        plan_epoch(np.array([3, 4]), PlanSettings(), 0, 0, rank=2, world_size=2)
+        plan_epoch(np.array([3, 4]), settings=PlanSettings(), seed=0, epoch=0, rank=2, world_size=2)
 
 
 def test_bad_settings_are_value_errors():
@@ -160,7 +160,7 @@ def test_bad_settings_are_value_errors():
     with pytest.raises(ValueError, match="packed row"):
         PlanSettings(strategy="packed", seq_len=1000, max_tokens_per_batch=999)
     with pytest.raises(ValueError, match="at least one token"):
-        plan_epoch(np.array([3, 0]), PlanSettings(), 0, 0)
+        plan_epoch(np.array([3, 0]), settings=PlanSettings(), seed=0, epoch=0)
 
 
 def test_from_config_reads_batching_config():
@@ -174,7 +174,7 @@ def test_length_grouped_matches_hugging_face_shape():
     """Mega-batches are sorted descending and the longest document comes first."""
     lengths = np.random.default_rng(1).integers(1, 1000, 1000)
     s = PlanSettings(strategy="length_grouped", rows_per_batch=4, mega_batch_mult=5, bundle_tokens=0)
-    p = plan_epoch(lengths, s, 0, 0)
+    p = plan_epoch(lengths, settings=s, seed=0, epoch=0)
     assert p.doc[0] == np.argmax(lengths) or lengths[p.doc[0]] == lengths.max()
     ls = lengths[p.doc]
     for m in range(0, len(ls), 20):
@@ -204,7 +204,7 @@ def test_packed_is_near_the_bound_on_long_tails():
     rng = np.random.default_rng(0)
     lengths = np.clip(rng.lognormal(np.log(300), 1.0, 20000).astype(np.int64), 1, 4096)
     s = PlanSettings(strategy="packed", seq_len=2048, max_tokens_per_batch=8192)
-    p = plan_epoch(lengths, s, 0, 0)
+    p = plan_epoch(lengths, settings=s, seed=0, epoch=0)
     bound = -(-lengths.sum() // 2048)
     assert p.num_rows <= max(bound + 1, bound * 1.01)
     assert p.stats()["fill_rate"] >= 0.99
@@ -239,8 +239,8 @@ def test_bundled_rows_mix_documents_of_every_length_at_the_fill_of_best_fit():
     task = rng.integers(0, 2, 20000)
     lengths = np.where(task == 1, rng.integers(40, 60, 20000), rng.integers(90, 140, 20000)).astype(np.int64)
     s = PlanSettings(strategy="packed", seq_len=512)
-    sorted_rows = plan_epoch(lengths, dataclasses.replace(s, bundle_tokens=0), 0, 0)
-    mixed = plan_epoch(lengths, s, 0, 0)
+    sorted_rows = plan_epoch(lengths, settings=dataclasses.replace(s, bundle_tokens=0), seed=0, epoch=0)
+    mixed = plan_epoch(lengths, settings=s, seed=0, epoch=0)
     purity = {
         name: _task_purity(np.repeat(np.arange(p.num_rows), np.diff(p.row_ptr)), task[p.doc])
         for name, p in (("sorted", sorted_rows), ("mixed", mixed))
@@ -264,8 +264,8 @@ def test_token_budget_batches_of_bundles_mix_tasks_at_a_high_fill():
         batch_of_row = np.repeat(np.arange(p.num_batches), np.diff(p.batch_ptr))
         return _task_purity(np.repeat(batch_of_row, np.diff(p.row_ptr)), task[p.doc])
 
-    one_per_row = plan_epoch(lengths, dataclasses.replace(s, bundle_tokens=0), 0, 0)
-    mixed = plan_epoch(lengths, s, 0, 0)
+    one_per_row = plan_epoch(lengths, settings=dataclasses.replace(s, bundle_tokens=0), seed=0, epoch=0)
+    mixed = plan_epoch(lengths, settings=s, seed=0, epoch=0)
     assert purity(one_per_row) > 0.45  # every batch is one task: measured 0.50
     assert purity(mixed) < 0.15  # measured 0.12; batches of 12 documents drawn at random: 0.11
     assert mixed.stats()["fill_rate"] > 0.95
@@ -290,8 +290,8 @@ def test_length_grouped_rows_of_bundles_mix_tasks_without_larger_batches():
         batch_of_row = np.repeat(np.arange(p.num_batches), np.diff(p.batch_ptr))
         return _task_purity(np.repeat(batch_of_row, np.diff(p.row_ptr)), task[p.doc])
 
-    hf = plan_epoch(lengths, dataclasses.replace(s, bundle_tokens=0), 0, 0)
-    bundled = plan_epoch(lengths, s, 0, 0)
+    hf = plan_epoch(lengths, settings=dataclasses.replace(s, bundle_tokens=0), seed=0, epoch=0)
+    bundled = plan_epoch(lengths, settings=s, seed=0, epoch=0)
     assert STRATEGIES["length_grouped"].bundle_cap(s, lengths) == 69  # min(90th percentile 133, half the longest 139 // 2)
     assert purity(hf) > 0.45  # measured 0.50: one task a batch
     assert purity(bundled) < 0.8 * purity(hf)
@@ -311,7 +311,7 @@ def test_a_share_of_the_short_pieces_is_left_alone_to_fill_gaps():
 def test_token_budget_greedy_path_on_many_documents():
     lengths = np.random.default_rng(2).integers(1, 3000, 30000)
     s = PlanSettings(strategy="token_budget", max_tokens_per_batch=4096, pad_to_multiple_of=8)
-    p = plan_epoch(lengths, s, 0, 0)
+    p = plan_epoch(lengths, settings=s, seed=0, epoch=0)
     check_coverage(lengths, s, p)
     check_budget(s, p)
     assert p.stats()["fill_rate"] > 0.97
@@ -369,7 +369,7 @@ def test_every_strategy_places_every_document_exactly_once_on_fixed_inputs(strat
     for kw in FIXED_SETTINGS:
         s = PlanSettings(strategy=strategy, drop_last=False, **kw)
         for seed, epoch in ((0, 0), (1, 0), (1, 3), (2**40 + 5, 1)):
-            plan = plan_epoch(lengths, s, seed, epoch)
+            plan = plan_epoch(lengths, settings=s, seed=seed, epoch=epoch)
             check_coverage(lengths, s, plan)
             check_budget(s, plan, lengths)
             _tiling(lengths, plan, _cap(s), s.long_docs)
@@ -385,5 +385,5 @@ def test_every_strategy_places_every_document_exactly_once_on_fixed_inputs(strat
 @example(np.full(50, 16), PlanSettings(strategy="packed", seq_len=16, max_tokens_per_batch=256), 3)
 @example(np.array([300, 1, 1]), PlanSettings(strategy="token_budget", max_tokens_per_batch=256), 1)
 def test_pieces_tile_every_document_without_drop_last(lengths, s, seed):
-    plan = plan_epoch(lengths, s, seed, 0)
+    plan = plan_epoch(lengths, settings=s, seed=seed, epoch=0)
     _tiling(lengths, plan, _cap(s), s.long_docs)

@@ -43,14 +43,17 @@ def cases():
             s = PlanSettings(strategy=strategy, **kw)
             for seed in (0, 11):
                 for epoch in (0, 2):
-                    yield f"{strategy}/{key}/s{seed}/e{epoch}", plan_epoch(x, s, seed, epoch)
+                    yield f"{strategy}/{key}/s{seed}/e{epoch}", plan_epoch(x, settings=s, seed=seed, epoch=epoch)
             for rank in range(3):
-                yield f"{strategy}/{key}/rank{rank}of3", plan_epoch(x, s, 5, 1, rank=rank, world_size=3)
+                yield f"{strategy}/{key}/rank{rank}of3", plan_epoch(x, settings=s, seed=5, epoch=1, rank=rank, world_size=3)
         sharded = PlanSettings(strategy=strategy, shard_docs=16, **SETTINGS["a"])
         for epoch in (0, 1):
-            yield f"{strategy}/sharded/e{epoch}", materialise(plan_epoch_sharded(x, sharded, 3, epoch))
-            sel = select_mixture([x[:20], x[20:]], [3.0, 1.0], 3, epoch, ["a", "b"])
-            yield f"{strategy}/mixture/e{epoch}", materialise(plan_epoch_sharded(x, sharded, 3, epoch, sel))
+            yield f"{strategy}/sharded/e{epoch}", materialise(plan_epoch_sharded(x, settings=sharded, seed=3, epoch=epoch))
+            sel = select_mixture([x[:20], x[20:]], weights=[3.0, 1.0], seed=3, epoch=epoch, names=["a", "b"])
+            yield (
+                f"{strategy}/mixture/e{epoch}",
+                materialise(plan_epoch_sharded(x, settings=sharded, seed=3, epoch=epoch, selection=sel)),
+            )
 
 
 def arrays() -> dict[str, np.ndarray]:

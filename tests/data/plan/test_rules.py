@@ -34,7 +34,7 @@ lengths_st = st.lists(st.integers(1, 300), min_size=1, max_size=60).map(lambda v
 @given(lengths=lengths_st, strategy=st.sampled_from(list(STRATEGIES)), seq_len=st.integers(8, 64), m=st.sampled_from([1, 8]))
 def test_full_context_settings_never_split_or_truncate_a_document(lengths, strategy, seq_len, m):
     train = PlanSettings(strategy=strategy, seq_len=seq_len, max_tokens_per_batch=4 * -(-seq_len // m) * m, pad_to_multiple_of=m)
-    plan = plan_epoch(lengths, full_context_settings(train, int(lengths.max())), seed=0, epoch=0)
+    plan = plan_epoch(lengths, settings=full_context_settings(train, int(lengths.max())), seed=0, epoch=0)
     assert len(plan.split) == len(plan.truncated) == len(plan.dropped) == 0
     assert sorted(plan.doc.tolist()) == list(range(len(lengths)))  # every document once, whole
     assert np.array_equal(plan.stop - plan.start, lengths[plan.doc])
@@ -45,7 +45,7 @@ def test_full_context_settings_never_split_or_truncate_a_document(lengths, strat
 def test_the_worst_batch_has_the_most_slots_of_the_plan(lengths, strategy, budget_rows):
     s = PlanSettings(strategy=strategy, seq_len=64, max_tokens_per_batch=64 * budget_rows + 320)
     (rows, first), *longest = worst_batches(lengths, s, seed=3)
-    _, slots = plan_epoch(lengths, s, seed=3, epoch=0).batch_stats()
+    _, slots = plan_epoch(lengths, settings=s, seed=3, epoch=0).batch_stats()
     mine = len(rows) * max(sum(stop - start for _, start, stop in row) for row in rows)
     assert mine == slots.max()
     if strategy == "token_budget":  # the longest documents, as many as the budget holds

@@ -14,14 +14,14 @@ from densebatch.data.store.store import DocumentStore, document_loss_tokens
 
 def _plan(lengths, strategy="token_budget", seed=0, **kw):
     s = PlanSettings(strategy=strategy, **{"max_tokens_per_batch": 64, "seq_len": 32, "rows_per_batch": 3, **kw})
-    return plan_epoch(np.asarray(lengths), s, seed, 0)
+    return plan_epoch(np.asarray(lengths), settings=s, seed=seed, epoch=0)
 
 
 def _steps(plan, settings, fraction=1.0, cum=None, stop_row=None):
     row, out = 0, []
     end = plan.num_rows if stop_row is None else stop_row
     while row < end:
-        stop = step_stop(plan, row, settings, fraction, cum, stop_row)
+        stop = step_stop(plan, start=row, settings=settings, fraction=fraction, cum_tokens=cum, stop_row=stop_row)
         out.append((row, stop))
         row = stop
     return out
@@ -47,7 +47,7 @@ def test_every_row_once_and_n_ranks_equal_one_rank_with_n_times_the_accumulation
     assert steps == _steps(plan, one)  # the same rows in every step
     seen = []
     for start, stop in steps:
-        shares = [share(plan, start, stop, r, world) for r in range(world)]
+        shares = [share(plan, start=start, stop=stop, rank=r, world_size=world) for r in range(world)]
         rows = [int(x) for s in shares for part in s for x in part]
         assert sorted(rows) == list(range(start, stop))  # the step's rows, each on exactly one rank
         seen += rows
@@ -66,7 +66,7 @@ def test_a_full_step_is_world_times_accum_batches():
     plan = _plan(np.arange(1, 41) % 17 + 3, "random", rows_per_batch=2)  # 20 batches of 2 rows
     steps = _steps(plan, StepSettings(grad_accum_batches=3, world_size=2))
     assert [b - a for a, b in steps] == [12, 12, 12, 4]  # 6 batches a step; the epoch's last is short
-    assert [len(share(plan, 36, 40, r, 2)) for r in range(2)] == [1, 1]
+    assert [len(share(plan, start=36, stop=40, rank=r, world_size=2)) for r in range(2)] == [1, 1]
 
 
 def test_token_driven_steps_take_the_whole_batches_nearest_the_target_on_every_rank():
@@ -150,14 +150,14 @@ def test_row_loss_tokens_from_per_document_counts_equal_the_token_by_token_count
 def test_fractional_steps_take_a_share_of_a_batch_and_resume_inside_it():
     plan = _plan([32] * 16, "packed", seq_len=32, max_tokens_per_batch=256)  # 2 batches of 8 rows
     s = StepSettings()
-    assert step_stop(plan, 0, s, 0.25) == 2
-    assert step_stop(plan, 2, s, 0.25) == 4  # continues inside the batch
-    assert step_stop(plan, 2, s, 1.0) == 8  # a full step inside a batch: its rest (0.75 of a batch) ...
-    assert step_stop(plan, 6, s, 1.0) == 16  # ... or its rest and the next batch (1.25), nearest to 1
-    assert step_stop(plan, 7, s, 0.01) == 8  # at least one row
+    assert step_stop(plan, start=0, settings=s, fraction=0.25) == 2
+    assert step_stop(plan, start=2, settings=s, fraction=0.25) == 4  # continues inside the batch
+    assert step_stop(plan, start=2, settings=s, fraction=1.0) == 8  # a full step inside a batch: its rest (0.75 of a batch) ...
+    assert step_stop(plan, start=6, settings=s, fraction=1.0) == 16  # ... or its rest and the next batch (1.25), nearest to 1
+    assert step_stop(plan, start=7, settings=s, fraction=0.01) == 8  # at least one row
     steps = _steps(plan, StepSettings(grad_accum_batches=2), fraction=0.5)
     assert steps == [(0, 8), (8, 16)]
-    assert step_stop(plan, 0, s, 2.0) == 16  # a step grown past the target takes whole batches
+    assert step_stop(plan, start=0, settings=s, fraction=2.0) == 16  # a step grown past the target takes whole batches
 
 
 def test_stop_row_cuts_the_epoch():
@@ -168,9 +168,9 @@ def test_stop_row_cuts_the_epoch():
 def test_bad_arguments():
     plan = _plan([5, 6])
     with pytest.raises(ValueError, match="past the end"):
-        step_stop(plan, plan.num_rows, StepSettings())
+        step_stop(plan, start=plan.num_rows, settings=StepSettings())
     with pytest.raises(ValueError, match="fraction"):
-        step_stop(plan, 0, StepSettings(), 0.0)
+        step_stop(plan, start=0, settings=StepSettings(), fraction=0.0)
     with pytest.raises(ValueError):
         StepSettings(world_size=2, rank=2)
 

@@ -54,7 +54,16 @@ def _write(final: Path, tok: Tokenizer, cfg: DataConfig, train, evals, records: 
             if arrays is not None:
                 (tmp / split).mkdir()
                 meta = dict(pipeline._meta(tok, cfg, split), sources=summary.source_names)
-                write_store_files(tmp / split, *arrays[:3], meta, arrays[3], cfg.shard_tokens)
+                tokens, offsets, mask, source = arrays
+                write_store_files(
+                    tmp / split,
+                    tokens=tokens,
+                    offsets=offsets,
+                    loss_mask=mask,
+                    meta=meta,
+                    source=source,
+                    shard_tokens=cfg.shard_tokens,
+                )
         pipeline._write_entry_files(tmp, records, summary)
 
 

@@ -52,7 +52,7 @@ def test_weights_3_and_1_give_75_and_25_percent_of_each_epochs_tokens(tmp_path, 
     assert prepared.weights == (3.0, 1.0) and store.source_names == ["alpha", "beta"]
     assert np.array_equal(store.lengths[store.source == 0], store.lengths[store.source == 1])  # equal sizes
     s = PlanSettings(**{**SETTINGS.__dict__, "strategy": strategy})
-    natural = plan_epoch(np.asarray(store.lengths), s, 0, 0).stats()["fill_rate"]
+    natural = plan_epoch(np.asarray(store.lengths), settings=s, seed=0, epoch=0).stats()["fill_rate"]
     for epoch in (0, 1):
         plan = plan_store_epoch(store, settings=s, seed=0, epoch=epoch, weights=prepared.weights)
         shares = plan_source_stats(plan, epoch_selection(store, weights=prepared.weights, seed=0, epoch=epoch))
@@ -67,7 +67,7 @@ def test_without_weights_an_epoch_is_plan_epoch_itself(tmp_path, two_equal_sourc
     prepared = prepare_data(_cfg(tmp_path, two_equal_sources))
     assert prepared.weights is None and epoch_selection(prepared.train, weights=None, seed=3, epoch=1) is None
     a = plan_store_epoch(prepared.train, settings=SETTINGS, seed=3, epoch=1)
-    b = plan_epoch(np.asarray(prepared.train.lengths), SETTINGS, 3, 1)
+    b = plan_epoch(np.asarray(prepared.train.lengths), settings=SETTINGS, seed=3, epoch=1)
     assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("doc", "start", "stop", "row_ptr", "batch_ptr"))
     shares = {x["name"]: x["share"] for x in prepared.summary.sources}
     tokens = np.bincount(prepared.train.source, weights=prepared.train.lengths)
@@ -200,7 +200,7 @@ def test_a_mixture_stores_each_source_once_and_reads_as_one_store(tmp_path, two_
         read_ranges(mix.tokens, [edge - 5, 3], [edge + 5, 9]),
         np.concatenate([copy.tokens[edge - 5 : edge + 5], copy.tokens[3:9]]),
     )
-    plan = plan_epoch(np.asarray(mix.lengths), SETTINGS, 0, 0)
+    plan = plan_epoch(np.asarray(mix.lengths), settings=SETTINGS, seed=0, epoch=0)
     collate = CausalCollator(pad_id=0)
     for b in range(plan.num_batches):
         rows = rows_of(plan, np.arange(plan.batch_ptr[b], plan.batch_ptr[b + 1]))

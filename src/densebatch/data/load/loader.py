@@ -157,7 +157,7 @@ class StepLoader:
         """Steps of one epoch at a constant ``fraction`` (the schedule's horizon is counted in these)."""
         plan, cum, row, n = self.plan(self.epoch), self._cum_tokens(self.epoch), 0, 0
         while row < plan.num_rows:
-            row, n = step_stop(plan, row, self.step_settings, fraction, cum), n + 1
+            row, n = step_stop(plan, start=row, settings=self.step_settings, fraction=fraction, cum_tokens=cum), n + 1
         return n
 
     # ---------------------------------------------------------------------------- iteration
@@ -174,11 +174,11 @@ class StepLoader:
                 continue
             stop = step_stop(
                 plan,
-                row,
-                self.step_settings,
-                (self._fraction(count) if self._fraction is not None else 1.0),
-                self._cum_tokens(epoch),
-                stop_at,
+                start=row,
+                settings=self.step_settings,
+                fraction=(self._fraction(count) if self._fraction is not None else 1.0),
+                cum_tokens=self._cum_tokens(epoch),
+                stop_row=stop_at,
             )
             yield epoch, row, stop, count
             row, count = stop, count + 1
@@ -186,8 +186,8 @@ class StepLoader:
     def build(self, epoch: int, start: int, stop: int) -> Step:
         """Collate this rank's share of the step ``[start, stop)`` of ``epoch``."""
         plan = self.plan(epoch)
-        mine = share(plan, start, stop, self.rank, self.world_size)
-        everyone = [share(plan, start, stop, r, self.world_size) for r in range(self.world_size)]
+        mine = share(plan, start=start, stop=stop, rank=self.rank, world_size=self.world_size)
+        everyone = [share(plan, start=start, stop=stop, rank=r, world_size=self.world_size) for r in range(self.world_size)]
         width = max(len(x) for x in everyone)
         batches = [self._collate(plan, epoch, rows) for rows in mine]
         batches += [Batch.null(self.pad_id)] * (width - len(batches))

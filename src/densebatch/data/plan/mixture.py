@@ -107,6 +107,7 @@ class Selection:
 
 def select_mixture(
     source_lengths: Sequence[np.ndarray],
+    *,
     weights: Sequence[float] | None,
     seed: int,
     epoch: int,
@@ -151,7 +152,7 @@ def _blocks(x, size: int = 1 << 20):
 
 def mixture_epoch(source_lengths, weights, seed: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
     """(global document ids, source id per document) of one epoch of a mixture: ``select_mixture`` materialised."""
-    return select_mixture(source_lengths, weights, seed, epoch).arrays()
+    return select_mixture(source_lengths, weights=weights, seed=seed, epoch=epoch).arrays()
 
 
 def plan_source_stats(plan, selection: Selection) -> dict[str, dict]:

@@ -102,5 +102,5 @@ def worst_batches(lengths: np.ndarray, settings: PlanSettings, seed: int) -> lis
     batch with the most slots and, for token budgets, ``budget // longest`` rows of the longest
     documents (``Strategy.worst_batches``)."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    plan = plan_epoch(lengths, settings, seed, 0)
+    plan = plan_epoch(lengths, settings=settings, seed=seed, epoch=0)
     return STRATEGIES[settings.strategy].worst_batches(plan, lengths, settings)

@@ -46,9 +46,11 @@ _SHARD_TAG = 0x534844  # keeps the shard order's stream apart from the planners'
 _MAX_BLOCK = 64  # documents kept together when dealt into shards: contiguous reads of the lengths
 
 
-def plan_epoch_sharded(lengths, settings: PlanSettings, seed: int, epoch: int, selection: Selection | None = None) -> ShardedPlan:
+def plan_epoch_sharded(
+    lengths, *, settings: PlanSettings, seed: int, epoch: int, selection: Selection | None = None
+) -> ShardedPlan:
     """Plan one epoch of ``lengths`` (or of ``selection``'s documents) in shards of ``settings.shard_docs``."""
-    return ShardedPlan(lengths, settings, seed, epoch, selection)
+    return ShardedPlan(lengths, settings=settings, seed=seed, epoch=epoch, selection=selection)
 
 
 class ShardedPlan:
@@ -59,7 +61,7 @@ class ShardedPlan:
     ``locate(i)`` (shard, batch inside it). Building it plans every shard once for the index;
     ``batch(i)`` then rebuilds only the shard that holds batch i."""
 
-    def __init__(self, lengths, settings: PlanSettings, seed: int, epoch: int, selection: Selection | None = None):
+    def __init__(self, lengths, *, settings: PlanSettings, seed: int, epoch: int, selection: Selection | None = None):
         self.lengths = _checked(lengths)
         self.settings, self.seed, self.epoch, self.selection = settings, int(seed), int(epoch), selection
         self.pad_to_multiple_of = settings.pad_to_multiple_of
@@ -112,11 +114,11 @@ class ShardedPlan:
 
     def _build(self, k: int) -> Plan:
         if self.num_shards == 1 and self.selection is None:
-            return plan_epoch(np.asarray(self.lengths, np.int64), self.settings, self.seed, self.epoch)
+            return plan_epoch(np.asarray(self.lengths, np.int64), settings=self.settings, seed=self.seed, epoch=self.epoch)
         docs = self.members(k)
         lengths = take(self.lengths, docs).astype(np.int64)  # positioned reads of its blocks: nothing stays resident
         if self.num_shards == 1:
-            p = plan_epoch(lengths, self.settings, self.seed, self.epoch)
+            p = plan_epoch(lengths, settings=self.settings, seed=self.seed, epoch=self.epoch)
         else:
             key = [self.seed % 2**63, self.epoch % 2**63, STRATEGIES[self.settings.strategy].seed_tag, _SHARD_TAG, k]
             p = plan_documents(lengths, self.settings, np.random.default_rng(np.random.SeedSequence(key)))

@@ -114,6 +114,7 @@ def _add_split_pieces(per: np.ndarray, *, idx: np.ndarray, first: np.ndarray, la
 
 def step_stop(
     plan: Plan,
+    *,
     start: int,
     settings: StepSettings,
     fraction: float = 1.0,
@@ -177,7 +178,7 @@ def micro_batches(plan: Plan, start: int, stop: int) -> list[tuple[int, int]]:
     return [(max(start, int(ptr[b])), min(stop, int(ptr[b + 1]))) for b in range(b0, b1)]
 
 
-def share(plan: Plan, start: int, stop: int, rank: int, world_size: int) -> list[np.ndarray]:
+def share(plan: Plan, *, start: int, stop: int, rank: int, world_size: int) -> list[np.ndarray]:
     """This rank's share of the step ``[start, stop)``: a list of row-index arrays, one per batch.
 
     Every rank gets ``ceil(micro-batches / world_size)`` or fewer entries (the loader pads with null

@@ -27,7 +27,7 @@ def select(store, *, weights, seed: int, epoch: int, lengths=None) -> Selection:
             f"data.sources: {len(weights)} weights for prepared documents of {len(names)} sources ({', '.join(names)})"
         )
     try:
-        return select_mixture(source_lengths(store, lengths), weights, seed, epoch, names)
+        return select_mixture(source_lengths(store, lengths), weights=weights, seed=seed, epoch=epoch, names=names)
     except ValueError as e:
         raise DataError(f"data.sources: {e}") from None
 
@@ -45,9 +45,11 @@ def plan_store_epoch(store, *, settings: PlanSettings, seed: int, epoch: int, we
     lengths = store.lengths if lengths is None else lengths
     selection = epoch_selection(store, weights=weights, seed=seed, epoch=epoch, lengths=lengths)
     if selection is None and len(lengths) <= settings.shard_docs:
-        return plan_epoch(np.asarray(lengths, np.int64), settings, seed, epoch)  # one shard: the sharded plan is this one
+        return plan_epoch(
+            np.asarray(lengths, np.int64), settings=settings, seed=seed, epoch=epoch
+        )  # one shard: the sharded plan is this one
     # Large corpora are planned shard by shard (bounded planning memory, the plan `analyze` reports).
-    return materialise(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
+    return materialise(plan_epoch_sharded(lengths, settings=settings, seed=seed, epoch=epoch, selection=selection))
 
 
 def rows_of_epoch(
@@ -57,8 +59,8 @@ def rows_of_epoch(
     them: the whole ``Plan`` up to ``shard_docs`` documents, else an ``EpochRows`` of the sharded plan,
     which holds the shards' index, not their pieces (bounded memory)."""
     if selection is None and len(lengths) <= settings.shard_docs:
-        return plan_epoch(np.asarray(lengths, np.int64), settings, seed, epoch)
-    return EpochRows(plan_epoch_sharded(lengths, settings, seed, epoch, selection))
+        return plan_epoch(np.asarray(lengths, np.int64), settings=settings, seed=seed, epoch=epoch)
+    return EpochRows(plan_epoch_sharded(lengths, settings=settings, seed=seed, epoch=epoch, selection=selection))
 
 
 def materialise(sharded: ShardedPlan) -> Plan:

@@ -353,5 +353,7 @@ class DocumentStore:
             offsets = np.concatenate([[0], np.cumsum(spans[1])])
             tokens = read_ranges(self.tokens, spans[0], spans[0] + spans[1])
             mask = read_ranges(self.loss_mask, spans[0], spans[0] + spans[1])
-            write_store_files(tmp, tokens, offsets, mask, self.meta, src, shard_tokens)
+            write_store_files(
+                tmp, tokens=tokens, offsets=offsets, loss_mask=mask, meta=self.meta, source=src, shard_tokens=shard_tokens
+            )
         return DocumentStore.open(final)

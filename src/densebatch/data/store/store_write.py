@@ -128,6 +128,7 @@ class StoreWriter:
 
 def write_store_files(
     directory: Path,
+    *,
     tokens: np.ndarray,
     offsets: np.ndarray,
     loss_mask: np.ndarray,
