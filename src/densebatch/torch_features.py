@@ -217,6 +217,20 @@ def addmm_out_dtype(device: torch.device) -> bool:
     return _FP32_OUT[key]
 
 
+def allow_tf32() -> str:
+    """TF32 tensor cores for fp32 matrix products and convolutions (CUDA), through the ``fp32_precision`` settings
+    where the release has them (mixing them with the legacy ``allow_tf32`` flags is an error in the releases that
+    have both, and transformers' compile path sets the new ones), else the legacy flags. Returns the API used."""
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision") and hasattr(torch.backends.cudnn, "conv"):
+        matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        return "fp32_precision"
+    matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return "allow_tf32"
+
+
 FEATURES: dict[str, Callable[[], object]] = {
     "varlen_attn": varlen,
     "flex_attention": flex_attention,
