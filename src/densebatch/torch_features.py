@@ -94,7 +94,11 @@ def varlen_takes_grouped_heads(fn: Callable, device: str) -> bool:
     ``enable_gqa=True`` hands the very same tensors. Tried once per device on tiny tensors, forward and
     backward, against the same call with the heads expanded; any error or difference answers False (the
     caller then expands the heads: exact, at the cost of the key/value copies)."""
-    dev = torch.device(device)
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast(torch.device(device).type, enabled=False):
+        return _probe_grouped_heads(fn, torch.device(device))
+
+
+def _probe_grouped_heads(fn: Callable, dev: torch.device) -> bool:
     dtype = torch.bfloat16 if dev.type != "cuda" or torch.cuda.is_bf16_supported() else torch.float16
     gen = torch.Generator(device="cpu").manual_seed(0)
     cu = torch.tensor([0, 5, 16], dtype=torch.int32, device=dev)
@@ -105,12 +109,11 @@ def varlen_takes_grouped_heads(fn: Callable, device: str) -> bool:
     if kw is None:
         return False
     try:
-        with torch.enable_grad(), torch.autocast(dev.type, enabled=False):
-            out = fn(q, kv[0], kv[1], cu, cu, 11, 11, **kw)
-            grads = torch.autograd.grad(out.float().sum(), [q, *kv])
-            wide = [x.detach().repeat_interleave(2, dim=1).requires_grad_() for x in kv]
-            ref = fn(q, wide[0], wide[1], cu, cu, 11, 11, **kw)
-            ref_grads = torch.autograd.grad(ref.float().sum(), [q, *wide])
+        out = fn(q, kv[0], kv[1], cu, cu, 11, 11, **kw)
+        grads = torch.autograd.grad(out.float().sum(), [q, *kv])
+        wide = [x.detach().repeat_interleave(2, dim=1).requires_grad_() for x in kv]
+        ref = fn(q, wide[0], wide[1], cu, cu, 11, 11, **kw)
+        ref_grads = torch.autograd.grad(ref.float().sum(), [q, *wide])
     except (RuntimeError, TypeError, ValueError):
         return False
     same = torch.allclose(out.float(), ref.float(), atol=1e-2) and torch.allclose(

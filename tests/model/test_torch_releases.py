@@ -225,6 +225,19 @@ def test_a_kernel_that_cannot_share_heads_gets_them_expanded(monkeypatch):
     assert CALLS[-1]["kv_heads"] == H
 
 
+def test_the_grouped_heads_probe_answers_alike_in_inference_mode_and_under_autocast():
+    """The probe runs once per kernel and device: asked first from an evaluation (inference mode, autocast), it
+    must not answer False for want of gradients, or training would expand heads for the whole process."""
+
+    def fresh_2_11(*args, **kwargs):  # a new function: the probe's cache has not seen it
+        return varlen_2_11(*args, **kwargs)
+
+    fresh_2_11.__signature__ = inspect.signature(varlen_2_11)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch_features.varlen_takes_grouped_heads(fresh_2_11, "cpu")
+    assert not torch_features.varlen_takes_grouped_heads(refuses_grouped_heads, "cpu")
+
+
 def test_a_release_without_varlen_makes_auto_pick_the_next_kernel(monkeypatch):
     assert available_backends("cuda")[0] == "varlen"
     monkeypatch.delattr(varlen_module, "varlen_attn")
@@ -280,3 +293,69 @@ def test_a_tiny_llama_under_bf16_autocast_runs_every_layer_on_varlen_in_bf16(mon
             assert torch_features.kernels_used() == {"varlen (FlashAttention) bf16": 2}  # both layers
             assert [c["dtypes"] for c in CALLS] == [(torch.bfloat16,) * 3] * 2 and [c["enable_gqa"] for c in CALLS] == [True] * 2
     assert torch.allclose(outs["varlen"], outs["masked"], atol=5e-2)
+
+
+# ------------------------------------------------------------------- on a GPU: the installed release itself
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("window", [None, 37], ids=["full", "window"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_cuda_varlen_of_the_installed_release_matches_masked_attention(kv_heads, window):
+    """The real varlen_attn, called as its signature allows, gives what masked SDPA gives (forward and
+    gradients, bf16), with grouped heads shared as they are where the kernel takes them."""
+    torch.manual_seed(0)
+    pos = torch.tensor([[*range(100), *range(60), *range(96)]] * 2, device="cuda")
+    q = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(2, kv_heads, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    opts = AttnOptions(window=window, scale=64**-0.5)
+    out = attend(q, k, v, plan_attention(pos, "varlen"), opts=opts)
+    used = torch_features.kernels_used()
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v))
+    ref = attend(q, k, v, plan_attention(pos, "masked"), opts=opts)
+    ref_grads = torch.autograd.grad(ref.float().sum(), (q, k, v))
+    assert (out.float() - ref.float()).abs().max() < 2e-2
+    for g, r in zip(grads, ref_grads):
+        assert (g.float() - r.float()).abs().max() < 5e-2
+    features = torch_features.varlen()
+    native = features.enable_gqa or torch_features.varlen_takes_grouped_heads(features.fn, "cuda:0")
+    expected = "varlen (FlashAttention) bf16" if native or kv_heads == 4 else next(iter(used))
+    assert used == {expected: 1} and expected.startswith("varlen (FlashAttention")
+    print(f"torch {torch.__version__}: {expected}; grouped heads as they are: {native}")
+
+
+@cuda
+def test_cuda_llama_under_bf16_autocast_runs_every_layer_on_varlen_in_bf16():
+    transformers = pytest.importorskip("transformers")
+    from densebatch.model.hf_attention import PLAN_KEY, register
+    from densebatch.testing.models import tiny_config
+
+    register()
+    torch.manual_seed(0)
+    config = tiny_config("llama", num_hidden_layers=2)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="densebatch").cuda()  # fp32 weights
+    pos = _positions().cuda()
+    ids = torch.randint(3, config.vocab_size, pos.shape, device="cuda")
+    plan = plan_attention(pos, "varlen")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        model(input_ids=ids, position_ids=pos, use_cache=False, **{PLAN_KEY: plan}).logits.float().sum().backward()
+    assert torch_features.kernels_used() == {"varlen (FlashAttention) bf16": 2}
+
+
+@cuda
+def test_cuda_true_peak_outlives_the_per_step_reset():
+    from densebatch.train.observe.monitor import finish_run, resource_usage
+
+    dev = torch.device("cuda", 0)
+    finish_run(dev, lambda mine: [mine], lambda rec: None, 0, "before")
+    big = torch.empty(2**30, dtype=torch.uint8, device=dev)  # 1 GiB during "step 1"
+    del big
+    step1 = resource_usage(dev)
+    small = torch.empty(2**20, dtype=torch.uint8, device=dev)
+    step2 = resource_usage(dev)
+    del small
+    written = []
+    finish_run(dev, lambda mine: [mine], written.append, 2, "max_steps")
+    assert step1["cuda_max_allocated_gb"] >= 1.07 and step2["cuda_max_allocated_gb"] < 0.5
+    assert written[0]["cuda_peak_allocated_gb"] >= 1.07 and written[0]["cuda_peak_reserved_gb"] >= 1.07
