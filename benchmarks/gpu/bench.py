@@ -198,6 +198,9 @@ class Report:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if not a.dry_run and not torch.cuda.is_available():
+        log("no CUDA device here: the check needs one (--dry-run runs the same script on CPU, tiny)")
+        return 2
     t_start = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, _on_term)
     if a.out:

@@ -126,7 +126,7 @@ def pick_backend(name: str, device: torch.device | str, training: bool = True, s
     if name not in avail:
         why = {
             "flex": "flex_attention has no backward pass on CPU in this torch",
-            "varlen": "varlen_attn needs CUDA (FlashAttention) and torch >= 2.9",
+            "varlen": "varlen_attn needs CUDA (FlashAttention) and a torch that has torch.nn.attention.varlen",
         }.get(name, "")
         raise ValueError(
             f"model.attention: {name!r} cannot run on {torch.device(device).type} here ({why}); "
@@ -275,7 +275,7 @@ def _dispatch(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: f
     if plan.backend == "flex":
         if dropout_p:  # flex has no attention dropout: the segmented path honours it
             return segmented_attention(q, k, v, _segments(plan), dropout_p, opts), "segmented (flex: attention dropout)"
-        return _flex_attention(q, k, v, plan, opts), "flex"
+        return _flex_attention(q, k, v, plan, opts), "flex" if torch_features.varlen() else "flex (this torch has no varlen_attn)"
     if plan.backend == "varlen":
         return _varlen_attention(q, k, v, plan, dropout_p, opts)
     raise AssertionError(f"unknown plan backend {plan.backend}")
