@@ -178,8 +178,8 @@ class Report:
 
     def add(self, row: dict) -> None:
         self.rows.append(row)
+        self.write()  # before the line: whoever reads the line finds the files already holding the row
         log(self.line(row), self.out)
-        self.write()
 
     def write(self) -> None:
         doc = self.meta | {"runs": self.rows, "not_run": self.not_run, "stopped": self.stopped}
