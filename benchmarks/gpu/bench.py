@@ -54,15 +54,25 @@ TINY = {"gpt2": (2, 64, 4, 4, 256, 2048), "llama": (2, 64, 4, 2, 128, 2048)}
 # Prior cost of a run in seconds (model build, warm-up and timed steps): H200 guesses, and CPU dry-run ones;
 # scaled by llama x1.5 and a long context x1.3, then by measured / prior over the runs finished so far.
 PRIOR_S = {"densebatch": 20, "hf-flattening": 25, "hf-group_by_length": 35, "densebatch-fp16": 20, "compile": 90}
+MIN_RUN_S = 60.0  # a run's own deadline is 3x its estimate, never less than this
 PRIOR_DRY_S = {"densebatch": 4, "hf-flattening": 4, "hf-group_by_length": 5, "densebatch-fp16": 4, "compile": 60}
 
 
-class Stopped(Exception):
+class Stopped(BaseException):  # not an Exception: no library handler swallows it
     """SIGTERM arrived: stop the run in progress, print the table, write the JSON."""
 
 
 def _on_term(signum, frame):
     raise Stopped()
+
+
+class OverTime(BaseException):
+    """A run past its own deadline (3x its estimate, at least a minute, never past the budget): its row says so
+    and the check goes on with the next run (HF's compiled runs can recompile every step)."""
+
+
+def _on_alarm(signum, frame):
+    raise OverTime()
 
 
 def log(msg: str = "", out: Path | None = None) -> None:
@@ -203,6 +213,7 @@ def main(argv=None) -> int:
         return 2
     t_start = time.perf_counter()
     previous = signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGALRM, _on_alarm)
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)
     out = Path(a.out) if a.out else None
@@ -254,6 +265,8 @@ def main(argv=None) -> int:
             current = f"{model}/{seq_len}/{method}"
             reset(device)
             t0 = time.perf_counter()
+            allowed = min(a.budget_s - elapsed, max(3 * est, MIN_RUN_S))
+            signal.setitimer(signal.ITIMER_REAL, allowed)
             row = {"model": model, "seq_len": seq_len, "method": method}
             try:
                 if method.startswith("densebatch"):
@@ -264,12 +277,17 @@ def main(argv=None) -> int:
             except OutOfMemory as e:
                 report.add(row | {"note": str(e), "seconds": time.perf_counter() - t0})
                 continue
+            except OverTime:
+                note = f"stopped after {time.perf_counter() - t0:.0f} s: over its time (estimated {est:.0f} s)"
+                report.add(row | {"note": note, "seconds": time.perf_counter() - t0})
+                continue
             except Stopped:
                 raise
             except Exception as e:  # one failing run must not hide the others
                 report.add(row | {"note": f"FAILED: {type(e).__name__}: {str(e)[:200]}", "seconds": time.perf_counter() - t0})
                 continue
             finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
                 reset(device)
             current, seconds = None, time.perf_counter() - t0
             ratios.append(seconds / prior_s(a, model, seq_len, method))
@@ -303,6 +321,7 @@ def main(argv=None) -> int:
         report.not_run += [(*r, "stopped by SIGTERM") for r in runs if r not in done]
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the table is written whole
+        signal.setitimer(signal.ITIMER_REAL, 0)
         report.write()
         log("\n" + report.table(), out)
         log(f"total {time.perf_counter() - t_start:.0f} s (budget {a.budget_s:.0f} s)", out)
