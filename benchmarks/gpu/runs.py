@@ -1,8 +1,9 @@
-"""The runs of the GPU benchmark (``bench.py``): densebatch and Hugging Face Trainer on the same model,
-documents and real tokens per step, each timed per optimizer step with CUDA synchronised at step ends."""
+"""The runs of the GPU check (``bench.py``): densebatch and Hugging Face Trainer on the same model, documents
+and real tokens per optimizer step, each timed per optimizer step with CUDA synchronised at step ends."""
 
 from __future__ import annotations
 
+import gc
 import math
 import tempfile
 import time
@@ -19,9 +20,13 @@ def sync(device: torch.device) -> None:
 
 
 class Result:
-    def __init__(self, method: str, seconds, real, slots, peak_mem: float, losses=(), note: str = ""):
-        self.method, self.seconds, self.real, self.slots, self.peak_mem = method, list(seconds), list(real), list(slots), peak_mem
-        self.losses, self.note = list(losses), note
+    """One run's timed steps: seconds, real tokens and token slots per optimizer step; the run's true peak memory
+    (GiB, allocated and reserved; NaN on CPU); losses; the kernel it ran and any note; compiled graph breaks."""
+
+    def __init__(self, seconds, real, slots, peak=(math.nan, math.nan), losses=(), note="", kernel="", graph_breaks=None):
+        self.seconds, self.real, self.slots = list(seconds), list(real), list(slots)
+        self.peak_alloc, self.peak_reserved = peak
+        self.losses, self.note, self.kernel, self.graph_breaks = list(losses), note, kernel, graph_breaks
 
     @property
     def tokens_per_s(self) -> float:
@@ -36,40 +41,63 @@ class Result:
         return sum(self.real) / max(1, len(self.real))
 
 
+class OutOfMemory(Exception):
+    """A run that ran out of device memory: a result ("OOM at N padded slots"), not a failure."""
+
+
 def reset(device: torch.device) -> None:
-    """A clean slate between runs: no compiled graphs, no cached blocks, peak memory counters reset."""
+    """A clean slate between runs: garbage collected, no compiled graphs, graph-break counts cleared, no cached
+    blocks, CUDA's peak counters reset (so each run's peak is its own)."""
+    gc.collect()
     torch._dynamo.reset()
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def gib(x: float) -> str:
-    return "-" if math.isnan(x) else f"{x:.1f}"
+def graph_breaks() -> int:
+    """Graph breaks dynamo counted since the last ``reset`` (one run's)."""
+    from torch._dynamo.utils import counters
+
+    return int(sum(counters["graph_break"].values()))
 
 
-def peak_mem(device) -> float:
-    return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
+def cuda_peak(device: torch.device) -> tuple[float, float]:
+    """(allocated, reserved) GiB at their peak since the last reset; NaN on CPU."""
+    if device.type != "cuda":
+        return math.nan, math.nan
+    return torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30
 
 
-def best_hf_attention(device: torch.device) -> str:
-    """What a Hugging Face user would pick for packed (flattened) rows: flash_attention_2 when the package
-    imports, else flex_attention on CUDA, else sdpa (which then builds a mask from position_ids)."""
+def gib(x: float | None) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x:.1f}"
+
+
+def best_hf_attention(device: torch.device, model_class) -> tuple[str, str]:
+    """What a Hugging Face user would pick for flattened rows, and why: flash_attention_2 when ``flash_attn``
+    imports (CUDA), else flex_attention where the model class supports it (Llama; not GPT-2 in transformers
+    5.17), else sdpa (whose mask transformers builds from the restarting position_ids)."""
     if device.type == "cuda":
         try:
             import flash_attn  # noqa: F401
 
-            return "flash_attention_2"
+            return "flash_attention_2", "flash_attn imports"
         except ImportError:
-            return "flex_attention"
-    return "sdpa"
+            pass
+        if getattr(model_class, "_supports_flex_attn", False):
+            return "flex_attention", "no flash_attn"
+        return "sdpa", f"no flash_attn; {model_class.__name__} has no flex_attention"
+    return "sdpa", "CPU"
 
 
 # -------------------------------------------------------------------------------------- runners
-def run_densebatch(a, store, device, model_dir: Path, precision: str, compile_: bool, kind: str = "hf") -> Result:
-    """densebatch ``packed``, ``a.slots`` token slots a step in rows of ``a.seq_len``: the same Hugging
-    Face model as the peers (``kind`` hf, attention densebatch: varlen FlashAttention on CUDA), or the
-    reference GPT of the same shape (``kind`` gpt, GPT-2 only)."""
+def run_densebatch(a, store, device, model_dir: Path, precision: str, compile_: bool) -> Result:
+    """densebatch ``packed``, ``a.slots`` token slots a step in rows of ``a.seq_len``, the Hugging Face model
+    through ``HFCausalLM`` (attention densebatch). Its peak memory is the run's true peak from the summary (the
+    monitor resets CUDA's counter every step); the kernel is what the summary says its layers ran."""
     from densebatch.config import BatchingConfig, ModelConfig, TrainConfig
     from densebatch.data.load.collate import collator_from_config
     from densebatch.data.load.loader import StepLoader
@@ -83,11 +111,7 @@ def run_densebatch(a, store, device, model_dir: Path, precision: str, compile_: 
         store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, store.meta, a.seed), a.seed, prefetch=bcfg.prefetch
     )
     torch.manual_seed(a.seed)
-    if kind == "gpt":
-        mcfg = ModelConfig(kind="gpt", n_layer=a.layers, n_head=a.heads, n_embd=a.width, block_size=a.seq_len)
-    else:
-        mcfg = ModelConfig(kind="hf", path=str(model_dir))
-    model = build_model(mcfg, a.vocab)
+    model = build_model(ModelConfig(kind="hf", path=str(model_dir)), a.vocab)
     tcfg = TrainConfig(
         max_steps=a.warmup_steps + a.steps,
         lr=3e-4,
@@ -104,31 +128,34 @@ def run_densebatch(a, store, device, model_dir: Path, precision: str, compile_: 
         ends.append(time.perf_counter())
         recs.append(dict(result.record))
 
-    reset(device)
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
             model, loader, tcfg, output_dir=out, placement=Placement(device=device), reporting=Reporting(console=False)
         )
         trainer.after_step = after_step
-        trainer.run()
+        summary = trainer.run().summary
         trainer.reset_data_iterator()
-        note = trainer.compiled.line() if trainer.compiled is not None else ""
+    peak = (summary.get("memory_peak") or [{}])[0]
+    gb = 1e9 / 2**30
+    mem = (peak.get("cuda_peak_allocated_gb", math.nan) * gb, peak.get("cuda_peak_reserved_gb", math.nan) * gb)
+    kernels = summary.get("attention") or {}
+    kernel = "; ".join(f"{k} x{n}" for k, n in kernels.items()) if len(kernels) > 1 else next(iter(kernels), "?")
     w = a.warmup_steps
     m = recs[w:]
     return Result(
-        "densebatch",
         np.diff(ends[w - 1 :]),
         [r["real_tokens"] for r in m],
         [r["slot_tokens"] for r in m],
-        peak_mem(device),
+        mem,
         [r["loss"] for r in recs],
-        note,
+        kernel=f"attention {kernel}",
+        graph_breaks=graph_breaks() if compile_ else None,
     )
 
 
 class PadCollator:
     """Right-pad to the longest feature: input_ids with pad_id, labels with -100, attention_mask 0/1
-    (what DataCollatorForSeq2Seq does, without needing a tokenizer). Logs (real, slots) per batch."""
+    (what DataCollatorForSeq2Seq does, without needing a tokenizer). Logs (real, slots) per micro-batch."""
 
     def __init__(self, pad_id: int):
         self.pad_id, self.log = pad_id, []
@@ -164,15 +191,23 @@ class Flattening:
         return out
 
 
-def run_hf(a, store, device, model_dir: Path, precision: str, compile_: bool, flatten: bool) -> Result:
-    """``transformers.Trainer``: ``flatten`` = ``DataCollatorWithFlattening`` + the best attention there is
-    (HF's recommended packing); otherwise padded batches under ``group_by_length`` with SDPA. Both take
-    ``a.examples`` documents a step, so their real tokens per step match densebatch's on average."""
+def run_hf(a, store, device, model_dir: Path, compile_: bool, flatten: bool) -> Result:
+    """``transformers.Trainer`` with ``a.examples`` documents an optimizer step (densebatch's real tokens a step on
+    average). ``flatten``: ``DataCollatorWithFlattening`` + the best attention the image has (named). Else the
+    ``group_by_length`` peer: padded micro-batches of at most ``a.slots // a.seq_len`` rows (HF's sampler puts
+    its longest batch first: unbounded, one step of ~100 documents pads to 5-8x densebatch's slots), with
+    gradient accumulation up to the same documents a step, SDPA; out of memory raises ``OutOfMemory`` naming
+    the padded slots of the micro-batch that did not fit."""
     from transformers import AutoConfig, AutoModelForCausalLM, PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
     feats = [{"input_ids": store.document(i)[0].tolist()} for i in range(len(store))]
-    attn = best_hf_attention(device) if flatten else "sdpa"
+    config = AutoConfig.from_pretrained(model_dir)
+    cls = AutoModelForCausalLM._model_mapping[type(config)]
+    attn, why = best_hf_attention(device, cls) if flatten else ("sdpa", "padded rows")
     collator = Flattening(attn == "flash_attention_2") if flatten else PadCollator(a.vocab - 1)
+    rows = max(1, a.slots // a.seq_len)  # a micro-batch's rows: at most densebatch's slots, padded
+    accum = 1 if flatten else math.ceil(a.examples / rows)
+    per_step = a.examples if flatten else math.ceil(a.examples / accum)
     ends: list[float] = []
     losses: list[float] = []
 
@@ -186,12 +221,12 @@ def run_hf(a, store, device, model_dir: Path, precision: str, compile_: bool, fl
                 losses.append(float(logs["loss"]))
 
     torch.manual_seed(a.seed)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), attn_implementation=attn)
-    reset(device)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
     with tempfile.TemporaryDirectory() as out:
         kw = dict(
             output_dir=out,
-            per_device_train_batch_size=a.examples,
+            per_device_train_batch_size=per_step,
+            gradient_accumulation_steps=accum,
             max_steps=a.warmup_steps + a.steps,
             learning_rate=3e-4,
             report_to="none",
@@ -207,7 +242,7 @@ def run_hf(a, store, device, model_dir: Path, precision: str, compile_: bool, fl
         if not flatten:
             kw["train_sampling_strategy"] = "group_by_length"
         if device.type == "cuda":
-            kw.update(bf16=precision == "bf16", optim="adamw_torch_fused", dataloader_pin_memory=True)
+            kw.update(bf16=True, optim="adamw_torch_fused", dataloader_pin_memory=True)
         else:
             kw.update(use_cpu=True, dataloader_pin_memory=False)
         with warnings.catch_warnings():
@@ -216,9 +251,26 @@ def run_hf(a, store, device, model_dir: Path, precision: str, compile_: bool, fl
                 model=model, args=TrainingArguments(**kw), train_dataset=feats, data_collator=collator, callbacks=[Timer()]
             )
             trainer.remove_callback(PrinterCallback)  # the losses are logged every step for Timer, not printed
-            trainer.train()
+            try:
+                trainer.train()
+            except torch.OutOfMemoryError:
+                slots = collator.log[-1][1] if collator.log else 0
+                del trainer, model
+                raise OutOfMemory(f"OOM at {slots:,} padded slots ({per_step} rows x {accum} micro-batches a step)") from None
     w = a.warmup_steps
-    m = collator.log[w : w + a.steps]
+    m = collator.log[w * accum : (w + a.steps) * accum]
+    real = [sum(x for x, _ in m[i : i + accum]) for i in range(0, len(m), accum)]
+    slots = [sum(y for _, y in m[i : i + accum]) for i in range(0, len(m), accum)]
+    note = (
+        "" if flatten else f"{per_step} rows x {accum} micro-batches a step, longest micro-batch {max(y for _, y in m):,} slots"
+    )
     return Result(
-        "hf", np.diff(ends[w - 1 :]), [x for x, _ in m], [y for _, y in m], peak_mem(device), losses, f"attention {attn}"
+        np.diff(ends[w - 1 :]),
+        real,
+        slots,
+        cuda_peak(device),
+        losses,
+        note=note,
+        kernel=f"attention {attn} ({why})",
+        graph_breaks=graph_breaks() if compile_ else None,
     )

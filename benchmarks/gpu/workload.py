@@ -36,3 +36,12 @@ def make_documents(lengths: np.ndarray, seq_len: int, vocab: int, total_tokens: 
     ends = np.cumsum(lens) - 1
     tokens[ends] = vocab - 1  # end-of-text = the last id, as GPT-2's 50256
     return lens, tokens
+
+
+def long_lengths(seq_len: int, n: int = 400, seed: int = 0) -> tuple[np.ndarray, str]:
+    """The long-document set of the long context: lengths log-uniform between seq_len / 32 and seq_len (8k
+    context: 256 to 8,192 tokens), so a row holds documents up to the whole context, not only oasst's ~3k."""
+    rng = np.random.default_rng(seed)
+    low = max(8, seq_len // 32)
+    lengths = np.rint(np.exp(rng.uniform(math.log(low), math.log(seq_len), n))).astype(np.int64)
+    return lengths, f"long documents: log-uniform {low}..{seq_len} tokens (median {int(np.median(lengths))}), {n} documents"

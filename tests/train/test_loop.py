@@ -386,3 +386,16 @@ def test_two_ranks_normalise_by_the_tokens_of_both(tiny, tmp_path):
     assert ((mean - g1).abs().max() / g1.abs().max()).item() <= 1e-6
     assert stats[0]["loss"] == pytest.approx(s1["loss"], rel=1e-12) and stats[1]["loss"] == pytest.approx(s1["loss"], rel=1e-12)
     assert stats[0]["loss_tokens"] == stats[1]["loss_tokens"] == s1["loss_tokens"]
+
+
+def test_the_last_record_holds_the_run_s_peak_memory_and_attention_kernels(tiny, tmp_path):
+    """metrics.jsonl ends with ``"kind": "run"``: each rank's true peak memory and the kernels its layers ran
+    (none here: the tiny model has no attention; tests/model/test_torch_releases.py checks the record of
+    ``attend``); the summary shows the peak."""
+    batches = [tiny.collate(tiny.make_docs(3, seed=s)) for s in range(2)]
+    result = _trainer(tiny, tmp_path, tiny.ListLoader(batches), _cfg(max_steps=2)).run()
+    last = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert last["kind"] == "run" and last["step"] == 2 and last["stop_reason"] == result.stop_reason
+    assert len(last["memory_peak"]) == 1 and last["memory_peak"][0]["mem_peak_rss_gb"] > 0  # CPU: no CUDA figures
+    assert last["attention"] == [] and result.summary["attention"] == {}
+    assert result.summary["memory_peak"] == last["memory_peak"] and "peak memory      rank 0:" in result.text

@@ -115,3 +115,88 @@ def test_console_on_a_terminal_draws_a_bar_with_the_numbers():
     assert "loss=0.2500" in out and "fill=0.970" in out and "tok/s=200" in out and "4/10" in out
     assert lines == ["eval line"]
     assert Console(10, 0, progress=False, stream=_Terminal()).bar is None  # train.progress: false
+
+
+class _FakeCuda:
+    """torch.cuda's peak-memory counters as a device would keep them: a peak since the last reset."""
+
+    def __init__(self):
+        self.now = self.allocated = self.reserved = 0
+
+    def use(self, allocated: int, reserved: int) -> None:  # a moment of the run holding this much
+        self.allocated, self.reserved = max(self.allocated, allocated), max(self.reserved, reserved)
+
+    def max_memory_allocated(self, device=None):
+        return self.allocated
+
+    def max_memory_reserved(self, device=None):
+        return self.reserved
+
+    def reset_peak_memory_stats(self, device=None):
+        self.allocated = self.reserved = 0
+
+
+def test_the_run_peak_survives_the_per_step_resets(monkeypatch):
+    """Each step's record holds that step's peak (the counter is reset per step); the run's true peak, in the
+    last record, is the largest any moment saw: a big middle step, and an evaluation after the last step.
+    Every rank's peak is gathered; the next run starts afresh."""
+    import torch
+
+    from densebatch import torch_features
+    from densebatch.train.observe.monitor import finish_run, resource_usage
+
+    fake = _FakeCuda()
+    for name in ("max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    dev = torch.device("cuda", 0)
+    finish_run(dev, lambda mine: [mine], lambda rec: None, 0, "start")  # a run before this one left nothing behind
+    steps = [(7e9, 8e9), (50e9, 60e9), (9e9, 61e9)]  # (allocated, reserved) each step at its peak
+    records = []
+    for allocated, reserved in steps:
+        fake.use(int(allocated), int(reserved))
+        records.append(resource_usage(dev))
+    assert [r["cuda_max_allocated_gb"] for r in records] == [7.0, 50.0, 9.0]  # per step, as before
+    assert records[-1]["cuda_max_reserved_gb"] == 61.0
+    fake.use(int(55e9), int(62e9))  # the final evaluation, after the last step's record
+    torch_features.record_kernel("varlen (FlashAttention) bf16")
+    other_rank = {"cuda_peak_allocated_gb": 56.5, "cuda_peak_reserved_gb": 60.0, "mem_peak_rss_gb": 2.0}
+    written = []
+    facts = finish_run(dev, lambda mine: [mine, other_rank], written.append, 3, "max_steps")
+    (rec,) = written
+    assert rec["kind"] == "run" and rec["step"] == 3 and rec["stop_reason"] == "max_steps"
+    mine = rec["memory_peak"][0]
+    assert mine["cuda_peak_allocated_gb"] == 55.0 and mine["cuda_peak_reserved_gb"] == 62.0 and "mem_peak_rss_gb" in mine
+    assert rec["memory_peak"][1] == other_rank
+    assert rec["cuda_peak_allocated_gb"] == 56.5 and rec["cuda_peak_reserved_gb"] == 62.0  # the largest of the ranks
+    assert rec["attention"] == [{"kernel": "varlen (FlashAttention) bf16", "layer_calls": 1}]
+    assert facts == {"memory_peak": rec["memory_peak"], "attention": {"varlen (FlashAttention) bf16": 1}}
+    fake.reset_peak_memory_stats()
+    again = []
+    finish_run(dev, lambda mine: [mine], again.append, 0, "next")
+    assert again[0]["cuda_peak_allocated_gb"] == 0.0 and again[0]["attention"] == []  # the next run starts afresh
+    cpu = []
+    finish_run(torch.device("cpu"), lambda mine: [mine], cpu.append, 0, "cpu")
+    assert set(cpu[0]["memory_peak"][0]) == {"mem_peak_rss_gb"} and "cuda_peak_allocated_gb" not in cpu[0]
+
+
+def test_summary_names_each_rank_s_true_peak_and_the_attention_kernels():
+    from densebatch.train.observe.monitor import format_summary
+
+    s = {
+        "stop_reason": "max_steps",
+        "steps": 3,
+        "real_tokens": 10,
+        "loss_tokens": 8,
+        "fill_rate": 1.0,
+        "epoch": 0.5,
+        "elapsed_s": 1.0,
+        "output_dir": "runs/x",
+        "memory_peak": [
+            {"cuda_peak_allocated_gb": 50.0, "cuda_peak_reserved_gb": 61.5, "mem_peak_rss_gb": 3.0},
+            {"cuda_peak_allocated_gb": 49.0, "cuda_peak_reserved_gb": 60.0, "mem_peak_rss_gb": 3.1},
+        ],
+        "attention": {"varlen (FlashAttention) bf16": 48},
+    }
+    text = format_summary(s)
+    assert "rank 0: 50.00 GB allocated, 61.50 GB reserved" in text and "rank 1: 49.00 GB allocated" in text
+    assert "attention        varlen (FlashAttention) bf16 (48 layer calls)" in text

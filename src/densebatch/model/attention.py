@@ -13,7 +13,8 @@ increments at every ``positions == 0``) and the key is not after the query. Back
 - ``flex``: ``flex_attention`` with a block mask of the document ids (compiled on CUDA). On CPU
   torch 2.13 runs it forward-only and unfused, so it is never picked there when gradients flow.
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` on the flattened rows (FlashAttention;
-  CUDA and fp16/bf16 only; fp32 and soft-capped layers go to ``flex``, attention dropout to ``segmented``).
+  CUDA and fp16/bf16 only; fp32 and soft-capped layers go to ``flex``, attention dropout to ``segmented``),
+  called with the keywords the installed release's signature takes (``torch_features.varlen_call``).
 
 Every backend ends in ``kernels.kernel`` (or FlashAttention / flex) with what the layer asks for
 (``AttnOptions``: grouped-query heads, a sliding window, a soft-cap, a scale).
@@ -33,12 +34,12 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
+from densebatch import torch_features
 from densebatch.batch import IGNORE_INDEX, Batch, document_ids
 from densebatch.errors import ConfigError
-from densebatch.model.kernels import PLAIN, AttnOptions, capped_attention, kernel
+from densebatch.model.kernels import PLAIN, AttnOptions, kernel
 from densebatch.model.segmented import SegmentPlan, segment_plan, segmented_attention
 
 BACKENDS = ("auto", "flex", "varlen", "segmented", "masked")
@@ -84,14 +85,6 @@ def only_padding_after_first_document(batch: Batch) -> bool:
     return bool(((batch.labels != IGNORE_INDEX) & first).any(-1).all())
 
 
-def _varlen_fn():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # torch < 2.9
-        return None
-    return varlen_attn
-
-
 @lru_cache(maxsize=1)
 def _compiled_flex():
     # flex_attention is only fused (and memory-light) when compiled; eager materialises T x T scores.
@@ -101,11 +94,7 @@ def _compiled_flex():
 
 
 def _flex_available() -> bool:
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return torch_features.flex_attention() is not None
 
 
 def available_backends(device: torch.device | str, training: bool = True) -> list[str]:
@@ -113,7 +102,7 @@ def available_backends(device: torch.device | str, training: bool = True) -> lis
     fastest first: the first one is what ``auto`` picks."""
     dev = torch.device(device)
     if dev.type == "cuda":
-        fused = (["varlen"] if _varlen_fn() is not None else []) + (["flex"] if _flex_available() else [])
+        fused = (["varlen"] if torch_features.varlen() is not None else []) + (["flex"] if _flex_available() else [])
         return fused + ["segmented", "masked"]
     # CPU (and others): segmented skips the scores across documents that masked computes and then
     # discards. flex is forward-only and unfused here (slower than masked SDPA), so it is offered
@@ -137,7 +126,7 @@ def pick_backend(name: str, device: torch.device | str, training: bool = True, s
     if name not in avail:
         why = {
             "flex": "flex_attention has no backward pass on CPU in this torch",
-            "varlen": "varlen_attn needs CUDA (FlashAttention) and torch >= 2.9",
+            "varlen": "varlen_attn needs CUDA (FlashAttention) and a torch that has torch.nn.attention.varlen",
         }.get(name, "")
         raise ValueError(
             f"model.attention: {name!r} cannot run on {torch.device(device).type} here ({why}); "
@@ -244,16 +233,34 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
     ``Hkv`` may divide ``H`` (grouped-query attention: key/value heads are shared, not repeated).
     ``opts`` (scale, sliding window, soft-cap) are honoured by every backend; a kernel that cannot
     compute something hands the layer on: varlen (no fp32, no soft-cap, no dropout in FlashAttention's
-    varlen kernel) to flex with a document block mask on CUDA, attention dropout (which flex lacks) to the
-    exact segmented path, whose indices are built once per plan. A plan with ``causal`` False (an encoder)
-    makes every backend bidirectional within documents."""
+    varlen kernel, or a keyword this torch's ``varlen_attn`` lacks) to flex with a document block mask on
+    CUDA, attention dropout (which flex lacks) to the exact segmented path, whose indices are built once per
+    plan. A plan with ``causal`` False (an encoder) makes every backend bidirectional within documents.
+
+    Inside autocast, q, k and v enter the kernel in autocast's dtype: a rotary step computed in the fp32
+    residual stream (transformers' RoPE next to fp32 master weights) makes q and k fp32 beside a bf16 v, and
+    would otherwise push the layer off FlashAttention. Each call is counted in ``torch_features``' record
+    of kernels (``varlen (FlashAttention) bf16``, or the fallback and why) for the run's summary."""
+    low = torch_features.autocast_dtype(q.device.type)
+    if low is not None:
+        q, k, v = (x if x.dtype == low else x.to(low) for x in (q, k, v))
+    out, what = _dispatch(q, k, v, plan, dropout_p, opts)
+    torch_features.record_kernel(f"{what} {_DTYPE_NAMES.get(q.dtype, str(q.dtype))}")
+    return out
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
+
+
+def _dispatch(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float, opts: AttnOptions) -> tuple[Tensor, str]:
+    """``attend``'s work: the output and what computed it (the kernel's name, then any fallback and why)."""
     if opts.causal != plan.causal:
         opts = dataclasses.replace(opts, causal=plan.causal)
     if plan.backend == "causal":  # whole rows (one document each, or no padding): no document mask needed
         windowed = opts.window is not None and opts.window < q.shape[-2] or opts.softcap
         if windowed and plan.positions is not None:  # per document, not over the padding run too
-            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
-        return kernel(q, k, v, None, dropout_p, opts)
+            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts), "segmented (SDPA by length bucket)"
+        return kernel(q, k, v, None, dropout_p, opts), "causal (SDPA, one document per row)"
     if plan.backend == "masked":
         if q.shape[-2] != k.shape[-2]:  # decoding against a KV cache: the mask already says everything but the window
             mask = plan.mask
@@ -261,43 +268,53 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
                 Tq, Tk = q.shape[-2], k.shape[-2]
                 qi = torch.arange(Tk - Tq, Tk, device=q.device)
                 mask = mask & (qi[:, None] - torch.arange(Tk, device=q.device)[None, :] < opts.window)
-            if opts.softcap:
-                return capped_attention(q, k, v, mask, dropout_p, opts)
-            gqa = k.shape[1] != q.shape[1]
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=opts.scale, enable_gqa=gqa)
-        return kernel(q, k, v, plan.mask, dropout_p, opts)
+            return kernel(q, k, v, mask, dropout_p, dataclasses.replace(opts, window=None)), "masked (SDPA, KV cache)"
+        return kernel(q, k, v, plan.mask, dropout_p, opts), "masked (SDPA)"
     if plan.backend == "segmented":
-        return segmented_attention(q, k, v, plan.segments, dropout_p, opts)
+        return segmented_attention(q, k, v, plan.segments, dropout_p, opts), "segmented (SDPA by length bucket)"
     if plan.backend == "flex":
         if dropout_p:  # flex has no attention dropout: the segmented path honours it
-            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
-        return _flex_attention(q, k, v, plan, opts)
+            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts), "segmented (flex: attention dropout)"
+        return _flex_attention(q, k, v, plan, opts), "flex" if torch_features.varlen() else "flex (this torch has no varlen_attn)"
     if plan.backend == "varlen":
-        if q.dtype not in (torch.float16, torch.bfloat16) or opts.softcap or dropout_p:
-            # FlashAttention's varlen kernel has no fp32, no soft-cap and no dropout: flex with a document
-            # block mask where it runs (CUDA; no dropout), else the exact segmented path.
-            if not dropout_p and q.is_cuda and _flex_available():
-                return _flex_attention(q, k, v, plan, opts)
-            return segmented_attention(q, k, v, _segments(plan), dropout_p, opts)
-        rows, H, T, D = q.shape
-        Hkv = k.shape[1]
-        flat = lambda x, h: x.transpose(1, 2).reshape(rows * T, h, D)  # noqa: E731  (rows*T, h, D)
-        left = -1 if opts.window is None else opts.window - 1  # FlashAttention's window counts the keys before q
-        right = 0 if plan.causal else left  # and those after it: (-1, -1) = the whole document
-        out = _varlen_fn()(
-            flat(q, H),
-            flat(k, Hkv),
-            flat(v, Hkv),
-            plan.cu_seqlens,
-            plan.cu_seqlens,
-            plan.max_len,
-            plan.max_len,
-            scale=opts.scale,
-            window_size=(left, right),  # (-1, 0) = causal in varlen_attn
-            enable_gqa=Hkv != H,
-        )
-        return out.view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)
+        return _varlen_attention(q, k, v, plan, dropout_p, opts)
     raise AssertionError(f"unknown plan backend {plan.backend}")
+
+
+def _varlen_attention(
+    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float, opts: AttnOptions
+) -> tuple[Tensor, str]:
+    """FlashAttention's varlen kernel over the flattened rows, called with the keywords this torch's
+    ``varlen_attn`` takes (``torch_features.varlen_call``); what it cannot compute goes to flex (CUDA, no
+    dropout) or the exact segmented path, named with the reason."""
+    features = torch_features.varlen()
+    rows, H, T, D = q.shape
+    Hkv = k.shape[1]
+    kw, why = None, ""
+    if features is None:
+        why = "this torch has no varlen_attn"
+    elif q.dtype not in (torch.float16, torch.bfloat16):
+        why = f"FlashAttention has no {_DTYPE_NAMES.get(q.dtype, q.dtype)}"
+    elif opts.softcap:
+        why = "FlashAttention's varlen kernel has no soft-cap"
+    elif dropout_p:
+        why = "varlen_attn has no dropout"
+    else:
+        kw, why = torch_features.varlen_call(
+            features, causal=plan.causal, window=opts.window, scale=opts.scale, head_dim=D, gqa=Hkv != H
+        )
+    if kw is None:
+        if not dropout_p and q.is_cuda and _flex_available():
+            return _flex_attention(q, k, v, plan, opts), f"flex (varlen: {why})"
+        return segmented_attention(q, k, v, _segments(plan), dropout_p, opts), f"segmented (varlen: {why})"
+    what = "varlen (FlashAttention)"
+    if Hkv != H and not features.enable_gqa and not torch_features.varlen_takes_grouped_heads(features.fn, str(q.device)):
+        # This release's kernel refuses fewer key/value heads: expanded, exact (each query head reads its group's).
+        k, v = (x.repeat_interleave(H // Hkv, dim=1) for x in (k, v))  # (rows, H, T, D)
+        Hkv, what = H, "varlen (FlashAttention, key/value heads expanded: this torch's varlen_attn takes no enable_gqa)"
+    flat = lambda x, h: x.transpose(1, 2).reshape(rows * T, h, D)  # noqa: E731  (rows*T, h, D)
+    out = features.fn(flat(q, H), flat(k, Hkv), flat(v, Hkv), plan.cu_seqlens, plan.cu_seqlens, plan.max_len, plan.max_len, **kw)
+    return out.view(rows, T, H, D).transpose(1, 2), what  # (rows, H, T, D)
 
 
 def _flex_mask(plan: AttentionPlan, window: int | None):
@@ -338,7 +355,8 @@ def _flex_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, opts: 
     else:
         from torch.nn.attention.flex_attention import flex_attention as fn
     block_mask = _flex_mask(plan, opts.window)
-    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=opts.scale, enable_gqa=k.shape[1] != q.shape[1])
+    gqa = k.shape[1] != q.shape[1]
+    return fn(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=opts.scale, **({"enable_gqa": True} if gqa else {}))
 
 
 def _segments(plan: AttentionPlan) -> SegmentPlan:

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from densebatch import torch_features
+
 
 def kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
     """Causal attention of q (n, H, L, D) over k, v (n, Hkv, L, D) (``mask``, if given, replaces the
@@ -30,13 +32,17 @@ def kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
         dist = idx[:, None] - idx[None, :]  # (L, L) q - k
         band = (dist >= 0) & (dist < opts.window) if opts.causal else dist.abs() < opts.window  # as transformers' overlays
         mask = band if mask is None else mask & band
-    gqa = k.shape[1] != q.shape[1]
     if opts.softcap:
         return capped_attention(q, k, v, mask, dropout_p, opts)
+    gqa = {}
+    if k.shape[1] != q.shape[1]:  # grouped heads: shared by SDPA where it takes enable_gqa, else repeated (exact)
+        if torch_features.sdpa_gqa():
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))  # (n, H, L, D)
     if mask is None:
-        causal = opts.causal
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, scale=opts.scale, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=opts.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=opts.causal, scale=opts.scale, **gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=opts.scale, **gqa)
 
 
 def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from densebatch import torch_features
 from densebatch.batch import IGNORE_INDEX
 
 # Logits of at most this many bytes (float32) exist at once: the chunk is CHUNK_BYTES / (4 * vocab)
@@ -52,20 +53,10 @@ def chunk_tokens_for(vocab_size: int, chunk_bytes: int | None = None, device: to
     return max(16, chunk_bytes // (4 * vocab_size))
 
 
-_FP32_OUT: dict[str, bool] = {}
-
-
 def _fp32_out_matmul(device: torch.device) -> bool:
-    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` runs on bf16/fp16 inputs here (CUDA in
-    torch >= 2.8; not on CPU): then the weight gradient is accumulated in fp32 by the product itself."""
-    key = device.type
-    if key not in _FP32_OUT:
-        try:
-            a = torch.ones(2, 2, dtype=torch.bfloat16, device=device)
-            _FP32_OUT[key] = torch.addmm(torch.zeros(2, 2, device=device), a, a, out_dtype=torch.float32).dtype == torch.float32
-        except (RuntimeError, NotImplementedError, TypeError):
-            _FP32_OUT[key] = False
-    return _FP32_OUT[key]
+    """Whether ``torch.addmm(..., out_dtype=torch.float32)`` runs on bf16/fp16 inputs here (the op's schema
+    and a trial on the device: CUDA, not CPU): then the weight gradient is accumulated in fp32 by the product itself."""
+    return torch_features.addmm_out_dtype(device)
 
 
 def _add_product(grad_w: Tensor, d_t: Tensor, hc: Tensor) -> Tensor:
@@ -81,10 +72,8 @@ def _add_product(grad_w: Tensor, d_t: Tensor, hc: Tensor) -> Tensor:
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype autocast would give the head's matrix product (x's own dtype outside autocast)."""
-    dev = x.device.type
-    if torch.is_autocast_enabled(dev):
-        return torch.get_autocast_dtype(dev)
-    return x.dtype
+    low = torch_features.autocast_dtype(x.device.type)
+    return x.dtype if low is None else low
 
 
 # Devices where reading a tensor on the host costs nothing: there, backward checks whether a
@@ -241,7 +230,7 @@ def head_token_losses(
     rows, T, C = h.shape
     flat_labels = labels.reshape(-1)  # (N,)
     keep = flat_labels != IGNORE_INDEX  # (N,)
-    if num_loss_tokens is None:
+    if num_loss_tokens is None or not torch_features.nonzero_static():
         idx = torch.nonzero(keep).squeeze(1)  # (n,) found on the host
     else:
         idx = torch.nonzero_static(keep, size=int(num_loss_tokens)).squeeze(1)  # (n,) no host sync

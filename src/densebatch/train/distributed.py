@@ -19,6 +19,7 @@ import torch
 import torch.distributed as tdist
 from torch import Tensor, nn
 
+from densebatch import torch_features
 from densebatch.batch import Batch
 from densebatch.errors import ConfigError
 from densebatch.train.evaluate import AUTOCAST_DTYPES, resolve_precision
@@ -175,6 +176,7 @@ def wrap_model(model: nn.Module, mode: str, dist: Distributed, precision: str = 
         ids = [dist.device.index] if dist.device.type == "cuda" else None
         return DDP(forward, device_ids=ids)
     if mode == "fsdp":
+        torch_features.require(torch_features.fully_shard(), "FSDP2's fully_shard(mp_policy=)", "train.distributed: fsdp")
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         low = resolve_precision(dist.device, precision)

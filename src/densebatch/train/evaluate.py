@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
+from densebatch import torch_features
 from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.errors import ConfigError
 
@@ -38,8 +39,7 @@ def allow_tf32(device: torch.device) -> bool:
     the optimizer's and the loss head's own products); True when switched on."""
     if device.type != "cuda":
         return False
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch_features.allow_tf32()  # the fp32_precision API where the release has it, never mixed with the legacy flags
     return True
 
 

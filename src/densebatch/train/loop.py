@@ -32,7 +32,7 @@ from densebatch.train.contracts import StepSource
 from densebatch.train.distributed import Distributed, TokenLosses, gradient_sync
 from densebatch.train.evaluate import EvalResult, allow_tf32, by_source, evaluate, resolve_precision
 from densebatch.train.guard import AnomalyGuard, FixedClipper
-from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
+from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, finish_run, format_summary, resource_usage
 from densebatch.train.oom import OOMLog, Passes, accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
@@ -106,10 +106,8 @@ class Trainer:
         self.state = TrainState(total_steps=total_steps)
         self.should_stop = False  # set from a signal handler: finish the current step, then stop
         self.metrics: MetricsWriter | None = None  # open during run(); the session writes its events here
-        self.sinks = list(sinks)
-        self.health = health
-        self.console = Console(None, 0, enabled=False)
-        self._show_console = console and self.dist.is_main
+        self.sinks, self.health = list(sinks), health
+        self.console, self._show_console = Console(None, 0, enabled=False), console and self.dist.is_main
         self._it: Iterator[Step] | None = None  # created lazily so that load_state_dict can reposition data
         self._mark = time.perf_counter()
         self._session_tokens, self._session_seconds = 0, 0.0
@@ -335,7 +333,7 @@ class Trainer:
         self._data_wait = time.perf_counter() - t
         return step
 
-    _data_wait, _step_began, _first_record = 0.0, 0.0, True
+    _data_wait, _step_began, _first_record, _facts = 0.0, 0.0, True, {}  # _facts: the run's peak memory and kernels
 
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""
@@ -358,6 +356,7 @@ class Trainer:
                     self.compiled.after_step()
             if reason != "interrupted" and self.state.last_eval_step != self.state.step:
                 self.evaluate_now()
+            self._facts = finish_run(self.device, self.dist.gather_object, self.write_record, self.state.step, reason)
         finally:
             # Stop the loader's prefetch thread now: left to interpreter shutdown, a daemon thread inside
             # a torch op is killed mid-call ("terminate called without an active exception", SIGABRT).
@@ -379,7 +378,7 @@ class Trainer:
 
     def summary(self, stop_reason: str) -> dict:
         """The counters plus ``stop_reason``, ``steps``, ``fill_rate``, ``final_loss``, ``final_eval``,
-        this session's tokens and seconds, ``output_dir``."""
+        this session's tokens and seconds, ``output_dir``, ``memory_peak`` (per rank) and ``attention`` (kernels)."""
         st = self.state
         return dataclasses.asdict(st) | {
             "stop_reason": stop_reason,
@@ -397,4 +396,5 @@ class Trainer:
             + (", TF32 matmuls" if self.tf32 else ""),
             **(self.compiled.record() if self.compiled is not None else {}),
             "warnings": [w.as_record() for w in self.health.summary()] if self.health is not None else [],
+            **self._facts,
         }

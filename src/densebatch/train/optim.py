@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from densebatch import torch_features
 from densebatch.config import TrainConfig
 from densebatch.train.distributed import repeated_blocks
 
@@ -96,7 +97,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """
     groups = param_groups(model, cfg)
     params = [p for g in groups for p in g["params"]]
-    fused = bool(params) and all(_fused_ok(p) for p in params)
+    fused = torch_features.fused_adamw() and bool(params) and all(_fused_ok(p) for p in params)
     impl = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.optimizer.beta1, cfg.optimizer.beta2), eps=cfg.optimizer.eps, **impl)
 

@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from densebatch import torch_features
+
 
 def is_sharded(model: nn.Module) -> bool:
     """True when FSDP2 has turned the parameters into DTensor shards."""
@@ -26,6 +28,9 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def _options(full: bool):
+    torch_features.require(
+        torch_features.dcp_state_dict(), "torch.distributed.checkpoint.state_dict's helpers", "a sharded (FSDP2) state"
+    )
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(full_state_dict=full)

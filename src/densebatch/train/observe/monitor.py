@@ -1,7 +1,8 @@
 """What a run shows and leaves behind: metrics.jsonl, the progress bar / periodic log lines, the summary.
 
 ``metrics.jsonl`` holds one JSON object per line: ``"kind": "train"`` per optimizer step, ``"kind":
-"eval"`` per evaluation (other kinds, e.g. anomaly events, may be added by the caller). Every line is
+"eval"`` per evaluation (other kinds, e.g. anomaly events, may be added by the caller), and last ``"kind":
+"run"`` (the run's true peak memory per rank and the attention kernels its layers ran). Every line is
 flushed as it is written, so a killed process leaves only complete lines (at most one torn last line,
 which ``read_metrics`` and ``truncate_metrics`` ignore). Non-finite floats are written as ``null``
 so the file stays strict JSON.
@@ -20,6 +21,7 @@ from typing import Any, TextIO
 import torch
 from tqdm import tqdm
 
+from densebatch import torch_features
 from densebatch.atomic import write_file
 
 try:
@@ -102,10 +104,51 @@ def truncate_metrics(path: str | Path, after_step: int) -> int:
     return len(lines) - len(kept)
 
 
-def resource_usage(device: torch.device) -> dict[str, float]:
+class _RunPeak:
+    """The run's true peak device memory (allocated and reserved, this process), kept across the per-step resets.
+
+    CUDA keeps one peak counter per process; ``resource_usage`` reads it for each step's record and resets it,
+    so a step's record holds that step's peak. Before each reset the reading is folded in here (process-wide,
+    as the counter is), and ``finish_run`` folds in what came after the last step (an evaluation)."""
+
+    def __init__(self) -> None:
+        self.allocated = self.reserved = 0  # bytes
+
+    def fold(self, allocated: int, reserved: int) -> None:
+        self.allocated, self.reserved = max(self.allocated, allocated), max(self.reserved, reserved)
+
+    def read(self, device: torch.device) -> dict[str, float]:
+        """``cuda_peak_allocated_gb`` / ``cuda_peak_reserved_gb`` so far (CUDA; the counter is not reset) and the
+        process's peak resident memory ``mem_peak_rss_gb`` (every device)."""
+        out = {k: v for k, v in resource_usage(device, reset=False).items() if k == "mem_peak_rss_gb"}
+        if device.type == "cuda":
+            self.fold(torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+            out |= {"cuda_peak_allocated_gb": self.allocated / 1e9, "cuda_peak_reserved_gb": self.reserved / 1e9}
+        return out
+
+
+RUN_PEAK = _RunPeak()
+
+
+def finish_run(device: torch.device, gather: Callable, write: Callable[[dict], None], step: int, reason: str) -> dict:
+    """Write the run's last record (``"kind": "run"``: every rank's true peak memory, the largest of them, and
+    the attention kernels this rank's layers ran, with any fallback's reason) and return its facts for the
+    summary; then start the next run's afresh. ``gather``: every rank's object (a collective: every rank calls)."""
+    peaks = gather(RUN_PEAK.read(device))  # [rank 0's, rank 1's, ...]
+    facts = {"memory_peak": peaks, "attention": torch_features.kernels_used()}
+    top = {k: max(p[k] for p in peaks) for k in ("cuda_peak_allocated_gb", "cuda_peak_reserved_gb") if k in peaks[0]}
+    kernels = [{"kernel": k, "layer_calls": n} for k, n in facts["attention"].items()]  # a list: not a sink's scalars
+    write({"kind": "run", "step": step, "stop_reason": reason} | top | facts | {"attention": kernels})
+    RUN_PEAK.allocated = RUN_PEAK.reserved = 0
+    torch_features.reset_kernels()
+    return facts
+
+
+def resource_usage(device: torch.device, reset: bool = True) -> dict[str, float]:
     """Memory figures for a step's record, in GB: the process's resident memory now and its peak
     (CPU), and on CUDA the peak allocated / reserved since the previous call (the peak is reset
-    here, so each record holds its own step's peak). A few microseconds; no device synchronisation."""
+    here, so each record holds its own step's peak; ``RUN_PEAK`` keeps the run's). A few microseconds; no
+    device synchronisation."""
     out: dict[str, float] = {}
     try:
         with open("/proc/self/statm", encoding="ascii") as f:
@@ -117,9 +160,11 @@ def resource_usage(device: torch.device) -> dict[str, float]:
         # The kernel's RSS counters are approximate (per-CPU batches): the peak may read a few hundred kB
         # below the resident figure read just before; a peak is never below the present.
         out["mem_peak_rss_gb"] = max(peak, out.get("mem_rss_gb", 0.0))
-    if device.type == "cuda":
-        out["cuda_max_allocated_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-        out["cuda_max_reserved_gb"] = torch.cuda.max_memory_reserved(device) / 1e9
+    if device.type == "cuda" and reset:
+        allocated, reserved = torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+        RUN_PEAK.fold(allocated, reserved)
+        out["cuda_max_allocated_gb"] = allocated / 1e9
+        out["cuda_max_reserved_gb"] = reserved / 1e9
         torch.cuda.reset_peak_memory_stats(device)
     return out
 
@@ -260,5 +305,15 @@ def format_summary(s: dict) -> str:
         lines.append(
             f"ran on           {s['processes']} process{'es' if s['processes'] != 1 else ''}, {s['device']}, {s['precision']}"
         )
+    for rank, peak in enumerate(s.get("memory_peak") or []):  # per rank: the run's true peak
+        if "cuda_peak_allocated_gb" in peak:
+            lines.append(
+                f"peak memory      rank {rank}: {peak['cuda_peak_allocated_gb']:.2f} GB allocated, "
+                f"{peak['cuda_peak_reserved_gb']:.2f} GB reserved (CUDA, whole run)"
+            )
+        elif peak.get("mem_peak_rss_gb") is not None:
+            lines.append(f"peak memory      rank {rank}: {peak['mem_peak_rss_gb']:.2f} GB resident (whole run)")
+    for what, calls in (s.get("attention") or {}).items():  # the kernels the layers ran, and any fallback's reason
+        lines.append(f"attention        {what} ({calls} layer calls)")
     lines.append(f"outputs          {s['output_dir']}  (metrics: {METRICS_FILE})")
     return "\n".join(lines)
