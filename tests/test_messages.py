@@ -144,7 +144,7 @@ def test_loading_and_saving_a_hf_model_prints_nothing(hf_base, tmp_path, capfd):
 
     from densebatch.config import LoraConfig, ModelConfig
     from densebatch.model import build_model, load_adapter
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
     from densebatch.testing.models import tiny_config
 
     transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2")).save_pretrained(tmp_path / "gpt2")  # Conv1D layers
@@ -188,8 +188,8 @@ def test_lora_summary_counts_trainable_and_total_parameters(hf_base):
     pytest.importorskip("peft")
     from densebatch.config import LoraConfig, ModelConfig
     from densebatch.model import build_model
-    from densebatch.model.hf import HFCausalLM
-    from densebatch.model.lora import lora_summary
+    from densebatch.model.hf.adapter import HFCausalLM
+    from densebatch.model.hf.lora import lora_summary
 
     model = build_model(ModelConfig(kind="hf", path=str(hf_base), lora=LoraConfig(r=4, alpha=8.0)), 261, 259)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from densebatch.model.hf import HFCausalLM
+from densebatch.model.hf.adapter import HFCausalLM
 from densebatch.testing.batches import PACKED_LENGTHS, pack, random_docs
 from densebatch.testing.models import TWO_LAYER_VOCAB, two_layer_config
 

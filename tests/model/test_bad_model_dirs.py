@@ -171,7 +171,7 @@ def hf_dir(hf_saved, tmp_path) -> Path:
 
 
 def hf_refused(path: Path) -> str:
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
 
     with pytest.raises(ConfigError) as e:
         HFCausalLM(path)

@@ -16,8 +16,8 @@ from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model import build_model, load_model
 from densebatch.model.attention import document_mask
-from densebatch.model.hf import ALLOWED, HFCausalLM
-from densebatch.model.hf_checks import MIN_TRANSFORMERS, check_transformers
+from densebatch.model.hf.adapter import ALLOWED, HFCausalLM
+from densebatch.model.hf.checks import MIN_TRANSFORMERS, check_transformers
 from densebatch.testing.batches import PACKED_LENGTHS, pack, random_docs
 from densebatch.testing.models import TWO_LAYER_VOCAB, tiny_config, two_layer_config
 
@@ -321,7 +321,7 @@ class LargestTensor(torch.utils._python_dispatch.TorchDispatchMode):
 def test_densebatch_attention_never_builds_a_row_by_row_tensor(config_dirs, kind, gen):
     """A long row of short documents: nothing of T x T elements exists in forward or backward (the 4-D
     mask path builds (rows, 1, T, T)), and the losses still equal each document alone. Falcon with grouped
-    key/values (before transformers 5.25 through its own attention class, model/hf_falcon.py)."""
+    key/values (before transformers 5.25 through its own attention class, model/hf/falcon.py)."""
     T = 1024
     lengths = [40] * 25  # 1000 tokens, documents of 40
     if kind == "falcon":

@@ -30,7 +30,7 @@ from densebatch.testing.models import (
 )
 
 pytest.importorskip("transformers")
-from densebatch.model.hf import _HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
+from densebatch.model.hf.adapter import _HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
 
 SUPPORTED = [(k, impl) for k, impl in ARCHITECTURES if k not in REFUSED]
 # (kind, attn_implementation, model.attention) of the packed model
@@ -91,7 +91,7 @@ FALCON_LAYOUTS = {
 @pytest.mark.parametrize("layout", FALCON_LAYOUTS)
 def test_falcon_attends_document_by_document_in_every_qkv_layout(tmp_path, layout, gen):
     """Before transformers 5.25 Falcon picks its attention class from its own table, and densebatch's class
-    there (model/hf_falcon.py) must keep packed documents apart and have Falcon's own parameters; from
+    there (model/hf/falcon.py) must keep packed documents apart and have Falcon's own parameters; from
     5.25 Falcon calls the attention interface like other models. Either way packed == alone, which the
     SDPA reference (the same weights) only gives document by document."""
     from transformers.models.falcon import modeling_falcon as mf
@@ -138,7 +138,7 @@ def test_negative_control_densebatch_attention_must_honour_each_layers_options(
 ):
     """If densebatch's attention function ignored what a layer passes it (its sliding window, its
     soft-cap), packed documents would differ from transformers' own result: the test above would see it."""
-    import densebatch.model.hf_attention as hf_attention
+    import densebatch.model.hf.attention as hf_attention
     from densebatch.model.attention import AttnOptions
 
     # random weights give scores far below Gemma 2's cap of 50, where tanh is the identity: a cap the scores reach

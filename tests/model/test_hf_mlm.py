@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from densebatch.errors import ConfigError
-from densebatch.model.hf import ALLOWED, HFCausalLM
-from densebatch.model.hf_checks import check_model_dir
+from densebatch.model.hf.adapter import ALLOWED, HFCausalLM
+from densebatch.model.hf.checks import check_model_dir
 from densebatch.testing.batches import pack, random_docs
 from densebatch.testing.models import ENCODERS, TWO_LAYER_VOCAB, save_encoder, two_layer_config
 

@@ -60,7 +60,7 @@ def build(kind: str, tmp_path):
     if kind == "gpt":
         return GPT(GPTConfig(vocab_size=VOCAB, n_layer=1, n_head=2, n_embd=32, block_size=32)).train()
     transformers = pytest.importorskip("transformers")
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
 
     common = dict(vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     if kind == "gpt2":

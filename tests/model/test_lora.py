@@ -21,7 +21,7 @@ from densebatch.train.optim import build_optimizer
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-from densebatch.model.lora import load_adapter  # noqa: E402
+from densebatch.model.hf.lora import load_adapter  # noqa: E402
 
 ADDED = 2
 KINDS = {"gpt2": {}, "llama": {"tie_word_embeddings": False}}

@@ -19,7 +19,7 @@ from densebatch.testing.batches import pack, random_docs
 from densebatch.testing.models import VOCAB, tiny_config
 
 transformers = pytest.importorskip("transformers")
-from densebatch.model.hf import HFCausalLM, input_embedding_weight  # noqa: E402
+from densebatch.model.hf.adapter import HFCausalLM, input_embedding_weight  # noqa: E402
 
 ADDED = 3
 # (name, model_type, config overrides): a tied head, an untied head, an untied head with a bias.
@@ -55,7 +55,7 @@ def tables(model: HFCausalLM) -> list[torch.Tensor]:
 def test_added_rows_are_the_mean_of_the_base_rows(tmp_path, name, kind, overrides):
     path = base_dir(tmp_path, kind, **overrides)
     before = [t.detach().clone() for t in tables(HFCausalLM(path))]
-    model = build_model(ModelConfig(kind="hf", path=str(path)), VOCAB + ADDED, VOCAB)
+    model = build_model(ModelConfig(kind="hf", path=str(path)), vocab_size=VOCAB + ADDED, base_vocab_size=VOCAB)
     after = tables(model)
     assert model.vocab_size == model.lm.config.vocab_size == VOCAB + ADDED
     assert len(after) == {"tied": 1, "untied": 2, "biased": 3}[name]
@@ -74,7 +74,7 @@ def test_a_table_padded_past_the_tokenizer_keeps_its_size(tmp_path):
     path = base_dir(tmp_path, "llama", tie_word_embeddings=False)
     base = VOCAB - 10  # the tokenizer knew only the first 90 rows
     before = tables(HFCausalLM(path))[0].detach().clone()
-    model = build_model(ModelConfig(kind="hf", path=str(path)), base + ADDED, base)
+    model = build_model(ModelConfig(kind="hf", path=str(path)), vocab_size=base + ADDED, base_vocab_size=base)
     emb = tables(model)[0]
     assert model.vocab_size == VOCAB
     assert torch.equal(emb[:base], before[:base]) and torch.equal(emb[base + ADDED :], before[base + ADDED :])
@@ -84,7 +84,7 @@ def test_a_table_padded_past_the_tokenizer_keeps_its_size(tmp_path):
 def test_new_tokens_start_with_an_average_logit(tmp_path, gen):
     """Why the mean: a new token's logit starts at the mean logit, so the loss does not jump when it appears."""
     path = base_dir(tmp_path, "llama", tie_word_embeddings=False)
-    model = build_model(ModelConfig(kind="hf", path=str(path)), VOCAB + ADDED, VOCAB).eval()
+    model = build_model(ModelConfig(kind="hf", path=str(path)), vocab_size=VOCAB + ADDED, base_vocab_size=VOCAB).eval()
     batch = pack([random_docs(gen, [12], VOCAB)])
     with torch.no_grad():
         logits = model(batch.input_ids, batch.positions)[0]  # (T, vocab)
@@ -94,7 +94,7 @@ def test_new_tokens_start_with_an_average_logit(tmp_path, gen):
 
 def test_saved_grown_model_loads_with_from_pretrained(tmp_path, gen):
     path = base_dir(tmp_path, "llama", tie_word_embeddings=False)
-    model = build_model(ModelConfig(kind="hf", path=str(path)), VOCAB + ADDED, VOCAB).eval()
+    model = build_model(ModelConfig(kind="hf", path=str(path)), vocab_size=VOCAB + ADDED, base_vocab_size=VOCAB).eval()
     model.save(tmp_path / "saved")
     plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     assert plain.config.vocab_size == plain.get_input_embeddings().weight.shape[0] == VOCAB + ADDED
@@ -108,12 +108,14 @@ def test_saved_grown_model_loads_with_from_pretrained(tmp_path, gen):
 def test_no_base_rows_to_average_is_refused(tmp_path):
     path = base_dir(tmp_path, "gpt2")
     with pytest.raises(ConfigError, match="no base vocabulary"):
-        build_model(ModelConfig(kind="hf", path=str(path)), VOCAB + ADDED, 0)
+        build_model(ModelConfig(kind="hf", path=str(path)), vocab_size=VOCAB + ADDED, base_vocab_size=0)
 
 
 def test_reference_gpt_is_built_for_the_whole_vocabulary():
     cfg = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=32)
-    model = build_model(cfg, VOCAB + ADDED, VOCAB)
+    model = build_model(cfg, vocab_size=VOCAB + ADDED, base_vocab_size=VOCAB)
     assert isinstance(model, GPT) and model.wte.weight.shape[0] == model.lm_head.weight.shape[0] == VOCAB + ADDED
     with pytest.raises(ConfigError, match="model.vocab_size: expected at least the tokenizer's 103 ids"):
-        build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB), VOCAB + ADDED, VOCAB)
+        build_model(
+            ModelConfig(n_layer=1, n_head=2, n_embd=16, vocab_size=VOCAB), vocab_size=VOCAB + ADDED, base_vocab_size=VOCAB
+        )

@@ -68,7 +68,7 @@ WINDOW = 6  # sliding-window attention span, shorter than the longer documents o
 LENGTHS = [[9, 14, 5], [20], [3, 11, 1, 7]]
 SEQ_LEN = 32
 # (model_type, transformers' own attn_implementation for it): what the isolation table and test cover,
-# each also under attn_implementation densebatch (Falcon < 5.25 through its own table: model/hf_falcon.py).
+# each also under attn_implementation densebatch (Falcon < 5.25 through its own table: model/hf/falcon.py).
 ARCHITECTURES = [
     ("gpt2", "sdpa"),
     ("llama", "sdpa"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -30,13 +29,14 @@ from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.compiled import CompileCount, compile_for_training
 from densebatch.train.contracts import StepSource
 from densebatch.train.distributed import Distributed, TokenLosses, gradient_sync
-from densebatch.train.evaluate import EvalResult, allow_tf32, by_source, evaluate, resolve_precision
+from densebatch.train.evaluate import EvalResult, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper
 from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, format_summary, resource_usage
-from densebatch.train.oom import OOMLog, Passes, accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
-from densebatch.train.source_weights import SourceWeights, step_loss_tokens
+from densebatch.train.passes import OOMLog, Passes, accumulate
+from densebatch.train.per_source import SourceLosses, SourceWeights, by_source, step_denominator
+from densebatch.train.precision import allow_tf32, resolve_precision
 from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes, step_record
 from densebatch.train.update import StepStats, apply_update
 
@@ -89,7 +89,9 @@ class Trainer:
             self.compiled = CompileCount.start()
             compile_for_training(self.model)
         self.forward = forward if forward is not None else TokenLosses(self.model)
-        self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model, cfg)
+        if optimizer is None:  # train.lr: auto: no rate until set_lr takes the range test's (it sets each step's rate itself)
+            optimizer = build_optimizer(self.model, cfg if cfg.lr != "auto" else dataclasses.replace(cfg, lr=0.0))
+        self.optimizer = optimizer
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]  # what the optimizer updates
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.data: StepSource = data if isinstance(data, StepSource) else BatchSteps(data, cfg)
@@ -98,7 +100,7 @@ class Trainer:
         self.clipper = clipper if clipper is not None else FixedClipper(cfg.grad_clip)
         self.eval_data, self.evaluate_fn = eval_data, evaluate_fn
         self.source_names = list(source_names) if source_names and len(source_names) > 1 else None  # loss per source
-        self.source_sums: torch.Tensor | None = None  # the current step's per-source loss sums and loss tokens
+        self.source_losses: SourceLosses | None = None  # the current step's, with two or more sources
         w = parts.source_weights  # all alike: the plain mean
         self.source_weights = SourceWeights(w, getattr(model, "weighs_losses", False)) if w and len(set(w)) > 1 else None
         self.after_step: Callable[[StepResult], None] | None = None
@@ -112,11 +114,15 @@ class Trainer:
         self._show_console = console and self.dist.is_main
         self._it: Iterator[Step] | None = None  # created lazily so that load_state_dict can reposition data
         self._mark = time.perf_counter()
+        self._data_wait = 0.0  # seconds the last step waited for its data
+        self._step_began = 0.0
+        self._first_record = True  # the first record of this session carries rank_state_gb
         self._session_tokens, self._session_seconds = 0, 0.0
-        self.oom = OOMLog()  # the first out-of-memory split of the run is printed once (train/oom.py)
+        self.oom = OOMLog()  # the first out-of-memory split of the run is printed once (train/passes.py)
 
     def set_lr(self, lr: float) -> None:
-        """The base learning rate from the next step on (``train.lr: auto``, once the range test found it)."""
+        """The base learning rate from the next step on: under ``train.lr: auto`` the range test's rate, which
+        the trainer needs before ``run()``."""
         self.cfg = dataclasses.replace(self.cfg, lr=lr)
 
     # ------------------------------------------------------------------------------------ state
@@ -168,36 +174,28 @@ class Trainer:
         """Leave in ``.grad`` the gradient of (summed CE of the step) / (loss tokens of the step).
 
         Returns the step's loss and token counts over all ranks. Gradients carry the fp16 loss scale
-        when it is on (``scaler.unscale_`` removes it). The passes run in ``train/oom.py``: a batch that
+        when it is on (``scaler.unscale_`` removes it). The passes run in ``train/passes.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
         batches = list(batches)
-        # the normaliser of every batch, known on the host: loss tokens (weighted by source: train/source_weights.py)
-        local, weight = step_loss_tokens(batches, self.source_weights)
-        total: float | torch.Tensor = local
-        # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
-        denom: float | torch.Tensor = weight if weight > 0 else 1.0
-        if self.dist.enabled:  # the step's counts over ranks stay on the device, read with the step's stats
-            both = self.dist.all_reduce_sum(torch.tensor([local, weight], dtype=torch.float64, device=self.device))
-            total, denom = both[0], torch.where(both[1] > 0, both[1] / self.dist.world_size, 1.0).float()
-        k = len(self.source_names) if self.source_names else 0
-        self.source_sums = torch.zeros(2 * k, dtype=torch.float64, device=self.device) if k else None
+        local, total, denom = step_denominator(batches, self.source_weights, self.dist, self.device)
+        sources = self.source_losses = SourceLosses(self.source_names, self.device) if self.source_names else None
         loss, splits = accumulate(self.passes(), batches, denom)
         real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
         sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=self.device)  # CE sum, real tokens, slots
         sums[0] = loss
-        if k:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
-            sums = torch.cat([sums, self.source_sums])
+        if sources is not None:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
+            sums = torch.cat([sums, sources.sums])
         known = {"batches": len(batches), "oom_splits": splits}
-        # read back at the step's end, with the gradient norm (train/update.py), or on first use
-        return StepStats(known, self.dist.all_reduce_sum(sums), total, self.source_names if k else None, by_source, local > 0)
+        names = sources.names if sources is not None else None
+        # read back at the step's end, with the gradient norm (train/update.py: StepStats.read)
+        return StepStats(known, self.dist.all_reduce_sum(sums), total, names, by_source, local > 0)
 
     def passes(self) -> Passes:
-        """What the step's forward and backward passes use (``train/oom.py``)."""
+        """What the step's forward and backward passes use (``train/passes.py``)."""
         return Passes(
             forward=self.forward, optimizer=self.optimizer, scaler=self.scaler, device=self.device,
-            precision=self.precision, dist=self.dist, sync=self.sync_gradients, source_sums=self.source_sums,
-            num_sources=len(self.source_names) if self.source_names else 0, console=self.console, oom=self.oom,
-            source_weights=self.source_weights,
+            precision=self.precision, dist=self.dist, sync=self.sync_gradients, source_losses=self.source_losses,
+            console=self.console, oom=self.oom, source_weights=self.source_weights,
         )  # fmt: skip
 
     def sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
@@ -295,14 +293,7 @@ class Trainer:
         self._clock()
         rec["elapsed_s"] = st.elapsed_s
         st.last_eval_step, st.last_eval = st.step, rec
-        loss = rec.get("loss")
-        if isinstance(loss, float) and math.isfinite(loss):
-            if st.best_eval_loss is None or loss < st.best_eval_loss:
-                st.best_eval_loss, st.evals_without_improvement = loss, 0
-            else:
-                st.evals_without_improvement += 1
-                if self.eval_cfg.patience and st.evals_without_improvement >= self.eval_cfg.patience:
-                    st.early_stopped = True
+        st.note_eval(rec.get("loss"), self.eval_cfg.patience)  # early stopping
         self.write_record(rec)
         self.console.eval(rec)
         return rec
@@ -322,8 +313,13 @@ class Trainer:
         return None
 
     def _epoch_limit(self) -> float | None:
-        c = self.cfg  # no limit at all: one pass
-        return c.max_epochs if c.max_epochs is not None else 1.0 if c.max_steps is None and c.max_tokens is None else None
+        """``train.max_epochs``; without it, one pass when no other limit is set, else None (no epoch limit)."""
+        c = self.cfg
+        if c.max_epochs is not None:
+            return c.max_epochs
+        if c.max_steps is None and c.max_tokens is None:
+            return 1.0
+        return None
 
     def next_step(self) -> Step | None:
         """The next step of data (None when the data ends: max_epochs, or a finite iterable)."""
@@ -335,10 +331,10 @@ class Trainer:
         self._data_wait = time.perf_counter() - t
         return step
 
-    _data_wait, _step_began, _first_record = 0.0, 0.0, True
-
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""
+        if self.cfg.lr == "auto":
+            raise ValueError("train.lr: auto: give the trainer its rate first (set_lr; run/auto.py resolve_lr)")
         if self.dist.is_main:
             # A fresh run starts its metrics afresh; a resumed one appends after the kept records.
             self.metrics = MetricsWriter(self.output_dir / METRICS_FILE, append=self.state.step > 0)

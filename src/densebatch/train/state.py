@@ -8,6 +8,7 @@ back per step and per run.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -64,6 +65,18 @@ class TrainState:
         if outcome is StepOutcome.APPLIED:
             self.first_loss = stats["loss"] if self.first_loss is None else self.first_loss
             self.last_loss = stats["loss"]
+
+    def note_eval(self, loss, patience: int | None) -> None:
+        """Early stopping: a finite eval ``loss`` below the best so far resets the count of evaluations without
+        improvement; otherwise it counts, and ``patience`` of them in a row (0 / None: never) stop the run."""
+        if not (isinstance(loss, float) and math.isfinite(loss)):
+            return
+        if self.best_eval_loss is None or loss < self.best_eval_loss:
+            self.best_eval_loss, self.evals_without_improvement = loss, 0
+        else:
+            self.evals_without_improvement += 1
+            if patience and self.evals_without_improvement >= patience:
+                self.early_stopped = True
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -128,6 +141,6 @@ def step_record(st: TrainState, step: Step, stats: dict, outcome: StepOutcome, l
     for key in ("loss_by_source", "loss_tokens_share_by_source"):
         if key in stats:
             rec[key] = stats[key]
-    if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/oom.py)
+    if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/passes.py)
         rec["oom_splits"] = stats["oom_splits"]
     return rec
