@@ -74,6 +74,7 @@ def test_a_batch_out_of_memory_in_forward_is_split_with_the_unsplit_gradient(tin
         reporting=Reporting(console=False),
     )
     s1, s2 = plain.forward_backward([batch]), split.forward_backward([batch])
+    s1.read(), s2.read()
     assert inject.refused == 4 and s2["oom_splits"] == 4  # 9 -> 5 + 4 -> 3 + 2 + 2 + 2 -> 2 + 1 + ...
     assert _close(_grad(split.model), _grad(plain.model))
     assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-6)
@@ -105,6 +106,7 @@ def test_out_of_memory_in_backward_replays_the_step_without_partial_gradients(ti
         model, [first], _cfg(), output_dir=tmp_path / "b", placement=Placement("cpu"), reporting=Reporting(console=False)
     )
     s1, s2 = plain.forward_backward([first, big]), split.forward_backward([first, big])
+    s1.read(), s2.read()
     assert model.failures == 1 and s2["oom_splits"] == 1
     assert _close(_grad(split.model), _grad(plain.model))
     assert s2["loss"] == pytest.approx(s1["loss"], rel=1e-6)

@@ -111,6 +111,7 @@ def test_weighted_steps_are_exact_across_batches_and_ranks(tiny, tmp_path):
 
     one = tiny.trainer(tmp_path / "a", whole, source_weights=weights)
     s1 = one.forward_backward(whole)
+    s1.read()
     g1 = tiny.flat_grad(one.model)
     # by hand: sum(w * CE) / sum(w) over the loss tokens
     model = tiny.TinyLM()
@@ -123,6 +124,7 @@ def test_weighted_steps_are_exact_across_batches_and_ranks(tiny, tmp_path):
 
     many = tiny.trainer(tmp_path / "b", split, source_weights=weights)  # micro-batches of one step
     sk = many.forward_backward(split)
+    sk.read()
     assert ((g1 - tiny.flat_grad(many.model)).abs().max() / g1.abs().max()).item() <= 1e-6
     assert sk["loss"] == pytest.approx(s1["loss"], rel=1e-6) and sk["loss_tokens"] == s1["loss_tokens"]
 
@@ -135,7 +137,9 @@ def test_weighted_steps_are_exact_across_batches_and_ranks(tiny, tmp_path):
     grads = []
     for mine, other in ((a, recorders[1]), (b, recorders[0])):
         t = tiny.trainer(tmp_path / "x", mine, dist=_FakeRanks(other), source_weights=weights)
-        assert t.forward_backward(mine)["loss"] == pytest.approx(s1["loss"], rel=1e-6)
+        mine_stats = t.forward_backward(mine)
+        mine_stats.read()
+        assert mine_stats["loss"] == pytest.approx(s1["loss"], rel=1e-6)
         grads.append(tiny.flat_grad(t.model))
     assert (((grads[0] + grads[1]) / 2 - g1).abs().max() / g1.abs().max()).item() <= 1e-6
 
@@ -176,6 +180,7 @@ def test_a_model_that_weighs_its_own_losses_gives_the_trainers_weighted_step(tmp
         t = Trainer(model, [batch], cfg, output_dir=tmp_path / str(weighs), placement=Placement("cpu"),
                     parts=StepParts(source_weights=[0.4, 1.9]), reporting=Reporting(console=False, source_names=["a", "b"]))  # fmt: skip
         stats = t.forward_backward([batch])
+        stats.read()
         out[weighs] = (torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]), stats)
     (g1, s1), (g0, s0) = out[True], out[False]
     assert ((g1 - g0).abs().max() / g0.abs().max()).item() <= 1e-5

@@ -188,6 +188,7 @@ class GPT(nn.Module):
         return self.lm_head(self.hidden_states(input_ids, positions, single_doc_rows, cache))
 
     weighs_losses = True  # token_losses returns batch.loss_weights x CE when the batch has them
+    task = "causal"  # the reference GPT is a causal LM only
 
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)

@@ -220,7 +220,6 @@ class Trainer:
         stats = self.forward_backward(step.batches)
         t1 = time.perf_counter()
         outcome, grad_norm, limit = self.apply_update(stats)  # reads the device once: stats and gradient norm
-        stats.read()  # (a no-op unless the update had no gradient to read with them)
         t2 = time.perf_counter()
         return self._finish_step(step, stats, outcome, lr, grad_norm, limit, (t0, t1, t2))
 

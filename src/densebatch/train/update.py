@@ -18,12 +18,15 @@ from densebatch.train.state import StepOutcome
 
 
 class StepStats(dict):
-    """A step's loss and token counts over all ranks. What only the device knows (the loss sum, the
-    real and slot counts after the all-reduce, the sums per source, and under DDP / FSDP the step's
-    loss tokens over ranks) is read back once, on first use, in one transfer; ``read(norm)`` appends
-    the gradient norm to that same transfer, so a step reads the device once at its end
-    (``apply_update`` does this). ``has_targets``: this rank's batches hold loss tokens, so the step
-    is not empty (``is_empty`` needs no read then)."""
+    """A step's loss and token counts over all ranks, read from the device at one point: ``read``.
+
+    What only the device knows (the loss sum, the real and slot counts after the all-reduce, the sums per
+    source, and under DDP / FSDP the step's loss tokens over ranks) is read back by ``read(norm)`` in one
+    transfer, with the gradient norm appended: ``apply_update`` calls it, so a step reads the device once
+    at its end. Before ``read`` only what the host knows is present (``batches``, ``oom_splits``, and
+    ``loss_tokens`` on one process); looking up anything else is a ``KeyError`` that names ``read``, so
+    no lookup synchronises by surprise. ``has_targets``: this rank's batches hold loss tokens, so the step
+    is not empty (``is_empty`` reads the device only when this rank has none)."""
 
     def __init__(
         self,
@@ -61,16 +64,17 @@ class StepStats(dict):
         return values[-1] if extra is not None else None
 
     def is_empty(self) -> bool:
-        """No loss tokens in the step, over every rank (read from the device only when this rank has none)."""
-        return not self.has_targets and self["loss_tokens"] == 0
+        """No loss tokens in the step, over every rank (``read`` from the device only when this rank has none)."""
+        if self.has_targets:
+            return False
+        if "loss_tokens" not in self:
+            self.read()
+        return self["loss_tokens"] == 0
 
     def __missing__(self, key):
-        self.read()
-        return dict.__getitem__(self, key)
-
-    def get(self, key, default=None):
-        self.read()
-        return super().get(key, default)
+        if self._pending is not None:
+            raise KeyError(f"{key!r}: a step's device values come with StepStats.read() (apply_update calls it)")
+        raise KeyError(key)
 
 
 def is_empty(stats: dict) -> bool:
@@ -95,7 +99,9 @@ def apply_update(
     scaler.unscale_(optimizer)  # clip and judge the true gradient, not the fp16-scaled one
     params = [p for p in params if p.grad is not None]
     total = gradient_norm(params)  # on the device
-    norm = stats.read(total) if isinstance(stats, StepStats) and total is not None else None  # the step's one read
+    norm = None
+    if isinstance(stats, StepStats):  # the step's one read, the gradient norm with it
+        norm = stats.read(total) if total is not None else stats.read()
     grad_norm, limit = clip_gradients(params, clipper=clipper, total=total, norm=norm)
     if scaler.is_enabled() and math.isfinite(stats["loss"]) and not math.isfinite(grad_norm):
         outcome = StepOutcome.OVERFLOW
