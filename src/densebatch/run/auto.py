@@ -61,7 +61,7 @@ def budget_search(cfg: RunConfig, prepared: Prepared):
     return worst, snap, low, high
 
 
-def fit_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, forward=None) -> BudgetResult:
+def fit_budget(cfg: RunConfig, *, model, prepared: Prepared, dist: Distributed, forward=None) -> BudgetResult:
     """Run the budget finder on ``model`` (on its device) with a throw-away optimizer; ``forward``: the
     sharded module training goes through (FSDP), so the probes measure the sharded step."""
     worst, snap, low, high = budget_search(cfg, prepared)
@@ -76,12 +76,12 @@ def fit_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, for
     return result
 
 
-def resolve_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, forward=None) -> RunConfig:
+def resolve_budget(cfg: RunConfig, *, model, prepared: Prepared, dist: Distributed, forward=None) -> RunConfig:
     """``cfg`` with ``batching.max_tokens_per_batch: auto`` replaced by the budget found (printed); under
     FSDP, found on the sharded model through ``forward``."""
     if cfg.batching.max_tokens_per_batch != "auto":
         return cfg
-    result = fit_budget(cfg, model, prepared, dist, forward)
+    result = fit_budget(cfg, model=model, prepared=prepared, dist=dist, forward=forward)
     say(dist, result.report())
     say(dist, f"batching.max_tokens_per_batch: auto → {result.budget} (written to {Path(cfg.output_dir) / 'config.yaml'})")
     return replace(cfg, batching=replace(cfg.batching, max_tokens_per_batch=result.budget))

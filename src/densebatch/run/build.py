@@ -172,7 +172,7 @@ def hf_on_meta(path: str, build):
     return model, record, None
 
 
-def materialise_run_model(cfg: RunConfig, model, record: InitRecord, device: torch.device, dist: Distributed) -> None:
+def materialise_run_model(cfg: RunConfig, *, model, record: InitRecord, device: torch.device, dist: Distributed) -> None:
     """Each rank's shards of a model built on the meta device, bit for bit those of the whole build."""
     seed_everything(cfg.seed)
     materialise(model, record, device)

@@ -26,7 +26,7 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
     dist = Distributed.from_environment(cfg.train.device)
     try:
         s = setup(cfg, dist)
-        cfg = resolve_budget(cfg, s.model, s.prepared, dist)
+        cfg = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
         loader, eval_data = build_loaders(cfg, s.prepared, dist)  # the eval data give the held-out batches
         trainer = Trainer(
@@ -55,7 +55,7 @@ def find_batch_command(path: str | None, overrides: list[str]) -> int:
     dist = Distributed.from_environment(cfg.train.device)
     try:
         s = setup(cfg, dist)
-        result = fit_budget(cfg, s.model, s.prepared, dist)
+        result = fit_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         if dist.is_main:
             print(result.report(), flush=True)
             out = Path(cfg.output_dir)

@@ -51,12 +51,12 @@ def train(path: str | None, overrides: list[str], resume: bool = False, overwrit
     dist = Distributed.from_environment(requested.train.device)
     try:
         with RunLock(requested.output_dir, dist):  # one writer per run directory, for the whole run
-            return _train(requested, overrides, resume, overwrite, dist)
+            return _train(requested, overrides=overrides, resume=resume, overwrite=overwrite, dist=dist)
     finally:
         dist.close()
 
 
-def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
+def _train(requested: RunConfig, *, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
     cfg, resume_from, start_over = resolve_run(requested, overrides, resume, overwrite, dist)  # resolve
     run = build_run(cfg, dist, start_over)  # build
     if dist.is_main:  # report
@@ -82,7 +82,7 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
     finally:  # a tracker's run ends, and its last records reach its files, with the run (or its error)
         for sink in trainer.sinks:
             sink.close()
-    return finish(final_cfg, run, trainer, result.stop_reason, dist)
+    return finish(final_cfg, run=run, trainer=trainer, stop_reason=result.stop_reason, dist=dist)
 
 
 @dataclass
@@ -109,12 +109,12 @@ def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] 
     s = setup(cfg, dist, on_meta=sharded)  # documents (rank 0 first), then the seeded model: run/build.py
     if start_over is not None:  # --overwrite: the old run goes only once the new one's data and model are there
         start_over()
-    sized = cfg if sharded else resolve_budget(cfg, s.model, s.prepared, dist)
+    sized = cfg if sharded else resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
     forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
     if s.init is not None:
-        materialise_run_model(cfg, s.model, s.init, s.device, dist)
+        materialise_run_model(cfg, model=s.model, record=s.init, device=s.device, dist=dist)
     if sharded:
-        sized = resolve_budget(cfg, s.model, s.prepared, dist, forward)
+        sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist, forward=forward)
     loader, eval_data = build_loaders(sized, s.prepared, dist)
     weights = source_weights(sized, s.prepared, loader)
     accuracy = accuracy_check(sized, s.prepared, dist)
@@ -146,7 +146,7 @@ def build_trainer(run: Run, dist: Distributed) -> Trainer:
     )  # fmt: skip
 
 
-def finish(cfg: RunConfig, run: Run, trainer: Trainer, stop_reason: str, dist: Distributed) -> int:
+def finish(cfg: RunConfig, *, run: Run, trainer: Trainer, stop_reason: str, dist: Distributed) -> int:
     """After the last step: ``output_dir/final`` (model, tokenizer, config; every rank, FSDP streams the
     weights), the accuracy of the held-out answers and the plots; only a line when a signal stopped the run."""
     out = Path(cfg.output_dir)

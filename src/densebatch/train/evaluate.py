@@ -106,3 +106,29 @@ def evaluate(
         result.loss_by_source = by_source(values[4:], source_names)[0]
         result.tokens_by_source = {name: int(c) for name, c in zip(source_names, values[4 + k :])}
     return result
+
+
+def eval_record(
+    model: nn.Module,
+    step: int,
+    *,
+    data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None,
+    max_batches: int | None,
+    evaluate_batches: Callable[[Iterable[Batch], int | None], EvalResult],
+    extra: Callable[[nn.Module], dict] | None,
+) -> dict:
+    """The ``"kind": "eval"`` record of one evaluation inside a run, at ``step``: the loss of ``data`` (batches,
+    or a function giving a fresh iterable each time) through ``evaluate_batches`` (the trainer's: its
+    wrapper, device, precision and ranks), then the entries ``extra(model)`` adds (e.g. accuracy), run in
+    eval mode without gradients."""
+    rec: dict = {"kind": "eval", "step": step}
+    if data is not None:
+        source = data() if callable(data) else data
+        rec.update(evaluate_batches(source, max_batches).as_dict())
+    if extra is not None:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            rec.update(extra(model))
+        model.train(was_training)
+    return rec

@@ -180,7 +180,8 @@ def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, i
             while j < len(parts) and not replay:
                 stage = _Stage()
                 try:
-                    loss += _pass(p, parts[j], denom, i == len(pieces) - 1 and j == len(parts) - 1, stage)
+                    last = i == len(pieces) - 1 and j == len(parts) - 1
+                    loss += _pass(p, batch=parts[j], denom=denom, last=last, stage=stage)
                     j += 1
                     continue
                 except RuntimeError as e:
@@ -204,7 +205,7 @@ def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, i
             return loss, splits
 
 
-def _pass(p: Passes, batch: Batch, denom: float, last: bool, stage: _Stage) -> Tensor:
+def _pass(p: Passes, *, batch: Batch, denom: float, last: bool, stage: _Stage) -> Tensor:
     batch = to_device(batch, p.device)
     # the backward too runs inside the sync context: DDP decides at forward time, FSDP2 at backward time
     with p.sync(last):

@@ -13,7 +13,9 @@ from collections.abc import Iterable
 
 import torch
 
+from densebatch.batch import Batch
 from densebatch.train.guard import AnomalyGuard, Verdict, clip_gradients, gradient_norm
+from densebatch.train.per_source import SourceLosses, by_source
 from densebatch.train.state import StepOutcome
 
 
@@ -31,6 +33,7 @@ class StepStats(dict):
     def __init__(
         self,
         known: dict,
+        *,
         sums: torch.Tensor,
         total: float | torch.Tensor,
         source_names: list[str] | None,
@@ -42,6 +45,35 @@ class StepStats(dict):
             self["loss_tokens"] = int(total)
         self.has_targets = has_targets
         self._pending = (sums, total, source_names, by_source)
+
+    @classmethod
+    def gather(
+        cls,
+        batches: list[Batch],
+        loss: torch.Tensor,
+        *,
+        splits: int,
+        sources: SourceLosses | None,
+        total,
+        has_targets: bool,
+        dist,
+    ) -> StepStats:
+        """The stats of a step whose passes summed ``loss`` (this rank's, on the device) over ``batches``: the
+        loss sum, real tokens and slots (and the sums per source) all-reduced in one collective, left on the
+        device until ``read``; ``total``: the step's loss tokens over ranks (a number, or a device tensor)."""
+        real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
+        sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=loss.device)  # CE sum, real tokens, slots
+        sums[0] = loss
+        if sources is not None:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
+            sums = torch.cat([sums, sources.sums])
+        return cls(
+            {"batches": len(batches), "oom_splits": splits},
+            sums=dist.all_reduce_sum(sums),
+            total=total,
+            source_names=sources.names if sources is not None else None,
+            by_source=by_source,
+            has_targets=has_targets,
+        )
 
     def read(self, extra: torch.Tensor | None = None) -> float | None:
         """Fill in the device's values (with ``extra``, a one-element tensor, in the same transfer); ``extra``'s value."""
@@ -84,6 +116,7 @@ def is_empty(stats: dict) -> bool:
 
 def apply_update(
     optimizer: torch.optim.Optimizer,
+    *,
     scaler: torch.amp.GradScaler,
     params: Iterable[torch.Tensor],
     stats: dict,

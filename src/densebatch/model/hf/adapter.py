@@ -56,26 +56,13 @@ from densebatch.batch import IGNORE_INDEX, Batch
 from densebatch.errors import ConfigError
 from densebatch.model.attention import pick_backend, plan_attention, rows_hold_one_document
 from densebatch.model.hf.attention import NAME as DENSEBATCH
-from densebatch.model.hf.attention import planned, register
-from densebatch.model.hf.checks import (  # noqa: F401  (REFUSED: also read by tests)
-    REFUSED,
-    TASKS,
-    check_architecture,
-    check_model_dir,
-    check_transformers,
-    layer_windows,
-    load_errors,
-    read_hf_config,
-    unbuildable,
-)
-from densebatch.model.hf.falcon import install as install_falcon_attention
+from densebatch.model.hf.attention import planned
+from densebatch.model.hf.checks import REFUSED, layer_windows  # noqa: F401  (REFUSED: also read by tests)
+from densebatch.model.hf.loading import ALLOWED, DTYPES, load_hf_model
 from densebatch.model.hf.masks import hf_document_mask
-from densebatch.model.hf.weights import empty_parameters
 from densebatch.model.loss_head import LOSS_HEADS, head_token_losses, plain_head_token_losses
 from densebatch.model.quiet import quiet_progress
 
-# attn_implementation -> how the document mask is expressed (see the table above); densebatch needs none.
-ALLOWED = {DENSEBATCH: None, "sdpa": "bool", "eager": "additive"}
 # Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state) (no soft-capping,
 # no logit scale), so token_losses may project only the positions that carry a target, through the
 # fused chunked head (model/loss_head.py) when lm_head is a plain nn.Linear.
@@ -84,18 +71,14 @@ _HIDDEN_PATH_TYPES = {
     "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "olmo", "stablelm", "starcoder2",
     "opt", "gpt_bigcode", "falcon",
 }  # fmt: skip
-# model.dtype -> the dtype weights are loaded in (and trained in: see docs/hf-models.md).
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-
-
-def has_weights(path: str | Path) -> bool:
-    return any((Path(path) / f).is_file() for f in _WEIGHT_FILES)
 
 
 class HFCausalLM(nn.Module):
     """A local ``AutoModelForCausalLM`` (weights, or random init from config.json alone), or with
     ``task="mlm"`` an ``AutoModelForMaskedLM`` (an encoder: BERT, RoBERTa, DistilBERT, ModernBERT, ...)."""
+
+    weighs_losses = True  # token_losses returns batch.loss_weights x CE when the batch has them
+    eval_hits: Tensor | None = None  # mlm, eval mode: masked tokens predicted right by the last token_losses
 
     def __init__(
         self,
@@ -119,63 +102,18 @@ class HFCausalLM(nn.Module):
         if loss_head not in LOSS_HEADS:
             raise ValueError(f"loss_head: expected one of {', '.join(LOSS_HEADS)}; got {loss_head!r}")
         self.loss_head = loss_head
-        if attn_implementation not in ALLOWED:
-            raise ConfigError(
-                f"model.attn_implementation: {attn_implementation!r} cannot keep packed documents "
-                f"isolated (tests show it leaks or crashes); use one of: {', '.join(ALLOWED)}"
-            )
         path = Path(path)
-        check_model_dir(path, task)
-        if dtype not in DTYPES:
-            raise ConfigError(f"model.dtype: expected one of {', '.join(DTYPES)}; got {dtype!r}")
-        try:
-            import transformers
-        except ImportError:
-            raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
-        check_transformers()
-        config = read_hf_config(path)
-        check_architecture(config, attn_implementation)
-        if attn_implementation == DENSEBATCH:
-            register()
-            if config.model_type == "falcon":  # < 5.25 picks its attention class from its own table
-                install_falcon_attention()
-        # model.dtype: the weights as loaded and trained (float32 master weights by default, whatever
-        # the checkpoint's dtype; autocast does the low precision). See docs/hf-models.md.
-        kw = dict(attn_implementation=attn_implementation, dtype=DTYPES[dtype])
-        auto = getattr(transformers, TASKS[task][0])  # AutoModelForCausalLM or AutoModelForMaskedLM
-        try:
-            with quiet_progress():
-                if empty_weights:
-                    with empty_parameters():
-                        self.hf = auto.from_config(config, **kw)
-                    if (path / "generation_config.json").is_file():  # what from_pretrained would have read
-                        from transformers import GenerationConfig
-
-                        self.hf.generation_config = GenerationConfig.from_pretrained(path)
-                elif has_weights(path):
-                    self.hf = auto.from_pretrained(path, **kw)
-                else:
-                    self.hf = auto.from_config(config, **kw)
-        except load_errors() as e:  # the directory's files, unless "X does not support an attention implementation ..."
-            if not isinstance(e, ValueError) or "attention implementation" not in str(e):
-                raise unbuildable(e, path, "build the model from its config.json") from None
-            raise ConfigError(
-                f"model.attn_implementation: {config.model_type} cannot run {attn_implementation!r} "
-                f"(transformers: {str(e).splitlines()[0][:120]}); try the other of {', '.join(ALLOWED)}"
-            ) from None
-        actual = getattr(self.hf.config, "_attn_implementation", attn_implementation)
-        if actual != attn_implementation:
-            raise ConfigError(
-                f"model.attn_implementation: transformers chose {actual!r} instead of {attn_implementation!r} "
-                f"for {config.model_type}; set one of {', '.join(ALLOWED)} that it supports"
-            )
+        self.hf = load_hf_model(
+            path, attn_implementation=attn_implementation, dtype=dtype, empty_weights=empty_weights, task=task
+        )
         self.attn_implementation = attn_implementation
         self.attention = attention  # model.attention: the backend densebatch's kernel runs (auto picks per device)
         self.path = path.resolve()  # the base model a LoRA adapter names
         self.dtype = DTYPES[dtype]
         self.lora = False  # set by model/hf/lora.py's apply_lora
         self._windows = layer_windows(self.hf.config)
-        self.task, self.causal = task, task == "causal"
+        self.task = task
+        self.causal = task == "causal"
         emb = getattr(self.lm.base_model, "embeddings", None)  # RoBERTa's positions start after its padding row
         self.position_offset = int(emb.padding_idx) + 1 if hasattr(emb, "create_position_ids_from_input_ids") else 0
         if gradient_checkpointing:
@@ -206,6 +144,7 @@ class HFCausalLM(nn.Module):
     def _inputs(
         self,
         input_ids: Tensor,
+        *,
         positions: Tensor,
         single_doc_rows: bool,
         cu_seqlens: Tensor | None = None,
@@ -232,11 +171,8 @@ class HFCausalLM(nn.Module):
 
     def forward(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False) -> Tensor:
         """Logits (rows, T, vocab), each document attending only to itself."""
-        with self._inputs(input_ids, positions, single_doc_rows) as inputs:
+        with self._inputs(input_ids, positions=positions, single_doc_rows=single_doc_rows) as inputs:
             return self.lm(**inputs).logits
-
-    weighs_losses = True  # token_losses returns batch.loss_weights x CE when the batch has them
-    eval_hits: Tensor | None = None  # mlm, eval mode: masked tokens predicted right by the last token_losses
 
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
@@ -248,7 +184,10 @@ class HFCausalLM(nn.Module):
         """
         single = rows_hold_one_document(batch)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
-        with self._inputs(batch.input_ids, batch.positions, single, batch.cu_seqlens, batch.max_seqlen) as inputs:
+        plan_inputs = dict(
+            positions=batch.positions, single_doc_rows=single, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen
+        )
+        with self._inputs(batch.input_ids, **plan_inputs) as inputs:
             if not self._hidden_path:
                 logits = self.lm(**inputs).logits  # (rows, T, vocab)
                 if not (self.training or self.causal):  # masked-token accuracy, which evaluation reports

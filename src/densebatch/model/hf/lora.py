@@ -23,7 +23,8 @@ from pathlib import Path
 import torch.nn as nn
 
 from densebatch.errors import ConfigError
-from densebatch.model.hf.adapter import HFCausalLM, has_weights
+from densebatch.model.hf.adapter import HFCausalLM
+from densebatch.model.hf.loading import has_weights
 from densebatch.model.quiet import quiet_peft
 
 ADAPTER_CONFIG = "adapter_config.json"
