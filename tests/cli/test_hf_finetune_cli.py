@@ -116,7 +116,7 @@ def test_lora_export_merges_to_a_plain_model_with_the_same_logits(lora_run, base
     with torch.no_grad():
         want = ours.eval()(ids, torch.arange(6)[None])
         got = plain(input_ids=ids).logits
-    # merged weights reassociate the adapter's sums: fp32 rounding (see tests/model/test_lora.py)
+    # merged weights reassociate the adapter's sums: fp32 rounding (see tests/model/hf/test_lora.py)
     assert (got - want).abs().max().item() <= 1e-5 * max(1.0, want.abs().max().item())
     untrained = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
     with torch.no_grad():  # the adapters trained: the merge carries them (base tokens only: the base has 259 rows)

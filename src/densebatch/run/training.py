@@ -109,12 +109,14 @@ def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] 
     s = setup(cfg, dist, on_meta=sharded)  # documents (rank 0 first), then the seeded model: run/build.py
     if start_over is not None:  # --overwrite: the old run goes only once the new one's data and model are there
         start_over()
-    sized = cfg if sharded else resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
-    forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
-    if s.init is not None:
-        materialise_run_model(cfg, model=s.model, record=s.init, device=s.device, dist=dist)
-    if sharded:
+    if sharded:  # the budget is found on the sharded model, through the module training goes through
+        forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
+        if s.init is not None:
+            materialise_run_model(cfg, model=s.model, record=s.init, device=s.device, dist=dist)
         sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist, forward=forward)
+    else:  # the budget is found before DDP wraps the model
+        sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
+        forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
     loader, eval_data = build_loaders(sized, s.prepared, dist)
     weights = source_weights(sized, s.prepared, loader)
     accuracy = accuracy_check(sized, s.prepared, dist)

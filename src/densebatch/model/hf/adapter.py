@@ -16,7 +16,7 @@ attention dropout are honoured per layer. Transformers builds no mask of its own
 implementation it does not know (its mask interface returns early), so nothing O(T^2) remains.
 
 ``sdpa`` and ``eager`` keep the older path: a 4-D document mask handed to transformers' own kernels.
-Measured with transformers 5.24 on CPU (tests/model/test_hf.py checks it on every run):
+Measured with transformers 5.24 on CPU (tests/model/hf/test_hf.py checks it on every run):
 
 ===================  ===========================  =================================================
 attn_implementation  mask passed here             packed vs alone (max |logit diff|)
@@ -40,7 +40,7 @@ which transformers' Gemma 2 and Qwen2/3 accept in place of a tensor). Architectu
 isolated are refused when built (``REFUSED``: ALiBi models); soft-capped attention (Gemma 2), which
 SDPA cannot compute, needs ``densebatch`` or ``eager``; Falcon before transformers 5.25,
 which picks its attention classes itself, gets densebatch's class in its own table (``model/hf/falcon.py``). docs/hf-models.md has the table for every architecture,
-measured by ``benchmarks/model/hf_isolation_table.py`` and checked by tests/model/test_hf_architectures.py.
+measured by ``benchmarks/model/hf_isolation_table.py`` and checked by tests/model/hf/test_hf_architectures.py.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from densebatch.model.quiet import quiet_progress
 # Architectures whose logits are exactly lm_head(base_model(...).last_hidden_state) (no soft-capping,
 # no logit scale), so token_losses may project only the positions that carry a target, through the
 # fused chunked head (model/loss_head.py) when lm_head is a plain nn.Linear.
-# (tests/model/test_hf_architectures.py checks each against the model's own logits.)
+# (tests/model/hf/test_hf_architectures.py checks each against the model's own logits.)
 _HIDDEN_PATH_TYPES = {
     "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "olmo", "stablelm", "starcoder2",
     "opt", "gpt_bigcode", "falcon",

@@ -82,7 +82,7 @@ def check_architecture(config, attn_implementation: str) -> None:
 CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel")  # the class names of decoder-only language models
 MASKED_HEADS = ("ForMaskedLM",)  # the class names of encoder masked language models
 _ENCODERS = {"bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie", "megatron-bert", "roberta-prelayernorm", "xmod"}
-# Encoders whose packed documents are checked to attend only to themselves (tests/model/test_hf_mlm.py);
+# Encoders whose packed documents are checked to attend only to themselves (tests/model/hf/test_hf_mlm.py);
 # XLM-RoBERTa and CamemBERT run RoBERTa's code. Other masked LMs (DeBERTa-v2 reads a mask of its own
 # kind, RoFormer, MPNet, ...) are refused for batching.mode mlm until they are checked.
 MLM_CHECKED = ("bert", "roberta", "xlm-roberta", "camembert", "distilbert", "modernbert")

@@ -128,7 +128,7 @@ def test_the_refused_versions_are_those_pyproject_toml_excludes():
     from pathlib import Path
 
     tomllib = pytest.importorskip("tomllib")  # Python 3.11
-    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[3] / "pyproject.toml").read_text())["project"]
     for extra in ("hf", "lora", "dev"):
         assert f"transformers>={MIN_TRANSFORMERS}" in project["optional-dependencies"][extra], extra
 
