@@ -389,3 +389,19 @@ def test_two_ranks_normalise_by_the_tokens_of_both(tiny, tmp_path):
     assert ((mean - g1).abs().max() / g1.abs().max()).item() <= 1e-6
     assert stats[0]["loss"] == pytest.approx(s1["loss"], rel=1e-12) and stats[1]["loss"] == pytest.approx(s1["loss"], rel=1e-12)
     assert stats[0]["loss_tokens"] == stats[1]["loss_tokens"] == s1["loss_tokens"]
+
+
+def test_a_trainer_built_with_lr_auto_trains_only_once_it_takes_a_rate(tiny, tmp_path):
+    """``train.lr: auto`` is no placeholder: the trainer refuses to run until ``set_lr`` gives it the range
+    test's rate, and then trains as one built with that rate does (the loop sets every group's rate each step)."""
+    docs = tiny.make_docs(8, seed=3, min_len=2, max_len=30)
+    batches = [tiny.collate(docs[:4]), tiny.collate(docs[4:])]
+    auto = _trainer(tiny, tmp_path / "auto", batches, _cfg(lr="auto", max_steps=2))
+    with pytest.raises(ValueError, match="set_lr"):
+        auto.run()
+    auto.set_lr(_cfg().lr)
+    auto.run()
+    given = _trainer(tiny, tmp_path / "given", batches, _cfg(max_steps=2))
+    given.run()
+    assert _losses(tmp_path / "auto") == _losses(tmp_path / "given")
+    assert all(torch.equal(a, b) for a, b in zip(auto.model.parameters(), given.model.parameters()))
