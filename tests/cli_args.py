@@ -12,5 +12,5 @@ TINY = [
     "--data.default.num_records=200",
     "--train.progress=false",
     "--eval.accuracy_samples=0",
-    "--train.plots=false",  # drawing the end-of-run plots costs ~4 s a run; tests/test_observability_cli.py draws them
+    "--train.plots=false",  # drawing the end-of-run plots costs ~4 s a run; tests/cli/test_observability_cli.py draws them
 ]

@@ -61,7 +61,7 @@ def install_faults(faults: dict) -> None:
 
     torch.set_num_threads(int(faults.get("threads", 1)))
     if spec := faults.get("kill_in_save"):
-        from densebatch.train import checkpoint
+        from densebatch.train.checkpoint import manager as checkpoint
 
         nth, which = int(spec["save"]), spec.get("file", "model")
         saves = {"n": 0}
@@ -109,7 +109,7 @@ def install_faults(faults: dict) -> None:
 
         StepLoader.load_state_dict = load_state_dict
     if slow := faults.get("slow_stop_save"):
-        from densebatch.train import checkpoint
+        from densebatch.train.checkpoint import manager as checkpoint
         from densebatch.train.session import Session
 
         stopping, marker, seconds = {"trainer": None}, Path(slow["marker"]), float(slow["seconds"])
@@ -216,7 +216,7 @@ def run_in_process(args: list[str]) -> int:
     import torch
 
     from densebatch.cli import main as cli_main
-    from densebatch.train.rng import capture_rng_state, restore_rng_state
+    from densebatch.train.checkpoint.rng import capture_rng_state, restore_rng_state
 
     rng, threads = capture_rng_state(), torch.get_num_threads()
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """``torchrun ... shard_driver.py MODE[,MODE...] DIR``: a sharded checkpoint of an FSDP2 model written on N ranks, read on M.
 
-Run by tests/train/test_sharded_checkpoint.py (and, with one process, in the test process itself):
+Run by tests/train/checkpoint/test_sharded_checkpoint.py (and, with one process, in the test process itself):
 
 - ``save DIR``: the reference GPT (seed 0) sharded with ``fully_shard`` over the ranks, two AdamW steps
   on seeded data, each followed by ``save_checkpoint`` (every rank writes its shards) into
@@ -28,9 +28,9 @@ import torch
 from safetensors.torch import save_file
 
 from densebatch.testing.models import tiny_gpt
-from densebatch.train.checkpoint import latest_valid, load_checkpoint, save_checkpoint
+from densebatch.train.checkpoint.manager import latest_valid, load_checkpoint, save_checkpoint
+from densebatch.train.checkpoint.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
 from densebatch.train.distributed import Distributed, repeated_blocks
-from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
 from densebatch.train.session import keyed
 
 VOCAB = 101
@@ -83,7 +83,7 @@ def hf_model(path: Path, lora: int = 0, empty_weights: bool = False, after_load=
     cfg = ModelConfig(kind="hf", path=str(path), lora=LoraConfig(r=lora))
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     torch.manual_seed(SEED)
-    return build_model(cfg, vocab + 3, vocab, empty_weights, after_load)
+    return build_model(cfg, vocab + 3, vocab, empty_weights=empty_weights, after_load=after_load)
 
 
 def build_hf_from_files(root: Path, dist: Distributed) -> None:

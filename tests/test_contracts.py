@@ -56,8 +56,11 @@ def test_a_plain_iterable_cannot_take_a_batch_size_schedule():
 
 def test_the_reference_model_has_the_model_contract():
     model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=32), 64)
+    methods = {n for n in dir(TokenLossModel) if not n.startswith("_")}
     for name in _members(TokenLossModel):
-        assert callable(getattr(model, name)), name
+        assert hasattr(model, name), name
+        assert callable(getattr(model, name)) == (name in methods), name
+    assert model.task == "causal" and model.max_positions == 32 and model.weighs_losses
     assert set(model.layer_groups()) <= {"embeddings", "blocks", "head"}
 
 

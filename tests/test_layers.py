@@ -179,12 +179,32 @@ def test_strategy_rules_live_with_the_planner():
     assert not found, "\n".join(found)
 
 
-def test_no_module_over_400_lines():
-    """Modules stay small enough to read whole: split by responsibility past 400 lines."""
-    long = [
-        f"{p.relative_to(PKG)}: {n}" for p in PKG.rglob("*.py") if (n := len(p.read_text(encoding="utf-8").splitlines())) > 400
-    ]
-    assert not long, "\n".join(long)
+SIZE_REASON = re.compile(r"\(one concept, \d+ lines: [^)]+\)")  # the stated reason a module passes 400 lines
+
+
+def size_problem(text: str) -> str | None:
+    """Why a module breaks the size rule (None: it keeps it): at most 400 lines, or up to 500 with the reason
+    in the first line of its docstring, ``(one concept, N lines: why it stays whole)``."""
+    n = len(text.splitlines())
+    if n > 500:
+        return f"{n} lines (never past 500: split it by concept)"
+    if n > 400 and not SIZE_REASON.search(((ast.get_docstring(ast.parse(text)) or "").splitlines() or [""])[0]):
+        return f"{n} lines without '(one concept, N lines: why)' in its docstring's first line"
+    return None
+
+
+def test_modules_keep_the_size_rule():
+    """Modules stay small enough to read whole: split by concept past 400 lines, unless the first docstring
+    line says why the concept stays whole; never past 500."""
+    found = [f"{p.relative_to(PKG)}: {why}" for p in PKG.rglob("*.py") if (why := size_problem(p.read_text(encoding="utf-8")))]
+    assert not found, "\n".join(found)
+
+
+def test_the_size_rule_catches_a_long_module_without_its_reason():
+    body = "\n".join(f"x{i} = {i}" for i in range(420))
+    assert size_problem(f'"""A module."""\n{body}\n') is not None
+    assert size_problem(f'"""A module (one concept, 421 lines: a table).\n"""\n{body}\n') is None
+    assert size_problem(f'"""A module (one concept, 601 lines: a table)."""\n{body}\n{body}\n') is not None
 
 
 # ------------------------------------------------------------------- negative controls

@@ -38,7 +38,7 @@ def one_step(kind: str, head: str, rows: int, T: int) -> dict:
 
     torch.manual_seed(0)
     if kind == "hf":
-        from densebatch.model.hf import HFCausalLM
+        from densebatch.model.hf.adapter import HFCausalLM
 
         d = tempfile.mkdtemp()
         write_gpt2_config(Path(d), n_positions=1024)

@@ -1,4 +1,4 @@
-"""How far bf16 autocast moves an HF model's per-token losses from fp32: the bound tests/model/test_hf.py uses.
+"""How far bf16 autocast moves an HF model's per-token losses from fp32: the bound tests/model/hf/test_hf.py uses.
 
 The models and batch of ``test_token_losses_float32_under_autocast`` (``densebatch.testing.models.two_layer_config``:
 tiny random Llama and GPT-2, vocabulary 300; three packed rows of ``PACKED_LENGTHS``), over 20 seeds
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from densebatch.model.hf import HFCausalLM
+from densebatch.model.hf.adapter import HFCausalLM
 from densebatch.testing.batches import PACKED_LENGTHS, pack, random_docs
 from densebatch.testing.models import TWO_LAYER_VOCAB, two_layer_config
 

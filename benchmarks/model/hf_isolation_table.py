@@ -21,7 +21,7 @@ import torch
 import transformers
 
 from densebatch.errors import ConfigError
-from densebatch.model.hf import HFCausalLM
+from densebatch.model.hf.adapter import HFCausalLM
 from densebatch.testing.batches import random_docs
 from densebatch.testing.models import ARCHITECTURES, LENGTHS, VOCAB, packed_vs_alone, write_config_dir
 

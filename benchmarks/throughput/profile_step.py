@@ -160,7 +160,7 @@ def profile_densebatch(setup, clock: Clock, steps: int):
 
     patches = [(Console, "step", Console.step, "logging")]
     # Where the loop finds these functions (the loop's modules move as it is refactored).
-    for modname in ("densebatch.train.loop", "densebatch.train.oom", "densebatch.train.update"):
+    for modname in ("densebatch.train.loop", "densebatch.train.passes", "densebatch.train.update"):
         with contextlib.suppress(ImportError):
             mod = importlib.import_module(modname)
             for attr, name in (("to_device", "h2d"), ("clip_gradients", "clip")):

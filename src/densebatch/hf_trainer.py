@@ -26,9 +26,9 @@ from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import longest_row
 from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
 from densebatch.data.torch_loader import dataloader
-from densebatch.model.hf_attention import register
-from densebatch.model.hf_checks import check_transformers
-from densebatch.model.hf_falcon import install as install_falcon_attention
+from densebatch.model.hf.attention import register
+from densebatch.model.hf.checks import check_transformers
+from densebatch.model.hf.falcon import install as install_falcon_attention
 
 
 def register_attention() -> str:

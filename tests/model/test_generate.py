@@ -89,7 +89,7 @@ def test_context_limit(model):
 
 def test_hf_adapter_generates(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
 
     transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size=V).save_pretrained(tmp_path)
     torch.manual_seed(0)

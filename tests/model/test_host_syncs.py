@@ -48,7 +48,7 @@ def gpt(attention: str) -> GPT:
 
 def llama(tmp_path, attention: str):
     transformers = pytest.importorskip("transformers")
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
 
     transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -220,7 +220,7 @@ def gpt(loss_head: str) -> GPT:
 
 def hf(kind: str, tmp_path, loss_head: str):
     pytest.importorskip("transformers")
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
 
     two_layer_config(kind, V).save_pretrained(tmp_path)
     torch.manual_seed(0)

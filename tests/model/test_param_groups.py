@@ -36,7 +36,7 @@ def test_tied_gpt_head_is_the_undecayed_embedding():
 
 def test_untied_hf_lm_head_is_not_decayed(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
 
     transformers.LlamaConfig(
         vocab_size=50,

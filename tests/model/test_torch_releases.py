@@ -273,7 +273,7 @@ def test_inside_autocast_a_fp32_query_beside_a_bf16_value_reaches_flash_in_bf16(
 
 def test_a_tiny_llama_under_bf16_autocast_runs_every_layer_on_varlen_in_bf16(monkeypatch):
     transformers = pytest.importorskip("transformers")
-    from densebatch.model.hf_attention import PLAN_KEY, register
+    from densebatch.model.hf.attention import PLAN_KEY, register
     from densebatch.testing.models import tiny_config
 
     register()
@@ -328,7 +328,7 @@ def test_cuda_varlen_of_the_installed_release_matches_masked_attention(kv_heads,
 @cuda
 def test_cuda_llama_under_bf16_autocast_runs_every_layer_on_varlen_in_bf16():
     transformers = pytest.importorskip("transformers")
-    from densebatch.model.hf_attention import PLAN_KEY, register
+    from densebatch.model.hf.attention import PLAN_KEY, register
     from densebatch.testing.models import tiny_config
 
     register()

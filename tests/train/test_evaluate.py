@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from densebatch.errors import ConfigError
-from densebatch.train.evaluate import allow_tf32, autocast, check_precision, evaluate, perplexity, resolve_precision
+from densebatch.train.evaluate import evaluate, perplexity
+from densebatch.train.precision import allow_tf32, autocast, check_precision, resolve_precision
 
 
 def test_eval_loss_does_not_depend_on_batching(tiny):

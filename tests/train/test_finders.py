@@ -15,11 +15,11 @@ import torch
 
 from densebatch.config import FinderConfig, TrainConfig
 from densebatch.errors import UserError
+from densebatch.train.checkpoint.rng import capture_rng_state, restore_rng_state
 from densebatch.train.finders.lr_finder import diverged, lr_range_test, progress_line, schedule, smooth, write_outputs
 from densebatch.train.finders.lr_trials import MAX_EXTRA
 from densebatch.train.loop import Trainer
 from densebatch.train.parts import Evaluation, Placement, Reporting
-from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 
 def _cfg(**kw) -> TrainConfig:

@@ -42,6 +42,7 @@ def test_micro_batches_give_the_same_gradient_and_loss_as_one_batch(tiny, tmp_pa
     one = _trainer(tiny, tmp_path / "a", whole)
     many = _trainer(tiny, tmp_path / "b", split)
     s1, sk = one.forward_backward(whole), many.forward_backward(split)
+    s1.read(), sk.read()
     g1, gk = tiny.flat_grad(one.model), tiny.flat_grad(many.model)
     assert ((g1 - gk).abs().max() / g1.abs().max()).item() <= 1e-6
     assert s1["loss_tokens"] == sk["loss_tokens"] == sum(counts)
@@ -378,9 +379,11 @@ def test_two_ranks_normalise_by_the_tokens_of_both(tiny, tmp_path):
     for mine, other in ((a, recorders[1]), (b, recorders[0])):
         t = _trainer(tiny, tmp_path / "x", mine, dist=_FakeRanks(other))
         stats.append(t.forward_backward(mine))
+        stats[-1].read()
         grads.append(tiny.flat_grad(t.model))
     one = _trainer(tiny, tmp_path / "one", a + b)
     s1 = one.forward_backward(a + b)
+    s1.read()
     g1 = tiny.flat_grad(one.model)
     mean = (grads[0] + grads[1]) / 2  # DDP's average over ranks
     assert ((mean - g1).abs().max() / g1.abs().max()).item() <= 1e-6
@@ -399,3 +402,19 @@ def test_the_last_record_holds_the_run_s_peak_memory_and_attention_kernels(tiny,
     assert len(last["memory_peak"]) == 1 and last["memory_peak"][0]["mem_peak_rss_gb"] > 0  # CPU: no CUDA figures
     assert last["attention"] == [] and result.summary["attention"] == {}
     assert result.summary["memory_peak"] == last["memory_peak"] and "peak memory      rank 0:" in result.text
+
+
+def test_a_trainer_built_with_lr_auto_trains_only_once_it_takes_a_rate(tiny, tmp_path):
+    """``train.lr: auto`` is no placeholder: the trainer refuses to run until ``set_lr`` gives it the range
+    test's rate, and then trains as one built with that rate does (the loop sets every group's rate each step)."""
+    docs = tiny.make_docs(8, seed=3, min_len=2, max_len=30)
+    batches = [tiny.collate(docs[:4]), tiny.collate(docs[4:])]
+    auto = _trainer(tiny, tmp_path / "auto", batches, _cfg(lr="auto", max_steps=2))
+    with pytest.raises(ValueError, match="set_lr"):
+        auto.run()
+    auto.set_lr(_cfg().lr)
+    auto.run()
+    given = _trainer(tiny, tmp_path / "given", batches, _cfg(max_steps=2))
+    given.run()
+    assert _losses(tmp_path / "auto") == _losses(tmp_path / "given")
+    assert all(torch.equal(a, b) for a, b in zip(auto.model.parameters(), given.model.parameters()))

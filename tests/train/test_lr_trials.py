@@ -113,7 +113,7 @@ def test_the_vocabulary_is_read_off_a_hugging_face_or_reference_model_and_else_u
     transformers = pytest.importorskip("transformers")
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=61, n_layer=1, n_embd=8, n_head=1, n_positions=8))
     assert vocabulary(hf) == 61
-    from densebatch.model.hf import HFCausalLM
+    from densebatch.model.hf.adapter import HFCausalLM
 
     hf.save_pretrained(tmp_path)
     assert vocabulary(HFCausalLM(tmp_path)) == 61  # what densebatch trains: its wrapper

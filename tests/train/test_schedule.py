@@ -15,7 +15,7 @@ from densebatch.data.load.loader import StepLoader
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.steps import StepSettings
 from densebatch.model import build_model
-from densebatch.train.checkpoint import CheckpointManager
+from densebatch.train.checkpoint.manager import CheckpointManager
 from densebatch.train.guard import Verdict
 from densebatch.train.loop import Trainer
 from densebatch.train.observe.monitor import read_metrics

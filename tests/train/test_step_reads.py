@@ -40,7 +40,10 @@ def test_a_distributed_step_reads_its_loss_token_count_with_its_end_of_step_stat
     reads, stats = _reads(lambda: two.forward_backward(batches))
     assert reads == 0
     assert "loss_tokens" not in dict(stats) and stats.has_targets and not stats.is_empty()  # decided on the host
+    with pytest.raises(KeyError, match="read"):  # a device value only comes with the step's one read
+        stats["loss"]  # noqa: B018
     ref = one.forward_backward(batches)
+    ref.read()
     assert torch.allclose(tiny.flat_grad(two.model), tiny.flat_grad(one.model), rtol=1e-6, atol=1e-9)
     two.apply_update(stats)
     assert stats["loss_tokens"] == 2 * ref["loss_tokens"] and stats["loss"] == pytest.approx(ref["loss"], rel=1e-6)

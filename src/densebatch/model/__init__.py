@@ -18,9 +18,9 @@ from densebatch.errors import ConfigError
 from densebatch.model.attention import resolve_backend
 from densebatch.model.generate import generate, generate_batch
 from densebatch.model.gpt import GPT, GPTConfig
-from densebatch.model.hf import HFCausalLM
+from densebatch.model.hf.adapter import HFCausalLM
+from densebatch.model.hf.lora import apply_lora, load_adapter
 from densebatch.model.io import load_model, save_model
-from densebatch.model.lora import apply_lora, load_adapter
 
 __all__ = [
     "GPT", "GPTConfig", "HFCausalLM", "build_model", "generate", "generate_batch", "load_adapter", "load_model", "save_model",
@@ -43,9 +43,11 @@ def build_model(
     cfg: ModelConfig,
     vocab_size: int,
     base_vocab_size: int | None = None,
+    *,
     empty_weights: bool = False,
     after_load: contextlib.AbstractContextManager | None = None,
     task: str = "causal",
+    label_smoothing: float = 0.0,
 ) -> nn.Module:
     """The model ``cfg`` describes, for a tokenizer of ``vocab_size`` ids (random init for gpt).
 
@@ -54,9 +56,10 @@ def build_model(
     (``HFCausalLM.resize_vocab``), and under LoRA trains them. None: only rows past the model's own
     table are new. The reference GPT is built for the whole vocabulary at random, so it needs none.
     ``empty_weights`` (Hugging Face): parameters on the meta device, to be read from the weight files
-    shard by shard (``model/hf_weights.py``); ``after_load`` is entered around what follows the load
+    shard by shard (``model/hf/weights.py``); ``after_load`` is entered around what follows the load
     (the vocabulary grown, LoRA adapters added), for ``train/meta_init.recording``. ``task``:
     ``batching.mode`` (``mlm``: a Hugging Face encoder masked LM; the reference GPT is causal only).
+    ``label_smoothing``: ``train.label_smoothing``, which the model's training passes apply.
     """
     if cfg.kind == "gpt":
         resolve_backend(cfg.attention, "cpu", training=False)  # a ModelConfig built by hand: name check
@@ -73,7 +76,8 @@ def build_model(
                 dropout=cfg.dropout,
                 attention=cfg.attention,
                 gradient_checkpointing=cfg.gradient_checkpointing,
-            )
+            ),
+            label_smoothing=label_smoothing,
         )
     if cfg.kind == "hf":
         if not cfg.path:
@@ -87,6 +91,7 @@ def build_model(
             dtype=cfg.dtype,
             empty_weights=empty_weights,
             task=task,
+            label_smoothing=label_smoothing,
         )
         known = base_vocab_size or 0
         if known > model.vocab_size:  # ids the model has never seen would get rows of nothing it learned

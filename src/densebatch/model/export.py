@@ -10,7 +10,7 @@ The reference GPT is GPT-2's architecture (learned positions, pre-LN blocks, tan
 
 Hugging Face's GPT-2 uses ``Conv1D`` (weight stored as ``(in, out)``), the transpose of ``nn.Linear``.
 Logits of the exported model equal the GPT's (tested to 1e-5) for one document per row; a packed
-row needs the document mask densebatch passes (see ``model/hf.py``), as any Hugging Face model does.
+row needs the document mask densebatch passes (see ``model/hf/adapter.py``), as any Hugging Face model does.
 """
 
 from __future__ import annotations

@@ -110,8 +110,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, *, label_smoothing: float = 0.0) -> None:
         super().__init__()
+        self.label_smoothing = label_smoothing  # train.label_smoothing (training passes only)
         # config.py validates user settings; these catch a GPTConfig built by hand.
         if cfg.n_embd % cfg.n_head:
             raise ValueError(f"GPTConfig.n_embd ({cfg.n_embd}) must be a multiple of n_head ({cfg.n_head})")
@@ -186,8 +187,8 @@ class GPT(nn.Module):
         the first segment of every row is padding (then plain causal attention is exact)."""
         return self.lm_head(self.hidden_states(input_ids, positions, single_doc_rows, cache))
 
-    label_smoothing = 0.0  # train.label_smoothing, set by the run (training passes only)
     weighs_losses = True  # token_losses returns batch.loss_weights x CE when the batch has them
+    task = "causal"  # the reference GPT is a causal LM only
 
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)

@@ -8,8 +8,8 @@ import torch.nn as nn
 
 from densebatch.errors import ConfigError, read_json_object
 from densebatch.model.gpt import GPT, KIND
-from densebatch.model.hf import HFCausalLM
-from densebatch.model.hf_checks import MASKED_HEADS
+from densebatch.model.hf.adapter import HFCausalLM
+from densebatch.model.hf.checks import MASKED_HEADS
 
 
 def save_model(model: nn.Module, path: str | Path) -> None:

@@ -6,7 +6,7 @@
   with the worst batches of the run's own plan at each probed budget).
 - ``train.lr: auto`` is resolved once the trainer exists (``resolve_lr``: ``train/finders/lr_finder.py``
   on the trainer's own model, optimizer and data, which it leaves as they were). The trainer is
-  built with ``finder.lr_start`` as a placeholder rate until then.
+  built with ``lr: auto`` and takes the rate found (``Trainer.set_lr``); it refuses to train before.
 
 Both values are written into the run's configuration (``output_dir/config.yaml`` and every
 checkpoint), so a resumed run reuses them: ``keep_resolved`` maps a requested ``auto`` onto the
@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from densebatch.config import RunConfig, TrainConfig, config_from_dict
+from densebatch.config import RunConfig, config_from_dict
 from densebatch.data.load.collate import collator_from_config
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import budget_range, worst_batches
@@ -61,7 +61,7 @@ def budget_search(cfg: RunConfig, prepared: Prepared):
     return worst, snap, low, high
 
 
-def fit_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, forward=None) -> BudgetResult:
+def fit_budget(cfg: RunConfig, *, model, prepared: Prepared, dist: Distributed, forward=None) -> BudgetResult:
     """Run the budget finder on ``model`` (on its device) with a throw-away optimizer; ``forward``: the
     sharded module training goes through (FSDP), so the probes measure the sharded step."""
     worst, snap, low, high = budget_search(cfg, prepared)
@@ -76,23 +76,18 @@ def fit_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, for
     return result
 
 
-def resolve_budget(cfg: RunConfig, model, prepared: Prepared, dist: Distributed, forward=None) -> RunConfig:
+def resolve_budget(cfg: RunConfig, *, model, prepared: Prepared, dist: Distributed, forward=None) -> RunConfig:
     """``cfg`` with ``batching.max_tokens_per_batch: auto`` replaced by the budget found (printed); under
     FSDP, found on the sharded model through ``forward``."""
     if cfg.batching.max_tokens_per_batch != "auto":
         return cfg
-    result = fit_budget(cfg, model, prepared, dist, forward)
+    result = fit_budget(cfg, model=model, prepared=prepared, dist=dist, forward=forward)
     say(dist, result.report())
     say(dist, f"batching.max_tokens_per_batch: auto → {result.budget} (written to {Path(cfg.output_dir) / 'config.yaml'})")
     return replace(cfg, batching=replace(cfg.batching, max_tokens_per_batch=result.budget))
 
 
 # ---------------------------------------------------------------------------------------- lr
-def trainer_config(cfg: RunConfig) -> TrainConfig:
-    """``cfg.train`` with a number for ``lr`` (a placeholder while it is ``auto``: the range test sets every rate)."""
-    return replace(cfg.train, lr=cfg.finder.lr_start) if cfg.train.lr == "auto" else cfg.train
-
-
 def resolve_lr(cfg: RunConfig, trainer: Trainer, dist: Distributed) -> RunConfig:
     """``cfg`` with ``train.lr: auto`` replaced by the range test's suggestion (the trainer takes it too)."""
     if cfg.train.lr != "auto":

@@ -19,8 +19,6 @@ from densebatch.atomic import check_writable
 from densebatch.config import RunConfig
 from densebatch.data.load.collate import collator_from_config
 from densebatch.data.load.loader import StepLoader
-from densebatch.data.plan.homogeneity import homogeneity
-from densebatch.data.plan.homogeneity import warning as homogeneity_warning_line
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import (
     full_context_settings,
@@ -29,7 +27,7 @@ from densebatch.data.plan.rules import (
     sized_by_budget,
     truncation_cap,
 )
-from densebatch.data.plan.source_balance import balance_line, batch_balance
+from densebatch.data.plan.source_balance import batch_balance
 from densebatch.data.plan.steps import StepSettings
 from densebatch.data.plan.store_epochs import eval_documents
 from densebatch.data.prepare.parts import prepare_share
@@ -39,9 +37,9 @@ from densebatch.data.store.store import DocumentStore
 from densebatch.errors import ConfigError, UserError
 from densebatch.model import build_model
 from densebatch.model.attention import resolve_backend
-from densebatch.model.hf_checks import check_model_dir
-from densebatch.model.hf_weights import fill_from_files, missing_weights, weight_files
-from densebatch.model.lora import lora_summary
+from densebatch.model.hf.checks import check_model_dir
+from densebatch.model.hf.lora import lora_summary
+from densebatch.model.hf.weights import fill_from_files, missing_weights, weight_files
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
 from densebatch.run.data_commands import prepare_data
 from densebatch.train.distributed import Distributed, check_device
@@ -138,7 +136,10 @@ def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device, on
 
     def build(empty_weights: bool = False, after_load=None):
         seed_everything(cfg.seed)
-        return build_model(cfg.model, tok.vocab_size, tok.base_vocab_size, empty_weights, after_load, cfg.batching.mode)
+        return build_model(
+            cfg.model, vocab_size=tok.vocab_size, base_vocab_size=tok.base_vocab_size, empty_weights=empty_weights,
+            after_load=after_load, task=cfg.batching.mode, label_smoothing=cfg.train.label_smoothing,
+        )  # fmt: skip
 
     record, why = None, None
     if on_meta and cfg.model.kind == "hf":
@@ -151,7 +152,6 @@ def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device, on
     else:
         model = build()
     check_context(model, cfg, prepared)
-    model.label_smoothing = cfg.train.label_smoothing
     return (model if record is not None else model.to(device)), record, why
 
 
@@ -173,7 +173,7 @@ def hf_on_meta(path: str, build):
     return model, record, None
 
 
-def materialise_run_model(cfg: RunConfig, model, record: InitRecord, device: torch.device, dist: Distributed) -> None:
+def materialise_run_model(cfg: RunConfig, *, model, record: InitRecord, device: torch.device, dist: Distributed) -> None:
     """Each rank's shards of a model built on the meta device, bit for bit those of the whole build."""
     seed_everything(cfg.seed)
     materialise(model, record, device)
@@ -197,18 +197,6 @@ def eval_store(cfg: RunConfig, store: DocumentStore) -> DocumentStore:
     selects (``store_epochs.eval_documents``), the whole split when it fits."""
     docs = eval_documents(store.lengths, cfg.eval.max_tokens, cfg.seed)
     return store if docs is None else store.subset(docs)
-
-
-def eval_cap_line(cfg: RunConfig, store: DocumentStore) -> str | None:
-    """The line a run prints when ``eval.max_tokens`` leaves part of the eval split out (None: it scores all)."""
-    docs = eval_documents(store.lengths, cfg.eval.max_tokens, cfg.seed)
-    if docs is None:
-        return None
-    kept = int(np.asarray(store.lengths)[docs].sum())
-    return (
-        f"eval.max_tokens {cfg.eval.max_tokens:,}: every evaluation scores the same {len(docs):,} of {len(store):,} "
-        f"held-out documents ({kept:,} of {store.num_tokens:,} tokens, chosen by the seed)"
-    )
 
 
 def eval_loader(cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None) -> StepLoader:
@@ -249,37 +237,6 @@ def source_weights(cfg: RunConfig, prepared: Prepared, loader: StepLoader | None
     selection = loader.selection(0) if loader is not None else None
     factors = batch_balance(store, prepared.weights, cfg.seed, cfg.batching.rows_per_batch, counts=counts, selection=selection)
     return None if factors is None else [float(f) for f in factors]
-
-
-def source_weights_line(prepared: Prepared, weights: list[float] | None, rows: int) -> str | None:
-    if weights is None:
-        return None
-    return (
-        f"train.source_balance batches: loss tokens weighted by source as random batches of {rows} documents weigh "
-        f"them: {balance_line(prepared.train.source_names, weights)}"
-    )
-
-
-def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) -> str | None:
-    """The one warning a run gives when its batches are far more alike, in length or source, than random
-    ones (``data/plan/homogeneity.py``), measured on epoch 0's plan (its first shard when sharded)."""
-    store = prepared.train
-    source_of = store.sources_of if store.sources_of([]) is not None else None  # plans hold store document ids
-    h = homogeneity(loader.plan(0), loader.lengths, source_of, len(store.source_names), max_shards=1)
-    return homogeneity_warning_line(h, cfg.batching.strategy, cfg.batching.bundle_tokens)
-
-
-def step_size_line(loader: StepLoader) -> str | None:
-    """What ``train.loss_tokens_per_step`` makes of a step on this plan: batches a step on average (the
-    step is chosen in loss tokens, the batch by memory, so the batching flags alone do not say it)."""
-    target = loader.loss_tokens_per_step
-    if not target:
-        return None
-    steps, batches = loader.steps_per_epoch(), loader.batches_per_epoch
-    return (
-        f"train.loss_tokens_per_step {target}: {batches / max(1, steps):.1f} batches a step on average "
-        f"({steps} steps an epoch of {batches} batches)"
-    )
 
 
 def usable_device(name: str) -> torch.device:

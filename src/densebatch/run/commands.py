@@ -22,14 +22,14 @@ from densebatch.model import GPT, build_model, load_model
 from densebatch.model import generate as generate_ids
 from densebatch.model.export import export_gpt_as_hf
 from densebatch.model.generate import check_sampling
-from densebatch.model.lora import is_adapter_dir, load_adapter
+from densebatch.model.hf.lora import is_adapter_dir, load_adapter
 from densebatch.run.auto import resolved_budget
 from densebatch.run.build import eval_loader, resolve_config, usable_device
 from densebatch.run.data_commands import prepare_data
 from densebatch.run.demo import DEMO_OVERRIDES
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR, FINAL_STATE
 from densebatch.run.owned import eval_view, note_lines, prompt_for, same_documents
-from densebatch.train.checkpoint import Checkpoint, checkpoint_step, latest_valid, load_checkpoint
+from densebatch.train.checkpoint.manager import Checkpoint, checkpoint_step, latest_valid, load_checkpoint
 from densebatch.train.evaluate import evaluate as evaluate_batches
 
 
@@ -153,7 +153,9 @@ def build_trained(kind: str, d: Path, run_cfg: RunConfig | None, ckpt: Checkpoin
     else:
         tokenizer = load_data_tokenizer(run_cfg.data)  # with the tokens the run added (chatml's markers, add_tokens)
     # base_vocab_size: under LoRA the added tokens' rows are modules of their own (their state's keys)
-    model = build_model(run_cfg.model, tokenizer.vocab_size, tokenizer.base_vocab_size, task=run_cfg.batching.mode)
+    model = build_model(
+        run_cfg.model, vocab_size=tokenizer.vocab_size, base_vocab_size=tokenizer.base_vocab_size, task=run_cfg.batching.mode
+    )
     model.load_state_dict(ckpt.model_state)
     return model, tokenizer, tokenizer_dir
 

@@ -25,8 +25,8 @@ from densebatch.errors import UserError
 from densebatch.model import save_model
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_STATE
 from densebatch.tensor_files import header_bytes, tensor_bytes
+from densebatch.train.checkpoint.portable import is_sharded, model_state
 from densebatch.train.distributed import Distributed
-from densebatch.train.portable import is_sharded, model_state
 
 SHARD_BYTES = 5 * 2**30  # save_pretrained's long-standing default shard size
 INDEX = "model.safetensors.index.json"

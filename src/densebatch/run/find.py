@@ -11,7 +11,7 @@ from pathlib import Path
 from densebatch.atomic import write_file
 from densebatch.data.plan.rules import sized_by_budget
 from densebatch.errors import ConfigError
-from densebatch.run.auto import fit_budget, resolve_budget, say, trainer_config
+from densebatch.run.auto import fit_budget, resolve_budget, say
 from densebatch.run.build import build_loaders, resolve_config, setup, source_weights
 from densebatch.train.distributed import Distributed, wrap_model
 from densebatch.train.finders.lr_finder import lr_range_test, write_outputs
@@ -26,11 +26,11 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
     dist = Distributed.from_environment(cfg.train.device)
     try:
         s = setup(cfg, dist)
-        cfg = resolve_budget(cfg, s.model, s.prepared, dist)
+        cfg = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
         loader, eval_data = build_loaders(cfg, s.prepared, dist)  # the eval data give the held-out batches
         trainer = Trainer(
-            s.model, loader, trainer_config(cfg), output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
+            s.model, loader, cfg.train, output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
             placement=Placement(s.device, dist, forward), reporting=Reporting(console=False),
             parts=StepParts(source_weights=source_weights(cfg, s.prepared, loader)),
         )  # fmt: skip
@@ -55,7 +55,7 @@ def find_batch_command(path: str | None, overrides: list[str]) -> int:
     dist = Distributed.from_environment(cfg.train.device)
     try:
         s = setup(cfg, dist)
-        result = fit_budget(cfg, s.model, s.prepared, dist)
+        result = fit_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         if dist.is_main:
             print(result.report(), flush=True)
             out = Path(cfg.output_dir)

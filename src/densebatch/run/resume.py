@@ -35,7 +35,7 @@ from densebatch.config import RunConfig, config_from_dict, parse_override, to_di
 from densebatch.errors import ConfigError, UserError
 from densebatch.run.auto import keep_resolved
 from densebatch.run.layout import CHECKPOINT_DIR, MIRROR_MARK, RUN_OUTPUTS, foreign_outputs, holds_a_run, mirror_owner
-from densebatch.train.checkpoint import CheckpointError, latest_valid, list_checkpoints, load_checkpoint
+from densebatch.train.checkpoint.manager import CheckpointError, latest_valid, list_checkpoints, load_checkpoint
 from densebatch.train.distributed import Distributed
 
 RESUMABLE = frozenset(

@@ -1,41 +1,37 @@
 """The train command: from a resolved configuration to a finished run directory.
 
-Order of a run: where it starts (``run/resume.py``: a fresh directory, ``--overwrite``, or the newest
-verified checkpoint with its saved configuration); documents and the seeded model (``run/build.py``,
-shared with the finders); ``auto`` values (``run/auto.py``: the budget before any wrapping, the
-learning rate once the trainer exists); DDP / FSDP wrapping under torchrun; the session
-(``train/session.py``: checkpoints, rollbacks, signals), which restores the checkpoint when resuming
-and runs. At the end rank 0 writes ``output_dir/final`` (model, tokenizer, config) atomically.
+``_train`` reads in the order of a run: resolve (``run/resume.py``: a fresh directory, ``--overwrite``, or
+the newest verified checkpoint with its saved configuration); build (``build_run``: documents and the
+seeded model through ``run/build.py``, shared with the finders; the token budget found before any
+wrapping, or on the sharded model; DDP / FSDP wrapping under torchrun; the loaders); report
+(``run/report.py``, printed once); train (the trainer, its learning rate found by the range test under
+``train.lr: auto``, and the session of ``train/session.py``: checkpoints, rollbacks, signals, the restore
+when resuming); finish (``output_dir/final``: model, tokenizer, config, written atomically).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from densebatch.config import RunConfig, save_config, to_dict
 from densebatch.data.accuracy import AccuracyCheck
+from densebatch.data.load.loader import StepLoader
+from densebatch.data.prepare.pipeline import Prepared
 from densebatch.errors import ConfigError
 from densebatch.model import generate_batch
-from densebatch.run.auto import resolve_budget, resolve_lr, trainer_config
-from densebatch.run.build import (
-    build_loaders,
-    eval_cap_line,
-    homogeneity_warning,
-    materialise_run_model,
-    resolve_config,
-    setup,
-    source_weights,
-    source_weights_line,
-    step_size_line,
-)
+from densebatch.run.auto import resolve_budget, resolve_lr
+from densebatch.run.build import build_loaders, materialise_run_model, resolve_config, setup, source_weights
 from densebatch.run.final import write_final
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR
 from densebatch.run.lock import RunLock
+from densebatch.run.report import report_lines
 from densebatch.run.resume import resolve_run
-from densebatch.train.checkpoint import CheckpointManager
+from densebatch.train.checkpoint.manager import CheckpointManager
 from densebatch.train.distributed import Distributed, wrap_model
 from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
 from densebatch.train.loop import Trainer
@@ -55,64 +51,24 @@ def train(path: str | None, overrides: list[str], resume: bool = False, overwrit
     dist = Distributed.from_environment(requested.train.device)
     try:
         with RunLock(requested.output_dir, dist):  # one writer per run directory, for the whole run
-            return _train(requested, overrides, resume, overwrite, dist)
+            return _train(requested, overrides=overrides, resume=resume, overwrite=overwrite, dist=dist)
     finally:
         dist.close()
 
 
-def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
-    cfg, resume_from, start_over = resolve_run(requested, overrides, resume, overwrite, dist)
-    out = Path(cfg.output_dir)
-    # FSDP: the model is built on the meta device and each rank materialises only its shards (no process
-    # holds it whole); the budget finder then sizes the sharded step
-    sharded = cfg.train.distributed == "fsdp" and dist.enabled
-    s = setup(cfg, dist, on_meta=sharded)  # documents (rank 0 first), then the seeded model: run/build.py
-    if start_over is not None:  # --overwrite: the old run goes only once the new one's data and model are there
-        start_over()
-    prepared, model, device = s.prepared, s.model, s.device
-    tok = prepared.tokenizer
-    if not sharded:
-        cfg = resolve_budget(cfg, model, prepared, dist)  # batching.max_tokens_per_batch: auto, before DDP wraps it
-    forward = wrap_model(model, cfg.train.distributed, dist, cfg.train.precision)
-    if s.init is not None:
-        materialise_run_model(cfg, model, s.init, device, dist)
-    if sharded:
-        cfg = resolve_budget(cfg, model, prepared, dist, forward)
-    loader, eval_data = build_loaders(cfg, prepared, dist)
-    if dist.is_main and (alike := homogeneity_warning(cfg, prepared, loader)) is not None:
-        print(alike, flush=True)
-    if dist.is_main and (sizes := step_size_line(loader)) is not None:
-        print(sizes, flush=True)
-    if dist.is_main and prepared.eval is not None and (cap := eval_cap_line(cfg, prepared.eval)) is not None:
-        print(cap, flush=True)
-    weights = source_weights(cfg, prepared, loader)
-    if dist.is_main and (line := source_weights_line(prepared, weights, cfg.batching.rows_per_batch)) is not None:
-        print(line, flush=True)
-    t = trainer_config(cfg)  # train.lr: auto holds a placeholder until resolve_lr below
-    if t.batch_schedule.backoff_patience and eval_data is None:
-        raise ConfigError(
-            "train.batch_schedule.backoff_patience: a back-off watches the eval loss, and this run has no eval split"
-        )
-    accuracy = accuracy_check(cfg, prepared, dist)
-    trainer = Trainer(
-        model, loader, t, output_dir=out,
-        evaluation=Evaluation(cfg.eval, eval_data, accuracy_entries(cfg, accuracy, tok) if accuracy is not None else None),
-        placement=Placement(device, dist, forward),
-        parts=StepParts(
-            guard=AnomalyGuard(t.guard.spike_zscore, t.guard.spike_window, t.guard.max_bad_steps),
-            clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
-            batch_schedule=BatchSchedule.from_config(t.batch_schedule), source_weights=weights,
-        ),
-        reporting=Reporting(
-            sinks=build_sinks(cfg, out) if dist.is_main else (), health=build_health(cfg, device),
-            source_names=prepared.train.source_names,
-        ),
-    )  # fmt: skip
-    cfg = resolve_lr(cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which it leaves as it was
-    ckpt = CheckpointManager(out / CHECKPOINT_DIR, cfg.checkpoint.keep_last, cfg.checkpoint.mirror_dir, dist)
+def _train(requested: RunConfig, *, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
+    cfg, resume_from, start_over = resolve_run(requested, overrides, resume, overwrite, dist)  # resolve
+    run = build_run(cfg, dist, start_over)  # build
+    if dist.is_main:  # report
+        for line in report_lines(run.cfg, run.prepared, run.loader, run.weights):
+            print(line, flush=True)
+    trainer = build_trainer(run, dist)
+    final_cfg = resolve_lr(run.cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which takes the rate
+    out = Path(final_cfg.output_dir)
     session = Session(
-        trainer, ckpt, cfg.checkpoint.every_steps, t.guard.rollback_lr_factor, config=to_dict(cfg),
-        background_saves=cfg.checkpoint.async_,
+        trainer, CheckpointManager(out / CHECKPOINT_DIR, final_cfg.checkpoint.keep_last, final_cfg.checkpoint.mirror_dir, dist),
+        final_cfg.checkpoint.every_steps, final_cfg.train.guard.rollback_lr_factor, config=to_dict(final_cfg),
+        background_saves=final_cfg.checkpoint.async_,
     )  # fmt: skip
     if resume_from is not None:
         session.restore(resume_from)
@@ -120,19 +76,90 @@ def _train(requested: RunConfig, overrides: list[str], resume: bool, overwrite: 
             truncate_metrics(out / METRICS_FILE, trainer.state.step)
             print(f"resumed from {resume_from} (step {trainer.state.step})", flush=True)
     if dist.is_main:
-        save_config(cfg, out / "config.yaml")
-    try:
+        save_config(final_cfg, out / "config.yaml")
+    try:  # train
         result = session.run()
     finally:  # a tracker's run ends, and its last records reach its files, with the run (or its error)
         for sink in trainer.sinks:
             sink.close()
-    if result.stop_reason == "interrupted":
+    return finish(final_cfg, run=run, trainer=trainer, stop_reason=result.stop_reason, dist=dist)
+
+
+@dataclass
+class Run:
+    """What ``build_run`` built: the configuration with its token budget found, the documents and model, the
+    module training goes through, the loaders, the sources' weights and the accuracy check."""
+
+    cfg: RunConfig
+    prepared: Prepared
+    model: torch.nn.Module
+    device: torch.device
+    forward: torch.nn.Module
+    loader: StepLoader
+    eval_data: Callable[[], Iterable] | None
+    weights: list[float] | None
+    accuracy: AccuracyCheck | None
+
+
+def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] | None) -> Run:
+    """Documents, the seeded model (on the meta device under FSDP: each rank materialises only its shards, no
+    process holds it whole), ``batching.max_tokens_per_batch: auto`` found (before DDP wraps the model, or
+    on the sharded model under FSDP), the wrapped model, the loaders and the sources' weights."""
+    sharded = cfg.train.distributed == "fsdp" and dist.enabled
+    s = setup(cfg, dist, on_meta=sharded)  # documents (rank 0 first), then the seeded model: run/build.py
+    if start_over is not None:  # --overwrite: the old run goes only once the new one's data and model are there
+        start_over()
+    if sharded:  # the budget is found on the sharded model, through the module training goes through
+        forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
+        if s.init is not None:
+            materialise_run_model(cfg, model=s.model, record=s.init, device=s.device, dist=dist)
+        sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist, forward=forward)
+    else:  # the budget is found before DDP wraps the model
+        sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
+        forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
+    loader, eval_data = build_loaders(sized, s.prepared, dist)
+    weights = source_weights(sized, s.prepared, loader)
+    accuracy = accuracy_check(sized, s.prepared, dist)
+    return Run(sized, s.prepared, s.model, s.device, forward, loader, eval_data, weights, accuracy)
+
+
+def build_trainer(run: Run, dist: Distributed) -> Trainer:
+    """The trainer of ``run``, with its guard, clipper, batch schedule, sinks and health warnings; under
+    ``train.lr: auto`` it takes its rate from the range test (``resolve_lr``) before it trains."""
+    cfg, t = run.cfg, run.cfg.train
+    if t.batch_schedule.backoff_patience and run.eval_data is None:
+        raise ConfigError(
+            "train.batch_schedule.backoff_patience: a back-off watches the eval loss, and this run has no eval split"
+        )
+    out, tok = Path(cfg.output_dir), run.prepared.tokenizer
+    return Trainer(
+        run.model, run.loader, t, output_dir=out,
+        evaluation=Evaluation(cfg.eval, run.eval_data, accuracy_entries(cfg, run.accuracy, tok) if run.accuracy is not None else None),
+        placement=Placement(run.device, dist, run.forward),
+        parts=StepParts(
+            guard=AnomalyGuard(t.guard.spike_zscore, t.guard.spike_window, t.guard.max_bad_steps),
+            clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
+            batch_schedule=BatchSchedule.from_config(t.batch_schedule), source_weights=run.weights,
+        ),
+        reporting=Reporting(
+            sinks=build_sinks(cfg, out) if dist.is_main else (), health=build_health(cfg, run.device),
+            source_names=run.prepared.train.source_names,
+        ),
+    )  # fmt: skip
+
+
+def finish(cfg: RunConfig, *, run: Run, trainer: Trainer, stop_reason: str, dist: Distributed) -> int:
+    """After the last step: ``output_dir/final`` (model, tokenizer, config; every rank, FSDP streams the
+    weights), the accuracy of the held-out answers and the plots; only a line when a signal stopped the run."""
+    out = Path(cfg.output_dir)
+    if stop_reason == "interrupted":
         if dist.is_main:
             print("stopped by signal; continue with --resume", flush=True)
         return 0
     final = out / FINAL_DIR
-    write_final(final, trainer.model, tok, cfg, trainer.state.step, dist)  # every rank: FSDP streams the weights
+    write_final(final, trainer.model, run.prepared.tokenizer, cfg, trainer.state.step, dist)
     if dist.is_main:
+        accuracy = run.accuracy
         if accuracy is not None and accuracy.samples:
             acc = (trainer.state.last_eval or {}).get("accuracy", math.nan)
             print(f"exact-match accuracy on {len(accuracy.samples)} held-out prompts: {acc:.3f}\n{accuracy.show()}")

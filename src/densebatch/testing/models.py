@@ -6,7 +6,7 @@
   for the bound one of those tests uses.
 - ``tiny_config`` / ``write_config_dir``: one configuration per architecture densebatch supports or
   refuses (``ARCHITECTURES``: the table of docs/hf-models.md, checked by
-  tests/model/test_hf_architectures.py and printed by benchmarks/model/hf_isolation_table.py), small
+  tests/model/hf/test_hf_architectures.py and printed by benchmarks/model/hf_isolation_table.py), small
   enough to build and run in milliseconds (1-2 layers, width ``WIDTH``, vocabulary ``VOCAB``); where an
   architecture has a sliding window it is ``WINDOW`` tokens, shorter than the documents of ``LENGTHS``,
   so that a mask which forgot the window shows up as a difference.
@@ -68,7 +68,7 @@ WINDOW = 6  # sliding-window attention span, shorter than the longer documents o
 LENGTHS = [[9, 14, 5], [20], [3, 11, 1, 7]]
 SEQ_LEN = 32
 # (model_type, transformers' own attn_implementation for it): what the isolation table and test cover,
-# each also under attn_implementation densebatch (Falcon < 5.25 through its own table: model/hf_falcon.py).
+# each also under attn_implementation densebatch (Falcon < 5.25 through its own table: model/hf/falcon.py).
 ARCHITECTURES = [
     ("gpt2", "sdpa"),
     ("llama", "sdpa"),

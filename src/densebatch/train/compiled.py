@@ -7,7 +7,7 @@ attention runs eagerly between the compiled parts (``model/attention.py`` ``atte
 plan's Python facts change every batch). A model without repeated blocks gets ``token_losses`` compiled.
 Under FSDP2 the blocks are already sharded when they are compiled: ``module.compile()`` compiles the
 block's whole ``__call__``, FSDP2's hooks included, so that order runs the same as compiling first
-(tests/test_distributed.py checks compiled FSDP against eager DDP). Every graph break counted is a call
+(tests/cli/test_distributed.py checks compiled FSDP against eager DDP). Every graph break counted is a call
 of the eager attention, once per compiled frame that makes it and grad mode.
 
 Shapes: with ``dynamic=True`` a token_budget epoch, whose every batch has a new (rows, T), compiles each

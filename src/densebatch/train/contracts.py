@@ -21,7 +21,14 @@ StepFraction = Callable[[int], float]  # loader step number → its size as a sh
 
 
 class TokenLossModel(Protocol):
-    """A model the trainer can train: per-token losses of a batch, and its parameters by layer group."""
+    """A model the trainer can train: per-token losses of a batch, its parameters by layer group, and what the
+    trainer and the runner read of it (the reference ``GPT`` and ``HFCausalLM`` have every member; a model of
+    one's own needs the two methods, and the trainer reads the others with the defaults noted here)."""
+
+    max_positions: int | None  # the longest row it takes; the runner refuses longer rows up front (None: no limit)
+    weighs_losses: bool  # token_losses multiplies batch.loss_weights in itself (train/per_source.py; default False)
+    task: str  # "causal" or "mlm" (a masked LM): what export and generation may do with it (default "causal")
+    label_smoothing: float  # train.label_smoothing, given when the model is built; training passes only
 
     def token_losses(self, batch: Batch) -> Tensor:
         """(rows, T) float32 cross-entropy per target; 0 where the label is ``IGNORE_INDEX``."""
@@ -29,6 +36,10 @@ class TokenLossModel(Protocol):
 
     def layer_groups(self) -> dict[str, list[nn.Parameter]]:
         """Parameters by group (``embeddings``, ``blocks``, ``head``) for per-group learning rates."""
+        ...
+
+    def output_embeddings(self) -> list[nn.Parameter]:
+        """The output table(s), kept without weight decay like embeddings (default: none)."""
         ...
 
 

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from densebatch import torch_features
 from densebatch.batch import Batch
 from densebatch.errors import ConfigError
-from densebatch.train.evaluate import AUTOCAST_DTYPES, resolve_precision
+from densebatch.train.precision import AUTOCAST_DTYPES, resolve_precision
 
 
 def check_device(name: str) -> None:

@@ -2,13 +2,12 @@
 
 The loss is ``sum(per-token cross-entropy) / (loss tokens)`` over the whole split, summed in float64,
 so it does not depend on how documents were grouped into rows and batches (random, length-grouped,
-token-budget or packed give the same number to ~1e-7 relative). Also home of the precision context
-shared by training and evaluation (the lowest module that runs the model).
+token-budget or packed give the same number to ~1e-7 relative). The precision context and device moves
+it shares with training are in ``train/precision.py``, the per-source sums in ``train/per_source.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -16,85 +15,13 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import Tensor, nn
 
-from densebatch import torch_features
-from densebatch.batch import IGNORE_INDEX, Batch
-from densebatch.errors import ConfigError
-
-AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def resolve_precision(device: torch.device, precision: str) -> str:
-    """``train.precision`` as this device runs it: ``auto`` is bf16 autocast on a CUDA device that
-    supports it, fp32 elsewhere (CPU autocast is slower than fp32 there, and a GPU without bf16 would
-    need fp16's loss scaling, a choice left to the user). Other values are checked and returned."""
-    if precision == "auto":
-        cuda_bf16 = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-        return "bf16" if cuda_bf16 else "fp32"
-    check_precision(device, precision)
-    return precision
-
-
-def allow_tf32(device: torch.device) -> bool:
-    """On CUDA, let fp32 matrix products use TF32 tensor cores (what bf16 autocast leaves in fp32:
-    the optimizer's and the loss head's own products); True when switched on."""
-    if device.type != "cuda":
-        return False
-    torch_features.allow_tf32()  # the fp32_precision API where the release has it, never mixed with the legacy flags
-    return True
-
-
-def check_precision(device: torch.device, precision: str) -> None:
-    """Refuse precisions the device cannot run, with a message saying what to use instead."""
-    if precision not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"train.precision: expected auto, fp32, bf16 or fp16; got {precision!r}")
-    # fp16 autocast on CPU is either unsupported or far slower than fp32, and loss scaling exists for
-    # GPU tensor cores: refusing it is clearer than a silent slowdown.
-    if precision == "fp16" and device.type != "cuda":
-        raise ConfigError(f"train.precision: fp16 needs a CUDA device (this run uses {device.type}); use bf16 or fp32")
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise ConfigError("train.precision: this GPU has no bf16 support; use fp16 or fp32")
-
-
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
-    """Mixed-precision context for the forward pass (a no-op in fp32; ``auto`` resolved for ``device``)."""
-    precision = resolve_precision(device, precision)
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
-
-
-def to_device(batch: Batch, device: torch.device) -> Batch:
-    """Move a batch; asynchronous only when it can be (CUDA target, pinned source)."""
-    if batch.input_ids.device == device:
-        return batch
-    non_blocking = device.type == "cuda" and batch.input_ids.is_pinned()
-    return batch.to(device, non_blocking=non_blocking)
+from densebatch.batch import Batch
+from densebatch.train.per_source import by_source, source_sums
+from densebatch.train.precision import autocast, to_device
 
 
 def perplexity(loss: float) -> float:
     return math.exp(loss) if loss < 700 else math.inf  # exp overflows a float beyond ~709
-
-
-def source_sums(batch: Batch, losses: Tensor, num_sources: int) -> Tensor:
-    """Per-source loss sums and loss-token counts of one batch: ``(2 * num_sources,)`` float64,
-    sums first. Exact over each source's targets (positions whose label is not -100); zeros for a
-    batch without ``source_ids`` (a null batch)."""
-    out = torch.zeros(2 * num_sources, dtype=torch.float64, device=losses.device)
-    if batch.source_ids is None or num_sources == 0:
-        return out
-    keep = batch.labels != IGNORE_INDEX  # (rows, T)
-    src = batch.source_ids[keep]  # (n,)
-    out[:num_sources] = torch.bincount(src, weights=losses.detach()[keep].double(), minlength=num_sources)
-    out[num_sources:] = torch.bincount(src, minlength=num_sources).double()
-    return out
-
-
-def by_source(sums: list[float], names: list[str]) -> tuple[dict[str, float | None], dict[str, float]]:
-    """(loss per source, share of the loss tokens per source) from all-reduced ``source_sums``."""
-    k = len(names)
-    total = sum(sums[k:]) or 1.0
-    loss = {n: (sums[i] / sums[k + i] if sums[k + i] > 0 else None) for i, n in enumerate(names)}
-    return loss, {n: sums[k + i] / total for i, n in enumerate(names)}
 
 
 @dataclass
@@ -179,3 +106,29 @@ def evaluate(
         result.loss_by_source = by_source(values[4:], source_names)[0]
         result.tokens_by_source = {name: int(c) for name, c in zip(source_names, values[4 + k :])}
     return result
+
+
+def eval_record(
+    model: nn.Module,
+    step: int,
+    *,
+    data: Iterable[Batch] | Callable[[], Iterable[Batch]] | None,
+    max_batches: int | None,
+    evaluate_batches: Callable[[Iterable[Batch], int | None], EvalResult],
+    extra: Callable[[nn.Module], dict] | None,
+) -> dict:
+    """The ``"kind": "eval"`` record of one evaluation inside a run, at ``step``: the loss of ``data`` (batches,
+    or a function giving a fresh iterable each time) through ``evaluate_batches`` (the trainer's: its
+    wrapper, device, precision and ranks), then the entries ``extra(model)`` adds (e.g. accuracy), run in
+    eval mode without gradients."""
+    rec: dict = {"kind": "eval", "step": step}
+    if data is not None:
+        source = data() if callable(data) else data
+        rec.update(evaluate_batches(source, max_batches).as_dict())
+    if extra is not None:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():
+            rec.update(extra(model))
+        model.train(was_training)
+    return rec

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -30,14 +29,23 @@ from densebatch.train.batch_steps import BatchSteps
 from densebatch.train.compiled import CompileCount, compile_for_training
 from densebatch.train.contracts import StepSource
 from densebatch.train.distributed import Distributed, TokenLosses, gradient_sync
-from densebatch.train.evaluate import EvalResult, allow_tf32, by_source, evaluate, resolve_precision
+from densebatch.train.evaluate import EvalResult, eval_record, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper
 from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, finish_run, format_summary, resource_usage
-from densebatch.train.oom import OOMLog, Passes, accumulate
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
-from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
-from densebatch.train.source_weights import SourceWeights, step_loss_tokens
-from densebatch.train.state import StepOutcome, StepResult, TrainResult, TrainState, rank_state_bytes, step_record
+from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts, load_parts
+from densebatch.train.passes import OOMLog, Passes, accumulate
+from densebatch.train.per_source import SourceLosses, SourceWeights, step_denominator
+from densebatch.train.precision import allow_tf32, resolve_precision
+from densebatch.train.state import (
+    StepOutcome,
+    StepResult,
+    TrainResult,
+    TrainState,
+    rank_state_bytes,
+    run_summary,
+    step_record,
+)
 from densebatch.train.update import StepStats, apply_update
 
 
@@ -72,15 +80,14 @@ class Trainer:
         optimizer: torch.optim.Optimizer | None = None,
         total_steps: int | None = None,
     ):
-        evaluation, placement = evaluation or Evaluation(), placement or Placement()
-        parts, reporting = parts or StepParts(), reporting or Reporting()
-        device, dist, forward = placement.device, placement.dist, placement.forward
-        eval_cfg, eval_data, evaluate_fn = evaluation.cfg, evaluation.data, evaluation.extra
-        guard, clipper, batch_schedule = parts.guard, parts.clipper, parts.batch_schedule
-        console, sinks, health, source_names = reporting.console, reporting.sinks, reporting.health, reporting.source_names
-        self.cfg, self.eval_cfg = cfg, eval_cfg
-        self.dist = dist or Distributed()
-        self.device = resolve_device(device if device is not None else cfg.device)
+        evaluation = evaluation or Evaluation()
+        placement = placement or Placement()
+        parts = parts or StepParts()
+        reporting = reporting or Reporting()
+        self.cfg = cfg
+        self.eval_cfg = evaluation.cfg
+        self.dist = placement.dist or Distributed()
+        self.device = resolve_device(placement.device if placement.device is not None else cfg.device)
         self.precision = resolve_precision(self.device, cfg.precision)  # auto: bf16 on a CUDA GPU that has it, else fp32
         self.tf32 = allow_tf32(self.device)
         self.model = model.to(self.device)
@@ -88,17 +95,22 @@ class Trainer:
         if cfg.compile:
             self.compiled = CompileCount.start()
             compile_for_training(self.model)
-        self.forward = forward if forward is not None else TokenLosses(self.model)
-        self.optimizer = optimizer if optimizer is not None else build_optimizer(self.model, cfg)
+        self.forward = placement.forward if placement.forward is not None else TokenLosses(self.model)
+        if optimizer is None:  # train.lr: auto: no rate until set_lr takes the range test's (it sets each step's rate itself)
+            optimizer = build_optimizer(self.model, cfg if cfg.lr != "auto" else dataclasses.replace(cfg, lr=0.0))
+        self.optimizer = optimizer
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]  # what the optimizer updates
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.data: StepSource = data if isinstance(data, StepSource) else BatchSteps(data, cfg)
-        self.batch_schedule = batch_schedule.attach(self.data) if batch_schedule is not None else None  # train/schedule.py
-        self.guard = guard if guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
-        self.clipper = clipper if clipper is not None else FixedClipper(cfg.grad_clip)
-        self.eval_data, self.evaluate_fn = eval_data, evaluate_fn
-        self.source_names = list(source_names) if source_names and len(source_names) > 1 else None  # loss per source
-        self.source_sums: torch.Tensor | None = None  # the current step's per-source loss sums and loss tokens
+        schedule = parts.batch_schedule
+        self.batch_schedule = schedule.attach(self.data) if schedule is not None else None  # train/schedule.py
+        self.guard = parts.guard if parts.guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
+        self.clipper = parts.clipper if parts.clipper is not None else FixedClipper(cfg.grad_clip)
+        self.eval_data = evaluation.data
+        self.evaluate_fn = evaluation.extra
+        names = reporting.source_names
+        self.source_names = list(names) if names and len(names) > 1 else None  # with two or more: loss per source
+        self.source_losses: SourceLosses | None = None  # the current step's, with two or more sources
         w = parts.source_weights  # all alike: the plain mean
         self.source_weights = SourceWeights(w, getattr(model, "weighs_losses", False)) if w and len(set(w)) > 1 else None
         self.after_step: Callable[[StepResult], None] | None = None
@@ -106,38 +118,41 @@ class Trainer:
         self.state = TrainState(total_steps=total_steps)
         self.should_stop = False  # set from a signal handler: finish the current step, then stop
         self.metrics: MetricsWriter | None = None  # open during run(); the session writes its events here
-        self.sinks, self.health = list(sinks), health
-        self.console, self._show_console = Console(None, 0, enabled=False), console and self.dist.is_main
+        self.sinks = list(reporting.sinks)
+        self.health = reporting.health
+        self.console = Console(None, 0, enabled=False)
+        self._show_console = reporting.console and self.dist.is_main
         self._it: Iterator[Step] | None = None  # created lazily so that load_state_dict can reposition data
         self._mark = time.perf_counter()
-        self._session_tokens, self._session_seconds = 0, 0.0
-        self.oom = OOMLog()  # the first out-of-memory split of the run is printed once (train/oom.py)
+        self._data_wait = 0.0  # seconds the last step waited for its data
+        self._step_began = 0.0
+        self._first_record = True  # the first record of this session carries rank_state_gb
+        self._session_tokens = 0  # real tokens and seconds of this session (a resume starts a new one)
+        self._session_seconds = 0.0
+        self._facts: dict = {}  # the run's peak memory (per rank) and attention kernels, once the run has finished
+        self.oom = OOMLog()  # the first out-of-memory split of the run is printed once (train/passes.py)
 
     def set_lr(self, lr: float) -> None:
-        """The base learning rate from the next step on (``train.lr: auto``, once the range test found it)."""
+        """The base learning rate from the next step on: under ``train.lr: auto`` the range test's rate, which
+        the trainer needs before ``run()``."""
         self.cfg = dataclasses.replace(self.cfg, lr=lr)
 
     # ------------------------------------------------------------------------------------ state
     def parts(self) -> dict[str, Any]:
         """The JSON-able stateful parts a checkpoint stores beside model and optimizer, by name."""
         parts = {"counters": self.state, "scaler": self.scaler, "data": self.data, "guard": self.guard, "clipper": self.clipper}
-        parts |= {"batch_schedule": self.batch_schedule} if self.batch_schedule is not None else {}
-        return parts | ({"health": self.health} if self.health is not None else {})
+        if self.batch_schedule is not None:
+            parts["batch_schedule"] = self.batch_schedule
+        if self.health is not None:
+            parts["health"] = self.health
+        return parts
 
     def trainer_state(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts().items()}
 
     def load_trainer_state(self, d: dict, only: Iterable[str] | None = None) -> None:
-        for name, part in self.parts().items():
-            if only is not None and name not in only:
-                continue
-            if name == "health" and name not in d:
-                continue  # the warnings already given: a checkpoint saved without them only warns again
-            if name not in d:
-                raise KeyError(f"the saved trainer state has no part '{name}' (saved: {sorted(d)})")
-            if name == "scaler" and not d[name]:
-                continue  # a disabled scaler saves {}
-            part.load_state_dict(d[name])
+        """The saved parts back (``train/parts.py``'s ``load_parts``), then the data read from its new position."""
+        load_parts(self.parts(), d, only)
         self.reset_data_iterator()
 
     def state_dict(self) -> dict:
@@ -166,36 +181,21 @@ class Trainer:
         """Leave in ``.grad`` the gradient of (summed CE of the step) / (loss tokens of the step).
 
         Returns the step's loss and token counts over all ranks. Gradients carry the fp16 loss scale
-        when it is on (``scaler.unscale_`` removes it). The passes run in ``train/oom.py``: a batch that
+        when it is on (``scaler.unscale_`` removes it). The passes run in ``train/passes.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
         batches = list(batches)
-        # the normaliser of every batch, known on the host: loss tokens (weighted by source: train/source_weights.py)
-        local, weight = step_loss_tokens(batches, self.source_weights)
-        total: float | torch.Tensor = local
-        # DDP and FSDP average gradients over ranks; dividing by total / world_size makes that sum / total.
-        denom: float | torch.Tensor = weight if weight > 0 else 1.0
-        if self.dist.enabled:  # the step's counts over ranks stay on the device, read with the step's stats
-            both = self.dist.all_reduce_sum(torch.tensor([local, weight], dtype=torch.float64, device=self.device))
-            total, denom = both[0], torch.where(both[1] > 0, both[1] / self.dist.world_size, 1.0).float()
-        k = len(self.source_names) if self.source_names else 0
-        self.source_sums = torch.zeros(2 * k, dtype=torch.float64, device=self.device) if k else None
+        local, total, denom = step_denominator(batches, self.source_weights, self.dist, self.device)
+        sources = self.source_losses = SourceLosses(self.source_names, self.device) if self.source_names else None
         loss, splits = accumulate(self.passes(), batches, denom)
-        real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
-        sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=self.device)  # CE sum, real tokens, slots
-        sums[0] = loss
-        if k:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
-            sums = torch.cat([sums, self.source_sums])
-        known = {"batches": len(batches), "oom_splits": splits}
-        # read back at the step's end, with the gradient norm (train/update.py), or on first use
-        return StepStats(known, self.dist.all_reduce_sum(sums), total, self.source_names if k else None, by_source, local > 0)
+        # summed over ranks in one all-reduce; read back at the step's end with the gradient norm (StepStats.read)
+        return StepStats.gather(batches, loss, splits=splits, sources=sources, total=total, has_targets=local > 0, dist=self.dist)
 
     def passes(self) -> Passes:
-        """What the step's forward and backward passes use (``train/oom.py``)."""
+        """What the step's forward and backward passes use (``train/passes.py``)."""
         return Passes(
             forward=self.forward, optimizer=self.optimizer, scaler=self.scaler, device=self.device,
-            precision=self.precision, dist=self.dist, sync=self.sync_gradients, source_sums=self.source_sums,
-            num_sources=len(self.source_names) if self.source_names else 0, console=self.console, oom=self.oom,
-            source_weights=self.source_weights,
+            precision=self.precision, dist=self.dist, sync=self.sync_gradients, source_losses=self.source_losses,
+            console=self.console, oom=self.oom, source_weights=self.source_weights,
         )  # fmt: skip
 
     def sync_gradients(self, last: bool) -> contextlib.AbstractContextManager:
@@ -220,17 +220,23 @@ class Trainer:
         stats = self.forward_backward(step.batches)
         t1 = time.perf_counter()
         outcome, grad_norm, limit = self.apply_update(stats)  # reads the device once: stats and gradient norm
-        stats.read()  # (a no-op unless the update had no gradient to read with them)
         t2 = time.perf_counter()
-        return self._finish_step(step, stats, outcome, lr, grad_norm, limit, (t0, t1, t2))
+        return self._finish_step(step, stats=stats, outcome=outcome, lr=lr, grad_norm=grad_norm, limit=limit, times=(t0, t1, t2))
 
     def apply_update(self, stats: dict, clipper=None, judge: bool = True) -> tuple[StepOutcome, float, float]:
         """``train/update.py``'s update on this trainer's optimizer, scaler and parameters (clipper: the trainer's
         unless given; ``judge``: ask the guard). Returns (outcome, norm before clipping, clip limit)."""
         clipper = clipper if clipper is not None else self.clipper
-        return apply_update(self.optimizer, self.scaler, self.params, stats, clipper, self.guard if judge else None)
+        return apply_update(
+            self.optimizer,
+            scaler=self.scaler,
+            params=self.params,
+            stats=stats,
+            clipper=clipper,
+            guard=self.guard if judge else None,
+        )
 
-    def _finish_step(self, step: Step, stats: dict, outcome: StepOutcome, lr, grad_norm, limit, times) -> StepResult:
+    def _finish_step(self, step: Step, *, stats: dict, outcome: StepOutcome, lr, grad_norm, limit, times) -> StepResult:
         st = self.state
         now = self._clock()
         seconds = now - self._step_began
@@ -239,7 +245,8 @@ class Trainer:
         self._session_seconds += seconds
         t0, t1, t2 = times
         timing = {"data_wait_s": self._data_wait, "fwd_bwd_s": t1 - t0, "optimizer_s": t2 - t1, "step_s": seconds}
-        rec = step_record(st, step, stats, outcome, lr, grad_norm, limit, timing) | resource_usage(self.device)
+        rec = step_record(st, step=step, stats=stats, outcome=outcome, lr=lr, grad_norm=grad_norm, limit=limit, timing=timing)
+        rec |= resource_usage(self.device)
         rec |= lr_record(self.optimizer, self.cfg) | (self.batch_schedule.record() if self.batch_schedule is not None else {})
         if st.step == 1 or self._first_record:  # what this rank holds: 1/N of DDP's under FSDP
             rec["rank_state_gb"] = rank_state_bytes(self.model, self.optimizer) / 1e9
@@ -279,35 +286,21 @@ class Trainer:
         """Evaluate, record (metrics + console), and update early stopping. None when there is no eval."""
         if self.eval_data is None and self.evaluate_fn is None:
             return None
-        st = self.state
-        rec: dict = {"kind": "eval", "step": st.step}
-        if self.eval_data is not None:
-            source = self.eval_data() if callable(self.eval_data) else self.eval_data
-            rec.update(self.evaluate_batches(source, self.eval_cfg.max_batches).as_dict())
-        if self.evaluate_fn is not None:
-            was_training = self.model.training
-            self.model.eval()
-            with torch.no_grad():
-                rec.update(self.evaluate_fn(self.model))
-            self.model.train(was_training)
+        rec = eval_record(
+            self.model, self.state.step, data=self.eval_data, max_batches=self.eval_cfg.max_batches,
+            evaluate_batches=self.evaluate_batches, extra=self.evaluate_fn,
+        )  # fmt: skip
         self._clock()
-        rec["elapsed_s"] = st.elapsed_s
-        st.last_eval_step, st.last_eval = st.step, rec
-        loss = rec.get("loss")
-        if isinstance(loss, float) and math.isfinite(loss):
-            if st.best_eval_loss is None or loss < st.best_eval_loss:
-                st.best_eval_loss, st.evals_without_improvement = loss, 0
-            else:
-                st.evals_without_improvement += 1
-                if self.eval_cfg.patience and st.evals_without_improvement >= self.eval_cfg.patience:
-                    st.early_stopped = True
+        rec["elapsed_s"] = self.state.elapsed_s
+        self.state.note_eval(rec, self.eval_cfg.patience)  # kept for the schedule and the summary; early stopping
         self.write_record(rec)
         self.console.eval(rec)
         return rec
 
     # -------------------------------------------------------------------------------------- run
     def stop_reason(self) -> str | None:
-        st, cfg = self.state, self.cfg
+        st = self.state
+        cfg = self.cfg
         if self.dist.agree(self.should_stop):  # a signal may reach one rank only: all stop together
             self.should_stop = True
             return "interrupted"
@@ -320,8 +313,13 @@ class Trainer:
         return None
 
     def _epoch_limit(self) -> float | None:
-        c = self.cfg  # no limit at all: one pass
-        return c.max_epochs if c.max_epochs is not None else 1.0 if c.max_steps is None and c.max_tokens is None else None
+        """``train.max_epochs``; without it, one pass when no other limit is set, else None (no epoch limit)."""
+        c = self.cfg
+        if c.max_epochs is not None:
+            return c.max_epochs
+        if c.max_steps is None and c.max_tokens is None:
+            return 1.0
+        return None
 
     def next_step(self) -> Step | None:
         """The next step of data (None when the data ends: max_epochs, or a finite iterable)."""
@@ -333,10 +331,10 @@ class Trainer:
         self._data_wait = time.perf_counter() - t
         return step
 
-    _data_wait, _step_began, _first_record, _facts = 0.0, 0.0, True, {}  # _facts: the run's peak memory and kernels
-
     def run(self) -> TrainResult:
         """Train until a stop condition; evaluate at the end (not when interrupted); print the summary."""
+        if self.cfg.lr == "auto":
+            raise ValueError("train.lr: auto: give the trainer its rate first (set_lr; run/auto.py resolve_lr)")
         if self.dist.is_main:
             # A fresh run starts its metrics afresh; a resumed one appends after the kept records.
             self.metrics = MetricsWriter(self.output_dir / METRICS_FILE, append=self.state.step > 0)
@@ -377,24 +375,12 @@ class Trainer:
         return TrainResult(stop_reason=reason, summary=summary, text=text)
 
     def summary(self, stop_reason: str) -> dict:
-        """The counters plus ``stop_reason``, ``steps``, ``fill_rate``, ``final_loss``, ``final_eval``,
-        this session's tokens and seconds, ``output_dir``, ``memory_peak`` (per rank) and ``attention`` (kernels)."""
-        st = self.state
-        return dataclasses.asdict(st) | {
-            "stop_reason": stop_reason,
-            "steps": st.step,
-            "fill_rate": st.real_tokens / max(1, st.slot_tokens),
-            "final_loss": st.last_loss,
-            "final_eval": st.last_eval,
-            "session_seconds": self._session_seconds,
-            "session_real_tokens": self._session_tokens,
-            "output_dir": str(self.output_dir),
-            "processes": self.dist.world_size,
-            "device": str(self.device),
-            "precision": self.precision
-            + (" (auto)" if self.cfg.precision == "auto" else "")
-            + (", TF32 matmuls" if self.tf32 else ""),
-            **(self.compiled.record() if self.compiled is not None else {}),
-            "warnings": [w.as_record() for w in self.health.summary()] if self.health is not None else [],
-            **self._facts,
-        }
+        """``train/state.py``'s ``run_summary`` of this run: counters, this session, where and how it ran."""
+        precision = self.precision + (" (auto)" if self.cfg.precision == "auto" else "")
+        return run_summary(
+            self.state, stop_reason=stop_reason, session_seconds=self._session_seconds, session_tokens=self._session_tokens,
+            output_dir=self.output_dir, processes=self.dist.world_size, device=self.device,
+            precision=precision + (", TF32 matmuls" if self.tf32 else ""),
+            compiled=self.compiled.record() if self.compiled is not None else {},
+            warnings=[w.as_record() for w in self.health.summary()] if self.health is not None else [],
+        ) | self._facts  # fmt: skip

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from densebatch.train.checkpoint_shards import first_row
+from densebatch.train.dtensors import first_row
 
 FULL_WRITES = ("normal_", "uniform_", "zero_", "fill_")  # overwrite every element: earlier values do not matter
 

@@ -1,6 +1,9 @@
-"""The trainer's parts, grouped as it is handed them: what it evaluates, where it runs, what decides each
-step beyond the optimizer, and what it reports to. Every field has a default that a single CPU process
-with no evaluation needs, so ``Trainer(model, data, cfg, output_dir=...)`` is a whole trainer."""
+"""The trainer's parts, grouped as it is handed them, and their saved states read back by name.
+
+What it evaluates, where it runs, what decides each step beyond the optimizer, and what it reports to.
+Every field has a default that a single CPU process with no evaluation needs, so
+``Trainer(model, data, cfg, output_dir=...)`` is a whole trainer. ``load_parts``: the stateful parts
+(``Trainer.parts()``) restored from a checkpoint's ``trainer`` entry."""
 
 from __future__ import annotations
 
@@ -65,3 +68,19 @@ class Reporting:
     sinks: Iterable[Any] = ()
     health: HealthMonitor | None = None
     source_names: list[str] | None = None
+
+
+def load_parts(parts: dict[str, Any], saved: dict, only: Iterable[str] | None = None) -> None:
+    """Each part's saved state back (``only``: the parts named, all when None). A checkpoint without
+    ``health`` only gives its warnings again; a disabled scaler saves ``{}``, which is skipped; any other
+    part missing is a ``KeyError`` naming it."""
+    for name, part in parts.items():
+        if only is not None and name not in only:
+            continue
+        if name == "health" and name not in saved:
+            continue  # the warnings already given: a checkpoint saved without them only warns again
+        if name not in saved:
+            raise KeyError(f"the saved trainer state has no part '{name}' (saved: {sorted(saved)})")
+        if name == "scaler" and not saved[name]:
+            continue  # a disabled scaler saves {}
+        part.load_state_dict(saved[name])

@@ -3,7 +3,7 @@
 ``Session(trainer, checkpoints, ...)`` runs the trainer and decides what happens between its steps:
 
 - **Checkpoints** hold the model, the optimizer (both in the world-size-independent form of
-  ``train/portable.py``) and the trainer's named parts (``Trainer.parts()``: counters, data position,
+  ``train/checkpoint/portable.py``) and the trainer's named parts (``Trainer.parts()``: counters, data position,
   guard, clipper, fp16 scaler), plus every rank's RNG states, the number of ranks and the run's
   configuration. ``restore`` puts all of them back: the resumed run continues bit for bit.
 - **Rollback** (the guard's verdict on a loss spike or on repeated non-finite steps): the weights,
@@ -31,13 +31,13 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from densebatch.train.checkpoint import CheckpointManager
-from densebatch.train.checkpoint_async import CheckpointWriter
-from densebatch.train.checkpoint_format import encode_tree
+from densebatch.train.checkpoint.async_saves import CheckpointWriter
+from densebatch.train.checkpoint.format import encode_tree
+from densebatch.train.checkpoint.manager import CheckpointManager
+from densebatch.train.checkpoint.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
+from densebatch.train.checkpoint.rng import capture_rng_state, restore_rng_state
 from densebatch.train.loop import StepOutcome, StepResult, Trainer, TrainResult
 from densebatch.train.observe.monitor import METRICS_FILE, MetricsWriter
-from densebatch.train.portable import load_model_state, load_optimizer_state, model_state, optimizer_state
-from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 # Counters of what was consumed (data, wall time, skipped steps): a rollback keeps them, because it
 # keeps the data position too; only the weights and what depends on them go back.
@@ -71,7 +71,7 @@ class Session:
     # ------------------------------------------------------------------------------ checkpoints
     def save(self) -> Path | None:
         """Write a checkpoint of the current step: model and optimizer in the portable form of
-        ``train/portable.py`` (under FSDP every rank writes its own shards), the trainer's parts and every
+        ``train/checkpoint/portable.py`` (under FSDP every rank writes its own shards), the trainer's parts and every
         rank's RNG states (rank 0 writes those). Every rank takes part and returns once it is complete; a
         save that failed raises on every rank (none is left waiting at the next collective)."""
         t = self.trainer

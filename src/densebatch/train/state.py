@@ -8,6 +8,7 @@ back per step and per run.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from enum import Enum
 
@@ -65,6 +66,22 @@ class TrainState:
             self.first_loss = stats["loss"] if self.first_loss is None else self.first_loss
             self.last_loss = stats["loss"]
 
+    def note_eval(self, rec: dict, patience: int | None) -> None:
+        """Keep an evaluation's record (``last_eval``, at ``last_eval_step``), and early stopping: a finite eval
+        loss below the best so far resets the count of evaluations without improvement; otherwise it
+        counts, and ``patience`` of them in a row (0 / None: never) stop the run."""
+        self.last_eval_step = self.step
+        self.last_eval = rec
+        loss = rec.get("loss")
+        if not (isinstance(loss, float) and math.isfinite(loss)):
+            return
+        if self.best_eval_loss is None or loss < self.best_eval_loss:
+            self.best_eval_loss, self.evals_without_improvement = loss, 0
+        else:
+            self.evals_without_improvement += 1
+            if patience and self.evals_without_improvement >= patience:
+                self.early_stopped = True
+
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -100,7 +117,7 @@ def rank_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def step_record(st: TrainState, step: Step, stats: dict, outcome: StepOutcome, lr, grad_norm, limit, timing: dict) -> dict:
+def step_record(st: TrainState, *, step: Step, stats: dict, outcome: StepOutcome, lr, grad_norm, limit, timing: dict) -> dict:
     """The ``"kind": "train"`` record of a finished step (figures over all ranks); the documents of a
     step whose update was not applied, for a post-mortem; per-source losses and out-of-memory splits
     when there are any."""
@@ -128,6 +145,40 @@ def step_record(st: TrainState, step: Step, stats: dict, outcome: StepOutcome, l
     for key in ("loss_by_source", "loss_tokens_share_by_source"):
         if key in stats:
             rec[key] = stats[key]
-    if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/oom.py)
+    if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/passes.py)
         rec["oom_splits"] = stats["oom_splits"]
     return rec
+
+
+def run_summary(
+    st: TrainState,
+    *,
+    stop_reason: str,
+    session_seconds: float,
+    session_tokens: int,
+    output_dir,
+    processes: int,
+    device,
+    precision: str,
+    compiled: dict,
+    warnings: list,
+) -> dict:
+    """What a finished run reports (the keys ``observe/monitor.format_summary`` reads): the counters plus
+    ``stop_reason``, ``steps``, ``fill_rate``, ``final_loss``, ``final_eval``, this session's seconds and
+    real tokens, ``output_dir``, the processes, device and precision it ran on, the compile counts
+    (``train/compiled.py``) and the health warnings given."""
+    return dataclasses.asdict(st) | {
+        "stop_reason": stop_reason,
+        "steps": st.step,
+        "fill_rate": st.real_tokens / max(1, st.slot_tokens),
+        "final_loss": st.last_loss,
+        "final_eval": st.last_eval,
+        "session_seconds": session_seconds,
+        "session_real_tokens": session_tokens,
+        "output_dir": str(output_dir),
+        "processes": processes,
+        "device": str(device),
+        "precision": precision,
+        **compiled,
+        "warnings": warnings,
+    }

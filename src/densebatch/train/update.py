@@ -13,21 +13,27 @@ from collections.abc import Iterable
 
 import torch
 
+from densebatch.batch import Batch
 from densebatch.train.guard import AnomalyGuard, Verdict, clip_gradients, gradient_norm
+from densebatch.train.per_source import SourceLosses, by_source
 from densebatch.train.state import StepOutcome
 
 
 class StepStats(dict):
-    """A step's loss and token counts over all ranks. What only the device knows (the loss sum, the
-    real and slot counts after the all-reduce, the sums per source, and under DDP / FSDP the step's
-    loss tokens over ranks) is read back once, on first use, in one transfer; ``read(norm)`` appends
-    the gradient norm to that same transfer, so a step reads the device once at its end
-    (``apply_update`` does this). ``has_targets``: this rank's batches hold loss tokens, so the step
-    is not empty (``is_empty`` needs no read then)."""
+    """A step's loss and token counts over all ranks, read from the device at one point: ``read``.
+
+    What only the device knows (the loss sum, the real and slot counts after the all-reduce, the sums per
+    source, and under DDP / FSDP the step's loss tokens over ranks) is read back by ``read(norm)`` in one
+    transfer, with the gradient norm appended: ``apply_update`` calls it, so a step reads the device once
+    at its end. Before ``read`` only what the host knows is present (``batches``, ``oom_splits``, and
+    ``loss_tokens`` on one process); looking up anything else is a ``KeyError`` that names ``read``, so
+    no lookup synchronises by surprise. ``has_targets``: this rank's batches hold loss tokens, so the step
+    is not empty (``is_empty`` reads the device only when this rank has none)."""
 
     def __init__(
         self,
         known: dict,
+        *,
         sums: torch.Tensor,
         total: float | torch.Tensor,
         source_names: list[str] | None,
@@ -39,6 +45,35 @@ class StepStats(dict):
             self["loss_tokens"] = int(total)
         self.has_targets = has_targets
         self._pending = (sums, total, source_names, by_source)
+
+    @classmethod
+    def gather(
+        cls,
+        batches: list[Batch],
+        loss: torch.Tensor,
+        *,
+        splits: int,
+        sources: SourceLosses | None,
+        total,
+        has_targets: bool,
+        dist,
+    ) -> StepStats:
+        """The stats of a step whose passes summed ``loss`` (this rank's, on the device) over ``batches``: the
+        loss sum, real tokens and slots (and the sums per source) all-reduced in one collective, left on the
+        device until ``read``; ``total``: the step's loss tokens over ranks (a number, or a device tensor)."""
+        real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
+        sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=loss.device)  # CE sum, real tokens, slots
+        sums[0] = loss
+        if sources is not None:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
+            sums = torch.cat([sums, sources.sums])
+        return cls(
+            {"batches": len(batches), "oom_splits": splits},
+            sums=dist.all_reduce_sum(sums),
+            total=total,
+            source_names=sources.names if sources is not None else None,
+            by_source=by_source,
+            has_targets=has_targets,
+        )
 
     def read(self, extra: torch.Tensor | None = None) -> float | None:
         """Fill in the device's values (with ``extra``, a one-element tensor, in the same transfer); ``extra``'s value."""
@@ -61,16 +96,17 @@ class StepStats(dict):
         return values[-1] if extra is not None else None
 
     def is_empty(self) -> bool:
-        """No loss tokens in the step, over every rank (read from the device only when this rank has none)."""
-        return not self.has_targets and self["loss_tokens"] == 0
+        """No loss tokens in the step, over every rank (``read`` from the device only when this rank has none)."""
+        if self.has_targets:
+            return False
+        if "loss_tokens" not in self:
+            self.read()
+        return self["loss_tokens"] == 0
 
     def __missing__(self, key):
-        self.read()
-        return dict.__getitem__(self, key)
-
-    def get(self, key, default=None):
-        self.read()
-        return super().get(key, default)
+        if self._pending is not None:
+            raise KeyError(f"{key!r}: a step's device values come with StepStats.read() (apply_update calls it)")
+        raise KeyError(key)
 
 
 def is_empty(stats: dict) -> bool:
@@ -80,6 +116,7 @@ def is_empty(stats: dict) -> bool:
 
 def apply_update(
     optimizer: torch.optim.Optimizer,
+    *,
     scaler: torch.amp.GradScaler,
     params: Iterable[torch.Tensor],
     stats: dict,
@@ -95,7 +132,9 @@ def apply_update(
     scaler.unscale_(optimizer)  # clip and judge the true gradient, not the fp16-scaled one
     params = [p for p in params if p.grad is not None]
     total = gradient_norm(params)  # on the device
-    norm = stats.read(total) if isinstance(stats, StepStats) and total is not None else None  # the step's one read
+    norm = None
+    if isinstance(stats, StepStats):  # the step's one read, the gradient norm with it
+        norm = stats.read(total) if total is not None else stats.read()
     grad_norm, limit = clip_gradients(params, clipper=clipper, total=total, norm=norm)
     if scaler.is_enabled() and math.isfinite(stats["loss"]) and not math.isfinite(grad_norm):
         outcome = StepOutcome.OVERFLOW

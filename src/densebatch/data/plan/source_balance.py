@@ -10,7 +10,7 @@ tokens (docs/benchmarks.md, "Time to quality").
 
 ``batch_balance`` measures that weighting on the run's own data and returns one factor per source: the
 mean share of a random batch's loss tokens that the source holds, over its share of all loss tokens.
-Weighting each source's loss tokens by its factor (``train/source_weights.py``) gives every source,
+Weighting each source's loss tokens by its factor (``train/per_source.py``) gives every source,
 in token-exact steps of any plan, the share of the gradient random batches of ``rows`` documents give
 it. A single source's factor is 1 (nothing changes).
 

@@ -47,10 +47,10 @@ import torch
 
 from densebatch.batch import Batch
 from densebatch.errors import UserError
+from densebatch.train.checkpoint.rng import capture_rng_state, restore_rng_state
 from densebatch.train.distributed import Distributed
-from densebatch.train.evaluate import autocast, to_device
-from densebatch.train.oom import free_memory, is_out_of_memory
-from densebatch.train.rng import capture_rng_state, restore_rng_state
+from densebatch.train.passes import free_memory, is_out_of_memory
+from densebatch.train.precision import autocast, to_device
 
 GB = 1e9
 # Most growth per probe; share of the memory left that the next probe may use by the line's prediction

@@ -38,6 +38,7 @@ import torch
 from densebatch.atomic import write_file
 from densebatch.config import FinderConfig
 from densebatch.errors import UserError
+from densebatch.train.checkpoint.rng import capture_rng_state, restore_rng_state
 from densebatch.train.contracts import TrainerHost
 from densebatch.train.finders.lr_curve import RULES, centred, choose_rule, diagnose, lowest, shown, smooth, suggest
 from densebatch.train.finders.lr_trials import (
@@ -53,7 +54,6 @@ from densebatch.train.finders.lr_trials import (
 from densebatch.train.guard import FixedClipper
 from densebatch.train.observe.monitor import _fmt_time, strict_json
 from densebatch.train.observe.plots import plot_lr_finder
-from densebatch.train.rng import capture_rng_state, restore_rng_state
 
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
 FELL = 0.25  # the range test stops when the loss is back above its start after falling by this share
