@@ -31,7 +31,7 @@ from densebatch.data.prepare.tokenizers import load_tokenizer
 from densebatch.errors import UserError
 from densebatch.run.owned import eval_view, prompt_for
 
-CHAT_TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "chat_templates"
+CHAT_TEMPLATES = Path(__file__).resolve().parents[1] / "data" / "prepare" / "chat_templates"
 PROMPT = "What is 7 plus 5?"
 CHATML_PROMPT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -73,7 +73,7 @@ def chatml_run(tmp):
 
 @pytest.fixture(scope="module")
 def chat_template_run(tmp):
-    """The same messages rendered by a tokenizer's own Jinja template (Qwen2's ChatML, tests/data/chat_templates)."""
+    """The same messages rendered by a tokenizer's own Jinja template (Qwen2's ChatML, tests/data/prepare/chat_templates)."""
     pytest.importorskip("transformers")
     d = tmp / "chat-tokenizer"
     d.mkdir()

@@ -235,15 +235,14 @@ def test_a_second_signal_during_the_stop_exits_130_at_once_and_loses_nothing_sav
 
 
 def test_a_full_disk_while_documents_are_cached_is_one_line_and_leaves_no_entry(tmp_path, monkeypatch, capsys):
-    from densebatch.data.prepare import pipeline, stream
+    from densebatch.data.prepare import assemble
 
     def full(directory, *args, **kwargs):
         Path(directory).mkdir(exist_ok=True)
         (Path(directory) / "tokens.npy").write_bytes(b"\0" * 64)
         raise OSError(errno.ENOSPC, ENOSPC, str(Path(directory) / "tokens.npy"))
 
-    monkeypatch.setattr(pipeline, "write_store_files", full)  # the in-memory path's writes
-    monkeypatch.setattr(stream, "StoreWriter", full)  # the streamed path's (every source streams)
+    monkeypatch.setattr(assemble, "StoreWriter", full)  # every prepare streams its documents into StoreWriters
     assert main(["prepare", *_args(tmp_path)]) == 2
     line = _one_error_line(capsys.readouterr().err)
     assert f"data.cache_dir {tmp_path / 'cache'}: cannot be written" in line and "no space left on device" in line, line
