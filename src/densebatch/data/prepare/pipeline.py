@@ -84,6 +84,7 @@ from densebatch.data.prepare.stream import (
 from densebatch.data.prepare.stream_cut import cut_chunks
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import PendingBPE, Tokenizer, load_data_tokenizer
+from densebatch.data.store.formats.entry import foreign_format, prepare_foreign
 from densebatch.errors import DataError, UserError
 
 
@@ -382,8 +383,9 @@ def prepare(cfg: DataConfig, seed: int = 0) -> Prepared:
     summary's per-source ``share`` is that of epoch 0's tokens at ``seed`` with the configured weights."""
     t0 = time.perf_counter()
     tok = load_data_tokenizer(cfg)
-    parts = source_parts(cfg)
-    if len(parts) == 1:
+    if foreign_format(cfg) is not None:  # a corpus another engine tokenised: read in place (data/store/formats)
+        prepared = Prepared(*prepare_foreign(cfg, tok, lambda split: _meta(tok, cfg, split), t0))
+    elif len(parts := source_parts(cfg)) == 1:
         prepared = _prepare_one(parts[0].name, parts[0].cfg, parts[0].fmt, tok, t0)
     else:
         prepared = _prepare_mixture(cfg, parts, tok, t0)

@@ -1,0 +1,261 @@
+"""The cache entry of a foreign corpus: its documents checked once and described in ``data.cache_dir``, then opened as stores.
+
+``prepare_foreign(cfg, tok, meta_of)`` is what ``prepare`` does for a ``data.format`` another engine
+wrote (``FORMATS``). The entry ``cache_dir/<format>-<key>/`` (key: every input file's identity, or
+with ``data.verify_inputs: hash`` its bytes, and every setting that changes the documents) holds
+``train/`` and ``eval/`` (``view.write_split``), ``corpus.json`` (the token files each split reads,
+with their sizes, checked again at every open) and ``summary.json``; it is built under the entry's
+lock, in a staged directory renamed into place, marker last, as our own entries are. Nothing is ever
+written beside the corpus: its files are opened read-only.
+
+Building reads the index files and scans every token once, window by window, for ids outside the
+tokenizer's vocabulary. Eval split (no ``data.eval_path``): in each input file by itself, document
+``i`` (its place in that file) is held out when ``splitmix64(i) < eval_fraction * 2**64`` (the one
+with the smallest hash when that picks none), so appending documents to a file never moves another
+between train and eval, and no seed changes it. ``data.eval_path`` in the same format is the eval
+split whole. Documents of fewer than 2 tokens (nothing to predict) are dropped and counted;
+``data.max_seq_len`` truncates (``overlong: truncate``) or drops (``drop``) longer ones.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from densebatch.config import DataConfig
+from densebatch.data.prepare.cache import entry_lock, input_key
+from densebatch.data.prepare.joined import JoinedArray
+from densebatch.data.prepare.store import marker_ok, read_window, staged_store, write_marker
+from densebatch.data.prepare.summary import PrepareSummary, percentiles
+from densebatch.data.store.formats import megatron
+from densebatch.data.store.formats.view import ForeignStore, write_split
+from densebatch.errors import DataError
+
+FORMATS = ("megatron",)
+ENTRY_VERSION = 1
+_SCAN = 1 << 24  # tokens read at once by the vocabulary scan
+
+
+@dataclass(frozen=True)
+class Input:
+    """One file of a foreign corpus as read: its token file, tokens, and each document's first token and length."""
+
+    name: Path  # the file named in messages (the token file)
+    files: tuple[Path, ...]  # every file it is read from (the key's identity)
+    tokens: np.ndarray
+    doc_starts: np.ndarray  # (documents,) int64
+    doc_lengths: np.ndarray  # (documents,) int64
+
+
+def foreign_format(cfg: DataConfig) -> str | None:
+    """The foreign format ``cfg`` reads (``FORMATS``), or None for records densebatch tokenises itself."""
+    if cfg.format in FORMATS:
+        if cfg.sources:
+            raise DataError(f"data.format {cfg.format}: data.sources is not read in this format yet; use data.path")
+        if cfg.path is None:
+            raise DataError(f"data.format {cfg.format}: data.path names the corpus (a prefix, a folder or a pattern)")
+        return cfg.format
+    bad = [s.format for s in cfg.sources if s.format in FORMATS]
+    if bad:
+        raise DataError(f"data.sources: a source in format {bad[0]} is not read in a mixture yet; use data.path")
+    return None
+
+
+def _paths(path: str, fmt: str) -> list[Path]:
+    """The inputs ``path`` names, sorted: itself, a folder's, or a glob pattern's (one per prefix)."""
+    matches = sorted(glob.glob(path, recursive=True)) if glob.has_magic(path) else [path]
+    if not matches:
+        raise DataError(f"{path}: the pattern matches no file")
+    if fmt == "megatron":
+        out = {p: None for m in matches for p in megatron.prefixes_of(m)}
+        return list(out)
+    raise AssertionError(fmt)
+
+
+def _read(fmt: str, p: Path) -> Input:
+    f = megatron.read_indexed(p)
+    return Input(f.bin_path, (f.idx_path, f.bin_path), f.tokens, f.doc_starts, f.doc_lengths)
+
+
+def _key(cfg: DataConfig, fmt: str, tok, inputs: list[Path], evals: list[Path]) -> str:
+    files = {"megatron": lambda p: [Path(f"{p}.idx"), Path(f"{p}.bin")]}[fmt]
+    ident = [[input_key(str(f), cfg.verify_inputs) if f.exists() else str(f) for f in files(p)] for p in inputs]
+    eval_ident = [[input_key(str(f), cfg.verify_inputs) if f.exists() else str(f) for f in files(p)] for p in evals]
+    material = {
+        "version": ENTRY_VERSION,
+        "format": fmt,
+        "inputs": ident,
+        "eval_inputs": eval_ident,
+        "eval_fraction": None if evals else cfg.eval_fraction,
+        "max_seq_len": cfg.max_seq_len,
+        "overlong": cfg.overlong,
+        "tokenizer": tok.fingerprint(),
+        "vocab_size": tok.vocab_size,
+        "pad_id": tok.pad_id,
+    }
+    return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def splitmix64(i: np.ndarray) -> np.ndarray:
+    """SplitMix64 of each of ``i`` (uint64): a fixed, well-mixed hash of a document's place in its file."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(i, np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def held_out(n: int, fraction: float) -> np.ndarray:
+    """(n,) bool: the documents of one file that the eval split takes (module docstring)."""
+    if fraction <= 0 or n == 0:
+        return np.zeros(n, bool)
+    h = splitmix64(np.arange(n, dtype=np.uint64))
+    out = h < np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
+    if not out.any() and n > 1:
+        out[int(np.argmin(h))] = True
+    return out
+
+
+def _check_ids(x: Input, vocab: int, tok_name: str) -> None:
+    """Every token id of ``x`` within 0 .. vocab - 1, one window at a time; ``DataError`` naming the file."""
+    if x.tokens.dtype in (np.uint8,) or (x.tokens.dtype == np.uint16 and vocab >= 1 << 16):
+        return  # every value the dtype holds is an id of the vocabulary
+    for a in range(0, len(x.tokens), _SCAN):
+        w = read_window(x.tokens, a, min(len(x.tokens), a + _SCAN))
+        lo, hi = int(w.min()), int(w.max())
+        if lo < 0 or hi >= vocab:
+            at = a + int(np.argmax((w < 0) | (w >= vocab)))
+            bad = int(x.tokens[at])
+            raise DataError(
+                f"{x.name}: token id {bad} at token {at} is outside the {vocab} ids of data.tokenizer {tok_name}: "
+                "set data.tokenizer to the tokenizer that wrote this corpus"
+            )
+
+
+def _keep(x: Input, docs: np.ndarray, cfg: DataConfig, s: PrepareSummary) -> tuple[np.ndarray, np.ndarray]:
+    """The starts and lengths of ``docs`` of ``x`` that a split keeps (too short dropped; overlong truncated or dropped)."""
+    lengths = x.doc_lengths[docs]
+    short = lengths < 2
+    s.dropped_no_target += int(short.sum())
+    long = lengths > cfg.max_seq_len
+    if cfg.overlong == "drop":
+        s.dropped_overlong += int((long & ~short).sum())
+        keep = ~short & ~long
+    else:
+        s.truncated += int(long.sum())
+        keep = ~short
+    return x.doc_starts[docs[keep]], np.minimum(lengths[keep], cfg.max_seq_len)
+
+
+def _joined(arrays: list[np.ndarray]):
+    if len(arrays) == 1:
+        return arrays[0]
+    joined = JoinedArray(list(arrays))
+    joined.dtype = np.result_type(*[a.dtype for a in arrays])  # the widest: no id is cut when read as one
+    return joined
+
+
+def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path], evals: list[Path]) -> PrepareSummary:
+    s = PrepareSummary(source=str(cfg.path), format=fmt, tokenizer=tok.name, template="none (token ids as written)")
+    s.eval_source = f"eval_path {cfg.eval_path}" if evals else f"{cfg.eval_fraction:g} of each file's documents by index hash"
+    corpus: dict[str, list] = {"train": [], "eval": []}
+    parts: dict[str, list] = {"train": [], "eval": []}
+    offsets = {"train": 0, "eval": 0}
+    for names, split_of in ((inputs, None), (evals, "eval")):
+        for p in names:
+            x = _read(fmt, p)
+            _check_ids(x, tok.vocab_size, tok.name)
+            n = len(x.doc_lengths)
+            s.records_read += n
+            ev = np.ones(n, bool) if split_of == "eval" else held_out(n, 0.0 if evals else cfg.eval_fraction)
+            for split, docs in (("train", np.flatnonzero(~ev)), ("eval", np.flatnonzero(ev))):
+                if split_of == "eval" and split == "train":
+                    continue
+                starts, lengths = _keep(x, docs, cfg, s)
+                if not any(c["file"] == str(x.name) for c in corpus[split]):
+                    corpus[split].append({"file": str(x.name), "dtype": x.tokens.dtype.name, "tokens": len(x.tokens)})
+                    base = offsets[split]
+                    offsets[split] += len(x.tokens)
+                parts[split].append((starts + base, lengths))
+    for split in ("train", "eval"):
+        starts = np.concatenate([a for a, _ in parts[split]]) if parts[split] else np.zeros(0, np.int64)
+        lengths = np.concatenate([b for _, b in parts[split]]) if parts[split] else np.zeros(0, np.int64)
+        if split == "eval" and not len(lengths):
+            corpus["eval"] = []
+            continue
+        write_split(tmp / split, starts, lengths, lengths - 1, meta_of(split))
+        setattr(s, f"{split}_documents", len(lengths))
+        setattr(s, f"{split}_tokens", int(lengths.sum(dtype=np.int64)))
+        setattr(s, f"{split}_loss_tokens", int((lengths - 1).sum(dtype=np.int64)))
+        if split == "train":
+            s.lengths = percentiles(lengths)
+    if not s.train_documents:
+        raise DataError(f"{cfg.path}: no document of 2 tokens or more to train on")
+    (tmp / "corpus.json").write_text(json.dumps(corpus, indent=1), encoding="utf-8")
+    (tmp / "summary.json").write_text(json.dumps(s.as_dict(), indent=1), encoding="utf-8")
+    files = ["corpus.json", "summary.json"] + [
+        f"{sp}/{n}" for sp in ("train", "eval") if (tmp / sp).is_dir() for n in _SPLIT_NAMES
+    ]
+    write_marker(tmp, {"format": ENTRY_VERSION, "sizes": {f: (tmp / f).stat().st_size for f in files}})
+    return s
+
+
+_SPLIT_NAMES = ("starts.npy", "lengths.npy", "doc_loss.npy", "meta.json")
+
+
+def _tokens_of(files: list[dict], final: Path):
+    """The token files of one split, mapped read-only, each checked against what the entry recorded."""
+    arrays = []
+    for f in files:
+        p, dtype = Path(f["file"]), np.dtype(f["dtype"])
+        try:
+            size = p.stat().st_size
+        except OSError:
+            raise DataError(f"{p}: missing (the corpus changed since {final} was made)") from None
+        if size != f["tokens"] * dtype.itemsize:
+            raise DataError(f"{p}: {size} bytes, {f['tokens'] * dtype.itemsize} when {final} was made: the corpus changed")
+        arrays.append(np.memmap(p, dtype, mode="r") if f["tokens"] else np.zeros(0, dtype))
+    return _joined(arrays)
+
+
+def _open(final: Path, tok, t0: float, hit: bool) -> tuple[ForeignStore, ForeignStore | None, object, PrepareSummary, Path]:
+    corpus = json.loads((final / "corpus.json").read_text(encoding="utf-8"))
+    train = ForeignStore(final / "train", _tokens_of(corpus["train"], final))
+    same = corpus["eval"] == corpus["train"]
+    ev = None
+    if (final / "eval").is_dir():
+        ev = ForeignStore(final / "eval", train.tokens if same else _tokens_of(corpus["eval"], final))
+    s = PrepareSummary.from_dict(json.loads((final / "summary.json").read_text(encoding="utf-8")))
+    s.cache_hit, s.cache_path, s.seconds = hit, str(final), time.perf_counter() - t0
+    return train, ev, tok, s, final
+
+
+def prepare_foreign(
+    cfg: DataConfig, tok, meta_of: Callable[[str], dict], t0: float
+) -> tuple[ForeignStore, ForeignStore | None, object, PrepareSummary, Path]:
+    """The train and eval stores of the foreign corpus ``cfg`` names, from the cache or built now (module docstring),
+    with ``tok``, the summary and the entry: ``Prepared``'s fields in order."""
+    fmt = foreign_format(cfg)
+    assert fmt is not None
+    if tok.fingerprint().startswith("pending-"):
+        raise DataError(
+            f"data.format {fmt}: the corpus holds token ids; data.tokenizer must be the tokenizer that wrote them, not {tok.name}"
+        )
+    inputs = _paths(cfg.path, fmt)
+    evals = _paths(cfg.eval_path, fmt) if cfg.eval_path is not None else []
+    final = Path(cfg.cache_dir) / f"{fmt}-{_key(cfg, fmt, tok, inputs, evals)}"
+    if marker_ok(final):
+        return _open(final, tok, t0, True)
+    with entry_lock(final):
+        if not marker_ok(final):
+            with staged_store(final) as tmp:
+                _build(tmp, cfg, fmt, tok, meta_of, inputs, evals)
+            return _open(final, tok, t0, False)
+    return _open(final, tok, t0, True)

@@ -1,0 +1,106 @@
+"""Megatron / NeMo indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``, the ``MMIDIDX`` layout), checked and read in place.
+
+The layout ``megatron.core.datasets.indexed_dataset`` writes (``IndexedDatasetBuilder`` /
+``_IndexWriter``, version 1), little-endian::
+
+    .idx  b"MMIDIDX\\x00\\x00"  uint64 version (1)  uint8 dtype code  uint64 S (sequences)  uint64 D
+          int32 sequence_lengths[S]  int64 sequence_pointers[S] (bytes into .bin)
+          int64 document_indices[D] (0, then the sequence that ends each document: D - 1 documents)
+          [int8 sequence_modes[S]: multimodal datasets only]
+    .bin  every sequence's tokens end to end, in the dtype of the code:
+          1 uint8, 2 int8, 3 int16, 4 int32, 5 int64, 6 float64, 7 float32, 8 uint16
+
+A document is its sequences end to end (``preprocess_data`` writes one sequence a document unless
+it splits sentences). Everything is checked against everything else before training: the header,
+the dtype (a float dtype holds no token ids), the index's size against its counts, the pointers
+against the lengths, the document indices, and the ``.bin``'s size against the tokens the index
+describes; any disagreement is one ``DataError`` naming the file.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from densebatch.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+_HEADER = len(MAGIC) + 8 + 1 + 8 + 8  # 34 bytes
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+_FLOATS = {6: "float64", 7: "float32"}
+
+
+@dataclass(frozen=True)
+class IndexedFile:
+    """One checked prefix: its ``.bin`` memory-mapped, and each document's first token and length."""
+
+    bin_path: Path
+    idx_path: Path
+    tokens: np.ndarray  # (tokens,) memory-mapped .bin, in its dtype
+    doc_starts: np.ndarray  # (documents,) int64, token offsets into tokens
+    doc_lengths: np.ndarray  # (documents,) int64
+
+
+def prefixes_of(path: str) -> list[Path]:
+    """The prefixes ``path`` names: ``PREFIX`` itself, ``PREFIX.bin`` / ``PREFIX.idx``, or a directory
+    (every ``*.idx`` in it, sorted)."""
+    p = Path(path)
+    if p.suffix in (".bin", ".idx"):
+        return [p.with_suffix("")]
+    if p.is_dir():
+        found = sorted(q.with_suffix("") for q in p.glob("*.idx"))
+        if not found:
+            raise DataError(f"{p}: no Megatron index (*.idx) in this directory")
+        return found
+    return [p]
+
+
+def read_indexed(prefix: Path) -> IndexedFile:
+    """Check ``prefix``'s ``.idx`` and ``.bin`` against each other and map them; ``DataError`` naming the file."""
+    idx, binf = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    for f in (idx, binf):
+        if not f.is_file():
+            raise DataError(f"{f}: missing (data.format megatron reads PREFIX.bin with PREFIX.idx)")
+    size = idx.stat().st_size
+    with open(idx, "rb") as fh:
+        head = fh.read(_HEADER)
+    if len(head) < _HEADER or head[: len(MAGIC)] != MAGIC:
+        raise DataError(f"{idx}: not a Megatron indexed dataset index (no MMIDIDX header)")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[len(MAGIC) :])
+    if version != 1:
+        raise DataError(f"{idx}: index version {version}; only version 1 (megatron-core's) is read")
+    if code in _FLOATS:
+        raise DataError(f"{idx}: its tokens are {_FLOATS[code]} (dtype code {code}), not token ids")
+    if code not in DTYPES:
+        raise DataError(f"{idx}: unknown dtype code {code} (megatron-core writes 1-8)")
+    dtype = np.dtype(DTYPES[code])
+    plain = _HEADER + 12 * n_seq + 8 * n_doc
+    if size not in (plain, plain + n_seq) or n_doc < 1:
+        raise DataError(
+            f"{idx}: {size} bytes, but its header's {n_seq} sequences and {n_doc} document indices need {plain} "
+            "(cut short or not written whole)"
+        )
+    raw = np.memmap(idx, np.uint8, mode="r")
+    seq_len = np.frombuffer(raw, np.int32, n_seq, _HEADER)
+    pointers = np.frombuffer(raw, np.int64, n_seq, _HEADER + 4 * n_seq)
+    doc_idx = np.frombuffer(raw, np.int64, n_doc, _HEADER + 12 * n_seq)
+    if n_seq and int(seq_len.min()) < 0:
+        raise DataError(f"{idx}: a negative sequence length")
+    ends = np.cumsum(seq_len, dtype=np.int64)  # (S,) token offset after each sequence
+    if n_seq and (pointers[0] != 0 or (pointers[1:] != ends[:-1] * dtype.itemsize).any()):
+        raise DataError(f"{idx}: its sequence pointers disagree with its sequence lengths")
+    if doc_idx[0] != 0 or doc_idx[-1] != n_seq or (np.diff(doc_idx) < 0).any():
+        raise DataError(f"{idx}: its document indices do not run from 0 to its {n_seq} sequences in order")
+    total = int(ends[-1]) if n_seq else 0
+    have = binf.stat().st_size
+    if have != total * dtype.itemsize:
+        what = "cut short" if have < total * dtype.itemsize else "longer than its index says"
+        raise DataError(
+            f"{binf}: {have} bytes, but {idx.name} describes {total} {dtype.name} tokens ({total * dtype.itemsize} bytes): {what}"
+        )
+    bounds = np.concatenate([[0], ends])[doc_idx]  # (D,) token offset where each document begins, then the end
+    tokens = np.memmap(binf, dtype, mode="r") if total else np.zeros(0, dtype)
+    return IndexedFile(binf, idx, tokens, bounds[:-1].astype(np.int64), np.diff(bounds).astype(np.int64))
