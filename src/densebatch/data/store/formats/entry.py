@@ -32,13 +32,13 @@ import numpy as np
 from densebatch.config import DataConfig
 from densebatch.data.prepare.cache import entry_lock, input_key
 from densebatch.data.prepare.joined import JoinedArray
-from densebatch.data.prepare.store import marker_ok, read_window, staged_store, write_marker
+from densebatch.data.prepare.store import marker_ok, read_ranges, read_window, staged_store, write_marker
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
-from densebatch.data.store.formats import megatron
+from densebatch.data.store.formats import datatrove, megatron
 from densebatch.data.store.formats.view import ForeignStore, write_split
 from densebatch.errors import DataError
 
-FORMATS = ("megatron",)
+FORMATS = ("megatron", "datatrove")
 ENTRY_VERSION = 1
 _SCAN = 1 << 24  # tokens read at once by the vocabulary scan
 
@@ -52,6 +52,7 @@ class Input:
     tokens: np.ndarray
     doc_starts: np.ndarray  # (documents,) int64
     doc_lengths: np.ndarray  # (documents,) int64
+    loss: np.ndarray | None = None  # (tokens,) the writer's loss mask (1 = carries loss as a target), if it wrote one
 
 
 def foreign_format(cfg: DataConfig) -> str | None:
@@ -70,22 +71,31 @@ def foreign_format(cfg: DataConfig) -> str | None:
 
 def _paths(path: str, fmt: str) -> list[Path]:
     """The inputs ``path`` names, sorted: itself, a folder's, or a glob pattern's (one per prefix)."""
+    if fmt == "datatrove":
+        return datatrove.shards_of(path)
     matches = sorted(glob.glob(path, recursive=True)) if glob.has_magic(path) else [path]
     if not matches:
         raise DataError(f"{path}: the pattern matches no file")
-    if fmt == "megatron":
-        out = {p: None for m in matches for p in megatron.prefixes_of(m)}
-        return list(out)
-    raise AssertionError(fmt)
+    return list({p: None for m in matches for p in megatron.prefixes_of(m)})
 
 
 def _read(fmt: str, p: Path) -> Input:
-    f = megatron.read_indexed(p)
-    return Input(f.bin_path, (f.idx_path, f.bin_path), f.tokens, f.doc_starts, f.doc_lengths)
+    if fmt == "megatron":
+        f = megatron.read_indexed(p)
+        return Input(f.bin_path, (f.idx_path, f.bin_path), f.tokens, f.doc_starts, f.doc_lengths)
+    d = datatrove.read_shard(p)
+    return Input(d.path, d.files, d.tokens, d.doc_starts, d.doc_lengths, d.loss)
+
+
+def _files(fmt: str, p: Path) -> list[Path]:
+    """The files of input ``p`` that its documents depend on (its identity in the key)."""
+    if fmt == "megatron":
+        return [Path(f"{p}.idx"), Path(f"{p}.bin")]
+    return [p] + [q for q in (Path(f"{p}.index"), Path(f"{p}.loss"), Path(f"{p}.metadata")) if q.exists()]
 
 
 def _key(cfg: DataConfig, fmt: str, tok, inputs: list[Path], evals: list[Path]) -> str:
-    files = {"megatron": lambda p: [Path(f"{p}.idx"), Path(f"{p}.bin")]}[fmt]
+    files = lambda p: _files(fmt, p)  # noqa: E731
     ident = [[input_key(str(f), cfg.verify_inputs) if f.exists() else str(f) for f in files(p)] for p in inputs]
     eval_ident = [[input_key(str(f), cfg.verify_inputs) if f.exists() else str(f) for f in files(p)] for p in evals]
     material = {
@@ -125,7 +135,7 @@ def held_out(n: int, fraction: float) -> np.ndarray:
 
 def _check_ids(x: Input, vocab: int, tok_name: str) -> None:
     """Every token id of ``x`` within 0 .. vocab - 1, one window at a time; ``DataError`` naming the file."""
-    if x.tokens.dtype in (np.uint8,) or (x.tokens.dtype == np.uint16 and vocab >= 1 << 16):
+    if x.tokens.dtype.kind == "u" and np.iinfo(x.tokens.dtype).max < vocab:
         return  # every value the dtype holds is an id of the vocabulary
     for a in range(0, len(x.tokens), _SCAN):
         w = read_window(x.tokens, a, min(len(x.tokens), a + _SCAN))
@@ -139,8 +149,9 @@ def _check_ids(x: Input, vocab: int, tok_name: str) -> None:
             )
 
 
-def _keep(x: Input, docs: np.ndarray, cfg: DataConfig, s: PrepareSummary) -> tuple[np.ndarray, np.ndarray]:
-    """The starts and lengths of ``docs`` of ``x`` that a split keeps (too short dropped; overlong truncated or dropped)."""
+def _keep(x: Input, docs: np.ndarray, cfg: DataConfig, s: PrepareSummary) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The starts, lengths and loss tokens of ``docs`` of ``x`` that a split keeps (too short dropped; overlong
+    truncated or dropped; with the writer's mask, those left without a loss token dropped)."""
     lengths = x.doc_lengths[docs]
     short = lengths < 2
     s.dropped_no_target += int(short.sum())
@@ -149,9 +160,31 @@ def _keep(x: Input, docs: np.ndarray, cfg: DataConfig, s: PrepareSummary) -> tup
         s.dropped_overlong += int((long & ~short).sum())
         keep = ~short & ~long
     else:
-        s.truncated += int(long.sum())
+        s.truncated += int((long & ~short).sum())
         keep = ~short
-    return x.doc_starts[docs[keep]], np.minimum(lengths[keep], cfg.max_seq_len)
+    starts, lengths = x.doc_starts[docs[keep]], np.minimum(lengths[keep], cfg.max_seq_len)
+    if x.loss is None:
+        return starts, lengths, lengths - 1
+    loss = _loss_tokens(x.loss, starts, lengths)
+    s.dropped_no_loss += int((loss == 0).sum())
+    return starts[loss > 0], lengths[loss > 0], loss[loss > 0]
+
+
+def _loss_tokens(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Each document's loss tokens under the writer's ``mask`` (its first token never one), read a window of
+    documents at a time."""
+    out = np.zeros(len(starts), np.int64)
+    d = 0
+    while d < len(starts):
+        e = max(d + 1, int(np.searchsorted(np.cumsum(lengths[d : d + _SCAN]), _SCAN, side="right")) + d)
+        e = min(e, len(starts))
+        got = read_ranges(mask, starts[d:e] + 1, starts[d:e] + lengths[d:e]) != 0  # targets: every token but the first
+        n = lengths[d:e] - 1
+        c = np.concatenate([[0], np.cumsum(got, dtype=np.int64)])
+        ends = np.cumsum(n)
+        out[d:e] = c[ends] - c[ends - n]
+        d = e
+    return out
 
 
 def _joined(arrays: list[np.ndarray]):
@@ -178,22 +211,27 @@ def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path
             for split, docs in (("train", np.flatnonzero(~ev)), ("eval", np.flatnonzero(ev))):
                 if split_of == "eval" and split == "train":
                     continue
-                starts, lengths = _keep(x, docs, cfg, s)
+                starts, lengths, loss = _keep(x, docs, cfg, s)
                 if not any(c["file"] == str(x.name) for c in corpus[split]):
-                    corpus[split].append({"file": str(x.name), "dtype": x.tokens.dtype.name, "tokens": len(x.tokens)})
+                    _same_masks(x, corpus[split])
+                    loss_file = None if x.loss is None else str(x.files[-1])
+                    corpus[split].append(
+                        {"file": str(x.name), "dtype": x.tokens.dtype.str, "tokens": len(x.tokens), "loss": loss_file}
+                    )
                     base = offsets[split]
                     offsets[split] += len(x.tokens)
-                parts[split].append((starts + base, lengths))
+                parts[split].append((starts + base, lengths, loss))
     for split in ("train", "eval"):
-        starts = np.concatenate([a for a, _ in parts[split]]) if parts[split] else np.zeros(0, np.int64)
-        lengths = np.concatenate([b for _, b in parts[split]]) if parts[split] else np.zeros(0, np.int64)
+        starts, lengths, loss = (
+            (np.concatenate([p[k] for p in parts[split]]) if parts[split] else np.zeros(0, np.int64)) for k in range(3)
+        )
         if split == "eval" and not len(lengths):
             corpus["eval"] = []
             continue
-        write_split(tmp / split, starts, lengths, lengths - 1, meta_of(split))
+        write_split(tmp / split, starts, lengths, loss, meta_of(split))
         setattr(s, f"{split}_documents", len(lengths))
         setattr(s, f"{split}_tokens", int(lengths.sum(dtype=np.int64)))
-        setattr(s, f"{split}_loss_tokens", int((lengths - 1).sum(dtype=np.int64)))
+        setattr(s, f"{split}_loss_tokens", int(loss.sum(dtype=np.int64)))
         if split == "train":
             s.lengths = percentiles(lengths)
     if not s.train_documents:
@@ -208,6 +246,19 @@ def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path
 
 
 _SPLIT_NAMES = ("starts.npy", "lengths.npy", "doc_loss.npy", "meta.json")
+
+
+def _same_masks(x: Input, before: list[dict]) -> None:
+    if before and (before[0]["loss"] is None) != (x.loss is None):
+        has, lacks = (x.name, before[0]["file"]) if x.loss is not None else (before[0]["file"], x.name)
+        raise DataError(f"{lacks}: no loss mask file, while {has} has one: write the corpus with or without them throughout")
+
+
+def _masks_of(files: list[dict], final: Path):
+    """The writer's loss mask files of one split (None: it wrote none), mapped read-only and checked."""
+    if not files or files[0]["loss"] is None:
+        return None
+    return _tokens_of([dict(f, file=f["loss"], dtype="|u1") for f in files], final)
 
 
 def _tokens_of(files: list[dict], final: Path):
@@ -227,11 +278,12 @@ def _tokens_of(files: list[dict], final: Path):
 
 def _open(final: Path, tok, t0: float, hit: bool) -> tuple[ForeignStore, ForeignStore | None, object, PrepareSummary, Path]:
     corpus = json.loads((final / "corpus.json").read_text(encoding="utf-8"))
-    train = ForeignStore(final / "train", _tokens_of(corpus["train"], final))
+    train = ForeignStore(final / "train", _tokens_of(corpus["train"], final), _masks_of(corpus["train"], final))
     same = corpus["eval"] == corpus["train"]
     ev = None
     if (final / "eval").is_dir():
-        ev = ForeignStore(final / "eval", train.tokens if same else _tokens_of(corpus["eval"], final))
+        tokens, masks = (train.tokens, train.loss_mask.base) if same else (_tokens_of(corpus["eval"], final), None)
+        ev = ForeignStore(final / "eval", tokens, masks if same else _masks_of(corpus["eval"], final))
     s = PrepareSummary.from_dict(json.loads((final / "summary.json").read_text(encoding="utf-8")))
     s.cache_hit, s.cache_path, s.seconds = hit, str(final), time.perf_counter() - t0
     return train, ev, tok, s, final

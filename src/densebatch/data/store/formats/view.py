@@ -12,8 +12,8 @@ beside the corpus)::
 
 A split may skip documents (the eval split's, the dropped ones), so a document is found by its start,
 not by summing lengths. The loss mask follows our convention (``loss_mask[i] == 1``: token ``i``, as a
-target, carries loss): without a mask file, every token but a document's first (``FirstTokenMask``);
-a format with its own mask file passes it as ``loss_mask``.
+target, carries loss): every token but a document's first (``FirstTokenMask``), or where the format
+writes its own mask file (``mask_file``), its tokens but a document's first.
 """
 
 from __future__ import annotations
@@ -25,18 +25,18 @@ import numpy as np
 
 from densebatch.data.prepare.joined import JoinedArray
 from densebatch.data.prepare.store import DocumentStore
-from densebatch.data.prepare.store_io import take
+from densebatch.data.prepare.store_io import read_ranges, take
 
 SPLIT_FILES = ("starts", "lengths", "doc_loss")
 
 
 class FirstTokenMask(JoinedArray):
-    """A loss mask of ones but at each document's first token (``starts``, ascending), computed for
-    the ranges read: no file, nothing held per token. ``read_ranges`` (``store_io``) calls its
-    ``read_ranges`` as it does a joined store's."""
+    """A loss mask of ones (or of the writer's own mask, ``base``, read by positioned reads) but at each
+    document's first token (``starts``, ascending), computed for the ranges read: nothing held per
+    token. ``read_ranges`` (``store_io``) calls its ``read_ranges`` as it does a joined store's."""
 
-    def __init__(self, starts: np.ndarray, num_tokens: int) -> None:
-        self.starts_of_docs = starts
+    def __init__(self, starts: np.ndarray, num_tokens: int, base=None) -> None:
+        self.starts_of_docs, self.base = starts, base
         self.parts = []
         self.starts = np.array([0, num_tokens], np.int64)
         self.dtype = np.dtype(np.uint8)
@@ -45,7 +45,10 @@ class FirstTokenMask(JoinedArray):
     def read_ranges(self, starts, stops, read_part=None) -> np.ndarray:
         starts, stops = np.asarray(starts, np.int64), np.asarray(stops, np.int64)
         lens = np.maximum(stops - starts, 0)
-        out = np.ones(int(lens.sum()), np.uint8)
+        if self.base is None:
+            out = np.ones(int(lens.sum()), np.uint8)
+        else:
+            out = (read_ranges(self.base, starts, starts + lens) != 0).astype(np.uint8)
         lo = np.searchsorted(self.starts_of_docs, starts, side="left")  # the document starts inside each range
         hi = np.searchsorted(self.starts_of_docs, stops, side="left")
         count = hi - lo
@@ -90,12 +93,12 @@ class ForeignStore(DocumentStore):
     """One split of a foreign corpus: the cache entry's arrays over the writer's token files (see the
     module docstring). Opened read-only; a store of one source."""
 
-    def __init__(self, directory: Path, tokens, loss_mask=None) -> None:  # noqa: D107 (no super(): nothing in memory)
+    def __init__(self, directory: Path, tokens, mask_file=None) -> None:  # noqa: D107 (no super(): nothing in memory)
         d = Path(directory)
         arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in SPLIT_FILES}
         self._starts = arrays["starts"]
         self.tokens = tokens
-        self.loss_mask = FirstTokenMask(self._starts, len(tokens)) if loss_mask is None else loss_mask
+        self.loss_mask = FirstTokenMask(self._starts, len(tokens), mask_file)
         self.lengths = arrays["lengths"]
         self.__dict__["doc_loss_tokens"] = arrays["doc_loss"]
         self.__dict__["source"] = None
