@@ -221,3 +221,25 @@ def test_trains_20_steps_on_packed_rows_inspects_and_resumes_bit_identically_aft
     assert fd.train_losses(run_dir / "out") == ref  # bit-identical: every step's loss equal
     assert snapshot(corpus) == sorted(snapshot(corpus))  # still only the writer's files
     assert {n for n, _, _ in snapshot(corpus)} == {"web.bin", "web.idx"}
+
+
+def test_two_ranks_under_torchrun_equal_one_process_with_doubled_accumulation(tmp_path):
+    """Each rank reads only its rows of the megatron corpus; together they take the steps one process takes."""
+    import subprocess
+
+    from support import subprocess_env, torchrun
+
+    prefix = write_megatron(tmp_path / "web", random_docs(200, seed=7, lo=3, hi=90))
+    cfg = _run_config(tmp_path, prefix, 4)
+    r = subprocess.run(
+        torchrun(["train", str(cfg), f"--output_dir={tmp_path / 'ddp'}"]),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert fd.run_in_process(["train", str(cfg), f"--output_dir={tmp_path / 'one'}", "--train.grad_accum_batches=2"]) == 0
+    two, one = fd.train_losses(tmp_path / "ddp"), fd.train_losses(tmp_path / "one")
+    assert len(two) == 4 and [s for s, _ in two] == [s for s, _ in one]
+    assert all(abs(a - b) <= 1e-5 * abs(b) for (_, a), (_, b) in zip(two, one))
