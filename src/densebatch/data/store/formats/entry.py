@@ -32,13 +32,13 @@ import numpy as np
 from densebatch.config import DataConfig
 from densebatch.data.prepare.cache import entry_lock, input_key
 from densebatch.data.prepare.joined import JoinedArray
-from densebatch.data.prepare.store import marker_ok, read_ranges, read_window, staged_store, write_marker
+from densebatch.data.prepare.store import marker_ok, read_ranges, staged_store, write_marker
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
-from densebatch.data.store.formats import datatrove, megatron
+from densebatch.data.store.formats import datatrove, litdata, megatron
 from densebatch.data.store.formats.view import ForeignStore, write_split
 from densebatch.errors import DataError
 
-FORMATS = ("megatron", "datatrove")
+FORMATS = ("megatron", "datatrove", "litdata")
 ENTRY_VERSION = 1
 _SCAN = 1 << 24  # tokens read at once by the vocabulary scan
 
@@ -53,6 +53,13 @@ class Input:
     doc_starts: np.ndarray  # (documents,) int64
     doc_lengths: np.ndarray  # (documents,) int64
     loss: np.ndarray | None = None  # (tokens,) the writer's loss mask (1 = carries loss as a target), if it wrote one
+    parts: tuple[dict, ...] = ()  # how tokens is mapped again at every open (``_tokens_of``), in order
+
+
+def _whole(name: Path, tokens: np.ndarray, loss_file: Path | None = None) -> tuple[dict, ...]:
+    loss = None if loss_file is None else str(loss_file)
+    size = name.stat().st_size
+    return ({"file": str(name), "dtype": tokens.dtype.str, "offset": 0, "tokens": len(tokens), "size": size, "loss": loss},)
 
 
 def foreign_format(cfg: DataConfig) -> str | None:
@@ -73,6 +80,8 @@ def _paths(path: str, fmt: str) -> list[Path]:
     """The inputs ``path`` names, sorted: itself, a folder's, or a glob pattern's (one per prefix)."""
     if fmt == "datatrove":
         return datatrove.shards_of(path)
+    if fmt == "litdata":
+        return litdata.chunks_of(path)
     matches = sorted(glob.glob(path, recursive=True)) if glob.has_magic(path) else [path]
     if not matches:
         raise DataError(f"{path}: the pattern matches no file")
@@ -82,15 +91,24 @@ def _paths(path: str, fmt: str) -> list[Path]:
 def _read(fmt: str, p: Path) -> Input:
     if fmt == "megatron":
         f = megatron.read_indexed(p)
-        return Input(f.bin_path, (f.idx_path, f.bin_path), f.tokens, f.doc_starts, f.doc_lengths)
+        return Input(
+            f.bin_path, (f.idx_path, f.bin_path), f.tokens, f.doc_starts, f.doc_lengths, None, _whole(f.bin_path, f.tokens)
+        )
+    if fmt == "litdata":
+        c = litdata.read_chunk(p)
+        tokens = _joined([litdata.map_part(x) for x in c.parts])
+        return Input(c.path, (c.path,), tokens, c.doc_starts, c.doc_lengths, None, tuple(dict(x, loss=None) for x in c.parts))
     d = datatrove.read_shard(p)
-    return Input(d.path, d.files, d.tokens, d.doc_starts, d.doc_lengths, d.loss)
+    loss_file = d.files[-1] if d.loss is not None else None
+    return Input(d.path, d.files, d.tokens, d.doc_starts, d.doc_lengths, d.loss, _whole(d.path, d.tokens, loss_file))
 
 
 def _files(fmt: str, p: Path) -> list[Path]:
     """The files of input ``p`` that its documents depend on (its identity in the key)."""
     if fmt == "megatron":
         return [Path(f"{p}.idx"), Path(f"{p}.bin")]
+    if fmt == "litdata":
+        return [p, p.parent / litdata.INDEX]
     return [p] + [q for q in (Path(f"{p}.index"), Path(f"{p}.loss"), Path(f"{p}.metadata")) if q.exists()]
 
 
@@ -133,19 +151,30 @@ def held_out(n: int, fraction: float) -> np.ndarray:
     return out
 
 
+def _windows(lengths: np.ndarray):
+    """``(d, e)``: consecutive runs of documents of at most ``_SCAN`` tokens together (or one longer document)."""
+    d = 0
+    while d < len(lengths):
+        e = min(len(lengths), max(d + 1, d + int(np.searchsorted(np.cumsum(lengths[d : d + _SCAN]), _SCAN, side="right"))))
+        yield d, e
+        d = e
+
+
 def _check_ids(x: Input, vocab: int, tok_name: str) -> None:
-    """Every token id of ``x`` within 0 .. vocab - 1, one window at a time; ``DataError`` naming the file."""
+    """Every token id of ``x``'s documents within 0 .. vocab - 1, a window of documents at a time; ``DataError``
+    naming the file, the document and the token."""
     if x.tokens.dtype.kind == "u" and np.iinfo(x.tokens.dtype).max < vocab:
         return  # every value the dtype holds is an id of the vocabulary
-    for a in range(0, len(x.tokens), _SCAN):
-        w = read_window(x.tokens, a, min(len(x.tokens), a + _SCAN))
-        lo, hi = int(w.min()), int(w.max())
-        if lo < 0 or hi >= vocab:
-            at = a + int(np.argmax((w < 0) | (w >= vocab)))
-            bad = int(x.tokens[at])
+    for d, e in _windows(x.doc_lengths):
+        w = read_ranges(x.tokens, x.doc_starts[d:e], x.doc_starts[d:e] + x.doc_lengths[d:e])
+        bad = (w < 0) | (w >= vocab)
+        if bad.any():
+            k = int(np.argmax(bad))
+            ends = np.cumsum(x.doc_lengths[d:e])
+            j = int(np.searchsorted(ends, k, side="right"))
             raise DataError(
-                f"{x.name}: token id {bad} at token {at} is outside the {vocab} ids of data.tokenizer {tok_name}: "
-                "set data.tokenizer to the tokenizer that wrote this corpus"
+                f"{x.name}: token id {int(w[k])} at token {k - int(ends[j] - x.doc_lengths[d + j])} of document {d + j} "
+                f"is outside the {vocab} ids of data.tokenizer {tok_name}: set data.tokenizer to the tokenizer that wrote this corpus"
             )
 
 
@@ -174,16 +203,12 @@ def _loss_tokens(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> n
     """Each document's loss tokens under the writer's ``mask`` (its first token never one), read a window of
     documents at a time."""
     out = np.zeros(len(starts), np.int64)
-    d = 0
-    while d < len(starts):
-        e = max(d + 1, int(np.searchsorted(np.cumsum(lengths[d : d + _SCAN]), _SCAN, side="right")) + d)
-        e = min(e, len(starts))
+    for d, e in _windows(lengths):
         got = read_ranges(mask, starts[d:e] + 1, starts[d:e] + lengths[d:e]) != 0  # targets: every token but the first
         n = lengths[d:e] - 1
         c = np.concatenate([[0], np.cumsum(got, dtype=np.int64)])
         ends = np.cumsum(n)
         out[d:e] = c[ends] - c[ends - n]
-        d = e
     return out
 
 
@@ -214,10 +239,7 @@ def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path
                 starts, lengths, loss = _keep(x, docs, cfg, s)
                 if not any(c["file"] == str(x.name) for c in corpus[split]):
                     _same_masks(x, corpus[split])
-                    loss_file = None if x.loss is None else str(x.files[-1])
-                    corpus[split].append(
-                        {"file": str(x.name), "dtype": x.tokens.dtype.str, "tokens": len(x.tokens), "loss": loss_file}
-                    )
+                    corpus[split].extend(x.parts)
                     base = offsets[split]
                     offsets[split] += len(x.tokens)
                 parts[split].append((starts + base, lengths, loss))
@@ -258,21 +280,21 @@ def _masks_of(files: list[dict], final: Path):
     """The writer's loss mask files of one split (None: it wrote none), mapped read-only and checked."""
     if not files or files[0]["loss"] is None:
         return None
-    return _tokens_of([dict(f, file=f["loss"], dtype="|u1") for f in files], final)
+    return _tokens_of([dict(f, file=f["loss"], dtype="|u1", offset=0, size=f["tokens"]) for f in files], final)
 
 
 def _tokens_of(files: list[dict], final: Path):
     """The token files of one split, mapped read-only, each checked against what the entry recorded."""
     arrays = []
     for f in files:
-        p, dtype = Path(f["file"]), np.dtype(f["dtype"])
+        p = Path(f["file"])
         try:
             size = p.stat().st_size
         except OSError:
             raise DataError(f"{p}: missing (the corpus changed since {final} was made)") from None
-        if size != f["tokens"] * dtype.itemsize:
-            raise DataError(f"{p}: {size} bytes, {f['tokens'] * dtype.itemsize} when {final} was made: the corpus changed")
-        arrays.append(np.memmap(p, dtype, mode="r") if f["tokens"] else np.zeros(0, dtype))
+        if size != f["size"]:
+            raise DataError(f"{p}: {size} bytes, {f['size']} when {final} was made: the corpus changed")
+        arrays.append(litdata.map_part(f))
     return _joined(arrays)
 
 
