@@ -11,7 +11,7 @@ same lognormal lengths (the same generator, seed 0). Each measurement runs in a 
 - ``plan``: rank 0 of 2's ``StepLoader`` (packed rows of 2,048, 16,384 slots a batch): steps of an
   epoch, then the first 20 steps collated; peak RSS over the RSS after opening, per document (as
   ``planning_memory`` measures our store);
-- ``read``: 200 steps collated from each, tokens a second.
+- ``read``: 1,000 steps collated from each, tokens a second.
 
     .venv/bin/python -m benchmarks.scale.foreign_store --docs 10000000 --dir /tmp/foreign-store
 """
@@ -36,6 +36,11 @@ from benchmarks.scale.planning_memory import write_store
 
 def _rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def _cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return round(r.ru_utime + r.ru_stime, 2)
 
 
 def write_index(prefix: Path, n: int, seed: int = 0) -> None:
@@ -92,7 +97,7 @@ def run_one(which: str, phase: str, d: Path) -> dict:
     store = _open(which, d)
     out: dict = {"store": which, "phase": phase, "docs": len(store)}
     if phase in ("build", "startup"):
-        return dict(out, seconds=round(time.perf_counter() - t, 2), peak_rss_gb=round(_rss_gb(), 3))
+        return dict(out, seconds=round(time.perf_counter() - t, 2), process_cpu_s=_cpu_s(), peak_rss_gb=round(_rss_gb(), 3))
     base = _rss_gb()
     t = time.perf_counter()
     loader = _loader(store)
@@ -102,11 +107,11 @@ def run_one(which: str, phase: str, d: Path) -> dict:
         real = sum(b.num_real_tokens for _ in range(20) for b in next(it).batches)
         peak = _rss_gb()
         return dict(out, steps_per_epoch=per_epoch, real_tokens_20_steps=real, seconds=round(time.perf_counter() - t, 1),
-                    planning_bytes_per_doc=round((peak - base) * 2**30 / len(store), 2))  # fmt: skip
+                    process_cpu_s=_cpu_s(), planning_bytes_per_doc=round((peak - base) * 2**30 / len(store), 2))  # fmt: skip
     it = iter(loader)
     next(it)  # the epoch's plan: not reading
     t = time.perf_counter()
-    real = sum(b.num_real_tokens for _ in range(200) for b in next(it).batches)
+    real = sum(b.num_real_tokens for _ in range(1000) for b in next(it).batches)
     return dict(out, tokens=real, tokens_per_s=round(real / (time.perf_counter() - t)))
 
 

@@ -222,6 +222,7 @@ def _joined(arrays: list[np.ndarray]):
 
 def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path], evals: list[Path]) -> PrepareSummary:
     s = PrepareSummary(source=str(cfg.path), format=fmt, tokenizer=tok.name, template="none (token ids as written)")
+    s.eval_repeats_train = -1  # not checked: no text (summary: "not checked")
     s.eval_source = f"eval_path {cfg.eval_path}" if evals else f"{cfg.eval_fraction:g} of each file's documents by index hash"
     corpus: dict[str, list] = {"train": [], "eval": []}
     parts: dict[str, list] = {"train": [], "eval": []}
