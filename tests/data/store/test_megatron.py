@@ -243,3 +243,25 @@ def test_two_ranks_under_torchrun_equal_one_process_with_doubled_accumulation(tm
     two, one = fd.train_losses(tmp_path / "ddp"), fd.train_losses(tmp_path / "one")
     assert len(two) == 4 and [s for s, _ in two] == [s for s, _ in one]
     assert all(abs(a - b) <= 1e-5 * abs(b) for (_, a), (_, b) in zip(two, one))
+
+
+def test_the_entry_is_the_same_built_block_by_block(tmp_path, monkeypatch):
+    """Small blocks (documents and index sequences) give the entry one block gives, file after file."""
+    from densebatch.data.store.formats import entry, megatron
+
+    docs = random_docs(90, seed=8, lo=1, hi=70) + [[7]] + random_docs(20, seed=9)
+    write_megatron(tmp_path / "a", docs[:60], sentences=True)
+    write_megatron(tmp_path / "b", docs[60:], dtype=np.int32)
+    kw = {"eval_fraction": 0.2, "max_seq_len": 50}
+    whole = prepare(cfg_for(tmp_path / "*.idx", tmp_path, **kw))
+    monkeypatch.setattr(entry, "_BLOCK", 7)
+    monkeypatch.setattr(megatron, "_BLOCK", 5)
+    blocks = prepare(cfg_for(tmp_path / "*.idx", tmp_path / "again", **kw))
+    assert not blocks.summary.cache_hit
+    for split in ("train", "eval"):
+        assert documents_of(getattr(blocks, split)) == documents_of(getattr(whole, split))
+    assert (blocks.summary.truncated, blocks.summary.dropped_no_target) == (
+        whole.summary.truncated,
+        whole.summary.dropped_no_target,
+    )
+    assert blocks.summary.truncated and blocks.summary.dropped_no_target

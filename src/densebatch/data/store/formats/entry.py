@@ -3,7 +3,7 @@
 ``prepare_foreign(cfg, tok, meta_of)`` is what ``prepare`` does for a ``data.format`` another engine
 wrote (``FORMATS``). The entry ``cache_dir/<format>-<key>/`` (key: every input file's identity, or
 with ``data.verify_inputs: hash`` its bytes, and every setting that changes the documents) holds
-``train/`` and ``eval/`` (``view.write_split``), ``corpus.json`` (the token files each split reads,
+``train/`` and ``eval/`` (``view.SplitWriter``, written a block of documents at a time), ``corpus.json`` (the token files each split reads,
 with their sizes, checked again at every open) and ``summary.json``; it is built under the entry's
 lock, in a staged directory renamed into place, marker last, as our own entries are. Nothing is ever
 written beside the corpus: its files are opened read-only.
@@ -19,6 +19,7 @@ split whole. Documents of fewer than 2 tokens (nothing to predict) are dropped a
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -35,12 +36,13 @@ from densebatch.data.prepare.joined import JoinedArray
 from densebatch.data.prepare.store import marker_ok, read_ranges, staged_store, write_marker
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.store.formats import datatrove, litdata, megatron
-from densebatch.data.store.formats.view import ForeignStore, write_split
+from densebatch.data.store.formats.view import ForeignStore, SplitWriter
 from densebatch.errors import DataError
 
 FORMATS = ("megatron", "datatrove", "litdata")
 ENTRY_VERSION = 1
 _SCAN = 1 << 24  # tokens read at once by the vocabulary scan
+_BLOCK = 1 << 22  # documents handled at once while the entry is built
 
 
 @dataclass(frozen=True)
@@ -140,15 +142,30 @@ def splitmix64(i: np.ndarray) -> np.ndarray:
         return z ^ (z >> np.uint64(31))
 
 
-def held_out(n: int, fraction: float) -> np.ndarray:
-    """(n,) bool: the documents of one file that the eval split takes (module docstring)."""
+def held_out(n: int, fraction: float, a: int = 0, b: int | None = None) -> np.ndarray:
+    """(b - a,) bool: which of documents a .. b - 1 of a file of ``n`` the eval split takes (module docstring)."""
+    b = n if b is None else b
     if fraction <= 0 or n == 0:
-        return np.zeros(n, bool)
-    h = splitmix64(np.arange(n, dtype=np.uint64))
-    out = h < np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
-    if not out.any() and n > 1:
-        out[int(np.argmin(h))] = True
+        return np.zeros(b - a, bool)
+    threshold = np.uint64(min(int(fraction * 2.0**64), 2**64 - 1))
+    out = splitmix64(np.arange(a, b, dtype=np.uint64)) < threshold
+    if n > 1 and not out.any() and (fallback := _fallback(n, threshold)) is not None and a <= fallback < b:
+        out[fallback - a] = True
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _fallback(n: int, threshold: np.uint64) -> int | None:
+    """The document of a file of ``n`` with the smallest hash, when the threshold takes none (else None)."""
+    best, at = None, 0
+    for a in range(0, n, _BLOCK):
+        h = splitmix64(np.arange(a, min(n, a + _BLOCK), dtype=np.uint64))
+        if (h < threshold).any():
+            return None
+        k = int(np.argmin(h))
+        if best is None or h[k] < best:
+            best, at = h[k], a + k
+    return at
 
 
 def _windows(lengths: np.ndarray):
@@ -160,28 +177,28 @@ def _windows(lengths: np.ndarray):
         d = e
 
 
-def _check_ids(x: Input, vocab: int, tok_name: str) -> None:
-    """Every token id of ``x``'s documents within 0 .. vocab - 1, a window of documents at a time; ``DataError``
-    naming the file, the document and the token."""
+def _check_ids(x: Input, starts: np.ndarray, lengths: np.ndarray, first: int, vocab: int, tok_name: str) -> None:
+    """Every token id of documents ``first`` .. of ``x`` (their ``starts`` and ``lengths``) within 0 .. vocab - 1,
+    a window of documents at a time; ``DataError`` naming the file, the document and the token."""
     if x.tokens.dtype.kind == "u" and np.iinfo(x.tokens.dtype).max < vocab:
         return  # every value the dtype holds is an id of the vocabulary
-    for d, e in _windows(x.doc_lengths):
-        w = read_ranges(x.tokens, x.doc_starts[d:e], x.doc_starts[d:e] + x.doc_lengths[d:e])
+    for d, e in _windows(lengths):
+        w = read_ranges(x.tokens, starts[d:e], starts[d:e] + lengths[d:e])
         bad = (w < 0) | (w >= vocab)
         if bad.any():
             k = int(np.argmax(bad))
-            ends = np.cumsum(x.doc_lengths[d:e])
+            ends = np.cumsum(lengths[d:e])
             j = int(np.searchsorted(ends, k, side="right"))
             raise DataError(
-                f"{x.name}: token id {int(w[k])} at token {k - int(ends[j] - x.doc_lengths[d + j])} of document {d + j} "
+                f"{x.name}: token id {int(w[k])} at token {k - int(ends[j] - lengths[d + j])} of document {first + d + j} "
                 f"is outside the {vocab} ids of data.tokenizer {tok_name}: set data.tokenizer to the tokenizer that wrote this corpus"
             )
 
 
-def _keep(x: Input, docs: np.ndarray, cfg: DataConfig, s: PrepareSummary) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The starts, lengths and loss tokens of ``docs`` of ``x`` that a split keeps (too short dropped; overlong
-    truncated or dropped; with the writer's mask, those left without a loss token dropped)."""
-    lengths = x.doc_lengths[docs]
+def _keep(x: Input, starts: np.ndarray, lengths: np.ndarray, cfg: DataConfig, s: PrepareSummary):
+    """The starts, lengths and loss tokens of the documents (``starts``, ``lengths``) of ``x`` that a split keeps
+    (too short dropped; overlong truncated or dropped; with the writer's mask, those left without a loss token
+    dropped)."""
     short = lengths < 2
     s.dropped_no_target += int(short.sum())
     long = lengths > cfg.max_seq_len
@@ -191,7 +208,7 @@ def _keep(x: Input, docs: np.ndarray, cfg: DataConfig, s: PrepareSummary) -> tup
     else:
         s.truncated += int((long & ~short).sum())
         keep = ~short
-    starts, lengths = x.doc_starts[docs[keep]], np.minimum(lengths[keep], cfg.max_seq_len)
+    starts, lengths = starts[keep], np.minimum(lengths[keep], cfg.max_seq_len)
     if x.loss is None:
         return starts, lengths, lengths - 1
     loss = _loss_tokens(x.loss, starts, lengths)
@@ -225,38 +242,42 @@ def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path
     s.eval_repeats_train = -1  # not checked: no text (summary: "not checked")
     s.eval_source = f"eval_path {cfg.eval_path}" if evals else f"{cfg.eval_fraction:g} of each file's documents by index hash"
     corpus: dict[str, list] = {"train": [], "eval": []}
-    parts: dict[str, list] = {"train": [], "eval": []}
+    writers: dict[str, SplitWriter] = {}
     offsets = {"train": 0, "eval": 0}
     for names, split_of in ((inputs, None), (evals, "eval")):
         for p in names:
             x = _read(fmt, p)
-            _check_ids(x, tok.vocab_size, tok.name)
             n = len(x.doc_lengths)
             s.records_read += n
-            ev = np.ones(n, bool) if split_of == "eval" else held_out(n, 0.0 if evals else cfg.eval_fraction)
-            for split, docs in (("train", np.flatnonzero(~ev)), ("eval", np.flatnonzero(ev))):
-                if split_of == "eval" and split == "train":
-                    continue
-                starts, lengths, loss = _keep(x, docs, cfg, s)
-                if not any(c["file"] == str(x.name) for c in corpus[split]):
-                    _same_masks(x, corpus[split])
-                    corpus[split].extend(x.parts)
-                    base = offsets[split]
-                    offsets[split] += len(x.tokens)
-                parts[split].append((starts + base, lengths, loss))
+            base = {}
+            for split in ("eval",) if split_of == "eval" else ("train", "eval"):
+                _same_masks(x, corpus[split])
+                corpus[split].extend(x.parts)
+                base[split] = offsets[split]
+                offsets[split] += len(x.tokens)
+            for a in range(0, n, _BLOCK):  # a block of documents at a time: memory bounded whatever the corpus
+                b = min(n, a + _BLOCK)
+                starts, lengths = np.asarray(x.doc_starts[a:b], np.int64), np.asarray(x.doc_lengths[a:b], np.int64)
+                _check_ids(x, starts, lengths, a, tok.vocab_size, tok.name)
+                ev = np.ones(b - a, bool) if split_of == "eval" else held_out(n, 0.0 if evals else cfg.eval_fraction, a, b)
+                for split, sel in (("train", ~ev), ("eval", ev)):
+                    if split not in base or not sel.any():
+                        continue
+                    if split not in writers:
+                        writers[split] = SplitWriter(tmp / split, meta_of(split))
+                    kept, length, loss = _keep(x, starts[sel], lengths[sel], cfg, s)
+                    writers[split].add(kept + base[split], length, loss)
     for split in ("train", "eval"):
-        starts, lengths, loss = (
-            (np.concatenate([p[k] for p in parts[split]]) if parts[split] else np.zeros(0, np.int64)) for k in range(3)
-        )
-        if split == "eval" and not len(lengths):
-            corpus["eval"] = []
+        w = writers.get(split)
+        if w is None:
+            corpus[split] = []
             continue
-        write_split(tmp / split, starts, lengths, loss, meta_of(split))
-        setattr(s, f"{split}_documents", len(lengths))
-        setattr(s, f"{split}_tokens", int(lengths.sum(dtype=np.int64)))
-        setattr(s, f"{split}_loss_tokens", int(loss.sum(dtype=np.int64)))
-        if split == "train":
-            s.lengths = percentiles(lengths)
+        w.close()
+        setattr(s, f"{split}_documents", w.documents)
+        setattr(s, f"{split}_tokens", w.tokens)
+        setattr(s, f"{split}_loss_tokens", w.loss_tokens)
+    if "train" in writers and writers["train"].documents:
+        s.lengths = percentiles(np.load(tmp / "train" / "lengths.npy", mmap_mode="r"))
     if not s.train_documents:
         raise DataError(f"{cfg.path}: no document of 2 tokens or more to train on")
     (tmp / "corpus.json").write_text(json.dumps(corpus, indent=1), encoding="utf-8")

@@ -40,8 +40,8 @@ class IndexedFile:
     bin_path: Path
     idx_path: Path
     tokens: np.ndarray  # (tokens,) memory-mapped .bin, in its dtype
-    doc_starts: np.ndarray  # (documents,) int64, token offsets into tokens
-    doc_lengths: np.ndarray  # (documents,) int64
+    doc_starts: object  # (documents,) int64 token offsets into tokens, sliced a block at a time (Spans)
+    doc_lengths: object  # (documents,) int64, the same
 
 
 def prefixes_of(path: str) -> list[Path]:
@@ -87,20 +87,67 @@ def read_indexed(prefix: Path) -> IndexedFile:
     seq_len = np.frombuffer(raw, np.int32, n_seq, _HEADER)
     pointers = np.frombuffer(raw, np.int64, n_seq, _HEADER + 4 * n_seq)
     doc_idx = np.frombuffer(raw, np.int64, n_doc, _HEADER + 12 * n_seq)
-    if n_seq and int(seq_len.min()) < 0:
-        raise DataError(f"{idx}: a negative sequence length")
-    ends = np.cumsum(seq_len, dtype=np.int64)  # (S,) token offset after each sequence
-    if n_seq and (pointers[0] != 0 or (pointers[1:] != ends[:-1] * dtype.itemsize).any()):
-        raise DataError(f"{idx}: its sequence pointers disagree with its sequence lengths")
-    if doc_idx[0] != 0 or doc_idx[-1] != n_seq or (np.diff(doc_idx) < 0).any():
+    total = _check_sequences(idx, seq_len, pointers, dtype.itemsize)
+    d0, dn = (int(doc_idx[0]), int(doc_idx[-1]))
+    if d0 != 0 or dn != n_seq or any((np.diff(doc_idx[a : a + _BLOCK + 1]) < 0).any() for a in range(0, n_doc, _BLOCK)):
         raise DataError(f"{idx}: its document indices do not run from 0 to its {n_seq} sequences in order")
-    total = int(ends[-1]) if n_seq else 0
     have = binf.stat().st_size
     if have != total * dtype.itemsize:
         what = "cut short" if have < total * dtype.itemsize else "longer than its index says"
         raise DataError(
             f"{binf}: {have} bytes, but {idx.name} describes {total} {dtype.name} tokens ({total * dtype.itemsize} bytes): {what}"
         )
-    bounds = np.concatenate([[0], ends])[doc_idx]  # (D,) token offset where each document begins, then the end
     tokens = np.memmap(binf, dtype, mode="r") if total else np.zeros(0, dtype)
-    return IndexedFile(binf, idx, tokens, bounds[:-1].astype(np.int64), np.diff(bounds).astype(np.int64))
+    spans = Spans(pointers, doc_idx, total, dtype.itemsize)
+    return IndexedFile(binf, idx, tokens, spans.starts, spans.lengths)
+
+
+_BLOCK = 1 << 22  # sequences or documents checked or read at once: 32 MB of int64
+
+
+def _check_sequences(idx: Path, seq_len: np.ndarray, pointers: np.ndarray, itemsize: int) -> int:
+    """The tokens the sequences hold, after checking, a block at a time, that each pointer is the previous
+    one plus its sequence's bytes (``DataError`` naming the index otherwise)."""
+    at = 0  # the byte the next sequence must begin at
+    for a in range(0, len(seq_len), _BLOCK):
+        n = seq_len[a : a + _BLOCK].astype(np.int64)
+        if (n < 0).any():
+            raise DataError(f"{idx}: a negative sequence length")
+        want = at + np.cumsum(n * itemsize) - n * itemsize
+        if (pointers[a : a + _BLOCK] != want).any():
+            raise DataError(f"{idx}: its sequence pointers disagree with its sequence lengths")
+        at = int(want[-1] + n[-1] * itemsize)
+    return at // itemsize
+
+
+class Spans:
+    """Each document's first token and length, computed for the slice asked for from the index's memory-mapped
+    pointers and document indices (``starts[a:b]``, ``lengths[a:b]``, ``len``): nothing held per document."""
+
+    def __init__(self, pointers: np.ndarray, doc_idx: np.ndarray, total: int, itemsize: int) -> None:
+        self.pointers, self.doc_idx, self.total, self.itemsize = pointers, doc_idx, total, itemsize
+        self.starts, self.lengths = _Part(self, 0), _Part(self, 1)
+
+    def __len__(self) -> int:
+        return len(self.doc_idx) - 1
+
+    def bounds(self, a: int, b: int) -> np.ndarray:
+        """(b - a + 1,) int64: the token where documents a .. b begin (the last: where b - 1 ends)."""
+        seq = np.asarray(self.doc_idx[a : b + 1], np.int64)
+        inside = seq < len(self.pointers)
+        out = np.full(len(seq), self.total, np.int64)
+        out[inside] = np.asarray(self.pointers[seq[inside]], np.int64) // self.itemsize
+        return out
+
+
+class _Part:
+    def __init__(self, spans: Spans, which: int) -> None:
+        self.spans, self.which = spans, which
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        a, b, _ = key.indices(len(self.spans))
+        bounds = self.spans.bounds(a, max(a, b))
+        return bounds[:-1] if self.which == 0 else np.diff(bounds)

@@ -26,6 +26,7 @@ import numpy as np
 from densebatch.data.prepare.joined import JoinedArray
 from densebatch.data.prepare.store import DocumentStore
 from densebatch.data.prepare.store_io import read_ranges, take
+from densebatch.data.prepare.store_write import _header
 
 SPLIT_FILES = ("starts", "lengths", "doc_loss")
 
@@ -72,21 +73,45 @@ class FirstTokenMask(JoinedArray):
         return whole if dtype is None else whole.astype(dtype)
 
 
-def write_split(directory: Path, starts: np.ndarray, lengths: np.ndarray, doc_loss: np.ndarray, meta: dict) -> None:
-    """One split of a cache entry: its three arrays and ``meta.json`` (with the counts) in ``directory`` (new)."""
-    directory.mkdir()
-    np.save(directory / "starts.npy", np.asarray(starts, np.int64))
-    np.save(directory / "lengths.npy", np.asarray(lengths, np.uint32))
-    np.save(directory / "doc_loss.npy", np.asarray(doc_loss, np.uint32))
-    meta = dict(
-        meta,
-        num_documents=len(lengths),
-        num_tokens=int(np.sum(lengths, dtype=np.int64)),
-        num_loss_tokens=int(np.sum(doc_loss, dtype=np.int64)),
-        max_length=int(np.max(lengths, initial=0)),
-        source_documents=[len(lengths)],
-    )
-    (directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+class SplitWriter:
+    """One split of a cache entry written a block of documents at a time (``add``), never whole in memory:
+    its three ``.npy`` files (headers rewritten with the final count on ``close``, as ``store_write`` does)
+    and ``meta.json`` with the counts."""
+
+    DTYPES = {"starts": np.dtype(np.int64), "lengths": np.dtype(np.uint32), "doc_loss": np.dtype(np.uint32)}
+
+    def __init__(self, directory: Path, meta: dict) -> None:
+        directory.mkdir()
+        self.directory, self.meta = directory, meta
+        self.files = {n: open(directory / f"{n}.npy", "wb") for n in SPLIT_FILES}  # noqa: SIM115
+        for n, f in self.files.items():
+            f.write(_header(self.DTYPES[n], 0))
+        self.documents = self.tokens = self.loss_tokens = self.longest = 0
+
+    def add(self, starts: np.ndarray, lengths: np.ndarray, doc_loss: np.ndarray) -> None:
+        for n, arr in zip(SPLIT_FILES, (starts, lengths, doc_loss)):
+            self.files[n].write(np.ascontiguousarray(arr, self.DTYPES[n]).tobytes())
+        self.documents += len(lengths)
+        self.tokens += int(np.sum(lengths, dtype=np.int64))
+        self.loss_tokens += int(np.sum(doc_loss, dtype=np.int64))
+        self.longest = max(self.longest, int(np.max(lengths, initial=0)))
+
+    def close(self) -> None:
+        for n, f in self.files.items():
+            head = _header(self.DTYPES[n], self.documents)
+            assert len(head) == len(_header(self.DTYPES[n], 0)), "a .npy header changed its size"
+            f.seek(0)
+            f.write(head)
+            f.close()
+        meta = dict(
+            self.meta,
+            num_documents=self.documents,
+            num_tokens=self.tokens,
+            num_loss_tokens=self.loss_tokens,
+            max_length=self.longest,
+            source_documents=[self.documents],
+        )
+        (self.directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
 
 
 class ForeignStore(DocumentStore):
