@@ -83,10 +83,9 @@ def read_indexed(prefix: Path) -> IndexedFile:
             f"{idx}: {size} bytes, but its header's {n_seq} sequences and {n_doc} document indices need {plain} "
             "(cut short or not written whole)"
         )
-    raw = np.memmap(idx, np.uint8, mode="r")
-    seq_len = np.frombuffer(raw, np.int32, n_seq, _HEADER)
-    pointers = np.frombuffer(raw, np.int64, n_seq, _HEADER + 4 * n_seq)
-    doc_idx = np.frombuffer(raw, np.int64, n_doc, _HEADER + 12 * n_seq)
+    seq_len = IndexArray(idx, np.int32, _HEADER, n_seq)
+    pointers = IndexArray(idx, np.int64, _HEADER + 4 * n_seq, n_seq)
+    doc_idx = IndexArray(idx, np.int64, _HEADER + 12 * n_seq, n_doc)
     total = _check_sequences(idx, seq_len, pointers, dtype.itemsize)
     d0, dn = (int(doc_idx[0]), int(doc_idx[-1]))
     if d0 != 0 or dn != n_seq or any((np.diff(doc_idx[a : a + _BLOCK + 1]) < 0).any() for a in range(0, n_doc, _BLOCK)):
@@ -120,6 +119,27 @@ def _check_sequences(idx: Path, seq_len: np.ndarray, pointers: np.ndarray, items
     return at // itemsize
 
 
+class IndexArray:
+    """One array of the ``.idx``, read by positioned reads of the slices asked for (``a[i]``, ``a[i:j]``):
+    a scan of a 100M-document index leaves none of it resident (a mapping would keep its pages)."""
+
+    def __init__(self, path: Path, dtype, offset: int, n: int) -> None:
+        self.path, self.dtype, self.offset, self.n = path, np.dtype(dtype).newbyteorder("<"), offset, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            a, b, _ = key.indices(self.n)
+            b = max(a, b)
+            return np.fromfile(self.path, self.dtype, b - a, offset=self.offset + a * self.dtype.itemsize).astype(
+                self.dtype.newbyteorder("=")
+            )
+        i = int(key) + (self.n if int(key) < 0 else 0)
+        return self[i : i + 1][0]
+
+
 class Spans:
     """Each document's first token and length, computed for the slice asked for from the index's memory-mapped
     pointers and document indices (``starts[a:b]``, ``lengths[a:b]``, ``len``): nothing held per document."""
@@ -136,7 +156,9 @@ class Spans:
         seq = np.asarray(self.doc_idx[a : b + 1], np.int64)
         inside = seq < len(self.pointers)
         out = np.full(len(seq), self.total, np.int64)
-        out[inside] = np.asarray(self.pointers[seq[inside]], np.int64) // self.itemsize
+        if inside.any():  # ascending: one read of the pointers they span
+            lo, hi = int(seq[inside][0]), int(seq[inside][-1])
+            out[inside] = self.pointers[lo : hi + 1][seq[inside] - lo] // self.itemsize
         return out
 
 
