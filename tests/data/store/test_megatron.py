@@ -265,3 +265,12 @@ def test_the_entry_is_the_same_built_block_by_block(tmp_path, monkeypatch):
         whole.summary.dropped_no_target,
     )
     assert blocks.summary.truncated and blocks.summary.dropped_no_target
+
+
+def test_an_eval_split_left_empty_by_the_drops_is_no_eval_split(tmp_path):
+    docs = [[1, 2, 3]] * 40 + [[5]] * 40  # the held-out documents of one token are dropped
+    write_megatron(tmp_path / "c", docs)
+    ev = held_out(len(docs), 0.02)
+    assert ev.any() and not ev[:40].any()
+    p = prepare(cfg_for(tmp_path / "c", tmp_path, eval_fraction=0.02))
+    assert p.eval is None and len(p.train) == 40 and p.summary.dropped_no_target == 40

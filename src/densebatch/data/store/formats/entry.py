@@ -23,6 +23,7 @@ import functools
 import glob
 import hashlib
 import json
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,8 +53,8 @@ class Input:
     name: Path  # the file named in messages (the token file)
     files: tuple[Path, ...]  # every file it is read from (the key's identity)
     tokens: np.ndarray
-    doc_starts: np.ndarray  # (documents,) int64
-    doc_lengths: np.ndarray  # (documents,) int64
+    doc_starts: np.ndarray  # (documents,) int64, read a block at a time (``[a:b]``; megatron's computes each block)
+    doc_lengths: np.ndarray  # (documents,) int64, the same
     loss: np.ndarray | None = None  # (tokens,) the writer's loss mask (1 = carries loss as a target), if it wrote one
     parts: tuple[dict, ...] = ()  # how tokens is mapped again at every open (``_tokens_of``), in order
 
@@ -273,6 +274,10 @@ def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path
             corpus[split] = []
             continue
         w.close()
+        if split == "eval" and not w.documents:  # every held-out document dropped (too short): no eval split
+            shutil.rmtree(tmp / split)
+            corpus[split] = []
+            continue
         setattr(s, f"{split}_documents", w.documents)
         setattr(s, f"{split}_tokens", w.tokens)
         setattr(s, f"{split}_loss_tokens", w.loss_tokens)
