@@ -124,8 +124,10 @@ class ForeignStore(DocumentStore):
         self._starts = arrays["starts"]
         self.tokens = tokens
         self.loss_mask = FirstTokenMask(self._starts, len(tokens), mask_file)
-        self.lengths = arrays["lengths"]
-        self.__dict__["doc_loss_tokens"] = arrays["doc_loss"]
+        # read as a joined store's (slices by positioned reads, as our sharded stores are): a slice of a plain
+        # mapping would keep the lengths' pages resident while the planner walks the epoch
+        self.lengths = JoinedArray([arrays["lengths"]])
+        self.__dict__["doc_loss_tokens"] = JoinedArray([arrays["doc_loss"]])
         self.__dict__["source"] = None
         self.meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
         self.path = d
