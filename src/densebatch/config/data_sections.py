@@ -67,7 +67,7 @@ class DefaultDataConfig:
     seed: int = _f(1234, "Seed of the generator (independent of the run seed), in [0, 2**63).", minimum=0)
 
 
-Format = Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk"]
+Format = Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk", "megatron", "datatrove", "litdata"]
 Template = Literal["alpaca", "chatml", "chat_template", "raw", "custom"]
 
 
@@ -115,7 +115,9 @@ class DataConfig:
     )
     format: Format = _f(
         "auto",
-        "Input format; auto = from the file name (a directory = Hugging Face save_to_disk).",
+        "Input format; auto = from the file name (a directory = Hugging Face save_to_disk); megatron / datatrove / litdata = "
+        "token ids an engine wrote (PREFIX.bin + PREFIX.idx; NAME.ds + .ds.index; index.json + chunks), read in place "
+        "(docs/data.md).",
     )
     eval_path: str | None = _f(None, "Separate evaluation file; none = hold out eval_fraction of records.")
     eval_fraction: float = _f(0.05, "Share of records held out for evaluation when eval_path is unset.", minimum=0.0)

@@ -65,6 +65,7 @@ from densebatch.data.prepare.cache import (
 )
 from densebatch.data.prepare.dedupe import Keys, dedupe_mode, leakage_across, read_prior
 from densebatch.data.prepare.documents import Builder
+from densebatch.data.prepare.foreign import foreign_format, prepare_foreign
 from densebatch.data.prepare.learned_bpe import learn_bpe
 from densebatch.data.prepare.parts import Part, source_parts
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
@@ -330,11 +331,14 @@ def prepare(cfg: DataConfig) -> Prepared:
     per-source ``share`` (of an epoch's tokens, a plan's) is filled in by the caller that prints it (``run/``)."""
     t0 = time.perf_counter()
     tok = load_data_tokenizer(cfg)
-    parts = source_parts(cfg)
-    if len(parts) == 1:
-        prepared = _prepare_one(parts[0].name, parts[0].cfg, parts[0].fmt, tok, t0)
+    if foreign_format(cfg) is not None:  # a corpus another engine tokenised: read in place (data/store/formats)
+        prepared = Prepared(*prepare_foreign(cfg, tok, lambda split: _meta(tok, cfg, split), t0))
     else:
-        prepared = _prepare_mixture(cfg, parts, tok, t0)
+        parts = source_parts(cfg)
+        if len(parts) == 1:
+            prepared = _prepare_one(parts[0].name, parts[0].cfg, parts[0].fmt, tok, t0)
+        else:
+            prepared = _prepare_mixture(cfg, parts, tok, t0)
     names = [name for name, _ in source_configs(cfg)]
     for store in (prepared.train, prepared.eval):  # names are configuration, not content: never in a key
         if store is not None:

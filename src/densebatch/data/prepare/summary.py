@@ -156,6 +156,8 @@ class PrepareSummary:
 
     def _leakage(self) -> str:
         n = self.eval_repeats_train
+        if n < 0:  # a corpus of token ids another engine wrote (data/store/formats): no records to compare
+            return "not checked (token ids as written)"
         text = f"held-out records that duplicate training records: {n}"
         if n:  # dedupe off (on, there are none by construction)
             text += " (warning: their answers are seen in training; set data.clean.dedupe: exact or near to drop them)"

@@ -5,7 +5,7 @@ Each is handed exactly the records ``metrics.jsonl`` receives and logs every num
 ``train/loss_by_source/web``) at the record's step, with the run's resolved configuration, flattened
 (``train.lr``, ``batching.strategy``, ...), as the run's parameters.
 
-- **wandb**: ``wandb.init`` in ``output_dir`` (its ``wandb/`` folder) with the project from
+- **wandb**: ``wandb.init`` in ``WANDB_DIR`` when the user sets it, else in ``output_dir`` (its ``wandb/`` folder), with the project from
   ``WANDB_PROJECT`` (default ``densebatch``) and the run's id kept in ``output_dir/tracker-runs.json``,
   so a resumed run (``--resume``) continues the same wandb run. The step is logged as the value
   ``step`` and every metric is plotted against it (``define_metric``): wandb's own step must only grow,
@@ -14,7 +14,8 @@ Each is handed exactly the records ``metrics.jsonl`` receives and logs every num
 - **mlflow**: a run in ``MLFLOW_TRACKING_URI`` (default: a file store in ``output_dir/mlruns``, opted in
   with ``MLFLOW_ALLOW_FILE_STORE`` as MLflow 3 asks), the
   experiment from ``MLFLOW_EXPERIMENT_NAME`` (default ``densebatch``), resumed the same way; parameters
-  (values cut to MLflow's 6,000 characters) and metrics at their step.
+  (values cut to MLflow's 6,000 characters) and metrics at their step. A ``file:`` (or plain path)
+  ``MLFLOW_TRACKING_URI`` without ``MLFLOW_ALLOW_FILE_STORE`` is refused by MLflow 3: one line says so.
 
 An absent package is a one-line ``ConfigError`` naming the extra to install, raised when the sinks are
 built, before training starts.
@@ -73,7 +74,7 @@ class WandbSink:
         try:
             self.run = self.wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "densebatch"),
-                dir=str(self.output_dir),
+                dir=None if os.environ.get("WANDB_DIR") else str(self.output_dir),  # wandb reads WANDB_DIR itself
                 name=name or self.output_dir.name,
                 id=run_id,
                 resume="allow",
@@ -106,6 +107,17 @@ class WandbSink:
                 self.wandb.teardown()
 
 
+def _mlflow_error(uri: str, e: Exception) -> ConfigError:
+    why = (str(e).splitlines() or [type(e).__name__])[0]
+    if "MLFLOW_ALLOW_FILE_STORE" in why:
+        return ConfigError(
+            f"train.report_to: mlflow: MLFLOW_TRACKING_URI={uri} is a file store, which this MLflow refuses unless "
+            "MLFLOW_ALLOW_FILE_STORE=true is set: set it, use a database (sqlite:///mlflow.db) or a server, or unset "
+            "MLFLOW_TRACKING_URI (densebatch then writes output_dir/mlruns)"
+        )
+    return ConfigError(f"train.report_to: mlflow could not start a run in {uri} ({why[:300]})")
+
+
 class MLflowSink:
     """Every numeric scalar to an MLflow run (see the module docstring)."""
 
@@ -120,7 +132,15 @@ class MLflowSink:
         if not uri:  # MLflow 3 asks to opt in to the file store, the one backend that needs no server or database
             uri = (self.output_dir / "mlruns").resolve().as_uri()
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
-        self.client = MlflowClient(tracking_uri=uri)
+        try:
+            self.client = MlflowClient(tracking_uri=uri)
+            run_id = self._start(config, name)
+        except Exception as e:  # MLflow's own errors (a refused file store, no server) are one line, not a traceback
+            raise _mlflow_error(uri, e) from None
+        self.run_id = run_id
+        self.uri = uri
+
+    def _start(self, config: dict, name: str | None) -> str:
         run_id = _runs(self.output_dir).get("mlflow")
         if run_id is None:
             exp_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "densebatch")
@@ -135,8 +155,7 @@ class MLflowSink:
             _remember(self.output_dir, "mlflow", run_id)
         else:  # a resumed run goes on in the same MLflow run
             self.client.update_run(run_id, status="RUNNING")
-        self.run_id = run_id
-        self.uri = uri
+        return run_id
 
     def write(self, record: dict) -> None:
         step = record_step(record)

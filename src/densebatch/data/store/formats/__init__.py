@@ -1,0 +1,1 @@
+"""Corpora other engines wrote (Megatron / NeMo indexed datasets, ...), read in place as document stores."""
