@@ -247,7 +247,8 @@ def test_two_ranks_under_torchrun_equal_one_process_with_doubled_accumulation(tm
 
 def test_the_entry_is_the_same_built_block_by_block(tmp_path, monkeypatch):
     """Small blocks (documents and index sequences) give the entry one block gives, file after file."""
-    from densebatch.data.store.formats import entry, megatron
+    from densebatch.data.prepare import foreign as entry
+    from densebatch.data.store.formats import megatron
 
     docs = random_docs(90, seed=8, lo=1, hi=70) + [[7]] + random_docs(20, seed=9)
     write_megatron(tmp_path / "a", docs[:60], sentences=True)
