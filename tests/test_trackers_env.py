@@ -27,9 +27,12 @@ def test_mlflow_file_uri_without_the_opt_in_is_one_line_and_with_it_writes_there
 
 
 def test_wandb_writes_under_wandb_dir_when_the_user_sets_it(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     from densebatch.train.observe.sinks import build_sinks
 
+    # wandb reads its environment once per process (its setup singleton): a wandb run started earlier in this
+    # test process (another test's) would keep its settings and ignore the ones below
+    wandb.teardown()
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-home"))
