@@ -28,6 +28,7 @@ parallelism, FSDP and DeepSpeed (whose sharded head weights this path would read
 
 from __future__ import annotations
 
+import functools
 import logging
 import types
 
@@ -136,6 +137,9 @@ def _wrap_forward(lm: nn.Module, chunk: int, scale: float) -> None:
     keyword it is the forward ``lm`` had."""
     previous = lm.forward
 
+    # The model's own signature (``__wrapped__``): Trainer drops dataset columns the forward does not name,
+    # and generate checks its keywords against it.
+    @functools.wraps(previous)
     def forward(*args, densebatch_targets=None, densebatch_smoothing: float = 0.0, **kwargs):
         if densebatch_targets is None:
             return previous(*args, **kwargs)
