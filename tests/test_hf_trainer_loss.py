@@ -227,3 +227,18 @@ def test_what_cannot_be_exact_keeps_the_trainers_loss_and_says_why(base, docs, t
     )
     with pytest.raises(ValueError, match="loss: expected one of densebatch, hf"):
         densebatch.dense_batches(custom, **PACKED, loss="liger")
+
+
+def test_the_step_is_normalised_by_its_loss_tokens_where_the_trainer_does_not_count_them(base, docs, tmp_path):
+    """A model that takes no loss keywords gets no num_items_in_batch from the trainer (which then averages the
+    micro-batches' means): the fused path counts the step's loss tokens itself, so two micro-batches a step give
+    the gradient they give when the trainer counts them."""
+    attn = densebatch.register_attention()
+    runs = []
+    for counts in (True, False):
+        model = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation=attn)
+        trainer = _sgd_trainer(model, tmp_path / str(counts), docs, 2)
+        trainer.model_accepts_loss_kwargs = counts
+        runs.append(_step_gradients(densebatch.dense_batches(trainer, **PACKED)))
+    assert abs(runs[0][0] - runs[1][0]) <= 1e-6
+    _close(runs[0][1], runs[1][1], 1e-6)
