@@ -160,9 +160,12 @@ def test_generate_evaluate_and_save_model_are_unchanged(base, docs, tmp_path):
 
 
 def _arch_config(kind: str):
-    """Tiny configs of the head variants: tied (GPT-2), a logit scale (Cohere), a logit divisor (Granite)."""
+    """Tiny configs of the head variants: tied (GPT-2), a logit scale (Cohere), a logit divisor (Granite), soft-capped
+    logits (Gemma 2, cap lowered to 2 so that it bends the random model's logits)."""
     if kind == "gpt2":
         return tiny_config("gpt2", vocab_size=VOCAB, n_positions=256)
+    if kind == "gemma2":
+        return tiny_config("gemma2", vocab_size=VOCAB, max_position_embeddings=256, final_logit_softcapping=2.0)
     common = dict(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
@@ -172,15 +175,16 @@ def _arch_config(kind: str):
     return transformers.GraniteConfig(**common, logits_scaling=4.0, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "cohere", "granite"])
+@pytest.mark.parametrize("kind", ["gpt2", "cohere", "granite", "gemma2"])
 def test_unpacked_rows_give_the_trainers_own_loss_and_gradients(docs, tmp_path, kind):
     """Random padded rows (one document each, attention_mask, labels: the trainer's own loss is right there): the
-    fused path's loss and gradients equal loss='hf' within 1e-6, tied head and logit scale included."""
+    fused path's loss and gradients equal loss='hf' within 1e-6: tied head, logit scales and soft-capping."""
     torch.manual_seed(0)
-    ref = transformers.AutoModelForCausalLM.from_config(_arch_config(kind), attn_implementation="sdpa")
+    attn = "eager" if kind == "gemma2" else "sdpa"  # Gemma 2 soft-caps its attention scores too
+    ref = transformers.AutoModelForCausalLM.from_config(_arch_config(kind), attn_implementation=attn)
     runs = []
     for loss in ("densebatch", "hf"):
-        model = transformers.AutoModelForCausalLM.from_config(_arch_config(kind), attn_implementation="sdpa")
+        model = transformers.AutoModelForCausalLM.from_config(_arch_config(kind), attn_implementation=attn)
         model.load_state_dict(ref.state_dict())
         trainer = densebatch.dense_batches(
             _sgd_trainer(model, tmp_path / loss, docs), strategy="random", rows_per_batch=4, pad_id=0, loss=loss
@@ -210,11 +214,11 @@ def test_lora_with_gradient_checkpointing_trains_the_adapters_as_the_trainers_ow
 
 
 def test_what_cannot_be_exact_keeps_the_trainers_loss_and_says_why(base, docs, tmp_path):
-    """Soft-capped logits (Gemma 2), a Trainer subclass with its own compute_loss: the trainer's loss is kept and
-    the line names the reason; a bad loss= is refused."""
-    gemma = transformers.AutoModelForCausalLM.from_config(tiny_config("gemma2", vocab_size=VOCAB), attn_implementation="eager")
-    trainer = densebatch.dense_batches(_sgd_trainer(gemma, tmp_path / "g", docs), strategy="random", pad_id=0)
-    assert "soft-caps its logits" in trainer.densebatch_loss
+    """An architecture outside the checked list (BLOOM), a Trainer subclass with its own compute_loss: the trainer's
+    loss is kept and the line names the reason; a bad loss= is refused."""
+    bloom = transformers.AutoModelForCausalLM.from_config(tiny_config("bloom", vocab_size=VOCAB))
+    trainer = densebatch.dense_batches(_sgd_trainer(bloom, tmp_path / "b", docs), strategy="random", pad_id=0)
+    assert trainer.densebatch_loss.startswith("Hugging Face loss (model_type 'bloom': its logits are not known")
 
     class Custom(transformers.Trainer):
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -242,3 +246,31 @@ def test_the_step_is_normalised_by_its_loss_tokens_where_the_trainer_does_not_co
         runs.append(_step_gradients(densebatch.dense_batches(trainer, **PACKED)))
     assert abs(runs[0][0] - runs[1][0]) <= 1e-6
     _close(runs[0][1], runs[1][1], 1e-6)
+
+
+@pytest.mark.parametrize("scale, cap, eps", [(0.5, None, 0.1), (1.0, 3.0, 0.0), (2.0, 3.0, 0.1)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_the_fused_head_scales_and_soft_caps_logits_as_the_architectures_do(scale, cap, eps, weighted):
+    """head_token_losses with logit_scale / softcap: the losses and the gradients of h, the weight and the bias equal
+    autograd through cap x tanh(scale x (h W^T + b) / cap), chunked (7 positions), with or without token weights
+    downstream (the backward's recomputing path)."""
+    from densebatch.model.loss_head import head_token_losses
+
+    torch.manual_seed(0)
+    h, w, b = (
+        torch.randn(2, 50, 16, requires_grad=True),
+        torch.randn(97, 16, requires_grad=True),
+        torch.randn(97, requires_grad=True),
+    )
+    y = torch.randint(0, 97, (2, 50))
+    y[0, :5] = -100
+    g = torch.rand(2, 50) if weighted else torch.ones(2, 50)
+    ours = head_token_losses(h, y, w, b, chunk_tokens=7, logit_scale=scale, softcap=cap, label_smoothing=eps)
+    got = torch.autograd.grad((ours * g).sum() if weighted else ours.sum(), (h, w, b))
+    z = torch.nn.functional.linear(h, w, b) * scale
+    z = cap * torch.tanh(z / cap) if cap else z
+    ref = torch.nn.functional.cross_entropy(z.reshape(-1, 97), y.reshape(-1), reduction="none", label_smoothing=eps)
+    want = torch.autograd.grad((ref.reshape(2, 50) * g).sum(), (h, w, b))
+    torch.testing.assert_close(ours, ref.reshape(2, 50), atol=1e-5, rtol=1e-5)
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)

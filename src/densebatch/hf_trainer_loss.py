@@ -5,8 +5,8 @@ During training the trainer's ``compute_loss`` asks the model for per-token loss
 causal LM's backbone gives its last hidden states (``lm.base_model(...)``: the logits are never built) and
 densebatch's fused, chunked head (``model/loss_head.py``) turns them into cross-entropies against the
 batch's ``shift_labels`` through the output embedding (tied or not, its bias when it has one, the logit
-scale of Cohere / Granite-style configs). At most ``chunk x vocabulary`` logits exist at once, in forward
-and backward. The request travels through the model the trainer hands ``compute_loss`` (DDP's wrapper,
+scale of Cohere / Granite, the final-logit soft-capping of Gemma 2 / 3). At most ``chunk x vocabulary``
+logits exist at once (twice that when soft-capped), in forward and backward. The request travels through the model the trainer hands ``compute_loss`` (DDP's wrapper,
 PEFT's ``PeftModel``): the causal LM's own ``forward`` is wrapped on the instance and answers a
 ``densebatch_targets`` keyword, so DDP's gradient hooks, LoRA adapters and gradient checkpointing run as
 in any forward; without that keyword it is the model's forward as before (``generate``, evaluation).
@@ -20,9 +20,8 @@ Evaluation, prediction (``return_outputs``) and a batch without labels keep the 
 
 Refused, in one logged line, with the trainer's loss kept, where the fused head could not be exact or
 would bypass something: ``loss="hf"``; a trainer class whose ``compute_loss`` is its own; a
-``compute_loss_func``; TRL's non-``nll`` losses or MoE auxiliary loss; final-logit soft-capping (Gemma 2/3);
-an architecture whose logits are not the head over the last hidden state (``SUPPORTED``); a head that is
-not a plain ``nn.Linear`` (LoRA or trainable tokens on it); DataParallel, tensor / sequence / context
+``compute_loss_func``; TRL's non-``nll`` losses or MoE auxiliary loss; an architecture whose logits are not
+known to be the head over the last hidden state (``SUPPORTED``); a head that is not a plain ``nn.Linear`` (LoRA or trainable tokens on it); DataParallel, tensor / sequence / context
 parallelism, FSDP and DeepSpeed (whose sharded head weights this path would read directly).
 """
 
@@ -42,8 +41,9 @@ from densebatch.model.loss_head import chunk_tokens_for, head_token_losses
 
 LOSSES = ("densebatch", "hf")
 # The architectures of densebatch's own hidden-state path (model/hf.py, checked against each model's own
-# logits by tests/model/test_hf_architectures.py), and two whose logits are the head's times a constant.
-SUPPORTED = frozenset(_HIDDEN_PATH_TYPES | {"cohere", "granite"})
+# logits by tests/model/test_hf_architectures.py), two whose logits are the head's times a constant and two
+# that soft-cap them (final_logit_softcapping), which the fused head computes as they do.
+SUPPORTED = frozenset(_HIDDEN_PATH_TYPES | {"cohere", "granite", "gemma2", "gemma3_text"})
 # Trainer classes whose compute_loss this module replaces (a subclass with its own keeps it).
 _OWN_LOSS = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "SFTTrainer")}
 
@@ -62,7 +62,8 @@ def install_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = N
     if why is None:
         head = lm.get_output_embeddings()
         chunk = chunk_tokens or chunk_tokens_for(head.weight.shape[0], device=trainer.args.device)
-        _wrap_forward(lm, chunk, _logit_scale(lm.config.get_text_config()))
+        text = lm.config.get_text_config()
+        _wrap_forward(lm, chunk, _logit_scale(text), getattr(text, "final_logit_softcapping", None))
         line = f"densebatch fused head, chunk {chunk}"
         own = trainer.compute_loss
         trainer.compute_loss = types.MethodType(_fused_compute_loss(own, line), trainer)
@@ -101,8 +102,6 @@ def refusal(trainer, lm: nn.Module) -> str | None:
     cfg = getattr(lm, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     kind = getattr(text, "model_type", None)
-    if getattr(text, "final_logit_softcapping", None):
-        return f"{kind} soft-caps its logits (final_logit_softcapping), which the fused head does not"
     if kind not in SUPPORTED or getattr(text, "is_encoder_decoder", False):
         return f"model_type {kind!r}: its logits are not known to be the head over the last hidden state"
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
@@ -110,8 +109,6 @@ def refusal(trainer, lm: nn.Module) -> str | None:
         return f"the output head is a {type(head).__name__}, not a plain Linear (adapters on it?)"
     if getattr(lm, "base_model", lm) is lm:
         return "the model has no separate backbone (base_model)"
-    if _logit_scale(text) != 1.0 and head.bias is not None:
-        return "a logit scale with a head bias"
     return None
 
 
@@ -131,7 +128,7 @@ def _logit_scale(text_config) -> float:
     return 1.0
 
 
-def _wrap_forward(lm: nn.Module, chunk: int, scale: float) -> None:
+def _wrap_forward(lm: nn.Module, chunk: int, scale: float, cap: float | None) -> None:
     """``lm.forward(..., densebatch_targets=(rows, T))`` returns the per-token losses (rows, T) float32, 0
     where the target is -100, from the backbone's last hidden states through the fused head; without the
     keyword it is the forward ``lm`` had."""
@@ -147,12 +144,11 @@ def _wrap_forward(lm: nn.Module, chunk: int, scale: float) -> None:
             kwargs.pop(k, None)
         kwargs["use_cache"] = False
         h = lm.base_model(*args, **kwargs).last_hidden_state  # (rows, T, C): no logits
-        head = lm.get_output_embeddings()
-        if scale != 1.0:  # scale x (W h) = W (scale x h) for a head without bias (refusal() checks)
-            h = h * scale
+        head, targets = lm.get_output_embeddings(), densebatch_targets.to(h.device)
         return head_token_losses(
-            h, densebatch_targets.to(h.device), head.weight, head.bias, chunk_tokens=chunk, label_smoothing=densebatch_smoothing
-        )
+            h, targets, head.weight, head.bias, chunk_tokens=chunk, label_smoothing=densebatch_smoothing, logit_scale=scale,
+            softcap=cap,
+        )  # fmt: skip
 
     lm.forward = forward
     lm._densebatch_previous_forward = previous
