@@ -161,7 +161,7 @@ def test_generate_evaluate_and_save_model_are_unchanged(base, docs, tmp_path):
 
 def _arch_config(kind: str):
     """Tiny configs of the head variants: tied (GPT-2), a logit scale (Cohere), a logit divisor (Granite), soft-capped
-    logits (Gemma 2, cap lowered to 2 so that it bends the random model's logits)."""
+    logits (Gemma 2 and 3, cap lowered to 2 so that it bends the random model's logits)."""
     if kind == "gpt2":
         return tiny_config("gpt2", vocab_size=VOCAB, n_positions=256)
     if kind == "gemma2":
@@ -170,17 +170,19 @@ def _arch_config(kind: str):
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
+    if kind == "gemma3_text":
+        return transformers.Gemma3TextConfig(**common, head_dim=8, final_logit_softcapping=2.0, sliding_window=16)
     if kind == "cohere":
         return transformers.CohereConfig(**common, logit_scale=0.5)
     return transformers.GraniteConfig(**common, logits_scaling=4.0, tie_word_embeddings=False)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "cohere", "granite", "gemma2"])
+@pytest.mark.parametrize("kind", ["gpt2", "cohere", "granite", "gemma2", "gemma3_text"])
 def test_unpacked_rows_give_the_trainers_own_loss_and_gradients(docs, tmp_path, kind):
     """Random padded rows (one document each, attention_mask, labels: the trainer's own loss is right there): the
     fused path's loss and gradients equal loss='hf' within 1e-6: tied head, logit scales and soft-capping."""
     torch.manual_seed(0)
-    attn = "eager" if kind == "gemma2" else "sdpa"  # Gemma 2 soft-caps its attention scores too
+    attn = "eager" if kind.startswith("gemma") else "sdpa"  # Gemma 2 soft-caps its attention scores too
     ref = transformers.AutoModelForCausalLM.from_config(_arch_config(kind), attn_implementation=attn)
     runs = []
     for loss in ("densebatch", "hf"):

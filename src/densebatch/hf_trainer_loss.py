@@ -101,7 +101,7 @@ def refusal(trainer, lm: nn.Module) -> str | None:
         return "FSDP / DeepSpeed shard the head's weight, which this head reads directly"
     cfg = getattr(lm, "config", None)
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    kind = getattr(text, "model_type", None)
+    kind = getattr(cfg, "model_type", None)  # the model's own (a vision-language model's is not its text model's)
     if kind not in SUPPORTED or getattr(text, "is_encoder_decoder", False):
         return f"model_type {kind!r}: its logits are not known to be the head over the last hidden state"
     head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
