@@ -176,16 +176,23 @@ def test_two_processes_under_torchrun_train_as_one_with_twice_the_accumulation(b
     two = subprocess.run(
         torchrun([str(tmp_path / "two"), str(base), "2"], script=driver), env=env, capture_output=True, text=True, timeout=300
     )
+    # the trainer counting each rank's tokens alone: densebatch's loss path still divides by the whole step's
+    local = subprocess.run(
+        torchrun([str(tmp_path / "local"), str(base), "2", "local"], script=driver),
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     one = subprocess.run(
         [sys.executable, str(driver), str(tmp_path / "one"), str(base), "4"], env=env, capture_output=True, text=True, timeout=300
     )
-    assert two.returncode == 0 and one.returncode == 0, (two.stderr[-2000:], one.stderr[-2000:])
+    assert two.returncode == 0 and one.returncode == 0 and local.returncode == 0, (two.stderr[-2000:], one.stderr[-2000:])
     runs = [json.loads(f.read_text()) for d in ("two", "one") for f in sorted((tmp_path / d).glob("rank-*.json"))]
+    local_sums = [json.loads(f.read_text())["sums"] for f in sorted((tmp_path / "local").glob("rank-*.json"))]
     ranks, alone = [r for r in runs if r["world"] == 2], [r for r in runs if r["world"] == 1]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and len(alone) == 1
     assert np.allclose(ranks[0]["sums"], ranks[1]["sums"], atol=0)  # DDP: the same weights on both ranks
     assert np.allclose(ranks[0]["sums"], alone[0]["sums"], rtol=1e-5, atol=1e-5)
     assert np.allclose(ranks[0]["logs"], alone[0]["logs"], atol=1e-4)
+    assert len(local_sums) == 2 and np.allclose(local_sums[0], alone[0]["sums"], rtol=1e-5, atol=1e-5)
 
 
 def test_settings_and_rows_longer_than_the_models_positions_are_refused_before_training(base, tmp_path):
