@@ -133,8 +133,8 @@ def test_a_resumed_trainer_run_continues_with_the_same_batches(base, tmp_path):
 
 
 def test_trl_sft_trainer_trains_on_the_same_batches_with_the_same_loss(base, tmp_path):
-    """TRL's SFTTrainer with dense_batches: its first step is the plain Trainer's (the same planned batch, and
-    TRL's fused loss reads shift_labels, so no target at a row cut is lost), within 1e-5."""
+    """TRL's SFTTrainer with dense_batches: its first step is the plain Trainer's (the same planned batch, and on
+    both densebatch's loss path, which reads shift_labels, so no target at a row cut is lost), within 1e-5."""
     trl = pytest.importorskip("trl")
     from densebatch.data.prepare.tokenizers import load_tokenizer
 
