@@ -116,7 +116,8 @@ def _child(method: str, work: Path, steps: int, tokens: int, seq_len: int) -> di
         args = trl.SFTConfig(
             **common, packing=method == "trl_packing", max_length=seq_len if method == "trl_packing" else 1024,
             per_device_train_batch_size=rows, dataset_kwargs={"skip_prepare_dataset": method == "sft"},
-            bf16=False,  # SFTConfig's default is bf16 autocast: every method runs in fp32 here
+            bf16=False,  # SFTConfig's defaults are bf16 autocast and gradient checkpointing: every method here runs
+            gradient_checkpointing=False,  # in fp32 and keeps its activations
         )  # fmt: skip
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
         if method == "sft":
