@@ -45,18 +45,22 @@ def base(tmp_path_factory) -> Path:
     return d
 
 
-class Recording(transformers.Trainer):
-    """A Trainer that keeps the loss of every micro-batch it computes (before any update is applied)."""
+def _recording(trainer):
+    """Keep the loss of every micro-batch ``trainer`` computes (before any update is applied) in ``trainer.losses``:
+    its compute_loss, as dense_batches left it, wrapped on the instance (a subclass with its own compute_loss
+    would keep the trainer's loss path)."""
+    inner, trainer.losses = trainer.compute_loss, []
 
-    losses: list
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self.losses.append(float((loss[0] if return_outputs else loss).detach()))
+    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = inner(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        trainer.losses.append(float((loss[0] if return_outputs else loss).detach()))
         return loss
 
+    trainer.compute_loss = compute_loss
+    return trainer
 
-def _trainer(base: Path, out: Path, dataset, steps: int, **kw) -> Recording:
+
+def _trainer(base: Path, out: Path, dataset, steps: int, **kw):
     densebatch.register_attention()
     model = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation="densebatch")
     args = transformers.TrainingArguments(
@@ -64,9 +68,8 @@ def _trainer(base: Path, out: Path, dataset, steps: int, **kw) -> Recording:
         seed=5, report_to=[], save_strategy="steps", save_steps=2, logging_steps=1, use_cpu=True, optim="adamw_torch",
         weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.999, max_grad_norm=1.0, disable_tqdm=True,
     )  # fmt: skip
-    trainer = Recording(model=model, args=args, train_dataset=dataset)
-    trainer.losses = []
-    return densebatch.dense_batches(trainer, strategy="packed", seq_len=256, max_tokens_per_batch=1024, **kw)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+    return _recording(densebatch.dense_batches(trainer, strategy="packed", seq_len=256, max_tokens_per_batch=1024, **kw))
 
 
 def _prepared_dataset(cache: Path):
@@ -87,9 +90,10 @@ def test_the_first_step_in_trainer_has_densebatch_trains_loss(base, tmp_path):
     assert main(["train", f"--output_dir={out}", f"--data.cache_dir={tmp_path / 'cache'}", "--model.kind=hf",
                  f"--model.path={base}", "--train.max_steps=1", *ARGS]) == 0  # fmt: skip
     first = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("kind") == "train")
-    trainer = _trainer(base, tmp_path / "hf", _prepared_dataset(tmp_path / "cache"), steps=1)
-    trainer.train()
-    assert len(trainer.losses) == 1 and abs(trainer.losses[0] - first["loss"]) <= 1e-5, (trainer.losses, first["loss"])
+    for loss in ("densebatch", "hf"):  # densebatch's loss path in the trainer, and the trainer's own
+        trainer = _trainer(base, tmp_path / loss, _prepared_dataset(tmp_path / "cache"), steps=1, loss=loss)
+        trainer.train()
+        assert len(trainer.losses) == 1 and abs(trainer.losses[0] - first["loss"]) <= 1e-6, (loss, trainer.losses, first["loss"])
 
 
 def test_packed_rows_in_trainer_score_each_document_as_alone(base, tmp_path):
@@ -129,8 +133,8 @@ def test_a_resumed_trainer_run_continues_with_the_same_batches(base, tmp_path):
 
 
 def test_trl_sft_trainer_trains_on_the_same_batches_with_the_same_loss(base, tmp_path):
-    """TRL's SFTTrainer with dense_batches: its first step is the plain Trainer's (the same planned batch, and
-    TRL's fused loss reads shift_labels, so no target at a row cut is lost), within 1e-5."""
+    """TRL's SFTTrainer with dense_batches: its first step is the plain Trainer's (the same planned batch, and on
+    both densebatch's loss path, which reads shift_labels, so no target at a row cut is lost), within 1e-5."""
     trl = pytest.importorskip("trl")
     from densebatch.data.prepare.tokenizers import load_tokenizer
 
@@ -140,24 +144,16 @@ def test_trl_sft_trainer_trains_on_the_same_batches_with_the_same_loss(base, tmp
     plain.train()
     load_tokenizer("default").save(tmp_path / "tok")
 
-    class RecordingSFT(trl.SFTTrainer):
-        losses: list
-
-        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-            self.losses.append(float((loss[0] if return_outputs else loss).detach()))
-            return loss
-
     model = transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation=densebatch.register_attention())
     args = trl.SFTConfig(
         output_dir=str(tmp_path / "sft"), max_steps=1, learning_rate=1e-3, seed=5, report_to=[], use_cpu=True,
         save_strategy="no", disable_tqdm=True, packing=False, dataset_kwargs={"skip_prepare_dataset": True},
     )  # fmt: skip
-    sft = RecordingSFT(
+    sft = trl.SFTTrainer(
         model=model, args=args, train_dataset=ds, processing_class=transformers.AutoTokenizer.from_pretrained(tmp_path / "tok")
     )
-    sft.losses = []
-    densebatch.dense_batches(sft, strategy="packed", seq_len=256, max_tokens_per_batch=1024, pad_id=0)
+    _recording(densebatch.dense_batches(sft, strategy="packed", seq_len=256, max_tokens_per_batch=1024, pad_id=0))
+    assert sft.densebatch_loss.startswith("densebatch fused head") and plain.densebatch_loss == sft.densebatch_loss
     assert (
         next(iter(sft.get_train_dataloader()))["input_ids"].shape == next(iter(plain.get_train_dataloader()))["input_ids"].shape
     )
@@ -180,16 +176,23 @@ def test_two_processes_under_torchrun_train_as_one_with_twice_the_accumulation(b
     two = subprocess.run(
         torchrun([str(tmp_path / "two"), str(base), "2"], script=driver), env=env, capture_output=True, text=True, timeout=300
     )
+    # the trainer counting each rank's tokens alone: densebatch's loss path still divides by the whole step's
+    local = subprocess.run(
+        torchrun([str(tmp_path / "local"), str(base), "2", "local"], script=driver),
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     one = subprocess.run(
         [sys.executable, str(driver), str(tmp_path / "one"), str(base), "4"], env=env, capture_output=True, text=True, timeout=300
     )
-    assert two.returncode == 0 and one.returncode == 0, (two.stderr[-2000:], one.stderr[-2000:])
+    assert two.returncode == 0 and one.returncode == 0 and local.returncode == 0, (two.stderr[-2000:], one.stderr[-2000:])
     runs = [json.loads(f.read_text()) for d in ("two", "one") for f in sorted((tmp_path / d).glob("rank-*.json"))]
+    local_sums = [json.loads(f.read_text())["sums"] for f in sorted((tmp_path / "local").glob("rank-*.json"))]
     ranks, alone = [r for r in runs if r["world"] == 2], [r for r in runs if r["world"] == 1]
     assert sorted(r["rank"] for r in ranks) == [0, 1] and len(alone) == 1
     assert np.allclose(ranks[0]["sums"], ranks[1]["sums"], atol=0)  # DDP: the same weights on both ranks
     assert np.allclose(ranks[0]["sums"], alone[0]["sums"], rtol=1e-5, atol=1e-5)
     assert np.allclose(ranks[0]["logs"], alone[0]["logs"], atol=1e-4)
+    assert len(local_sums) == 2 and np.allclose(local_sums[0], alone[0]["sums"], rtol=1e-5, atol=1e-5)
 
 
 def test_settings_and_rows_longer_than_the_models_positions_are_refused_before_training(base, tmp_path):

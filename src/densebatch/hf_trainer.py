@@ -15,7 +15,9 @@ Packed rows carry ``cu_seq_lens_q/k`` and ``position_ids``: load the model with
 ``attn_implementation="densebatch"`` (``densebatch.register_attention()``; any device),
 ``"flash_attention_2"`` or ``"flex_attention"`` to keep documents apart (``sdpa`` and ``eager`` ignore
 them and let packed documents attend to each other). A resumed run (``resume_from_checkpoint``)
-skips the batches already trained, and so continues with the same batches.
+skips the batches already trained, and so continues with the same batches. The trainer's loss becomes
+densebatch's (``loss="densebatch"``, the default): per-token losses through the fused chunked head, over
+the step's loss tokens, never the full logits (``hf_trainer_loss.py``); ``loss="hf"`` keeps the trainer's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import longest_row
 from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
 from densebatch.data.torch_loader import dataloader
+from densebatch.hf_trainer_loss import LOSSES, install_loss
 from densebatch.model.hf.attention import register
 from densebatch.model.hf.checks import check_transformers
 from densebatch.model.hf.falcon import install as install_falcon_attention
@@ -42,14 +45,24 @@ def register_attention() -> str:
 
 
 def dense_batches(
-    trainer, strategy: str = DEFAULT_STRATEGY, max_tokens_per_batch: int = 8192, seq_len: int | None = None, **settings: Any
+    trainer,
+    strategy: str = DEFAULT_STRATEGY,
+    max_tokens_per_batch: int = 8192,
+    seq_len: int | None = None,
+    loss: str = "densebatch",
+    loss_chunk_tokens: int | None = None,
+    **settings: Any,
 ):
     """Make ``trainer`` (a ``transformers.Trainer`` or a subclass such as ``trl.SFTTrainer``) train on
     densebatch's batches; returns it. ``settings``: the other ``densebatch.dataloader`` keywords
     (``rows_per_batch``, ``long_docs``, ``bundle_tokens``, ``pad_to_multiple_of``, ...); ``pad_id``
     defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
-    (packed rows as long as the budget: one row a batch)."""
+    (packed rows as long as the budget: one row a batch). ``loss="densebatch"`` (the default) also gives the
+    trainer densebatch's loss path, the fused chunked head (``hf_trainer_loss.py``); ``"hf"`` keeps its own;
+    ``loss_chunk_tokens``: positions the head projects at a time (default: 128 MiB of float32 logits, 1 GiB on CUDA)."""
     check_transformers()
+    if loss not in LOSSES:
+        raise ValueError(f"dense_batches: loss: expected one of {', '.join(LOSSES)}; got {loss!r}")
     PlanSettings(strategy=strategy, max_tokens_per_batch=max_tokens_per_batch, seq_len=seq_len or max_tokens_per_batch)
     args = trainer.args
     if getattr(args, "train_sampling_strategy", None) == "group_by_length" or getattr(args, "group_by_length", False) is True:
@@ -84,6 +97,7 @@ def dense_batches(
         return loader
 
     trainer.get_train_dataloader = get_train_dataloader
+    install_loss(trainer, loss, loss_chunk_tokens)
     return trainer
 
 

@@ -88,13 +88,15 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx, h: Tensor, weight: Tensor, bias: Tensor | None, idx: Tensor, targets: Tensor, chunk, dtype, need_grad, eps, shape,
-        tw: Tensor | None = None,
+        tw: Tensor | None = None, scale: float = 1.0, cap: float | None = None,
     ):  # fmt: skip
         # h: (N, C) all positions; idx: (n,) positions with a target. ``dtype``: what autocast asked
         # for outside; autocast is switched off in here so that every cast below is explicit.
         # ``eps``: label smoothing (the target distribution (1 - eps) onehot + eps / V, as torch's).
         # ``shape``: the losses' shape, (rows, T), N elements. ``tw``: (n,) float32 weights of the targets
         # (None: all 1): the output is tw x CE, and the forward's gradient sums are weighted alike.
+        # ``scale``, ``cap``: the logits are cap x tanh(scale x z / cap) (``_logits``; cap None: scale x z).
+        ctx.scale, ctx.cap = scale, cap
         with torch.autocast(h.device.type, enabled=False):
             return _FusedLinearCE._forward(ctx, h, weight, bias, idx, targets, chunk, dtype, need_grad, eps, shape, tw)
 
@@ -110,7 +112,7 @@ class _FusedLinearCE(torch.autograd.Function):
         for a in range(0, n, chunk):
             hc = h.index_select(0, idx[a : a + chunk]).to(dtype)  # (c, C)
             yc = targets[a : a + chunk]  # (c,)
-            z = F.linear(hc, w, b).float()  # (c, V) the only logits alive
+            z, t = _logits(hc, w, b, ctx.scale, ctx.cap)  # (c, V) the only logits alive (and tanh's, when capped)
             target_logit = z.gather(1, yc[:, None]).squeeze(1)  # (c,)
             if eps:  # smoothed: (1 - eps) z_y + eps mean(z) is the target's share of the logits
                 target_logit = (1.0 - eps) * target_logit + eps * z.mean(dim=1)
@@ -122,6 +124,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 continue
             z.div_(total)  # softmax
             _subtract_target(z, yc, eps)  # d loss / d logits
+            _chain(z, t, ctx.scale)  # d loss / d (h W^T + b)
             if tw is not None:
                 z.mul_(tw[a : a + chunk, None])
             d = z.to(dtype)  # (c, V)
@@ -167,7 +170,9 @@ class _FusedLinearCE(torch.autograd.Function):
         else:  # recompute the weight gradient with each token's own weight (exact, one more projection)
             with torch.autocast(h.device.type, enabled=False):  # the forward's token weights times the incoming ones
                 gw = g if tw is None else g * tw
-                grad_w, grad_b = _weighted_head_grads(h, weight, bias, idx, targets, gw, ctx.chunk, ctx.dtype, ctx.eps)
+                grad_w, grad_b = _weighted_head_grads(
+                    h, weight, bias, idx, targets, gw, ctx.chunk, ctx.dtype, ctx.eps, ctx.scale, ctx.cap
+                )
             grad_h_sel = grad_h_unit * g[:, None].to(grad_h_unit.dtype)
         grad_h = None
         if ctx.needs_input_grad[0]:
@@ -184,7 +189,31 @@ class _FusedLinearCE(torch.autograd.Function):
             None,
             None,
             None,
+            None,
+            None,
         )
+
+
+def _logits(hc: Tensor, w: Tensor, b: Tensor | None, scale: float, cap: float | None) -> tuple[Tensor, Tensor | None]:
+    """A chunk's float32 logits (c, V) as the architecture computes them: ``scale x z`` (Cohere's logit_scale,
+    Granite's 1 / logits_scaling), then soft-capped, ``cap x tanh(. / cap)`` (Gemma 2); with the tanh (c, V)
+    when capped (its derivative, 1 - tanh^2, is ``_chain``'s), else None."""
+    z = F.linear(hc, w, b).float()  # (c, V)
+    if scale != 1.0:
+        z.mul_(scale)
+    if not cap:
+        return z, None
+    t = z.div_(cap).tanh_()  # (c, V) in place
+    return t * cap, t
+
+
+def _chain(d: Tensor, t: Tensor | None, scale: float) -> None:
+    """``d`` (c, V), the gradient at the final logits, taken back through the cap and the scale, in place
+    (``t`` is spent)."""
+    if t is not None:
+        d.mul_(t.mul_(t).neg_().add_(1.0))  # 1 - tanh^2
+    if scale != 1.0:
+        d.mul_(scale)
 
 
 def _subtract_target(probs: Tensor, targets: Tensor, eps: float) -> None:
@@ -194,7 +223,9 @@ def _subtract_target(probs: Tensor, targets: Tensor, eps: float) -> None:
         probs.sub_(eps / probs.shape[1])
 
 
-def _weighted_head_grads(h, weight, bias, idx, targets, g, chunk, dtype, eps: float) -> tuple[Tensor, Tensor | None]:
+def _weighted_head_grads(
+    h, weight, bias, idx, targets, g, chunk, dtype, eps: float, scale: float = 1.0, cap: float | None = None
+) -> tuple[Tensor, Tensor | None]:
     """sum_i g_i (softmax_i - onehot_i)^T [h_i, 1], recomputing each chunk's logits."""
     w = weight.to(dtype)
     b = None if bias is None else bias.to(dtype)
@@ -203,8 +234,10 @@ def _weighted_head_grads(h, weight, bias, idx, targets, g, chunk, dtype, eps: fl
     for a in range(0, idx.numel(), chunk):
         hc = h.index_select(0, idx[a : a + chunk]).to(dtype)  # (c, C)
         yc = targets[a : a + chunk]
-        d = torch.softmax(F.linear(hc, w, b).float(), dim=1)  # (c, V)
+        z, t = _logits(hc, w, b, scale, cap)
+        d = torch.softmax(z, dim=1)  # (c, V)
         _subtract_target(d, yc, eps)
+        _chain(d, t, scale)
         d.mul_(g[a : a + chunk, None])
         grad_w = _add_product(grad_w, d.to(dtype).t(), hc)
         if grad_b is not None:
@@ -221,12 +254,16 @@ def head_token_losses(
     chunk_tokens: int | None = None,
     label_smoothing: float = 0.0,
     token_weights: Tensor | None = None,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
 ) -> Tensor:
     """Cross-entropy per position of ``h`` (rows, T, C) through the head, float32, 0 where the
     label is -100. (rows, T). ``num_loss_tokens`` (the batch's count) spares a host synchronisation;
     ``label_smoothing`` as ``F.cross_entropy``'s (per token, so exact under any batching);
     ``token_weights`` (rows, T): each position's CE times its weight (the forward's gradient sums are
-    weighted alike, so a plain sum of the result backpropagates without recomputing the head)."""
+    weighted alike, so a plain sum of the result backpropagates without recomputing the head); ``logit_scale``,
+    ``softcap``: the logits are ``softcap x tanh(logit_scale x z / softcap)`` (``softcap`` None: ``logit_scale x z``),
+    as architectures with a logit scale or final-logit soft-capping compute them."""
     rows, T, C = h.shape
     flat_labels = labels.reshape(-1)  # (N,)
     keep = flat_labels != IGNORE_INDEX  # (N,)
@@ -240,7 +277,8 @@ def head_token_losses(
     targets = flat_labels.index_select(0, idx)  # (n,)
     flat, dtype, eps = h.reshape(rows * T, C), _compute_dtype(h), float(label_smoothing)  # flat: (N, C)
     tw = None if token_weights is None else token_weights.reshape(-1).index_select(0, idx).float()  # (n,)
-    return _FusedLinearCE.apply(flat, weight, bias, idx, targets, chunk, dtype, need_grad, eps, (rows, T), tw)
+    scale, cap = float(logit_scale), (float(softcap) if softcap else None)
+    return _FusedLinearCE.apply(flat, weight, bias, idx, targets, chunk, dtype, need_grad, eps, (rows, T), tw, scale, cap)
 
 
 def plain_head_token_losses(

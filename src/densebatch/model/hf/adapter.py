@@ -67,7 +67,7 @@ from densebatch.model.quiet import quiet_progress
 # no logit scale), so token_losses may project only the positions that carry a target, through the
 # fused chunked head (model/loss_head.py) when lm_head is a plain nn.Linear.
 # (tests/model/hf/test_hf_architectures.py checks each against the model's own logits.)
-_HIDDEN_PATH_TYPES = {
+HIDDEN_PATH_TYPES = {
     "gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt_neox", "olmo", "stablelm", "starcoder2",
     "opt", "gpt_bigcode", "falcon",
 }  # fmt: skip
@@ -122,7 +122,7 @@ class HFCausalLM(nn.Module):
                 self.hf.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
             else:
                 self.hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        self._hidden_path = getattr(self.hf.config, "model_type", None) in _HIDDEN_PATH_TYPES
+        self._hidden_path = getattr(self.hf.config, "model_type", None) in HIDDEN_PATH_TYPES
 
     @property
     def lm(self) -> nn.Module:
@@ -177,7 +177,7 @@ class HFCausalLM(nn.Module):
     def token_losses(self, batch: Batch) -> Tensor:
         """Cross-entropy per position in float32, 0 where the label is -100. (rows, T)
 
-        Architectures in ``_HIDDEN_PATH_TYPES`` project only the positions with a target, through
+        Architectures in ``HIDDEN_PATH_TYPES`` project only the positions with a target, through
         the fused chunked head unless ``loss_head="plain"``; others compute the model's own logits.
         An encoder (``task`` mlm) in eval mode also leaves the number of masked tokens it predicted
         right in ``eval_hits`` (a device scalar, read by ``train/evaluate.py``: no host sync here).

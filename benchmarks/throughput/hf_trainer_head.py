@@ -1,0 +1,194 @@
+"""Step time and peak resident memory of densebatch's loop against HF Trainer / TRL, with and without densebatch's loss head.
+
+    python -m benchmarks.throughput.hf_trainer_head [--data instruction oasst] [--steps 8] [--repeats 2]
+
+One model (a 2-layer Llama shape with GPT-2's vocabulary of 50,257, random weights saved once, untied head),
+one tokenized data set (the documents of ../shared/data, loss on every token), the same tokens per step.
+Each method runs ``--steps`` optimizer steps (after one warm-up step) in a subprocess of its own, one thread,
+so that its peak resident memory (``ru_maxrss``) is its own; the runs are interleaved (A B C .. A B C ..) and
+each method's median step time over its runs is reported with its ratio to densebatch's loop.
+
+- ``densebatch``: densebatch's own step in-process: ``HFCausalLM.token_losses`` (fused head) on
+  ``densebatch.dataloader(format="batch")`` packed batches, summed over the step's loss tokens, AdamW;
+- ``trainer``: ``transformers.Trainer`` + ``densebatch.dense_batches`` (densebatch's loss path);
+- ``trainer_hf``: the same with ``dense_batches(loss="hf")`` (the model's logits and transformers' loss);
+- ``sft``: TRL ``SFTTrainer`` + ``dense_batches``;
+- ``trl_packing``: TRL's own packing (``packing=True``, BFD, padding-free rows of ``seq_len``);
+- ``trl_padded``: TRL padded batches of as many documents as make the tokens per step on average.
+
+All use AdamW (lr 1e-4, no weight decay), gradient clipping at 1.0, fp32, densebatch attention (sdpa for
+the padded rows). Trainer step times come from a callback (step begin to step end), densebatch's from its loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+METHODS = ("densebatch", "trainer", "trainer_hf", "sft", "trl_packing", "trl_padded")
+
+
+def _setup(work: Path, data: str, shared: Path, docs: int) -> None:
+    """The model (random weights, saved) and the data set (GPT-2 token ids, as JSON) every method reads."""
+    import transformers
+
+    from benchmarks.common import texts
+    from densebatch.testing.book import gpt2_tokenizer
+
+    eot = "<|endoftext|>"
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer(shared / "gpt2"), eos_token=eot, pad_token=eot)
+    ids = [(t + [tok.eos_token_id])[:1024] for t in tok(texts(data, shared)[:docs])["input_ids"]]
+    (work / "ids.json").write_text(json.dumps(ids))
+    tok.save_pretrained(work / "tok")
+    config = transformers.LlamaConfig(
+        vocab_size=50257, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=50256,
+        eos_token_id=50256, pad_token_id=50256,
+    )  # fmt: skip
+    import torch
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(work / "model")
+
+
+def _child(method: str, work: Path, steps: int, tokens: int, seq_len: int) -> dict:
+    """Run ``method`` for 1 + ``steps`` optimizer steps; its step times and its peak resident memory."""
+    import torch
+
+    torch.set_num_threads(1)
+    import datasets
+    import transformers
+
+    import densebatch
+
+    ids = json.loads((work / "ids.json").read_text())
+    ds = datasets.Dataset.from_dict({"input_ids": ids})
+    attn = densebatch.register_attention()
+    packed = dict(strategy="packed", seq_len=seq_len, max_tokens_per_batch=tokens, pad_id=50256)
+    times: list[float] = []
+    if method == "densebatch":
+        from densebatch.model.hf.adapter import HFCausalLM
+
+        model = HFCausalLM(work / "model").train()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, weight_decay=0.0)
+        loader = densebatch.dataloader(ds, **packed, seed=5, format="batch")
+        for _, batch in zip(range(steps + 1), loader):
+            t0 = time.perf_counter()
+            (model.token_losses(batch).sum() / max(batch.num_loss_tokens, 1)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - t0)
+        return {"times": times[1:], "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
+
+    class Clock(transformers.TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+    common = dict(
+        output_dir=str(work / f"out-{method}"), max_steps=steps + 1, learning_rate=1e-4, weight_decay=0.0, seed=5,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=1000, max_grad_norm=1.0,
+        dataloader_num_workers=0,
+    )  # fmt: skip
+    tok = transformers.AutoTokenizer.from_pretrained(work / "tok")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        work / "model", attn_implementation="sdpa" if method == "trl_padded" else attn
+    )
+    if method in ("trainer", "trainer_hf"):
+        trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**common), train_dataset=ds)
+        densebatch.dense_batches(trainer, **packed, loss="hf" if method == "trainer_hf" else "densebatch")
+    else:
+        import trl
+
+        mean_len = sum(map(len, ids)) / len(ids)
+        rows = {"sft": 1, "trl_packing": max(1, tokens // seq_len), "trl_padded": max(1, round(tokens / mean_len))}[method]
+        args = trl.SFTConfig(
+            **common, packing=method == "trl_packing", max_length=seq_len if method == "trl_packing" else 1024,
+            per_device_train_batch_size=rows, dataset_kwargs={"skip_prepare_dataset": method == "sft"},
+            bf16=False,  # SFTConfig's defaults are bf16 autocast and gradient checkpointing: every method here runs
+            gradient_checkpointing=False,  # in fp32 and keeps its activations
+        )  # fmt: skip
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
+        if method == "sft":
+            densebatch.dense_batches(trainer, **packed)
+    trainer.add_callback(Clock())
+    trainer.train()
+    line = getattr(trainer, "densebatch_loss", "-")
+    return {"times": times[1:], "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "loss_path": line}
+
+
+def _run(method: str, work: Path, a) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cmd = [sys.executable, "-m", "benchmarks.throughput.hf_trainer_head", "--child", method, "--work", str(work)]
+    cmd += ["--steps", str(a.steps), "--tokens", str(a.tokens), "--seq-len", str(a.seq_len)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:] or ["?"]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _report(data: str, runs: dict[str, list[dict]], a) -> str:
+    """A markdown table: median step time, 8-step total, peak RSS and their ratios to densebatch's loop."""
+    med = {m: statistics.median(t for r in rs for t in r["times"]) for m, rs in runs.items() if all("times" in r for r in rs)}
+    rss = {m: statistics.median(r["maxrss_kb"] for r in rs) / 1024 for m, rs in runs.items() if m in med}
+    base_t, base_m = med.get("densebatch"), rss.get("densebatch")
+    lines = [
+        f"{data}: {a.tokens} token slots a step (packed rows of {a.seq_len}), {a.steps} steps, {a.repeats} interleaved runs each",
+        "",
+        "| method | median step (s) | x densebatch | peak RSS (MiB) | x densebatch | loss path |",
+        "|---|---|---|---|---|---|",
+    ]
+    for m, rs in runs.items():
+        if m not in med:
+            lines.append(f"| {m} | failed: {rs[0].get('error')} | | | | |")
+            continue
+        rt = f"{med[m] / base_t:.2f}" if base_t else "-"
+        rm = f"{rss[m] / base_m:.2f}" if base_m else "-"
+        lines.append(f"| {m} | {med[m]:.3f} | {rt} | {rss[m]:.0f} | {rm} | {rs[0].get('loss_path', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", nargs="+", default=["instruction", "oasst"], help="shared sets: instruction, oasst")
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=2048, help="token slots a step (densebatch's max_tokens_per_batch)")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--docs", type=int, default=600, help="documents taken from the set")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--child", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--work", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child:
+        print(json.dumps(_child(a.child, Path(a.work), a.steps, a.tokens, a.seq_len)))
+        return
+    from benchmarks.common import require_shared_data
+
+    shared = require_shared_data(a.data_dir)
+    for data in a.data:
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            _setup(work, data, shared, a.docs)
+            runs: dict[str, list[dict]] = {m: [] for m in a.methods}
+            for _ in range(a.repeats):  # interleaved: A B C .. A B C ..
+                for m in a.methods:
+                    runs[m].append(_run(m, work, a))
+            print(_report(data, runs, a), flush=True)
+            print(flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""densebatch's loss path inside Hugging Face ``Trainer`` and TRL's ``SFTTrainer``: the ``compute_loss`` that
+``dense_batches(trainer)`` installs.
+
+During training the trainer's ``compute_loss`` asks the model for per-token losses instead of logits: the
+causal LM's backbone gives its last hidden states (``lm.base_model(...)``: the logits are never built) and
+densebatch's fused, chunked head (``model/loss_head.py``) turns them into cross-entropies against the
+batch's ``shift_labels`` through the output embedding (tied or not, its bias when it has one, the logit
+scale of Cohere / Granite, the final-logit soft-capping of Gemma 2 / 3). At most ``chunk x vocabulary``
+logits exist at once (twice that when soft-capped), in forward and backward. The request travels through the model the trainer hands ``compute_loss`` (DDP's wrapper,
+PEFT's ``PeftModel``): the causal LM's own ``forward`` is wrapped on the instance and answers a
+``densebatch_targets`` keyword, so DDP's gradient hooks, LoRA adapters and gradient checkpointing run as
+in any forward; without that keyword it is the model's forward as before (``generate``, evaluation).
+
+The loss is ``sum(CE) / n`` with ``n`` the step's loss tokens over every micro-batch and rank, as
+densebatch's own loop normalises, times the number of processes (DDP averages the gradients). ``n`` is the
+trainer's ``num_items_in_batch`` (transformers 5 counts ``shift_labels`` over the accumulated batches and,
+with ``average_tokens_across_devices``, sums over ranks); where the trainer leaves it out (a model without
+loss keywords) or counts one rank only, ``get_batch_samples`` is wrapped to count it the same way.
+Evaluation, prediction (``return_outputs``) and a batch without labels keep the trainer's own loss.
+
+Refused, in one logged line, with the trainer's loss kept, where the fused head could not be exact or
+would bypass something: ``loss="hf"``; a trainer class whose ``compute_loss`` is its own; a
+``compute_loss_func``; TRL's non-``nll`` losses or MoE auxiliary loss; an architecture whose logits are not
+known to be the head over the last hidden state (``SUPPORTED``); a head that is not a plain ``nn.Linear`` (LoRA or trainable tokens on it); DataParallel, tensor / sequence / context
+parallelism, FSDP and DeepSpeed (whose sharded head weights this path would read directly).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from densebatch.batch import IGNORE_INDEX
+from densebatch.model.hf.adapter import HIDDEN_PATH_TYPES
+from densebatch.model.loss_head import chunk_tokens_for, head_token_losses
+
+LOSSES = ("densebatch", "hf")
+# The architectures of densebatch's own hidden-state path (model/hf.py, checked against each model's own
+# logits by tests/model/test_hf_architectures.py), two whose logits are the head's times a constant and two
+# that soft-cap them (final_logit_softcapping), which the fused head computes as they do.
+SUPPORTED = frozenset(HIDDEN_PATH_TYPES | {"cohere", "granite", "gemma2", "gemma3_text"})
+# Trainer classes whose compute_loss this module replaces (a subclass with its own keeps it).
+_OWN_LOSS = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "SFTTrainer")}
+
+logger = logging.getLogger("densebatch.hf_trainer")
+
+
+def install_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = None) -> str:
+    """Give ``trainer`` densebatch's loss path (``loss="densebatch"``) or leave its own (``"hf"``); returns
+    the line the trainer logs once at its first training step, also kept as ``trainer.densebatch_loss``:
+    ``densebatch fused head, chunk N`` or why the trainer's own loss is kept."""
+    if loss not in LOSSES:
+        raise ValueError(f"dense_batches: loss: expected one of {', '.join(LOSSES)}; got {loss!r}")
+    _uninstall(trainer)
+    lm = _causal_lm(trainer.model)
+    why = "loss='hf'" if loss == "hf" else refusal(trainer, lm)
+    if why is None:
+        head = lm.get_output_embeddings()
+        chunk = chunk_tokens or chunk_tokens_for(head.weight.shape[0], device=trainer.args.device)
+        text = lm.config.get_text_config()
+        _wrap_forward(lm, chunk, _logit_scale(text), getattr(text, "final_logit_softcapping", None))
+        line = f"densebatch fused head, chunk {chunk}"
+        own = trainer.compute_loss
+        trainer.compute_loss = types.MethodType(_fused_compute_loss(own, line), trainer)
+        counted = trainer.get_batch_samples
+        trainer.get_batch_samples = types.MethodType(_counting_batch_samples(counted), trainer)
+        trainer._densebatch_undo = (own, counted, trainer.loss_is_scaled_for_ga, lm)
+        trainer.loss_is_scaled_for_ga = True  # normalised by the step's loss tokens: no division by accumulation
+    else:
+        line = f"Hugging Face loss ({why})"
+        own = trainer.compute_loss
+        trainer.compute_loss = types.MethodType(_logging_compute_loss(own, line), trainer)
+        trainer._densebatch_undo = (own, None, trainer.loss_is_scaled_for_ga, None)
+    trainer.densebatch_loss = line
+    return line
+
+
+def refusal(trainer, lm: nn.Module) -> str | None:
+    """Why the fused head cannot stand in for ``trainer``'s loss on ``lm`` exactly (one line), or None."""
+    cls = next(c for c in type(trainer).__mro__ if "compute_loss" in vars(c))
+    if (cls.__module__, cls.__name__) not in _OWN_LOSS:
+        return f"{cls.__name__} overrides compute_loss: its loss is kept"
+    args = trainer.args
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        return "the trainer has a compute_loss_func"
+    if getattr(args, "loss_type", "nll") not in ("nll", None):
+        return f"TRL loss_type {args.loss_type!r} is not plain cross-entropy"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "the model's MoE auxiliary loss is TRL's to add"
+    if args.n_gpu > 1:
+        return "DataParallel over several GPUs in one process (use torchrun / accelerate launch)"
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    if trainer.get_tp_size() > 1 or any(getattr(pc, k, False) for k in ("sp_enabled", "cp_enabled")):
+        return "tensor, sequence or context parallelism"
+    if getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_deepspeed_enabled", False):
+        return "FSDP / DeepSpeed shard the head's weight, which this head reads directly"
+    cfg = getattr(lm, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    kind = getattr(cfg, "model_type", None)  # the model's own (a vision-language model's is not its text model's)
+    if kind not in SUPPORTED or getattr(text, "is_encoder_decoder", False):
+        return f"model_type {kind!r}: its logits are not known to be the head over the last hidden state"
+    head = lm.get_output_embeddings() if hasattr(lm, "get_output_embeddings") else None
+    if type(head) is not nn.Linear:
+        return f"the output head is a {type(head).__name__}, not a plain Linear (adapters on it?)"
+    if getattr(lm, "base_model", lm) is lm:
+        return "the model has no separate backbone (base_model)"
+    return None
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside ``model`` (PEFT's ``PeftModel`` wraps it; adapters are in its layers)."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
+def _logit_scale(text_config) -> float:
+    """The constant the architecture multiplies its logits by: Cohere's ``logit_scale``, Granite's
+    ``1 / logits_scaling``; 1.0 elsewhere."""
+    kind = getattr(text_config, "model_type", None)
+    if kind == "cohere":
+        return float(getattr(text_config, "logit_scale", 1.0) or 1.0)
+    if kind == "granite":
+        return 1.0 / float(getattr(text_config, "logits_scaling", 1.0) or 1.0)
+    return 1.0
+
+
+def _wrap_forward(lm: nn.Module, chunk: int, scale: float, cap: float | None) -> None:
+    """``lm.forward(..., densebatch_targets=(rows, T))`` returns the per-token losses (rows, T) float32, 0
+    where the target is -100, from the backbone's last hidden states through the fused head; without the
+    keyword it is the forward ``lm`` had."""
+    previous = lm.forward
+
+    # The model's own signature (``__wrapped__``): Trainer drops dataset columns the forward does not name,
+    # and generate checks its keywords against it.
+    @functools.wraps(previous)
+    def forward(*args, densebatch_targets=None, densebatch_smoothing: float = 0.0, **kwargs):
+        if densebatch_targets is None:
+            return previous(*args, **kwargs)
+        for k in ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head", "return_dict"):
+            kwargs.pop(k, None)
+        kwargs["use_cache"] = False
+        h = lm.base_model(*args, **kwargs).last_hidden_state  # (rows, T, C): no logits
+        head, targets = lm.get_output_embeddings(), densebatch_targets.to(h.device)
+        return head_token_losses(
+            h, targets, head.weight, head.bias, chunk_tokens=chunk, label_smoothing=densebatch_smoothing, logit_scale=scale,
+            softcap=cap,
+        )  # fmt: skip
+
+    lm.forward = forward
+    lm._densebatch_previous_forward = previous
+
+
+def _targets(inputs: dict) -> torch.Tensor | None:
+    """The batch's next-token targets (rows, T): ``shift_labels``, else ``labels`` shifted left (-100 last)."""
+    if inputs.get("shift_labels") is not None:
+        return inputs["shift_labels"]
+    labels = inputs.get("labels")
+    return None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+
+
+def _fused_compute_loss(own, line: str):
+    """The trainer's ``compute_loss`` during training: the fused head's token losses over the step's loss
+    tokens; evaluation and prediction go to ``own`` (the trainer's)."""
+    logged = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        targets = _targets(inputs)
+        if return_outputs or not model.training or targets is None:
+            return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        _log_once(self, line, logged)
+        given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        eps = float(self.args.label_smoothing_factor or 0.0)
+        losses = model(**given, densebatch_targets=targets, densebatch_smoothing=eps)  # (rows, T)
+        n = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
+        loss = losses.sum() / torch.as_tensor(n, device=losses.device).clamp(min=1)
+        if num_items_in_batch is not None and self.args.world_size > 1:
+            loss = loss * self.accelerator.num_processes  # n counts every rank's tokens; DDP averages gradients
+        return loss
+
+    return compute_loss
+
+
+def _logging_compute_loss(own, line: str):
+    logged = []
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if model.training:
+            _log_once(self, line, logged)
+        return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+
+    return compute_loss
+
+
+def _log_once(trainer, line: str, logged: list) -> None:
+    if not logged:
+        logged.append(True)
+        if trainer.is_world_process_zero():
+            logger.warning("densebatch: loss path: %s", line)
+
+
+def _counting_batch_samples(own):
+    """``get_batch_samples`` whose count is always the step's loss tokens over every rank (the trainer's own
+    when it already is; counted from ``shift_labels`` where it left it out or counted one rank)."""
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        samples, n = own(epoch_iterator, num_batches, device)
+        world = self.args.world_size
+        if n is None or (world > 1 and not self.args.average_tokens_across_devices):
+            found = [t for b in samples if (t := _targets(b)) is not None]
+            if found:
+                n = sum((t != IGNORE_INDEX).sum() for t in found).to(device)
+                if world > 1:
+                    n = self.accelerator.gather(n).sum()
+        return samples, n
+
+    return get_batch_samples
+
+
+def _uninstall(trainer) -> None:
+    """Undo an earlier ``install_loss`` on ``trainer`` (``dense_batches`` called again)."""
+    undo = getattr(trainer, "_densebatch_undo", None)
+    if undo is None:
+        return
+    own, counted, scaled, lm = undo
+    trainer.compute_loss = own
+    if counted is not None:
+        trainer.get_batch_samples = counted
+    trainer.loss_is_scaled_for_ga = scaled
+    if lm is not None:
+        lm.forward = lm._densebatch_previous_forward
+    del trainer._densebatch_undo
