@@ -205,6 +205,9 @@ def _report(data: str, runs: dict[str, list[dict]], a) -> str:
             f"| {ratio(rss, m, 'densebatch_train')} | {ratio(total, m, 'densebatch')} | {ratio(rss, m, 'densebatch')} "
             f"| {rs[0].get('loss_path', '-')} |"
         )
+    lines += ["", f"{a.steps}-step totals per run, in run order (s): " + "; ".join(
+        f"{m} " + ", ".join(f"{sum(r['times']):.1f}" for r in rs) for m, rs in ok.items()
+    )]  # fmt: skip
     if "densebatch_train" in ok:
         walls = ", ".join(f"{r['wall_s']:.1f}" for r in ok["densebatch_train"])
         lines += ["", f"densebatch train wall time per run, start-up, end evaluation and checkpoint included (s): {walls}"]
