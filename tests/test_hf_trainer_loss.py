@@ -276,3 +276,63 @@ def test_the_fused_head_scales_and_soft_caps_logits_as_the_architectures_do(scal
     torch.testing.assert_close(ours, ref.reshape(2, 50), atol=1e-5, rtol=1e-5)
     for a, e in zip(got, want):
         torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def mixture():
+    """Two sources of very different lengths, interleaved: short answers and long threads."""
+    rng = np.random.default_rng(7)
+    lengths = [(int(rng.integers(4, 24)), "short") if i % 2 else (int(rng.integers(80, 250)), "long") for i in range(40)]
+    ids = [rng.integers(3, VOCAB, n).tolist() for n, _ in lengths]
+    labels = [[-100] * (n // 3) + t[n // 3 :] for (n, _), t in zip(lengths, ids)]  # a prompt without loss
+    return datasets.Dataset.from_dict({"input_ids": ids, "labels": labels, "source": [s for _, s in lengths]})
+
+
+def test_sources_weigh_the_loss_as_densebatch_loop_does(base, mixture, tmp_path):
+    """dense_batches(source_column=...): the factors are batch_balance's over a store of the same documents laid
+    out source after source (what densebatch train computes for train.source_balance: batches), and the first
+    step's loss and gradients (two packed micro-batches) equal densebatch's own weighted loss on the same batches
+    (weighted_losses over the step's summed weights, train/per_source.py) within 1e-6 in fp32."""
+    from densebatch.data.plan.source_balance import batch_balance
+    from densebatch.data.store.store import DocumentStore
+    from densebatch.data.torch_loader import Documents
+    from densebatch.hf_trainer import source_factors
+    from densebatch.model.hf.adapter import HFCausalLM
+    from densebatch.train.per_source import SourceWeights, step_loss_tokens, weighted_losses
+
+    docs = Documents(mixture, source_column="source")
+    factors = source_factors(docs, "packed", 5)
+    assert docs.source_names == ["long", "short"] and factors[1] > 1.2 * factors[0]  # short answers weigh more
+    order = np.argsort(docs.sources, kind="stable")
+    spans = [(mixture[int(i)]["input_ids"], (np.asarray(mixture[int(i)]["labels"]) != -100).astype(np.uint8)) for i in order]
+    store = DocumentStore.from_documents(spans, {"sources": docs.source_names}, docs.sources[order])
+    assert factors == batch_balance(store, None, 5, 8).tolist()
+
+    attn = densebatch.register_attention()
+    fused = _sgd_trainer(transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation=attn), tmp_path, mixture, 2)
+    densebatch.dense_batches(fused, **PACKED, source_column="source")
+    assert "sources weighted" in fused.densebatch_loss
+    loss, grads = _step_gradients(fused)
+
+    model = HFCausalLM(base, loss_head="fused").train()
+    weights = SourceWeights(factors, getattr(model, "weighs_losses", False))
+    batches = [
+        b for _, b in zip(range(2), densebatch.dataloader(mixture, **PACKED, seed=5, format="batch", source_column="source"))
+    ]
+    assert all(b.source_ids is not None for b in batches)
+    _, weight = step_loss_tokens(batches, weights)
+    total = sum(weighted_losses(model.token_losses, b, weights)[0] for b in batches) / weight
+    total.backward()
+    ours = {"model." + k if not k.startswith(("model.", "lm_head.")) else k: v for k, v in model.hf.named_parameters()}
+    assert abs(float(total.detach()) - loss) <= 1e-6
+    _close(grads, {k: p.grad for k, p in ours.items()}, 1e-6)
+    plain = sum(model.token_losses(b).sum() for b in batches) / sum(b.num_loss_tokens for b in batches)
+    assert abs(float(plain) - loss) > 1e-4  # the weights moved the loss far past the tolerance (random weights: CE near ln V)
+
+
+def test_sources_need_densebatch_loss_path(mixture, tmp_path):
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=VOCAB, max_position_embeddings=256))
+    with pytest.raises(ValueError, match="source_column weighs sources in densebatch's loss path"):
+        densebatch.dense_batches(_sgd_trainer(model, tmp_path, mixture), **PACKED, loss="hf", source_column="source")
+    with pytest.raises(ValueError, match="no 'origin' column"):
+        densebatch.dense_batches(_sgd_trainer(model, tmp_path, mixture), **PACKED, source_column="origin")

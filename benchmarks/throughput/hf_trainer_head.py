@@ -6,8 +6,13 @@ One model (a 2-layer Llama shape with GPT-2's vocabulary of 50,257, random weigh
 one tokenized data set (the documents of ../shared/data, loss on every token), the same tokens per step.
 Each method runs ``--steps`` optimizer steps (after one warm-up step) in a subprocess of its own, one thread,
 so that its peak resident memory (``ru_maxrss``) is its own; the runs are interleaved (A B C .. A B C ..) and
-each method's median step time over its runs is reported with its ratio to densebatch's loop.
+each method's median step time and its median total over the timed steps are reported with their ratios to
+``densebatch train`` (the command) and to densebatch's loop run in-process.
 
+- ``densebatch_train``: the ``densebatch train`` command itself (``model.kind: hf`` on the saved model, the ids as a
+  JSONL file, packed rows, fp32, the same optimizer settings), a process of its own; its step times from its
+  metrics.jsonl (``step_s``: the batch fetched, forward, backward, clip, AdamW, the record written), its peak from
+  ``ru_maxrss`` of that process (start-up, preparing the ids and the end evaluation included);
 - ``densebatch``: densebatch's own step in-process: ``HFCausalLM.token_losses`` (fused head) on
   ``densebatch.dataloader(format="batch")`` packed batches, summed over the step's loss tokens, AdamW;
 - ``trainer``: ``transformers.Trainer`` + ``densebatch.dense_batches`` (densebatch's loss path);
@@ -33,7 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-METHODS = ("densebatch", "trainer", "trainer_hf", "sft", "trl_packing", "trl_padded")
+METHODS = ("densebatch_train", "densebatch", "trainer", "trainer_hf", "sft", "trl_packing", "trl_padded")
 
 
 def _setup(work: Path, data: str, shared: Path, docs: int) -> None:
@@ -47,6 +52,7 @@ def _setup(work: Path, data: str, shared: Path, docs: int) -> None:
     tok = transformers.PreTrainedTokenizerFast(tokenizer_object=gpt2_tokenizer(shared / "gpt2"), eos_token=eot, pad_token=eot)
     ids = [(t + [tok.eos_token_id])[:1024] for t in tok(texts(data, shared)[:docs])["input_ids"]]
     (work / "ids.json").write_text(json.dumps(ids))
+    (work / "ids.jsonl").write_text("".join(json.dumps({"input_ids": t}) + "\n" for t in ids))
     tok.save_pretrained(work / "tok")
     config = transformers.LlamaConfig(
         vocab_size=50257, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
@@ -59,8 +65,42 @@ def _setup(work: Path, data: str, shared: Path, docs: int) -> None:
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(work / "model")
 
 
+def _cli(work: Path, steps: int, tokens: int, seq_len: int) -> dict:
+    """``densebatch train`` (the real command, a process of its own) for 1 + ``steps`` steps on the saved model and ids.
+
+    Its step times are the ``step_s`` of its metrics.jsonl train records (a step: fetching its batch from the
+    loader, forward and backward with the fused head, clipping, AdamW, writing its record); its peak resident
+    memory is its ``ru_maxrss`` (RUSAGE_CHILDREN: this wrapper process starts no other child); its wall time
+    includes start-up (imports, preparing the ids into densebatch's store, planning), the end evaluation
+    (one batch) and the final checkpoint.
+    """
+    out = Path(tempfile.mkdtemp(dir=work, prefix="cli-"))
+    args = [
+        "train", f"--output_dir={out / 'run'}", f"--data.cache_dir={out / 'cache'}", f"--data.path={work / 'ids.jsonl'}",
+        f"--data.tokenizer={work / 'tok'}", "--data.loss_on=all", f"--data.eval_path={work / 'ids.jsonl'}",
+        f"--data.max_seq_len={seq_len}", "--model.kind=hf", f"--model.path={work / 'model'}", "--batching.strategy=packed",
+        f"--batching.seq_len={seq_len}", f"--batching.max_tokens_per_batch={tokens}", f"--train.max_steps={steps + 1}",
+        "--train.lr=1e-4", "--train.schedule=constant", "--train.warmup_steps=0", "--train.optimizer.weight_decay=0",
+        "--train.optimizer.beta2=0.999", "--train.grad_clip=1.0", "--train.precision=fp32", "--train.device=cpu",
+        "--train.progress=false", "--train.plots=false", "--train.guard.spike_zscore=0", "--eval.max_batches=1",
+        "--eval.accuracy_samples=0", "--seed=5",
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "densebatch", *args], capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        raise SystemExit(f"densebatch train failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    recs = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_s"] for r in recs if r.get("kind") == "train"]
+    if len(times) != steps + 1:
+        raise SystemExit(f"densebatch train logged {len(times)} steps, expected {steps + 1}")
+    return {"times": times[1:], "maxrss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, "wall_s": wall}
+
+
 def _child(method: str, work: Path, steps: int, tokens: int, seq_len: int) -> dict:
     """Run ``method`` for 1 + ``steps`` optimizer steps; its step times and its peak resident memory."""
+    if method == "densebatch_train":
+        return _cli(work, steps, tokens, seq_len)
     import torch
 
     torch.set_num_threads(1)
@@ -139,23 +179,38 @@ def _run(method: str, work: Path, a) -> dict:
 
 
 def _report(data: str, runs: dict[str, list[dict]], a) -> str:
-    """A markdown table: median step time, 8-step total, peak RSS and their ratios to densebatch's loop."""
-    med = {m: statistics.median(t for r in rs for t in r["times"]) for m, rs in runs.items() if all("times" in r for r in rs)}
-    rss = {m: statistics.median(r["maxrss_kb"] for r in rs) / 1024 for m, rs in runs.items() if m in med}
-    base_t, base_m = med.get("densebatch"), rss.get("densebatch")
+    """A markdown table: median step time, the median run's total over its ``steps`` timed steps, peak RSS, and
+    their ratios to ``densebatch train`` (the command) and to densebatch's loop run in-process."""
+    ok = {m: rs for m, rs in runs.items() if rs and all("times" in r for r in rs)}
+    med = {m: statistics.median(t for r in rs for t in r["times"]) for m, rs in ok.items()}
+    total = {m: statistics.median(sum(r["times"]) for r in rs) for m, rs in ok.items()}
+    rss = {m: statistics.median(r["maxrss_kb"] for r in rs) / 1024 for m, rs in ok.items()}
+
+    def ratio(x: dict, m: str, base: str) -> str:
+        return f"{x[m] / x[base]:.2f}" if base in x else "-"
+
     lines = [
-        f"{data}: {a.tokens} token slots a step (packed rows of {a.seq_len}), {a.steps} steps, {a.repeats} interleaved runs each",
+        f"{data}: {a.tokens} token slots a step (packed rows of {a.seq_len}), {a.steps} timed steps, {a.repeats} interleaved runs each",
         "",
-        "| method | median step (s) | x densebatch | peak RSS (MiB) | x densebatch | loss path |",
-        "|---|---|---|---|---|---|",
+        f"| method | median step (s) | {a.steps} steps (s) | x densebatch train | peak RSS (MiB) | x densebatch train "
+        "| x loop: time | x loop: RSS | loss path |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for m, rs in runs.items():
-        if m not in med:
-            lines.append(f"| {m} | failed: {rs[0].get('error')} | | | | |")
+        if m not in ok:
+            lines.append(f"| {m} | failed: {next((r['error'] for r in rs if 'error' in r), '?')} | | | | | | | |")
             continue
-        rt = f"{med[m] / base_t:.2f}" if base_t else "-"
-        rm = f"{rss[m] / base_m:.2f}" if base_m else "-"
-        lines.append(f"| {m} | {med[m]:.3f} | {rt} | {rss[m]:.0f} | {rm} | {rs[0].get('loss_path', '-')} |")
+        lines.append(
+            f"| {m} | {med[m]:.3f} | {total[m]:.2f} | {ratio(total, m, 'densebatch_train')} | {rss[m]:.0f} "
+            f"| {ratio(rss, m, 'densebatch_train')} | {ratio(total, m, 'densebatch')} | {ratio(rss, m, 'densebatch')} "
+            f"| {rs[0].get('loss_path', '-')} |"
+        )
+    lines += ["", f"{a.steps}-step totals per run, in run order (s): " + "; ".join(
+        f"{m} " + ", ".join(f"{sum(r['times']):.1f}" for r in rs) for m, rs in ok.items()
+    )]  # fmt: skip
+    if "densebatch_train" in ok:
+        walls = ", ".join(f"{r['wall_s']:.1f}" for r in ok["densebatch_train"])
+        lines += ["", f"densebatch train wall time per run, start-up, end evaluation and checkpoint included (s): {walls}"]
     return "\n".join(lines)
 
 

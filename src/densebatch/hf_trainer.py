@@ -18,16 +18,21 @@ them and let packed documents attend to each other). A resumed run (``resume_fro
 skips the batches already trained, and so continues with the same batches. The trainer's loss becomes
 densebatch's (``loss="densebatch"``, the default): per-token losses through the fused chunked head, over
 the step's loss tokens, never the full logits (``hf_trainer_loss.py``); ``loss="hf"`` keeps the trainer's.
+``source_column="source"`` (a column naming each record's source) weighs each source's loss tokens as
+``densebatch train`` does with ``train.source_balance: batches`` (``source_factors``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from densebatch.data.plan.planner import PlanSettings
-from densebatch.data.plan.rules import longest_row
+from densebatch.data.plan.rules import longest_row, sized_by_budget
+from densebatch.data.plan.source_balance import batch_balance
 from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
-from densebatch.data.torch_loader import dataloader
+from densebatch.data.torch_loader import Documents, dataloader
 from densebatch.hf_trainer_loss import LOSSES, install_loss
 from densebatch.model.hf.attention import register
 from densebatch.model.hf.checks import check_transformers
@@ -51,6 +56,7 @@ def dense_batches(
     seq_len: int | None = None,
     loss: str = "densebatch",
     loss_chunk_tokens: int | None = None,
+    source_column: str | None = None,
     **settings: Any,
 ):
     """Make ``trainer`` (a ``transformers.Trainer`` or a subclass such as ``trl.SFTTrainer``) train on
@@ -59,10 +65,14 @@ def dense_batches(
     defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
     (packed rows as long as the budget: one row a batch). ``loss="densebatch"`` (the default) also gives the
     trainer densebatch's loss path, the fused chunked head (``hf_trainer_loss.py``); ``"hf"`` keeps its own;
-    ``loss_chunk_tokens``: positions the head projects at a time (default: 128 MiB of float32 logits, 1 GiB on CUDA)."""
+    ``loss_chunk_tokens``: positions the head projects at a time (default: 128 MiB of float32 logits, 1 GiB on CUDA).
+    ``source_column``: the ``train_dataset`` column naming each record's source: on packed and token_budget
+    plans each source's loss tokens weigh ``source_factors`` in the loss (densebatch's loss path only)."""
     check_transformers()
     if loss not in LOSSES:
         raise ValueError(f"dense_batches: loss: expected one of {', '.join(LOSSES)}; got {loss!r}")
+    if source_column is not None and loss != "densebatch":
+        raise ValueError("dense_batches: source_column weighs sources in densebatch's loss path: drop loss='hf'")
     PlanSettings(strategy=strategy, max_tokens_per_batch=max_tokens_per_batch, seq_len=seq_len or max_tokens_per_batch)
     args = trainer.args
     if getattr(args, "train_sampling_strategy", None) == "group_by_length" or getattr(args, "group_by_length", False) is True:
@@ -91,14 +101,51 @@ def dense_batches(
             world_size=args.world_size,
             num_workers=args.dataloader_num_workers,
             pin_memory=args.dataloader_pin_memory,
+            source_column=source_column,
             **settings,
         )
         check_positions(loader.batch_sampler, trainer.model)
         return loader
 
+    weights = None
+    if source_column is not None:
+        if trainer.train_dataset is None:
+            raise ValueError("dense_batches: source_column needs the trainer's train_dataset")
+        docs = Documents(trainer.train_dataset, source_column=source_column)
+        weights = source_factors(docs, strategy, settings["seed"], settings.get("rows_per_batch", 8))
     trainer.get_train_dataloader = get_train_dataloader
-    install_loss(trainer, loss, loss_chunk_tokens)
+    line = install_loss(trainer, loss, loss_chunk_tokens, source_weights=weights)
+    if source_column is not None and not line.startswith("densebatch"):
+        raise ValueError(f"dense_batches: source_column needs densebatch's loss path, which this trainer cannot use: {line}")
     return trainer
+
+
+class _SourceView:
+    """What ``batch_balance`` reads of a store, over ``Documents`` laid out source after source (as a
+    prepared mixture's store holds them, each source's documents in dataset order)."""
+
+    def __init__(self, docs: Documents) -> None:
+        order = np.argsort(docs.sources, kind="stable")
+        self.source_names = docs.source_names
+        self.doc_loss_tokens = docs.doc_loss_tokens()[order]
+        self._sources = docs.sources[order]
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+    def sources_of(self, docs) -> np.ndarray:
+        return self._sources[np.asarray(docs, np.int64)]
+
+
+def source_factors(docs: Documents, strategy: str, seed: int, rows_per_batch: int = 8) -> list[float] | None:
+    """Each source's weight of its loss tokens (``train.source_balance: batches``, ``run/build.py``'s
+    ``source_weights``): ``data/plan/source_balance.py``'s factors for plans sized by a token budget (packed,
+    token_budget), None for one source or for random / length_grouped batches (which weigh sources as random
+    batches do). The same documents, source by source, seed and rows give the factors ``densebatch train`` uses."""
+    if not sized_by_budget(strategy) or len(docs.source_names) < 2:
+        return None
+    factors = batch_balance(_SourceView(docs), None, seed, rows_per_batch)
+    return None if factors is None else [float(f) for f in factors]
 
 
 def check_positions(sampler, model) -> None:

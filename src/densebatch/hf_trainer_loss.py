@@ -17,6 +17,9 @@ trainer's ``num_items_in_batch`` (transformers 5 counts ``shift_labels`` over th
 with ``average_tokens_across_devices``, sums over ranks); where the trainer leaves it out (a model without
 loss keywords) or counts one rank only, ``get_batch_samples`` is wrapped to count it the same way.
 Evaluation, prediction (``return_outputs``) and a batch without labels keep the trainer's own loss.
+With source weights (``dense_batches(source_column=...)``: the batches carry each token's source) the loss
+is ``sum(w[source] x CE) / sum(w[source])`` over the step's loss tokens, micro-batches and ranks, as
+densebatch's loop weighs them (``train/per_source.py``); the logged loss is that weighted mean.
 
 Refused, in one logged line, with the trainer's loss kept, where the fused head could not be exact or
 would bypass something: ``loss="hf"``; a trainer class whose ``compute_loss`` is its own; a
@@ -36,6 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from densebatch.batch import IGNORE_INDEX
+from densebatch.data.torch_loader import SOURCE_KEY
 from densebatch.model.hf.adapter import HIDDEN_PATH_TYPES
 from densebatch.model.loss_head import chunk_tokens_for, head_token_losses
 
@@ -50,10 +54,11 @@ _OWN_LOSS = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "S
 logger = logging.getLogger("densebatch.hf_trainer")
 
 
-def install_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = None) -> str:
+def install_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = None, source_weights=None) -> str:
     """Give ``trainer`` densebatch's loss path (``loss="densebatch"``) or leave its own (``"hf"``); returns
     the line the trainer logs once at its first training step, also kept as ``trainer.densebatch_loss``:
-    ``densebatch fused head, chunk N`` or why the trainer's own loss is kept."""
+    ``densebatch fused head, chunk N`` or why the trainer's own loss is kept. ``source_weights``: one weight
+    per source, for batches that carry their tokens' sources (the fused path only)."""
     if loss not in LOSSES:
         raise ValueError(f"dense_batches: loss: expected one of {', '.join(LOSSES)}; got {loss!r}")
     _uninstall(trainer)
@@ -65,6 +70,9 @@ def install_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = N
         text = lm.config.get_text_config()
         _wrap_forward(lm, chunk, _logit_scale(text), getattr(text, "final_logit_softcapping", None))
         line = f"densebatch fused head, chunk {chunk}"
+        if source_weights is not None:
+            line += ", sources weighted " + ", ".join(f"{w:.2f}" for w in source_weights)
+            trainer._densebatch_source_weights = torch.tensor(source_weights, dtype=torch.float64)
         own = trainer.compute_loss
         trainer.compute_loss = types.MethodType(_fused_compute_loss(own, line), trainer)
         counted = trainer.get_batch_samples
@@ -168,6 +176,7 @@ def _fused_compute_loss(own, line: str):
     logged = []
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        sources = inputs.pop(SOURCE_KEY, None)
         targets = _targets(inputs)
         if return_outputs or not model.training or targets is None:
             return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
@@ -175,6 +184,12 @@ def _fused_compute_loss(own, line: str):
         given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
         eps = float(self.args.label_smoothing_factor or 0.0)
         losses = model(**given, densebatch_targets=targets, densebatch_smoothing=eps)  # (rows, T)
+        per = _token_weights(self, sources, losses.device)
+        if per is not None:  # sum(w x CE) / sum(w) over the step's loss tokens on every rank (get_batch_samples)
+            n = getattr(self, "_densebatch_weight_n", None)
+            n = (per * (targets.to(per.device) != IGNORE_INDEX)).sum() if n is None else n
+            loss = (losses * per).sum() / torch.as_tensor(n, device=losses.device).clamp(min=1e-12)
+            return loss * self.accelerator.num_processes if self.args.world_size > 1 else loss
         n = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
         loss = losses.sum() / torch.as_tensor(n, device=losses.device).clamp(min=1)
         if num_items_in_batch is not None and self.args.world_size > 1:
@@ -182,6 +197,14 @@ def _fused_compute_loss(own, line: str):
         return loss
 
     return compute_loss
+
+
+def _token_weights(trainer, sources, device) -> torch.Tensor | None:
+    """(rows, T) float32: each token's source weight (padding's is the first source's; its CE is 0), or None."""
+    weights = getattr(trainer, "_densebatch_source_weights", None)
+    if weights is None or sources is None:
+        return None
+    return weights.to(device, torch.float32)[sources.to(device).clamp(min=0)]
 
 
 def _logging_compute_loss(own, line: str):
@@ -209,6 +232,10 @@ def _counting_batch_samples(own):
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         samples, n = own(epoch_iterator, num_batches, device)
         world = self.args.world_size
+        weighted = [(w, b) for b in samples if (w := _token_weights(self, b.get(SOURCE_KEY), device)) is not None]
+        if weighted:  # the step's summed source weight over its loss tokens, every micro-batch and rank (float64)
+            total = sum((w.double() * (_targets(b).to(device) != IGNORE_INDEX)).sum() for w, b in weighted)
+            self._densebatch_weight_n = self.accelerator.gather(total.reshape(1)).sum() if world > 1 else total
         if n is None or (world > 1 and not self.args.average_tokens_across_devices):
             found = [t for b in samples if (t := _targets(b)) is not None]
             if found:
@@ -230,6 +257,8 @@ def _uninstall(trainer) -> None:
     if counted is not None:
         trainer.get_batch_samples = counted
     trainer.loss_is_scaled_for_ga = scaled
+    trainer.__dict__.pop("_densebatch_source_weights", None)
+    trainer.__dict__.pop("_densebatch_weight_n", None)
     if lm is not None:
         lm.forward = lm._densebatch_previous_forward
     del trainer._densebatch_undo

@@ -45,6 +45,8 @@ from densebatch.data.plan.strategies import DEFAULT_STRATEGY
 from densebatch.data.store.store import DocumentStore
 from densebatch.data.torch_sampler import DenseBatchSampler, Piece
 
+SOURCE_KEY = "densebatch_source_ids"  # to_hf's key of the tokens' sources (the trainer's loss reads and drops it)
+
 
 def _column_lengths(dataset, key: str) -> np.ndarray | None:
     """The lengths of a Hugging Face dataset's list column from its Arrow table, without reading the ids."""
@@ -93,11 +95,18 @@ class Documents:
     Each item of ``dataset`` is a list of ids, or a dict with ``input_ids`` and optionally ``labels``
     (Hugging Face style, unshifted: -100 where a token is no target) or ``loss_mask`` (1 where a token,
     as a target, carries loss); without either, every token after the first is a target. ``lengths``
-    are read once (from the Arrow table for a Hugging Face dataset, else item by item)."""
+    are read once (from the Arrow table for a Hugging Face dataset, else item by item). ``source_column``: a
+    column naming each document's source (a mixture): ``source_names`` in order of first appearance,
+    ``sources`` each document's index into them, and every item and batch carries its tokens' sources."""
 
-    def __init__(self, dataset, lengths: Sequence[int] | None = None) -> None:
+    def __init__(self, dataset, lengths: Sequence[int] | None = None, source_column: str | None = None) -> None:
         _check_dataset(dataset)
         self.dataset = dataset
+        self.source_column = source_column
+        self.source_names: list[str] = []
+        self.sources: np.ndarray | None = None
+        if source_column is not None:
+            self.source_names, self.sources = _read_sources(dataset, source_column)
         if lengths is None:
             lengths = _column_lengths(dataset, "input_ids")
         if lengths is None:
@@ -130,7 +139,34 @@ class Documents:
         if len(mask) != n:
             raise ValueError(f"document {piece.doc}: {n} input_ids but {len(mask)} labels or loss_mask entries")
         end = min(piece.stop + 1, n)
-        return {"piece": piece, "input_ids": ids[piece.start : end], "loss_mask": mask[piece.start : end], "length": n}
+        out = {"piece": piece, "input_ids": ids[piece.start : end], "loss_mask": mask[piece.start : end], "length": n}
+        if self.sources is not None:
+            out["source"] = int(self.sources[piece.doc])
+        return out
+
+    def doc_loss_tokens(self) -> np.ndarray:
+        """(n,) int64: each document's targets (tokens after its first whose loss mask is 1), read item by item
+        unless the dataset has neither ``labels`` nor ``loss_mask`` (then every token after the first)."""
+        columns = getattr(self.dataset, "column_names", None)
+        if isinstance(columns, list) and not {"labels", "loss_mask"} & set(columns):
+            return np.maximum(self.lengths - 1, 0)
+        return np.array([int(self[i]["loss_mask"][1:].sum()) for i in range(len(self))], np.int64)
+
+
+def _read_sources(dataset, column: str) -> tuple[list[str], np.ndarray]:
+    """(source names in order of first appearance, each document's index into them) from ``column``."""
+    columns = getattr(dataset, "column_names", None)
+    if isinstance(columns, list):
+        if column not in columns:
+            raise ValueError(f"source_column: no {column!r} column (columns: {', '.join(columns)})")
+        values = list(dataset[column])
+    else:
+        values = [item[column] if isinstance(item, Mapping) else None for item in dataset]
+    if any(v is None for v in values):
+        raise ValueError(f"source_column: document {next(i for i, v in enumerate(values) if v is None)} has no {column!r}")
+    names = list(dict.fromkeys(str(v) for v in values))
+    index = {n: i for i, n in enumerate(names)}
+    return names, np.array([index[str(v)] for v in values], np.int64)
 
 
 class Collator:
@@ -156,14 +192,18 @@ class Collator:
         if not items:  # a rank with no share of the last step: one padding token, no loss
             batch = Batch.null(self.pad_id)
             return batch if self.format == "batch" else to_hf(batch)
-        spans = [(it["input_ids"], it["loss_mask"]) for it in items]
-        store = DocumentStore.from_documents(spans)
+        # With sources, the store lists the pieces source after source (its source ids ascend); slot[i]: item i's place.
+        order = sorted(range(len(items)), key=lambda i: items[i].get("source", 0))
+        slot = {i: k for k, i in enumerate(order)}
+        spans = [(items[i]["input_ids"], items[i]["loss_mask"]) for i in order]
+        source = [items[i]["source"] for i in order] if "source" in items[0] else None
+        store = DocumentStore.from_documents(spans, source=source)
         rows: list[list[tuple[int, int, int]]] = []
         for i, it in enumerate(items):
             p = it["piece"]
             while len(rows) <= p.row:
                 rows.append([])
-            rows[p.row].append((i, 0, p.stop - p.start))
+            rows[p.row].append((slot[i], 0, p.stop - p.start))
         batch = self.collator(store, rows)
         batch = dataclasses.replace(batch, documents=tuple(sorted({int(it["piece"].doc) for it in items})))
         if self.vocab_size is not None and (top := int(batch.input_ids.max())) >= self.vocab_size:  # the model's embedding
@@ -180,6 +220,8 @@ def to_hf(batch: Batch) -> dict[str, torch.Tensor]:
     labels[:, 1:] = batch.labels[:, :-1]
     labels[batch.positions == 0] = IGNORE_INDEX  # a piece's first token is never its own row's target
     out = {"input_ids": batch.input_ids, "labels": labels, "shift_labels": batch.labels, "position_ids": batch.positions}
+    if batch.source_ids is not None:  # a loader given a source_column: each token's source (-1 at padding)
+        out[SOURCE_KEY] = batch.source_ids
     if batch.single_doc_rows:
         out["attention_mask"] = _real_mask(batch)
     else:
@@ -246,6 +288,7 @@ def dataloader(
     pad_to_multiple_of: int = 1,
     format: str = "hf",
     lengths: Sequence[int] | None = None,
+    source_column: str | None = None,
     **kwargs: Any,
 ) -> DenseDataLoader:
     """A ``DataLoader`` of dense batches over ``dataset`` (see ``Documents``), as dicts of tensors.
@@ -255,11 +298,12 @@ def dataloader(
     keywords; the rest of ``kwargs`` go to ``DataLoader`` (``num_workers``, ``pin_memory``, ...).
     ``rank`` / ``world_size`` default to ``torch.distributed``'s. ``pad_id`` only fills padding (its
     labels are -100 and it never attends to a document). ``vocab_size``: the model's; a batch holding an id
-    past it is refused, naming its documents."""
+    past it is refused, naming its documents. ``source_column``: a column naming each document's source;
+    batches then carry each token's source (``Batch.source_ids``; ``densebatch_source_ids`` in the hf format)."""
     plan_keys = {"long_docs", "bundle_tokens", "mega_batch_mult", "drop_last", "shard_docs"}
     batching = {k: kwargs.pop(k) for k in list(kwargs) if k in plan_keys}
     vocab_size = kwargs.pop("vocab_size", None)
-    docs = Documents(dataset, lengths)
+    docs = Documents(dataset, lengths, source_column)
     sampler = DenseBatchSampler(
         docs.lengths, strategy, seq_len, max_tokens_per_batch, rows_per_batch, seed, rank, world_size,
         pad_to_multiple_of=pad_to_multiple_of, **batching,
