@@ -129,7 +129,14 @@ def main(mode: str, root: Path, dist: Distributed) -> None:
             optim.step()
             optim.zero_grad()
             states = (model_state(model), optimizer_state(model, optim))
-            save_checkpoint(root / "checkpoints", step, *states, {"note": "shard driver"}, dist=dist)
+            save_checkpoint(
+                root / "checkpoints",
+                step=step,
+                model_state=states[0],
+                optimizer_state=states[1],
+                extra_state={"note": "shard driver"},
+                dist=dist,
+            )
         out = root / "expected.safetensors"
     else:
         path = latest_valid(root / "checkpoints", dist=dist)

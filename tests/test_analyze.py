@@ -18,14 +18,14 @@ S = PlanSettings(seq_len=1024, max_tokens_per_batch=4096, rows_per_batch=8)
 
 
 def test_table_has_one_row_per_strategy():
-    out = analyze_main(LENGTHS, S)
+    out = analyze_main(LENGTHS, settings=S)
     lines = out.splitlines()
     assert lines[0].split()[:2] == ["strategy", "fill"]
     assert [line.split()[0] for line in lines[1:5]] == list(STRATEGIES)
 
 
 def test_json_keyed_by_strategy():
-    res = json.loads(analyze_main(LENGTHS, S, json_out=True))
+    res = json.loads(analyze_main(LENGTHS, settings=S, json_out=True))
     assert set(res) == set(STRATEGIES)
     for r in res.values():
         assert {"fill_rate", "batches", "mean_real_tokens", "max_real_tokens", "max_slots", "plan_seconds"} <= set(r)
@@ -38,7 +38,7 @@ def test_dump_plan_places_every_document_once(tmp_path, strategy, capsys):
     """Exactly once: a document appears once per piece, and its pieces tile it (the plan behind the
     dump is checked piece by piece), so a duplicated or lost piece fails; no batch over its budget."""
     f = tmp_path / "plan.json"
-    out = analyze_main(LENGTHS, S, dump_plan=f, strategy=strategy)
+    out = analyze_main(LENGTHS, settings=S, dump_plan=f, strategy=strategy)
     assert f"wrote {f}: the {strategy} plan" in out  # says where it wrote
     batches = json.loads(f.read_text())
     plan = plan_epoch(LENGTHS, settings=dataclasses.replace(S, strategy=strategy), seed=0, epoch=0)
@@ -62,7 +62,7 @@ def test_dump_plan_places_every_document_once(tmp_path, strategy, capsys):
 
 def test_json_output_stays_json_and_names_written_files_on_stderr(tmp_path, capsys):
     f = tmp_path / "p.json"
-    out = analyze_main(LENGTHS, S, json_out=True, dump_plan=f, strategy="packed")
+    out = analyze_main(LENGTHS, settings=S, json_out=True, dump_plan=f, strategy="packed")
     assert set(json.loads(out)) == set(STRATEGIES)
     assert f"wrote {f}: the packed plan" in capsys.readouterr().err
 
@@ -70,11 +70,11 @@ def test_json_output_stays_json_and_names_written_files_on_stderr(tmp_path, caps
 def test_plot_writes_png(tmp_path):
     pytest.importorskip("matplotlib")
     f = tmp_path / "h.png"
-    out = analyze_main(LENGTHS, S, plot=f, strategies=["packed", "random"])
+    out = analyze_main(LENGTHS, settings=S, plot=f, strategies=["packed", "random"])
     assert f.read_bytes()[:4] == b"\x89PNG"
     assert f"wrote {f}: histogram" in out
     bare = tmp_path / "hist"  # no suffix: the file named is the file written (matplotlib wrote hist.png)
-    assert f"wrote {bare}: histogram" in analyze_main(LENGTHS, S, plot=bare, strategies=["packed"])
+    assert f"wrote {bare}: histogram" in analyze_main(LENGTHS, settings=S, plot=bare, strategies=["packed"])
     assert bare.read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "hist.png").exists()
 
 
@@ -82,7 +82,7 @@ def test_plot_writes_png(tmp_path):
 def test_an_output_that_cannot_be_written_is_one_line(tmp_path, where):
     (tmp_path / "a_directory").mkdir()
     with pytest.raises(UserError, match=r"--dump-plan .*: cannot be written"):
-        analyze_main(LENGTHS, S, dump_plan=tmp_path / where, strategy="packed")
+        analyze_main(LENGTHS, settings=S, dump_plan=tmp_path / where, strategy="packed")
 
 
 def test_read_lengths_text_and_npy(tmp_path):
@@ -104,4 +104,4 @@ def test_read_lengths_text_and_npy(tmp_path):
     with pytest.raises(UserError, match="not found"):
         read_lengths(tmp_path / "nope.txt")
     with pytest.raises(UserError, match="strategy"):
-        analyze_main(LENGTHS, S, strategies=["fast"])
+        analyze_main(LENGTHS, settings=S, strategies=["fast"])

@@ -36,7 +36,13 @@ def _members(protocol) -> set[str]:
 
 
 def test_the_loader_and_the_batch_adapter_are_step_sources():
-    loader = StepLoader(_Store(), PlanSettings(strategy="random", rows_per_batch=2), CausalCollator(pad_id=0), seed=0, prefetch=0)
+    loader = StepLoader(
+        _Store(),
+        settings=PlanSettings(strategy="random", rows_per_batch=2),
+        collator=CausalCollator(pad_id=0),
+        seed=0,
+        prefetch=0,
+    )
     assert isinstance(loader, StepSource) and isinstance(BatchSteps([], TrainConfig()), StepSource)
     assert loader.step_fraction is None and loader.loss_tokens_per_step is None
     loader.set_step_fraction(lambda n: 0.5)

@@ -351,7 +351,7 @@ def _workload(a, model: str, seq_len: int, oasst, oasst_source: str, tmp: str) -
     config.save_pretrained(path)
     examples = max(1, round(a.slots * 0.97 / lens.mean()))
     return {
-        "store": DocumentStore(tokens, offsets, mask, meta),
+        "store": DocumentStore(tokens, offsets=offsets, loss_mask=mask, meta=meta),
         "dir": path,
         "vocab": vocab,
         "flops_per_token": flops_per_token(config, lens),

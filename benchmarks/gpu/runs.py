@@ -108,7 +108,11 @@ def run_densebatch(a, store, device, model_dir: Path, precision: str, compile_: 
 
     bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=a.slots, seq_len=a.seq_len)
     loader = StepLoader(
-        store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, store.meta, a.seed), a.seed, prefetch=bcfg.prefetch
+        store,
+        settings=PlanSettings.from_config(bcfg),
+        collator=collator_from_config(bcfg, store.meta, a.seed),
+        seed=a.seed,
+        prefetch=bcfg.prefetch,
     )
     torch.manual_seed(a.seed)
     model = build_model(ModelConfig(kind="hf", path=str(model_dir)), a.vocab)

@@ -64,7 +64,7 @@ def packed_batch(num_rows: int, seed: int) -> Batch:
 
 def step(model: GPT, batch: Batch, causal: bool) -> None:
     """Forward + backward as ``token_losses`` does it, with the causal path forced when asked."""
-    h = model.hidden_states(batch.input_ids, batch.positions, single_doc_rows=causal)  # (rows, T, C)
+    h = model.hidden_states(batch.input_ids, positions=batch.positions, single_doc_rows=causal)  # (rows, T, C)
     keep = batch.labels != IGNORE_INDEX
     F.cross_entropy(model.lm_head(h[keep]).float(), batch.labels[keep], reduction="sum").backward()
     model.zero_grad(set_to_none=True)

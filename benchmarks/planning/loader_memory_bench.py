@@ -43,7 +43,7 @@ def LengthsStore(lengths: np.ndarray):
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     ones = Ones(int(offsets[-1]))
     meta = {"eos_id": 0, "pad_id": 0, "vocab_size": 2, "mask_id": None, "special_ids": [0]}
-    return DocumentStore(ones, offsets, ones, meta)
+    return DocumentStore(ones, offsets=offsets, loss_mask=ones, meta=meta)
 
 
 def run_one(mode: str, n: int, strategy: str) -> dict:
@@ -67,7 +67,7 @@ def run_one(mode: str, n: int, strategy: str) -> dict:
 
     cls = StepLoader if mode == "sharded" else Materialised
     t = time.perf_counter()
-    loader = cls(store, settings, CausalCollator(pad_id=0), seed=0, prefetch=0)
+    loader = cls(store, settings=settings, collator=CausalCollator(pad_id=0), seed=0, prefetch=0)
     steps = loader.steps_per_epoch()
     it = iter(loader)
     real = sum(b.num_real_tokens for _ in range(20) for b in next(it).batches)

@@ -79,7 +79,9 @@ def _loader(store):
     from densebatch.data.plan.steps import StepSettings
 
     settings = PlanSettings(strategy="packed", seq_len=2048, max_tokens_per_batch=16384)
-    return StepLoader(store, settings, CausalCollator(pad_id=0), seed=0, steps=StepSettings(1, None, 2, 0), prefetch=0)
+    return StepLoader(
+        store, settings=settings, collator=CausalCollator(pad_id=0), seed=0, steps=StepSettings(1, None, 2, 0), prefetch=0
+    )
 
 
 def _open(which: str, d: Path):

@@ -99,7 +99,9 @@ def run_one(directory: Path, mode: str, weights: tuple[float, ...] | None = None
     loss_tokens = 16384 * 2 if mode == "loss_tokens_per_step" else None
     steps = StepSettings(1, loss_tokens, 2, 0)  # rank 0 of 2
     t = time.perf_counter()
-    loader = StepLoader(store, settings, CausalCollator(pad_id=0), seed=0, steps=steps, prefetch=0, weights=weights)
+    loader = StepLoader(
+        store, settings=settings, collator=CausalCollator(pad_id=0), seed=0, steps=steps, prefetch=0, weights=weights
+    )
     per_epoch = loader.steps_per_epoch()
     it = iter(loader)
     real = sum(b.num_real_tokens for _ in range(20) for b in next(it).batches)

@@ -43,10 +43,10 @@ def build_trainer(setup: Setup, strategy: str, out: str, steps: int, prefetch: i
         collator = lambda *a, **kw: dataclasses.replace(inner(*a, **kw), single_doc_rows=None, max_position=None)  # noqa: E731
     loader = StepLoader(
         setup.store,
-        PlanSettings.from_config(bcfg),
-        collator,
-        setup.seed,
-        StepSettings(),
+        settings=PlanSettings.from_config(bcfg),
+        collator=collator,
+        seed=setup.seed,
+        steps=StepSettings(),
         prefetch=prefetch,
     )
     torch.manual_seed(setup.seed)
@@ -118,7 +118,11 @@ def attention_cost(setup: Setup, repeats: int) -> None:
 
     bcfg = BatchingConfig(strategy="packed", max_tokens_per_batch=setup.tokens_per_step, seq_len=setup.seq_len)
     loader = StepLoader(
-        setup.store, PlanSettings.from_config(bcfg), collator_from_config(bcfg, setup.store.meta), setup.seed, prefetch=0
+        setup.store,
+        settings=PlanSettings.from_config(bcfg),
+        collator=collator_from_config(bcfg, setup.store.meta),
+        seed=setup.seed,
+        prefetch=0,
     )
     packed = next(iter(loader.iter_epoch(0)))
     rows, T = packed.input_ids.shape

@@ -92,7 +92,11 @@ def analyze(
         stats["plan_seconds"] = time.perf_counter() - t0
         many = selection is not None and selection.num_sources > 1
         stats["homogeneity"] = homogeneity(  # on the first shard (a sample of the epoch): no second planning pass
-            plan, lengths, selection.source_of if many else None, selection.num_sources if many else 1, max_shards=1
+            plan,
+            lengths=lengths,
+            source_of=selection.source_of if many else None,
+            num_sources=selection.num_sources if many else 1,
+            max_shards=1,
         )
         if selection is not None:
             facts = {x["name"]: x for x in source_facts or []}
@@ -198,6 +202,7 @@ def _written(path: str | Path, option: str):
 
 def analyze_main(
     lengths: np.ndarray,
+    *,
     settings: PlanSettings,
     strategies=tuple(STRATEGIES),
     json_out: bool = False,
@@ -252,11 +257,11 @@ def analyze_prepared(prepared, settings: PlanSettings, seed: int = 0, **kw) -> s
     prepared and what epoch 0's plan of each strategy holds with the run's weights."""
     lengths = np.asarray(prepared.train.lengths, dtype=np.int64)
     selection = select(prepared.train, weights=prepared.weights, seed=seed, epoch=0, lengths=lengths)
-    text = analyze_main(lengths, settings, seed=seed, selection=selection, source_facts=prepared.summary.sources, **kw)
+    text = analyze_main(lengths, settings=settings, seed=seed, selection=selection, source_facts=prepared.summary.sources, **kw)
     factors = (
         None
         if kw.get("json_out")
-        else batch_balance(prepared.train, prepared.weights, seed, settings.rows_per_batch, selection=selection)
+        else batch_balance(prepared.train, weights=prepared.weights, seed=seed, rows=settings.rows_per_batch, selection=selection)
     )
     if factors is None:
         return text

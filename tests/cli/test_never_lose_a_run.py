@@ -48,10 +48,10 @@ def _state(step: int) -> dict:
 def test_pruning_keeps_intact_checkpoints_and_never_deletes_a_damaged_one(tmp_path):
     root = tmp_path / "ck"
     for step in (1, 2):
-        save_checkpoint(root, step, _state(step), keep_last=2)
+        save_checkpoint(root, step=step, model_state=_state(step), keep_last=2)
     (root / "step-000001" / "model.safetensors").unlink()  # damaged: an intact weight file may be elsewhere
     for step in (3, 4):
-        save_checkpoint(root, step, _state(step), keep_last=2)
+        save_checkpoint(root, step=step, model_state=_state(step), keep_last=2)
     names = sorted(p.name for _, p in list_checkpoints(root))
     assert names == ["step-000001", "step-000003", "step-000004"]  # 2 intact kept; the damaged one left alone
 
@@ -59,13 +59,13 @@ def test_pruning_keeps_intact_checkpoints_and_never_deletes_a_damaged_one(tmp_pa
 def test_a_damaged_checkpoint_in_the_way_of_a_save_is_set_aside_not_replaced(tmp_path):
     root = tmp_path / "ck"
     for step in (2, 4):
-        save_checkpoint(root, step, _state(step), keep_last=3)
+        save_checkpoint(root, step=step, model_state=_state(step), keep_last=3)
     (root / "step-000004" / "state.json").write_text("{")  # the newest is damaged
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert latest_valid(root, on_skip=lambda p, why: None).name == "step-000002"
-        save_checkpoint(root, 3, _state(3), keep_last=3)  # a resumed run saves an earlier step
-        save_checkpoint(root, 4, _state(4), keep_last=3)
+        save_checkpoint(root, step=3, model_state=_state(3), keep_last=3)  # a resumed run saves an earlier step
+        save_checkpoint(root, step=4, model_state=_state(4), keep_last=3)
     assert (root / "step-000004.damaged" / "model.safetensors").is_file()
     assert any("never deleted" in str(w.message) for w in caught if issubclass(w.category, CheckpointWarning))
     assert latest_valid(root).name == "step-000004"

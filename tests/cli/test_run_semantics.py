@@ -104,7 +104,9 @@ def test_cut_rows_would_change_the_eval_loss(run):
     losses = {}
     for strategy in ("random", "packed"):
         settings = PlanSettings.from_config(c.batching, strategy=strategy)
-        loader = StepLoader(prepared.eval, settings, collator_from_config(c.batching, prepared.eval.meta), 0, prefetch=0)
+        loader = StepLoader(
+            prepared.eval, settings=settings, collator=collator_from_config(c.batching, prepared.eval.meta), seed=0, prefetch=0
+        )
         losses[strategy] = evaluate(model, loader.iter_epoch(0), device=torch.device("cpu")).loss
     assert abs(losses["packed"] - losses["random"]) > 1e-4 * losses["random"]
 

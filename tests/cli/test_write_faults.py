@@ -92,7 +92,7 @@ def test_a_mirror_that_cannot_be_written_only_warns(tmp_path, monkeypatch):
     _deny_writes_in(mirror, monkeypatch)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        path = save_checkpoint(tmp_path / "ck", 1, {"w": torch.ones(3)}, mirror_dir=mirror)
+        path = save_checkpoint(tmp_path / "ck", step=1, model_state={"w": torch.ones(3)}, mirror_dir=mirror)
     assert verify(path) == (True, "ok")
     (w,) = [w for w in caught if issubclass(w.category, CheckpointWarning)]
     assert "mirror copy" in str(w.message) and "cannot be written" in str(w.message)

@@ -79,11 +79,11 @@ def test_resolve_backend_on_cpu():
 def test_varlen_plan_fp32_falls_back_to_exact_segments():
     # The varlen plan's cu_seqlens are checked here; the kernel itself needs CUDA + half precision.
     pos = torch.tensor([[0, 1, 2, 0, 1], [0, 1, 2, 3, 0]])
-    plan = plan_attention(pos, "varlen")
+    plan = plan_attention(pos, backend="varlen")
     assert plan.cu_seqlens.tolist() == [0, 3, 5, 9, 10] and plan.max_len == 4
     q, k, v = torch.randn(3, 2, 2, 5, 8).unbind(0)
-    ref = attend(q, k, v, plan_attention(pos, "masked"))
-    assert torch.allclose(attend(q, k, v, plan), ref)
+    ref = attend(q, k=k, v=v, plan=plan_attention(pos, backend="masked"))
+    assert torch.allclose(attend(q, k=k, v=v, plan=plan), ref)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -92,8 +92,8 @@ def test_cuda_backends_match_masked(backend):
     torch.manual_seed(0)
     pos = torch.tensor([[*range(100), *range(60), *range(96)]] * 2, device="cuda")
     q, k, v = torch.randn(3, 2, 4, 256, 64, device="cuda", dtype=torch.bfloat16).unbind(0)
-    ref = attend(q, k, v, plan_attention(pos, "masked")).float()
-    out = attend(q, k, v, plan_attention(pos, backend)).float()
+    ref = attend(q, k=k, v=v, plan=plan_attention(pos, backend="masked")).float()
+    out = attend(q, k=k, v=v, plan=plan_attention(pos, backend=backend)).float()
     assert (out - ref).abs().max() < 2e-2
 
 
@@ -112,13 +112,13 @@ def test_a_row_start_is_a_segment_start():
     # Left-over positions that do not restart at a row start still never attend across rows.
     pos = torch.tensor([[3, 4, 5, 0, 1], [7, 8, 0, 1, 2]])
     q, k, v = qkv(2, 5)
-    ref = attend(q, k, v, plan_attention(pos, "masked"))
-    assert torch.allclose(attend(q, k, v, plan_attention(pos, "segmented")), ref, atol=1e-6)
+    ref = attend(q, k=k, v=v, plan=plan_attention(pos, backend="masked"))
+    assert torch.allclose(attend(q, k=k, v=v, plan=plan_attention(pos, backend="segmented")), ref, atol=1e-6)
 
 
 def test_one_segment_per_row_takes_the_causal_path():
-    assert plan_attention(torch.arange(300).repeat(2, 1), "segmented").backend == "causal"
-    assert plan_attention(positions_of([[3, 4]], 9), "segmented").backend == "segmented"
+    assert plan_attention(torch.arange(300).repeat(2, 1), backend="segmented").backend == "causal"
+    assert plan_attention(positions_of([[3, 4]], 9), backend="segmented").backend == "segmented"
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -127,8 +127,12 @@ def test_segmented_matches_masked_with_gradients_and_dropout_off(causal):
     gradient of every real token is still read from its one slot."""
     pos = positions_of([[100, 60, 90], [256], [1, 2, 3, 200], [17]], T=256)
     q, k, v = qkv(4, 256, H=4, D=16)
-    ref, ref_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "masked", causal=causal)))
-    out, out_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "segmented", causal=causal)))
+    ref, ref_g = outputs_and_grads(
+        q, k, v, lambda q, k, v: attend(q, k=k, v=v, plan=plan_attention(pos, backend="masked", causal=causal))
+    )
+    out, out_g = outputs_and_grads(
+        q, k, v, lambda q, k, v: attend(q, k=k, v=v, plan=plan_attention(pos, backend="segmented", causal=causal))
+    )
     assert (out - ref).abs().max() <= 1e-5
     for a, b in zip(out_g, ref_g):
         assert (a - b).abs().max() <= 1e-5
@@ -166,7 +170,7 @@ def test_random_layouts_match_masked(layout):
     pos = positions_of(rows, T)
     seg = segment_plan(pos, ratio=ratio, min_len=min_len)
     q, k, v = qkv(len(rows), T, seed=T)
-    ref, ref_g = outputs_and_grads(q, k, v, lambda *x: attend(*x, plan_attention(pos, "masked")))
+    ref, ref_g = outputs_and_grads(q, k, v, lambda q, k, v: attend(q, k=k, v=v, plan=plan_attention(pos, backend="masked")))
     out, out_g = outputs_and_grads(q, k, v, lambda *x: segmented_attention(*x, seg))
     assert (out - ref).abs().max() <= 1e-5
     for a, b in zip(out_g, ref_g):
@@ -176,8 +180,8 @@ def test_random_layouts_match_masked(layout):
 def test_segmented_runs_in_bfloat16():
     pos = positions_of([[30, 50], [70]], T=80)
     q, k, v = (x.detach().bfloat16().requires_grad_() for x in qkv(2, 80))
-    out = attend(q, k, v, plan_attention(pos, "segmented"))
-    ref = attend(*(x.float() for x in (q, k, v)), plan_attention(pos, "masked"))
+    out = attend(q, k=k, v=v, plan=plan_attention(pos, backend="segmented"))
+    ref = attend(q.float(), k=k.float(), v=v.float(), plan=plan_attention(pos, backend="masked"))
     assert out.dtype == torch.bfloat16 and (out.float() - ref).abs().max() < 3e-2
     out.float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
@@ -214,8 +218,8 @@ def test_grouped_query_heads_windows_and_soft_caps_match_a_per_document_referenc
     cu, longest = segment_bounds(pos)
     opts = AttnOptions(scale=0.2, window=window, softcap=softcap)
     with torch.no_grad():
-        plan = plan_attention(pos, backend, cu_seqlens=cu, max_seqlen=longest, causal=causal)
-        out = attend(q, k, v, plan, opts=opts)
+        plan = plan_attention(pos, backend=backend, cu_seqlens=cu, max_seqlen=longest, causal=causal)
+        out = attend(q, k=k, v=v, plan=plan, opts=opts)
     for r, lengths in enumerate(rows):
         t = 0
         for n in lengths:

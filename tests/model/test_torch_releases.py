@@ -159,13 +159,13 @@ def _run(fn, kv_heads: int, opts: AttnOptions = PLAIN, causal: bool = True, monk
     pos = _positions()
     cu, longest = segment_bounds(pos)
     q, k, v = _qkv(kv_heads)
-    plan = plan_attention(pos, "varlen", cu_seqlens=cu, max_seqlen=longest, causal=causal)
-    out = attend(q, k, v, plan, opts=opts)
+    plan = plan_attention(pos, backend="varlen", cu_seqlens=cu, max_seqlen=longest, causal=causal)
+    out = attend(q, k=k, v=v, plan=plan, opts=opts)
     used = torch_features.kernels_used()
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    ref_plan = plan_attention(pos, "masked", causal=causal)
+    ref_plan = plan_attention(pos, backend="masked", causal=causal)
     qf, kf, vf = (x.detach().float().requires_grad_() for x in (q, k, v))
-    ref = attend(qf, kf, vf, ref_plan, opts=opts)
+    ref = attend(qf, k=kf, v=vf, plan=ref_plan, opts=opts)
     ref_grads = torch.autograd.grad(ref.sum(), (qf, kf, vf))
     assert torch.allclose(out.float(), ref, atol=3e-2), (out.float() - ref).abs().max()
     for g, r in zip(grads, ref_grads):
@@ -261,13 +261,13 @@ def test_inside_autocast_a_fp32_query_beside_a_bf16_value_reaches_flash_in_bf16(
     pos = _positions()
     cu, longest = segment_bounds(pos)
     q, k, v = _qkv(2, dtype=torch.float32)
-    plan = plan_attention(pos, "varlen", cu_seqlens=cu, max_seqlen=longest)
+    plan = plan_attention(pos, backend="varlen", cu_seqlens=cu, max_seqlen=longest)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = attend(q, k, v.to(torch.bfloat16), plan)
+        out = attend(q, k=k, v=v.to(torch.bfloat16), plan=plan)
     assert CALLS[-1]["dtypes"] == (torch.bfloat16,) * 3 and out.dtype == torch.bfloat16
     assert torch_features.kernels_used() == {"varlen (FlashAttention) bf16": 1}
     torch_features.reset_kernels()
-    attend(q, k, v, plan)  # outside autocast, fp32: FlashAttention has none, and the record says why
+    attend(q, k=k, v=v, plan=plan)  # outside autocast, fp32: FlashAttention has none, and the record says why
     assert torch_features.kernels_used() == {"segmented (varlen: FlashAttention has no fp32) fp32": 1}
 
 
@@ -286,7 +286,7 @@ def test_a_tiny_llama_under_bf16_autocast_runs_every_layer_on_varlen_in_bf16(mon
     cu, longest = segment_bounds(pos)
     outs = {}
     for backend in ("varlen", "masked"):
-        plan = plan_attention(pos, backend, cu_seqlens=cu, max_seqlen=longest)
+        plan = plan_attention(pos, backend=backend, cu_seqlens=cu, max_seqlen=longest)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outs[backend] = model(input_ids=ids, position_ids=pos, use_cache=False, **{PLAN_KEY: plan}).logits.float()
         if backend == "varlen":
@@ -310,10 +310,10 @@ def test_cuda_varlen_of_the_installed_release_matches_masked_attention(kv_heads,
     q = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(2, kv_heads, 256, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
     opts = AttnOptions(window=window, scale=64**-0.5)
-    out = attend(q, k, v, plan_attention(pos, "varlen"), opts=opts)
+    out = attend(q, k=k, v=v, plan=plan_attention(pos, backend="varlen"), opts=opts)
     used = torch_features.kernels_used()
     grads = torch.autograd.grad(out.float().sum(), (q, k, v))
-    ref = attend(q, k, v, plan_attention(pos, "masked"), opts=opts)
+    ref = attend(q, k=k, v=v, plan=plan_attention(pos, backend="masked"), opts=opts)
     ref_grads = torch.autograd.grad(ref.float().sum(), (q, k, v))
     assert (out.float() - ref.float()).abs().max() < 2e-2
     for g, r in zip(grads, ref_grads):
@@ -337,7 +337,7 @@ def test_cuda_llama_under_bf16_autocast_runs_every_layer_on_varlen_in_bf16():
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="densebatch").cuda()  # fp32 weights
     pos = _positions().cuda()
     ids = torch.randint(3, config.vocab_size, pos.shape, device="cuda")
-    plan = plan_attention(pos, "varlen")
+    plan = plan_attention(pos, backend="varlen")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         model(input_ids=ids, position_ids=pos, use_cache=False, **{PLAN_KEY: plan}).logits.float().sum().backward()
     assert torch_features.kernels_used() == {"varlen (FlashAttention) bf16": 2}
@@ -348,7 +348,7 @@ def test_cuda_true_peak_outlives_the_per_step_reset():
     from densebatch.train.observe.monitor import finish_run, resource_usage
 
     dev = torch.device("cuda", 0)
-    finish_run(dev, lambda mine: [mine], lambda rec: None, 0, "before")
+    finish_run(dev, gather=lambda mine: [mine], write=lambda rec: None, step=0, reason="before")
     big = torch.empty(2**30, dtype=torch.uint8, device=dev)  # 1 GiB during "step 1"
     del big
     step1 = resource_usage(dev)
@@ -356,6 +356,6 @@ def test_cuda_true_peak_outlives_the_per_step_reset():
     step2 = resource_usage(dev)
     del small
     written = []
-    finish_run(dev, lambda mine: [mine], written.append, 2, "max_steps")
+    finish_run(dev, gather=lambda mine: [mine], write=written.append, step=2, reason="max_steps")
     assert step1["cuda_max_allocated_gb"] >= 1.07 and step2["cuda_max_allocated_gb"] < 0.5
     assert written[0]["cuda_peak_allocated_gb"] >= 1.07 and written[0]["cuda_peak_reserved_gb"] >= 1.07

@@ -197,10 +197,13 @@ def test_held_out_batches_are_measured_after_every_step_and_never_trained_on(tin
 
 
 def test_progress_says_the_step_the_time_elapsed_and_the_eta(tiny, tmp_path):
-    assert progress_line(20, 100, 12.4, 1e-5, 5.51234, 5.4) == (
+    assert progress_line(20, total=100, elapsed=12.4, lr=1e-5, loss=5.51234, heldout=5.4) == (
         "  step 20/100 | 0:12 elapsed, ETA 0:50 | lr 1.00e-05 | loss 5.5123 | held-out 5.4000"
     )
-    assert progress_line(1, 100, 3725.0, 2e-3, 1.0) == "  step 1/100 | 1:02:05 elapsed, ETA 102:26:15 | lr 2.00e-03 | loss 1.0000"
+    assert (
+        progress_line(1, total=100, elapsed=3725.0, lr=2e-3, loss=1.0)
+        == "  step 1/100 | 1:02:05 elapsed, ETA 102:26:15 | lr 2.00e-03 | loss 1.0000"
+    )
     lines = []
     finder = FinderConfig(lr_start=1e-5, lr_end=1e-3, lr_steps=21, diverge=1e9, heldout_batches=0)
     lr_range_test(_trainer(tiny, tmp_path), finder, log=lines.append)
@@ -284,7 +287,9 @@ def test_the_budget_is_the_largest_that_fits_and_no_probe_aims_past_the_limit(ti
     from densebatch.train.finders.budget_finder import find_budget
 
     model, optimizer, worst, snap = _budget_setup(tiny)
-    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
+    result = find_budget(
+        model, optimizer=optimizer, worst=worst, snap=snap, low=1000, high=10**7, limit_gb=0.2, margin=0.0, max_probes=12
+    )
     most = (0.2e9 - FakeMeter.base) / FakeMeter.per_slot  # 100,000 slots
     assert 0.85 * most <= result.budget <= most and result.stop.startswith("converged")
     assert all(p.fits for p in result.probes)  # a straight line is never overshot
@@ -297,12 +302,16 @@ def test_after_an_overrun_the_search_bisects_below_it(tiny, fake_meter):
 
     fake_meter.jump_at, fake_meter.jump = 50_000, 60_000_000  # a step the line cannot predict
     model, optimizer, worst, snap = _budget_setup(tiny)
-    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
+    result = find_budget(
+        model, optimizer=optimizer, worst=worst, snap=snap, low=1000, high=10**7, limit_gb=0.2, margin=0.0, max_probes=12
+    )
     assert 50_000 / 1.1 <= result.budget <= 50_000
     assert any(not p.fits for p in result.probes) and all(p.peak_gb[0] <= 0.2 for p in result.probes if p.fits)
     # A resident set keeps what an overrun took: on CPU the search ends there, at the last budget that fitted.
     fake_meter.exact = False
-    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.2, margin=0.0, max_probes=12)
+    result = find_budget(
+        model, optimizer=optimizer, worst=worst, snap=snap, low=1000, high=10**7, limit_gb=0.2, margin=0.0, max_probes=12
+    )
     assert not result.probes[-1].fits and result.budget == result.probes[-2].budget < 50_000
     assert "no bisection" in result.stop
 
@@ -311,7 +320,9 @@ def test_an_out_of_memory_error_in_a_probe_means_too_large(tiny, fake_meter):
     from densebatch.train.finders.budget_finder import find_budget
 
     model, optimizer, worst, snap = _budget_setup(tiny, max_rows=20)  # a budget of 21,000+ raises
-    result = find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=10.0, margin=0.0, max_probes=12)
+    result = find_budget(
+        model, optimizer=optimizer, worst=worst, snap=snap, low=1000, high=10**7, limit_gb=10.0, margin=0.0, max_probes=12
+    )
     assert 18_000 <= result.budget < 21_000
     assert any(not p.fits and p.tokens_per_s is None for p in result.probes)
 
@@ -330,7 +341,7 @@ def test_the_finder_leaves_model_optimizer_memory_and_rngs_as_they_were(tiny, tm
     held = rank_state_bytes(model, optimizer)
     docs = tiny.make_docs(32, seed=2)
     result = find_budget(
-        model, optimizer, lambda b: [tiny.collate(docs[: b // 100])], lambda b: min(3200, b // 100 * 100), 100, 3200,
+        model, optimizer=optimizer, worst=lambda b: [tiny.collate(docs[: b // 100])], snap=lambda b: min(3200, b // 100 * 100), low=100, high=3200,
         limit_gb=64.0, margin=0.1, max_probes=4,
     )  # fmt: skip
     assert len(result.probes) == 4 and result.budget == result.probes[-1].budget and "max_probes" in result.stop
@@ -346,4 +357,4 @@ def test_when_even_the_smallest_budget_does_not_fit_it_says_what_to_set(tiny, fa
 
     model, optimizer, worst, snap = _budget_setup(tiny)
     with pytest.raises(UserError, match="even the smallest budget .* raise the limit"):
-        find_budget(model, optimizer, worst, snap, 1000, 10**7, limit_gb=0.05, margin=0.0)
+        find_budget(model, optimizer=optimizer, worst=worst, snap=snap, low=1000, high=10**7, limit_gb=0.05, margin=0.0)

@@ -51,7 +51,7 @@ def test_console_without_terminal_logs_about_every_tenth():
     assert "tok/s" in lines[0] and "fill 0.970" in lines[0] and "left" in lines[1]
     assert lines[-1] == "eval @ step 20"
     silent = []
-    Console(20, 0, enabled=False, print_fn=silent.append).step(_rec(1), 0.01)
+    Console(20, initial_step=0, enabled=False, print_fn=silent.append).step(_rec(1), 0.01)
     assert silent == []
 
 
@@ -114,7 +114,7 @@ def test_console_on_a_terminal_draws_a_bar_with_the_numbers():
     out = stream.getvalue()
     assert "loss=0.2500" in out and "fill=0.970" in out and "tok/s=200" in out and "4/10" in out
     assert lines == ["eval line"]
-    assert Console(10, 0, progress=False, stream=_Terminal()).bar is None  # train.progress: false
+    assert Console(10, initial_step=0, progress=False, stream=_Terminal()).bar is None  # train.progress: false
 
 
 class _FakeCuda:
@@ -149,7 +149,9 @@ def test_the_run_peak_survives_the_per_step_resets(monkeypatch):
     for name in ("max_memory_allocated", "max_memory_reserved", "reset_peak_memory_stats"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     dev = torch.device("cuda", 0)
-    finish_run(dev, lambda mine: [mine], lambda rec: None, 0, "start")  # a run before this one left nothing behind
+    finish_run(
+        dev, gather=lambda mine: [mine], write=lambda rec: None, step=0, reason="start"
+    )  # a run before this one left nothing behind
     steps = [(7e9, 8e9), (50e9, 60e9), (9e9, 61e9)]  # (allocated, reserved) each step at its peak
     records = []
     for allocated, reserved in steps:
@@ -161,7 +163,7 @@ def test_the_run_peak_survives_the_per_step_resets(monkeypatch):
     torch_features.record_kernel("varlen (FlashAttention) bf16")
     other_rank = {"cuda_peak_allocated_gb": 56.5, "cuda_peak_reserved_gb": 60.0, "mem_peak_rss_gb": 2.0}
     written = []
-    facts = finish_run(dev, lambda mine: [mine, other_rank], written.append, 3, "max_steps")
+    facts = finish_run(dev, gather=lambda mine: [mine, other_rank], write=written.append, step=3, reason="max_steps")
     (rec,) = written
     assert rec["kind"] == "run" and rec["step"] == 3 and rec["stop_reason"] == "max_steps"
     mine = rec["memory_peak"][0]
@@ -172,10 +174,10 @@ def test_the_run_peak_survives_the_per_step_resets(monkeypatch):
     assert facts == {"memory_peak": rec["memory_peak"], "attention": {"varlen (FlashAttention) bf16": 1}}
     fake.reset_peak_memory_stats()
     again = []
-    finish_run(dev, lambda mine: [mine], again.append, 0, "next")
+    finish_run(dev, gather=lambda mine: [mine], write=again.append, step=0, reason="next")
     assert again[0]["cuda_peak_allocated_gb"] == 0.0 and again[0]["attention"] == []  # the next run starts afresh
     cpu = []
-    finish_run(torch.device("cpu"), lambda mine: [mine], cpu.append, 0, "cpu")
+    finish_run(torch.device("cpu"), gather=lambda mine: [mine], write=cpu.append, step=0, reason="cpu")
     assert set(cpu[0]["memory_peak"][0]) == {"mem_peak_rss_gb"} and "cuda_peak_allocated_gb" not in cpu[0]
 
 

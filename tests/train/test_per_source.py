@@ -56,7 +56,7 @@ def _random_plan_ratio(store, rows: int, epochs: int) -> np.ndarray:
 
 def test_a_source_of_short_answers_weighs_as_in_random_batches():
     store = _store([(300, 12, 3), (100, 80, 60)])  # many short answers, a few long ones
-    factors = batch_balance(store, None, seed=0, rows=8)
+    factors = batch_balance(store, weights=None, seed=0, rows=8)
     assert factors[0] > 1.5 and factors[1] < 1.0
     # what densebatch's random plan does, epoch after epoch (an independent measurement)
     assert factors == pytest.approx(_random_plan_ratio(store, 8, epochs=60), rel=0.03)
@@ -65,32 +65,39 @@ def test_a_source_of_short_answers_weighs_as_in_random_batches():
 
 
 def test_sources_alike_in_length_and_one_source_are_not_reweighted():
-    alike = batch_balance(_store([(200, 30, 10), (200, 30, 10)]), None, seed=0, rows=8)
+    alike = batch_balance(_store([(200, 30, 10), (200, 30, 10)]), weights=None, seed=0, rows=8)
     assert alike == pytest.approx([1.0, 1.0], abs=0.02)
-    assert batch_balance(_store([(50, 30, 10)]), None, seed=0, rows=8) is None
+    assert batch_balance(_store([(50, 30, 10)]), weights=None, seed=0, rows=8) is None
 
 
 def test_the_factors_depend_on_the_seed_and_rows_only_and_follow_the_mixture_weights():
     store = _store([(300, 12, 3), (100, 80, 60)])
-    assert (batch_balance(store, None, 0, 8) == batch_balance(store, None, 0, 8)).all()
-    assert batch_balance(store, None, 0, 32)[0] < batch_balance(store, None, 0, 8)[0]  # larger batches vary less
+    assert (batch_balance(store, weights=None, seed=0, rows=8) == batch_balance(store, weights=None, seed=0, rows=8)).all()
+    assert (
+        batch_balance(store, weights=None, seed=0, rows=32)[0] < batch_balance(store, weights=None, seed=0, rows=8)[0]
+    )  # larger batches vary less
     # up-weighting the short source makes it common in every batch: less to make up for
-    weighted = batch_balance(store, [10.0, 1.0], 0, 8)
-    assert 1.0 < weighted[0] < batch_balance(store, None, 0, 8)[0]
+    weighted = batch_balance(store, weights=[10.0, 1.0], seed=0, rows=8)
+    assert 1.0 < weighted[0] < batch_balance(store, weights=None, seed=0, rows=8)[0]
 
 
 def test_the_loader_hands_over_the_selection_its_plan_drew():
     """A weighted mixture's epoch-0 documents are drawn once, by the loader's plan, and the factors read them."""
     store = _store([(300, 12, 3), (100, 80, 60)])
     settings = PlanSettings(strategy="packed", seq_len=128, max_tokens_per_batch=256)
-    loader = StepLoader(store, settings, CausalCollator(pad_id=0), seed=5, weights=[3.0, 1.0], prefetch=0)
+    loader = StepLoader(store, settings=settings, collator=CausalCollator(pad_id=0), seed=5, weights=[3.0, 1.0], prefetch=0)
     drawn = select(store, weights=[3.0, 1.0], seed=5, epoch=0)
     handed = loader.selection(0)
     assert handed is not None and handed.num_docs == drawn.num_docs
     assert loader.plan(0).sharded.selection is handed and loader.selection(0) is handed  # drawn once, planned from
     assert np.array_equal(handed.docs(np.arange(handed.num_docs)), drawn.docs(np.arange(drawn.num_docs)))
-    assert np.array_equal(batch_balance(store, [3.0, 1.0], 5, 8, selection=handed), batch_balance(store, [3.0, 1.0], 5, 8))
-    assert StepLoader(store, settings, CausalCollator(pad_id=0), seed=5, prefetch=0).selection(0) is None  # no weights
+    assert np.array_equal(
+        batch_balance(store, weights=[3.0, 1.0], seed=5, rows=8, selection=handed),
+        batch_balance(store, weights=[3.0, 1.0], seed=5, rows=8),
+    )
+    assert (
+        StepLoader(store, settings=settings, collator=CausalCollator(pad_id=0), seed=5, prefetch=0).selection(0) is None
+    )  # no weights
 
 
 # --------------------------------------------------------------------------- the loss
@@ -191,8 +198,8 @@ def test_a_model_that_weighs_its_own_losses_gives_the_trainers_weighted_step(tmp
 def test_masked_lm_counts_every_token_and_a_run_saved_before_the_setting_resumes_with_tokens():
     # prompt-masked answers: the causal loss tokens are a quarter of the short source's tokens
     store = _store([(300, 12, 3), (100, 80, 60)])
-    causal = batch_balance(store, None, 0, 8)
-    every_token = batch_balance(store, None, 0, 8, counts=store.lengths)
+    causal = batch_balance(store, weights=None, seed=0, rows=8)
+    every_token = batch_balance(store, weights=None, seed=0, rows=8, counts=store.lengths)
     assert every_token[0] < causal[0]  # 12 of 92 tokens a pair, against 3 of 63 loss tokens
 
     from densebatch.config import RunConfig

@@ -140,8 +140,8 @@ def _loader(prefetch=2):  # 2 packed rows of 32 per batch, 4 batches per step: 8
     settings = PlanSettings(strategy="packed", seq_len=32, max_tokens_per_batch=64)
     return StepLoader(
         random_store(80, vocab=30, lengths=(4, 40)),
-        settings,
-        CausalCollator(pad_id=0),
+        settings=settings,
+        collator=CausalCollator(pad_id=0),
         seed=1,
         steps=StepSettings(4),
         prefetch=prefetch,
@@ -257,7 +257,7 @@ def test_a_rollback_keeps_the_schedule_and_the_data_position(tiny, tmp_path):
         parts=StepParts(batch_schedule=schedule, guard=RollbackAt(3)),
         reporting=Reporting(console=False),
     )
-    session = Session(t, CheckpointManager(tmp_path / "checkpoints"), every_steps=2)
+    session = Session(t, checkpoints=CheckpointManager(tmp_path / "checkpoints"), every_steps=2)
     rows = []
     t.after_step = lambda result: (
         rows.append(sum(b.input_ids.shape[0] for b in result.step.batches)),

@@ -162,6 +162,7 @@ class AttentionPlan:
 
 def plan_attention(
     positions: Tensor,
+    *,
     backend: str,
     single_doc_rows: bool = False,
     past_positions: Tensor | None = None,
@@ -183,12 +184,20 @@ def plan_attention(
     after a row's last document is then a key its queries could see, so the plain ``causal`` plan (one
     document per row, then padding) is not taken; the padding run is a segment of its own.
     """
-    plan = _plan(positions, backend, single_doc_rows and causal, past_positions, cu_seqlens, max_seqlen, causal)
+    plan = _plan(
+        positions,
+        backend=backend,
+        single_doc_rows=single_doc_rows and causal,
+        past_positions=past_positions,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        causal=causal,
+    )
     plan.causal = causal
     return plan
 
 
-def _plan(positions, backend, single_doc_rows, past_positions, cu_seqlens, max_seqlen, causal) -> AttentionPlan:
+def _plan(positions, *, backend, single_doc_rows, past_positions, cu_seqlens, max_seqlen, causal) -> AttentionPlan:
     if past_positions is not None and past_positions.shape[-1] > 0:
         all_pos = torch.cat([past_positions, positions], dim=-1)  # (rows, S + T)
         doc = document_ids(all_pos)  # (rows, S + T)
@@ -227,7 +236,7 @@ def _plan(positions, backend, single_doc_rows, past_positions, cu_seqlens, max_s
     raise AssertionError(f"unresolved backend {backend}")
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float = 0.0, opts: AttnOptions = PLAIN) -> Tensor:
+def attend(q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float = 0.0, opts: AttnOptions = PLAIN) -> Tensor:
     """Attention of q (rows, H, Tq, D) over k, v (rows, Hkv, Tk, D) under ``plan``. (rows, H, Tq, D)
 
     ``Hkv`` may divide ``H`` (grouped-query attention: key/value heads are shared, not repeated).
@@ -244,7 +253,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
     low = torch_features.autocast_dtype(q.device.type)
     if low is not None:
         q, k, v = (x if x.dtype == low else x.to(low) for x in (q, k, v))
-    out, what = _dispatch(q, k, v, plan, dropout_p, opts)
+    out, what = _dispatch(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)
     torch_features.record_kernel(f"{what} {_DTYPE_NAMES.get(q.dtype, str(q.dtype))}")
     return out
 
@@ -252,7 +261,7 @@ def attend(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: floa
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64"}
 
 
-def _dispatch(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float, opts: AttnOptions) -> tuple[Tensor, str]:
+def _dispatch(q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float, opts: AttnOptions) -> tuple[Tensor, str]:
     """``attend``'s work: the output and what computed it (the kernel's name, then any fallback and why)."""
     if opts.causal != plan.causal:
         opts = dataclasses.replace(opts, causal=plan.causal)
@@ -260,7 +269,7 @@ def _dispatch(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: f
         windowed = opts.window is not None and opts.window < q.shape[-2] or opts.softcap
         if windowed and plan.positions is not None:  # per document, not over the padding run too
             return segmented_attention(q, k, v, _segments(plan), dropout_p, opts), "segmented (SDPA by length bucket)"
-        return kernel(q, k, v, None, dropout_p, opts), "causal (SDPA, one document per row)"
+        return kernel(q, k=k, v=v, mask=None, dropout_p=dropout_p, opts=opts), "causal (SDPA, one document per row)"
     if plan.backend == "masked":
         if q.shape[-2] != k.shape[-2]:  # decoding against a KV cache: the mask already says everything but the window
             mask = plan.mask
@@ -268,21 +277,25 @@ def _dispatch(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: f
                 Tq, Tk = q.shape[-2], k.shape[-2]
                 qi = torch.arange(Tk - Tq, Tk, device=q.device)
                 mask = mask & (qi[:, None] - torch.arange(Tk, device=q.device)[None, :] < opts.window)
-            return kernel(q, k, v, mask, dropout_p, dataclasses.replace(opts, window=None)), "masked (SDPA, KV cache)"
-        return kernel(q, k, v, plan.mask, dropout_p, opts), "masked (SDPA)"
+            return kernel(
+                q, k=k, v=v, mask=mask, dropout_p=dropout_p, opts=dataclasses.replace(opts, window=None)
+            ), "masked (SDPA, KV cache)"
+        return kernel(q, k=k, v=v, mask=plan.mask, dropout_p=dropout_p, opts=opts), "masked (SDPA)"
     if plan.backend == "segmented":
         return segmented_attention(q, k, v, plan.segments, dropout_p, opts), "segmented (SDPA by length bucket)"
     if plan.backend == "flex":
         if dropout_p:  # flex has no attention dropout: the segmented path honours it
             return segmented_attention(q, k, v, _segments(plan), dropout_p, opts), "segmented (flex: attention dropout)"
-        return _flex_attention(q, k, v, plan, opts), "flex" if torch_features.varlen() else "flex (this torch has no varlen_attn)"
+        return _flex_attention(
+            q, k=k, v=v, plan=plan, opts=opts
+        ), "flex" if torch_features.varlen() else "flex (this torch has no varlen_attn)"
     if plan.backend == "varlen":
-        return _varlen_attention(q, k, v, plan, dropout_p, opts)
+        return _varlen_attention(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)
     raise AssertionError(f"unknown plan backend {plan.backend}")
 
 
 def _varlen_attention(
-    q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float, opts: AttnOptions
+    q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: float, opts: AttnOptions
 ) -> tuple[Tensor, str]:
     """FlashAttention's varlen kernel over the flattened rows, called with the keywords this torch's
     ``varlen_attn`` takes (``torch_features.varlen_call``); what it cannot compute goes to flex (CUDA, no
@@ -305,7 +318,7 @@ def _varlen_attention(
         )
     if kw is None:
         if not dropout_p and q.is_cuda and _flex_available():
-            return _flex_attention(q, k, v, plan, opts), f"flex (varlen: {why})"
+            return _flex_attention(q, k=k, v=v, plan=plan, opts=opts), f"flex (varlen: {why})"
         return segmented_attention(q, k, v, _segments(plan), dropout_p, opts), f"segmented (varlen: {why})"
     what = "varlen (FlashAttention)"
     if Hkv != H and not features.enable_gqa and not torch_features.varlen_takes_grouped_heads(features.fn, str(q.device)):
@@ -340,7 +353,7 @@ def _flex_mask(plan: AttentionPlan, window: int | None):
     return plan.flex_masks[window]
 
 
-def _flex_attention(q: Tensor, k: Tensor, v: Tensor, plan: AttentionPlan, opts: AttnOptions) -> Tensor:
+def _flex_attention(q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, opts: AttnOptions) -> Tensor:
     """FlexAttention over the plan's documents: the window in the block mask, the soft-cap as a score
     modification (after the scale, as Gemma 2), grouped-query heads shared (``enable_gqa``). (rows, H, T, D)"""
     score_mod = None

@@ -79,7 +79,7 @@ class SelfAttention(nn.Module):
         q, k, v = (t.view(rows, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (rows, H, T, D)
         if cache is not None:
             k, v = cache.append(layer, k, v)  # (rows, H, S+T, D)
-        y = attend_eagerly(q, k, v, plan, self.dropout if self.training else 0.0)  # (rows, H, T, D)
+        y = attend_eagerly(q, k=k, v=v, plan=plan, dropout_p=self.dropout if self.training else 0.0)  # (rows, H, T, D)
         y = y.transpose(1, 2).reshape(rows, T, C)  # (rows, T, C)
         return self.resid_drop(self.proj(y))
 
@@ -153,6 +153,7 @@ class GPT(nn.Module):
     def hidden_states(
         self,
         input_ids: Tensor,
+        *,
         positions: Tensor,
         single_doc_rows: bool = False,
         cache: KVCache | None = None,
@@ -169,7 +170,14 @@ class GPT(nn.Module):
             raise ValueError(f"position {top} is beyond the position table (block_size {self.cfg.block_size})")
         past = cache.positions if cache is not None else None
         backend = self.attention_backend(input_ids.device, positions.shape[-1])
-        plan = plan_attention(positions, backend, single_doc_rows, past, cu_seqlens, max_seqlen)  # shared by all layers
+        plan = plan_attention(
+            positions,
+            backend=backend,
+            single_doc_rows=single_doc_rows,
+            past_positions=past,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+        )  # shared by all layers
         if cache is not None:
             cache.positions = positions if past is None else torch.cat([past, positions], dim=-1)
         x = self.drop(self.wte(input_ids) + self.wpe(positions))  # (rows, T, C)
@@ -185,7 +193,7 @@ class GPT(nn.Module):
     ) -> Tensor:
         """Logits (rows, T, vocab). ``single_doc_rows``: the caller guarantees that everything after
         the first segment of every row is padding (then plain causal attention is exact)."""
-        return self.lm_head(self.hidden_states(input_ids, positions, single_doc_rows, cache))
+        return self.lm_head(self.hidden_states(input_ids, positions=positions, single_doc_rows=single_doc_rows, cache=cache))
 
     weighs_losses = True  # token_losses returns batch.loss_weights x CE when the batch has them
     task = "causal"  # the reference GPT is a causal LM only
@@ -199,7 +207,13 @@ class GPT(nn.Module):
         """
         single = rows_hold_one_document(batch)
         h = self.hidden_states(
-            batch.input_ids, batch.positions, single, None, batch.max_position, batch.cu_seqlens, batch.max_seqlen
+            batch.input_ids,
+            positions=batch.positions,
+            single_doc_rows=single,
+            cache=None,
+            max_position=batch.max_position,
+            cu_seqlens=batch.cu_seqlens,
+            max_seqlen=batch.max_seqlen,
         )  # (rows, T, C)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         w = batch.loss_weights  # weight x CE per position (train.source_balance), or None

@@ -1,6 +1,6 @@
 """Attention over one block of sequences: causal SDPA with what a layer may ask for besides.
 
-``kernel(q, k, v, mask, dropout_p, opts)`` is what every densebatch attention path ends in for a set of
+``kernel(q, *, k, v, mask, dropout_p, opts)`` is what every densebatch attention path ends in for a set of
 equally long sequences (a bucket of documents, rows of one document, a masked row): grouped-query
 key/values shared through SDPA's ``enable_gqa`` (never repeated), a sliding window drawn into an (L, L)
 mask, a scale, and soft-capped scores (Gemma 2), which SDPA cannot compute, done explicitly.
@@ -18,7 +18,7 @@ from torch import Tensor
 from densebatch import torch_features
 
 
-def kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
+def kernel(q: Tensor, *, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
     """Causal attention of q (n, H, L, D) over k, v (n, Hkv, L, D) (``mask``, if given, replaces the
     causal one: (.., L, L) bool, True = may attend), with ``opts``' scale, window and soft-cap. (n, H, L, D)
     ``opts.causal`` False (an encoder): every query sees every key the mask allows; a window is then
@@ -33,7 +33,7 @@ def kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
         band = (dist >= 0) & (dist < opts.window) if opts.causal else dist.abs() < opts.window  # as transformers' overlays
         mask = band if mask is None else mask & band
     if opts.softcap:
-        return capped_attention(q, k, v, mask, dropout_p, opts)
+        return capped_attention(q, k=k, v=v, mask=mask, dropout_p=dropout_p, opts=opts)
     gqa = {}
     if k.shape[1] != q.shape[1]:  # grouped heads: shared by SDPA where it takes enable_gqa, else repeated (exact)
         if torch_features.sdpa_gqa():
@@ -45,7 +45,7 @@ def kernel(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: floa
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=opts.scale, **gqa)
 
 
-def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
+def capped_attention(q: Tensor, *, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float, opts: AttnOptions) -> Tensor:
     """Attention with soft-capped scores (Gemma 2: ``cap * tanh(s / cap)``), softmax in float32. (n, H, L, D)"""
     n, H, L, D = q.shape
     G = H // k.shape[1]  # query heads per key/value head

@@ -188,7 +188,7 @@ def segmented_attention(
         qb = qb.view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
         kb, vb = (x.view(n, L, Hkv, D).transpose(1, 2) for x in (kb, vb))  # (n, Hkv, L, D)
         keys = None if valid is None else valid[b].view(n, 1, 1, L)  # a segment's own slots, not its padding
-        out = kernel(qb, kb, vb, keys, dropout_p, opts)  # (n, H, L, D)
+        out = kernel(qb, k=kb, v=vb, mask=keys, dropout_p=dropout_p, opts=opts)  # (n, H, L, D)
         outs.append(out.transpose(1, 2).reshape(n * L, H, D))
     slots = outs[0] if len(outs) == 1 else torch.cat(outs)  # (slots, H, D)
     return _ToTokens.apply(slots, seg).view(rows, T, H, D).transpose(1, 2)  # (rows, H, T, D)

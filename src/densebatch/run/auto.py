@@ -69,7 +69,7 @@ def fit_budget(cfg: RunConfig, *, model, prepared: Prepared, dist: Distributed, 
     t, f = cfg.train, cfg.finder
     say(dist, "finding the token budget (batching.max_tokens_per_batch: auto):")
     result = find_budget(
-        model, optimizer, worst, snap, low, high, limit_gb=t.memory_limit_gb, margin=f.memory_reserve, precision=t.precision,
+        model, optimizer=optimizer, worst=worst, snap=snap, low=low, high=high, limit_gb=t.memory_limit_gb, margin=f.memory_reserve, precision=t.precision,
         dist=dist, max_probes=f.max_probes, throughput_share=f.throughput_share, log=(lambda s: say(dist, s)), forward=forward,
     )  # fmt: skip
     del optimizer  # its state went back to empty; the trainer builds its own

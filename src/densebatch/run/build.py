@@ -206,7 +206,7 @@ def eval_loader(cfg: RunConfig, store: DocumentStore, dist: Distributed | None =
     store = eval_store(cfg, store)
     collator = collator_from_config(cfg.batching, store.meta, cfg.seed)
     steps = StepSettings(1, None, dist.world_size, dist.rank)
-    return StepLoader(store, eval_settings(cfg, store), collator, cfg.seed, steps, prefetch=0)
+    return StepLoader(store, settings=eval_settings(cfg, store), collator=collator, seed=cfg.seed, steps=steps, prefetch=0)
 
 
 def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
@@ -216,7 +216,13 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
     steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)
     collator = collator_from_config(cfg.batching, prepared.train.meta, cfg.seed)
     loader = StepLoader(
-        prepared.train, settings, collator, cfg.seed, steps, prefetch=cfg.batching.prefetch, weights=prepared.weights
+        prepared.train,
+        settings=settings,
+        collator=collator,
+        seed=cfg.seed,
+        steps=steps,
+        prefetch=cfg.batching.prefetch,
+        weights=prepared.weights,
     )
     if prepared.eval is None:
         return loader, None
@@ -235,7 +241,9 @@ def source_weights(cfg: RunConfig, prepared: Prepared, loader: StepLoader | None
     store = prepared.train
     counts = store.lengths if cfg.batching.mode == "mlm" else None  # masked-LM targets: a share of every token
     selection = loader.selection(0) if loader is not None else None
-    factors = batch_balance(store, prepared.weights, cfg.seed, cfg.batching.rows_per_batch, counts=counts, selection=selection)
+    factors = batch_balance(
+        store, weights=prepared.weights, seed=cfg.seed, rows=cfg.batching.rows_per_batch, counts=counts, selection=selection
+    )
     return None if factors is None else [float(f) for f in factors]
 
 

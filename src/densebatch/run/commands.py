@@ -37,7 +37,7 @@ def analyze_command(cfg: RunConfig, args) -> int:
     settings = PlanSettings.from_config(cfg.batching)
     kw = dict(json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy, plot=args.plot)
     if args.lengths:
-        print(analyze_main(read_lengths(args.lengths), settings, seed=cfg.seed, **kw))
+        print(analyze_main(read_lengths(args.lengths), settings=settings, seed=cfg.seed, **kw))
     else:  # prepared documents: per source too, with the mixture's weights
         print(analyze_prepared(prepare_data(cfg.data, cfg.seed), settings, cfg.seed, **kw))
     return 0

@@ -32,7 +32,7 @@ SHARD_BYTES = 5 * 2**30  # save_pretrained's long-standing default shard size
 INDEX = "model.safetensors.index.json"
 
 
-def write_final(final: Path, model, tok, cfg: RunConfig, step: int, dist: Distributed | None = None) -> None:
+def write_final(final: Path, *, model, tok, cfg: RunConfig, step: int, dist: Distributed | None = None) -> None:
     """``final`` (model, tokenizer, config, step), atomically; every rank calls. A write that fails (no
     space left) is one line on every rank: nothing half-written is left, and the run's last checkpoint
     holds what training made."""
@@ -40,7 +40,7 @@ def write_final(final: Path, model, tok, cfg: RunConfig, step: int, dist: Distri
     names = model.export_names(list(model_state(model))) if is_sharded(model) else None
     try:
         if is_sharded(model) and names is not None:
-            _stream_final(final, model, names, tok, cfg, step, dist)
+            _stream_final(final, model=model, names=names, tok=tok, cfg=cfg, step=step, dist=dist)
             return
         adapter = gathered_adapter(model) if is_sharded(model) else None  # LoRA under FSDP
         if dist.is_main:
@@ -92,7 +92,7 @@ def shard_plan(sizes: list[int], limit: int | None = None) -> list[list[int]]:
     return files
 
 
-def _stream_final(final: Path, model, names: dict[str, str], tok, cfg: RunConfig, step: int, dist: Distributed) -> None:
+def _stream_final(final: Path, *, model, names: dict[str, str], tok, cfg: RunConfig, step: int, dist: Distributed) -> None:
     state = model_state(model)  # this rank's shards, no copy
     first: dict[int, str] = {}
     items = []  # (saved name, tensor), tied tensors once

@@ -57,7 +57,9 @@ def homogeneity_warning(cfg: RunConfig, prepared: Prepared, loader: StepLoader) 
     ones (``data/plan/homogeneity.py``), measured on epoch 0's plan (its first shard when sharded)."""
     store = prepared.train
     source_of = store.sources_of if store.sources_of([]) is not None else None  # plans hold store document ids
-    h = homogeneity(loader.plan(0), loader.lengths, source_of, len(store.source_names), max_shards=1)
+    h = homogeneity(
+        loader.plan(0), lengths=loader.lengths, source_of=source_of, num_sources=len(store.source_names), max_shards=1
+    )
     return homogeneity_warning_line(h, cfg.batching.strategy, cfg.batching.bundle_tokens)
 
 

@@ -140,7 +140,7 @@ def plan_resume(saved: dict, requested: RunConfig, overrides: list[str]) -> Resu
     return plan
 
 
-def resolve_run(requested: RunConfig, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed):
+def resolve_run(requested: RunConfig, *, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed):
     """(configuration to run, checkpoint to resume from or None, what ``--overwrite`` deletes or None), after the
     resume / overwrite rules. The deletion is the caller's to call once the new run is set up: a typo in the new
     run's data or model then leaves the old run as it was."""

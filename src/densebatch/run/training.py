@@ -57,7 +57,9 @@ def train(path: str | None, overrides: list[str], resume: bool = False, overwrit
 
 
 def _train(requested: RunConfig, *, overrides: list[str], resume: bool, overwrite: bool, dist: Distributed) -> int:
-    cfg, resume_from, start_over = resolve_run(requested, overrides, resume, overwrite, dist)  # resolve
+    cfg, resume_from, start_over = resolve_run(
+        requested, overrides=overrides, resume=resume, overwrite=overwrite, dist=dist
+    )  # resolve
     run = build_run(cfg, dist, start_over)  # build
     if dist.is_main:  # report
         for line in report_lines(run.cfg, run.prepared, run.loader, run.weights):
@@ -66,8 +68,8 @@ def _train(requested: RunConfig, *, overrides: list[str], resume: bool, overwrit
     final_cfg = resolve_lr(run.cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which takes the rate
     out = Path(final_cfg.output_dir)
     session = Session(
-        trainer, CheckpointManager(out / CHECKPOINT_DIR, final_cfg.checkpoint.keep_last, final_cfg.checkpoint.mirror_dir, dist),
-        final_cfg.checkpoint.every_steps, final_cfg.train.guard.rollback_lr_factor, config=to_dict(final_cfg),
+        trainer, checkpoints=CheckpointManager(out / CHECKPOINT_DIR, final_cfg.checkpoint.keep_last, final_cfg.checkpoint.mirror_dir, dist),
+        every_steps=final_cfg.checkpoint.every_steps, rollback_lr_factor=final_cfg.train.guard.rollback_lr_factor, config=to_dict(final_cfg),
         background_saves=final_cfg.checkpoint.async_,
     )  # fmt: skip
     if resume_from is not None:
@@ -157,7 +159,7 @@ def finish(cfg: RunConfig, *, run: Run, trainer: Trainer, stop_reason: str, dist
             print("stopped by signal; continue with --resume", flush=True)
         return 0
     final = out / FINAL_DIR
-    write_final(final, trainer.model, run.prepared.tokenizer, cfg, trainer.state.step, dist)
+    write_final(final, model=trainer.model, tok=run.prepared.tokenizer, cfg=cfg, step=trainer.state.step, dist=dist)
     if dist.is_main:
         accuracy = run.accuracy
         if accuracy is not None and accuracy.samples:

@@ -120,7 +120,7 @@ class Trainer:
         self.metrics: MetricsWriter | None = None  # open during run(); the session writes its events here
         self.sinks = list(reporting.sinks)
         self.health = reporting.health
-        self.console = Console(None, 0, enabled=False)
+        self.console = Console(None, initial_step=0, enabled=False)
         self._show_console = reporting.console and self.dist.is_main
         self._it: Iterator[Step] | None = None  # created lazily so that load_state_dict can reposition data
         self._mark = time.perf_counter()
@@ -211,7 +211,9 @@ class Trainer:
             st.total_steps = estimate_total_steps(self.cfg, self.data.steps_per_epoch(), first_tokens, self.batch_schedule)
             self.console.set_total(self.cfg.max_steps or st.total_steps)
         scale = st.lr_scale * (self.batch_schedule.before_step(self) if self.batch_schedule is not None else 1.0)
-        return set_lrs(self.optimizer, st.step, self.cfg, st.total_steps, scale)  # per layer group (train/optim.py)
+        return set_lrs(
+            self.optimizer, step=st.step, cfg=self.cfg, total_steps=st.total_steps, scale=scale
+        )  # per layer group (train/optim.py)
 
     def train_step(self, step: Step) -> StepResult:
         """One optimizer step: schedule, forward/backward, clip, verdict, update, log, evaluate."""
@@ -339,7 +341,7 @@ class Trainer:
             # A fresh run starts its metrics afresh; a resumed one appends after the kept records.
             self.metrics = MetricsWriter(self.output_dir / METRICS_FILE, append=self.state.step > 0)
         total = self.cfg.max_steps or self.state.total_steps
-        self.console = Console(total, self.state.step, enabled=self._show_console, progress=self.cfg.progress)
+        self.console = Console(total, initial_step=self.state.step, enabled=self._show_console, progress=self.cfg.progress)
         self.model.train()
         self._mark = time.perf_counter()
         try:
@@ -354,7 +356,9 @@ class Trainer:
                     self.compiled.after_step()
             if reason != "interrupted" and self.state.last_eval_step != self.state.step:
                 self.evaluate_now()
-            self._facts = finish_run(self.device, self.dist.gather_object, self.write_record, self.state.step, reason)
+            self._facts = finish_run(
+                self.device, gather=self.dist.gather_object, write=self.write_record, step=self.state.step, reason=reason
+            )
         finally:
             # Stop the loader's prefetch thread now: left to interpreter shutdown, a daemon thread inside
             # a torch op is killed mid-call ("terminate called without an active exception", SIGABRT).

@@ -114,7 +114,9 @@ def lr_at(step: int, cfg: TrainConfig, total_steps: int | None) -> float:
     linear) decay to ``min_lr_ratio * lr`` at ``total_steps``, flat afterwards; ``constant`` stays at
     ``lr``. With ``total_steps`` unknown (None) there is nothing to decay towards: ``lr`` after warm-up.
     """
-    return _curve(step, cfg.lr, cfg.schedule, cfg.warmup_steps, cfg.min_lr_ratio, total_steps)
+    return _curve(
+        step, lr=cfg.lr, schedule=cfg.schedule, warmup=cfg.warmup_steps, min_ratio=cfg.min_lr_ratio, total_steps=total_steps
+    )
 
 
 def group_lr_at(step: int, cfg: TrainConfig, total_steps: int | None, group: str) -> float:
@@ -124,10 +126,10 @@ def group_lr_at(step: int, cfg: TrainConfig, total_steps: int | None, group: str
     schedule = cfg.schedule if g.schedule == "same" else g.schedule
     warmup = cfg.warmup_steps if g.warmup_steps is None else g.warmup_steps
     ratio = cfg.min_lr_ratio if g.min_lr_ratio is None else g.min_lr_ratio
-    return _curve(step, cfg.lr, schedule, warmup, ratio, total_steps)
+    return _curve(step, lr=cfg.lr, schedule=schedule, warmup=warmup, min_ratio=ratio, total_steps=total_steps)
 
 
-def _curve(step: int, lr: float, schedule: str, warmup: int, min_ratio: float, total_steps: int | None) -> float:
+def _curve(step: int, *, lr: float, schedule: str, warmup: int, min_ratio: float, total_steps: int | None) -> float:
     if step < warmup:
         return lr * (step + 1) / warmup
     if schedule == "constant" or total_steps is None:
@@ -142,7 +144,9 @@ def _curve(step: int, lr: float, schedule: str, warmup: int, min_ratio: float, t
     raise ValueError(f"train.schedule: expected cosine, linear or constant; got {schedule!r}")
 
 
-def set_lrs(optimizer: torch.optim.Optimizer, step: int, cfg: TrainConfig, total_steps: int | None, scale: float = 1.0) -> float:
+def set_lrs(
+    optimizer: torch.optim.Optimizer, *, step: int, cfg: TrainConfig, total_steps: int | None, scale: float = 1.0
+) -> float:
     """Set every group's ``lr`` for the update ``step``: its layer group's schedule (``group_lr_at``;
     the group's name begins with it) x ``scale`` x ``lr_mult``. Returns ``lr_at(...) x scale``, the
     rate of a group with multiplier 1 under ``train.schedule`` (what the metrics call ``lr``)."""

@@ -52,6 +52,7 @@ class Session:
     def __init__(
         self,
         trainer: Trainer,
+        *,
         checkpoints: CheckpointManager,
         every_steps: int = 0,
         rollback_lr_factor: float = 0.5,

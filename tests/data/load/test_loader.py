@@ -18,7 +18,12 @@ from densebatch.errors import DataError
 def _loader(prefetch, strategy="packed", seed=3, store=None, **steps):
     s = PlanSettings(strategy=strategy, seq_len=64, max_tokens_per_batch=128, rows_per_batch=4)
     return StepLoader(
-        store or random_store(60), s, CausalCollator(pad_id=0), seed=seed, steps=StepSettings(**steps), prefetch=prefetch
+        store or random_store(60),
+        settings=s,
+        collator=CausalCollator(pad_id=0),
+        seed=seed,
+        steps=StepSettings(**steps),
+        prefetch=prefetch,
     )
 
 

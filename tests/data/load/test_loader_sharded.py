@@ -35,7 +35,7 @@ def _pair(strategy, store, shard_docs=16, fraction=1.0, **steps):
     )
     out = []
     for cls in (StepLoader, MaterialisedLoader):
-        ld = cls(store, s, CausalCollator(pad_id=0), seed=5, steps=StepSettings(**steps), prefetch=0)
+        ld = cls(store, settings=s, collator=CausalCollator(pad_id=0), seed=5, steps=StepSettings(**steps), prefetch=0)
         ld.set_step_fraction(lambda step, f=fraction: f if step < 3 else 1.0)  # a ramp: the first steps are partial
         out.append(ld)
     return out

@@ -94,7 +94,7 @@ def test_loss_tokens_cut_are_the_targets_in_the_truncated_tails(lengths, cap, se
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     mask = np.random.default_rng(seed).integers(0, 2, int(offsets[-1])).astype(np.uint8)
     expected = sum(int(mask[offsets[d] + cap : offsets[d + 1]].sum()) for d in range(len(lengths)) if lengths[d] > cap)
-    store = DocumentStore(np.zeros(int(offsets[-1]), np.int32), offsets, mask, {})
+    store = DocumentStore(np.zeros(int(offsets[-1]), np.int32), offsets=offsets, loss_mask=mask, meta={})
     assert loss_tokens_cut(store, cap) == (expected, int((lengths > cap).sum()))
 
 

@@ -101,7 +101,9 @@ def test_row_loss_tokens_count_targets_as_the_collator_labels_them():
 
 
 def _cum(plan, offsets, mask, rate=None):
-    return cumulative_row_loss_tokens(plan, DocumentStore(np.zeros(len(mask), np.int32), offsets, mask, {}), rate)
+    return cumulative_row_loss_tokens(
+        plan, DocumentStore(np.zeros(len(mask), np.int32), offsets=offsets, loss_mask=mask, meta={}), rate
+    )
 
 
 def _reference(plan, offsets, mask):

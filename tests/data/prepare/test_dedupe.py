@@ -249,7 +249,7 @@ def test_ranks_share_out_a_near_deduped_mixture_and_rank_0_only_assembles(tmp_pa
     cfg = dataclasses.replace(_mixture(tmp_path, recs[:9], second, "near"), chunk_records=4, num_proc=1)
     one = prepare(dataclasses.replace(cfg, cache_dir=str(tmp_path / "one")))
     made, real = [], stream._prepare_chunk
-    monkeypatch.setattr(stream, "_prepare_chunk", lambda c, i, *a: made.append(i) or real(c, i, *a))
+    monkeypatch.setattr(stream, "_prepare_chunk", lambda c, **kw: made.append(kw["index"]) or real(c, **kw))
     assert sum(prepare_share(cfg, rank, 2) for rank in (1, 0)) == len(made) == 6  # 3 chunks a source
     made.clear()
     got = prepare(cfg)

@@ -36,9 +36,9 @@ def built(monkeypatch) -> list[str]:
     made: list[str] = []
     real = pipeline._build_one
 
-    def counting(final, name, cfg, *a, **kw):
-        made.append(cfg.path)
-        return real(final, name, cfg, *a, **kw)
+    def counting(final, **kw):
+        made.append(kw["cfg"].path)
+        return real(final, **kw)
 
     monkeypatch.setattr(pipeline, "_build_one", counting)
     return made

@@ -213,10 +213,10 @@ def test_a_bad_record_in_a_workers_chunk_is_named_as_in_one_process(data_cfg, tm
         prepare(data_cfg(path=str(path), num_proc=2, chunk_records=64))
 
 
-def _die_on_chunk_3(cfg, index, *args):
-    if index == 3:
+def _die_on_chunk_3(cfg, **kw):
+    if kw["index"] == 3:
         os._exit(9)  # a worker killed in the middle of its chunk
-    return _real_prepare_chunk(cfg, index, *args)
+    return _real_prepare_chunk(cfg, **kw)
 
 
 _real_prepare_chunk = stream._prepare_chunk
@@ -232,7 +232,7 @@ def test_a_dead_worker_is_one_line_and_the_rerun_prepares_only_the_missing_chunk
     done = sorted(p.name for p in stage.glob("chunk-*.npz"))
     assert "chunk-000003.npz" not in done and len(done) >= 2  # a chunk cut short left at most a temporary file
     redone = []
-    monkeypatch.setattr(stream, "_prepare_chunk", lambda cfg, i, *a: redone.append(i) or _real_prepare_chunk(cfg, i, *a))
+    monkeypatch.setattr(stream, "_prepare_chunk", lambda cfg, **kw: redone.append(kw["index"]) or _real_prepare_chunk(cfg, **kw))
     got = _prepare(data_cfg, path, tmp_path, "c", num_proc=1, chunk_records=64)
     assert 3 in redone and not any(f"chunk-{i:06d}.npz" in done for i in redone)  # no completed chunk redone
     with monkeypatch.context() as m:
@@ -250,7 +250,7 @@ def test_ranks_each_prepare_a_disjoint_share_and_rank_0_assembles_the_same_store
     path.write_bytes(b"\n".join(_records(600, seed=2)) + b"\n")
     one = _prepare(data_cfg, path, tmp_path, "one", chunk_records=64)
     made = []
-    monkeypatch.setattr(stream, "_prepare_chunk", lambda cfg, i, *a: made.append(i) or _real_prepare_chunk(cfg, i, *a))
+    monkeypatch.setattr(stream, "_prepare_chunk", lambda cfg, **kw: made.append(kw["index"]) or _real_prepare_chunk(cfg, **kw))
     cfg = dict(cache_dir=str(tmp_path / "ranks"), eval_fraction=0.1, max_seq_len=300, on_bad_record="skip", num_proc=1)
     shares = []
     for rank in (2, 0, 1):

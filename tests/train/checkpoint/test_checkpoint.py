@@ -109,7 +109,7 @@ def flip_byte(path: Path, where: float = 0.5) -> None:
 
 def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
     model, opt, extra = make_state()
-    path = save_checkpoint(tmp_path, 3, model.state_dict(), opt.state_dict(), extra)
+    path = save_checkpoint(tmp_path, step=3, model_state=model.state_dict(), optimizer_state=opt.state_dict(), extra_state=extra)
     assert path.name == "step-000003"
     assert verify(path) == (True, "ok")
     assert sorted(p.name for p in path.iterdir()) == [
@@ -144,7 +144,7 @@ def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
 def test_views_sharing_storage_are_stored_apart(tmp_path):
     fused = torch.arange(12.0).reshape(3, 4)
     state = {"q": fused[0], "k": fused[1], "all": fused, "again": fused, "empty": torch.zeros(0)}
-    ck = load_checkpoint(save_checkpoint(tmp_path, 1, state))
+    ck = load_checkpoint(save_checkpoint(tmp_path, step=1, model_state=state))
     assert_same(state, dict(ck.model_state))
     assert ck.model_state["again"] is ck.model_state["all"]
     assert ck.optimizer_state is None and ck.extra_state is None
@@ -152,7 +152,9 @@ def test_views_sharing_storage_are_stored_apart(tmp_path):
 
 def test_unsupported_value_is_a_clear_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"extra\.fn .*function"):
-        save_checkpoint(tmp_path, 1, {"w": torch.ones(2)}, None, {"extra": {"fn": len}})
+        save_checkpoint(
+            tmp_path, step=1, model_state={"w": torch.ones(2)}, optimizer_state=None, extra_state={"extra": {"fn": len}}
+        )
     assert list(tmp_path.iterdir()) == []  # nothing half-written is left behind
 
 
@@ -160,8 +162,10 @@ def test_unsupported_value_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("where", [0.02, 0.5, 0.999])
 def test_flipped_byte_is_detected_and_skipped(tmp_path, name, where):
     model, opt, extra = make_state()
-    first = save_checkpoint(tmp_path, 1, model.state_dict(), opt.state_dict(), extra)
-    second = save_checkpoint(tmp_path, 2, model.state_dict(), opt.state_dict(), extra)
+    first = save_checkpoint(tmp_path, step=1, model_state=model.state_dict(), optimizer_state=opt.state_dict(), extra_state=extra)
+    second = save_checkpoint(
+        tmp_path, step=2, model_state=model.state_dict(), optimizer_state=opt.state_dict(), extra_state=extra
+    )
     flip_byte(second / name, where)
     ok, reason = verify(second)
     assert not ok and reason == f"{name} SHA-256 mismatch"
@@ -174,9 +178,9 @@ def test_flipped_byte_is_detected_and_skipped(tmp_path, name, where):
 
 def test_damaged_manifest_or_truncated_file_is_skipped(tmp_path):
     state = {"w": torch.randn(100)}
-    first = save_checkpoint(tmp_path, 1, state)
-    save_checkpoint(tmp_path, 2, state)
-    third = save_checkpoint(tmp_path, 3, state)
+    first = save_checkpoint(tmp_path, step=1, model_state=state)
+    save_checkpoint(tmp_path, step=2, model_state=state)
+    third = save_checkpoint(tmp_path, step=3, model_state=state)
     (tmp_path / "step-000002" / "manifest.json").write_text('{"format_version": 1, "files": ')
     size = (third / "model.safetensors").stat().st_size
     with open(third / "model.safetensors", "r+b") as f:
@@ -188,7 +192,7 @@ def test_damaged_manifest_or_truncated_file_is_skipped(tmp_path):
 
 
 def test_incomplete_directories_are_never_returned(tmp_path):
-    good = save_checkpoint(tmp_path, 1, {"w": torch.ones(3)})
+    good = save_checkpoint(tmp_path, step=1, model_state={"w": torch.ones(3)})
     # A writer without our protocol (no manifest), and a temp dir of a dead process.
     (tmp_path / "step-000007").mkdir()
     (tmp_path / "step-000007" / "model.safetensors").write_bytes(b"\0" * 10)
@@ -217,7 +221,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
         import densebatch.train.checkpoint.manager as ck
         root = sys.argv[1]
         state = {"w": torch.full((1 << 20,), 1.0)}
-        ck.save_checkpoint(root, 1, state, {"m": torch.ones(4)})
+        ck.save_checkpoint(root, step=1, model_state=state, optimizer_state={"m": torch.ones(4)})
         real = ck.write_safetensors
         def dying(tensors, path, metadata=None):
             written = real(tensors, path, metadata=metadata)
@@ -225,7 +229,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint(tmp_path
                 os.kill(os.getpid(), signal.SIGKILL)
             return written
         ck.write_safetensors = dying
-        ck.save_checkpoint(root, 2, {"w": torch.full((1 << 20,), 2.0)}, {"m": torch.ones(4)})
+        ck.save_checkpoint(root, step=2, model_state={"w": torch.full((1 << 20,), 2.0)}, optimizer_state={"m": torch.ones(4)})
     """,
         tmp_path,
     )
@@ -244,7 +248,7 @@ def test_sigkill_at_a_random_moment_of_repeated_saves(tmp_path):
         import densebatch.train.checkpoint.manager as ck
         root = sys.argv[1]
         for step in range(1, 10_000):
-            ck.save_checkpoint(root, step, {"w": torch.full((1 << 21,), float(step))}, keep_last=2)
+            ck.save_checkpoint(root, step=step, model_state={"w": torch.full((1 << 21,), float(step))}, keep_last=2)
             print(step, flush=True)
     """,
         tmp_path,
@@ -266,12 +270,12 @@ def test_sigkill_at_a_random_moment_of_repeated_saves(tmp_path):
 def test_keep_last_prunes_oldest_and_a_resumed_run_drops_the_abandoned_future(tmp_path):
     mgr = CheckpointManager(tmp_path, keep_last=2)
     for step in (10, 20, 30, 40):
-        mgr.save(step, {"w": torch.tensor([float(step)])})
+        mgr.save(step, model_state={"w": torch.tensor([float(step)])})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000030", "step-000040"]
-    mgr.save(40, {"w": torch.tensor([41.0])})  # same step again: replaced, not merged
+    mgr.save(40, model_state={"w": torch.tensor([41.0])})  # same step again: replaced, not merged
     assert mgr.load(tmp_path / "step-000040").model_state["w"].item() == 41.0
     with pytest.warns(CheckpointWarning, match="step-000040: newer than the step just saved"):
-        mgr.save(35, {"w": torch.tensor([35.0])})
+        mgr.save(35, model_state={"w": torch.tensor([35.0])})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000030", "step-000035"]
 
 
@@ -280,7 +284,7 @@ def test_mirror_gets_a_verified_copy_and_is_the_fallback(tmp_path):
     mgr = CheckpointManager(root, keep_last=2, mirror_dir=mirror)
     model, opt, extra = make_state()
     for step in (1, 2, 3):
-        mgr.save(step, model.state_dict(), opt.state_dict(), extra)
+        mgr.save(step, model_state=model.state_dict(), optimizer_state=opt.state_dict(), extra_state=extra)
     assert sorted(p.name for p in mirror.iterdir()) == ["step-000002", "step-000003"]
     for name in ("manifest.json", "model.safetensors", "optimizer.safetensors", "state.json"):
         assert (mirror / "step-000003" / name).read_bytes() == (root / "step-000003" / name).read_bytes()
@@ -296,7 +300,7 @@ def test_a_failing_mirror_warns_and_keeps_the_primary(tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("x")
     with pytest.warns(CheckpointWarning, match="mirror copy to .* failed"):
-        path = save_checkpoint(tmp_path / "run", 1, {"w": torch.ones(2)}, mirror_dir=blocker)
+        path = save_checkpoint(tmp_path / "run", step=1, model_state={"w": torch.ones(2)}, mirror_dir=blocker)
     assert verify(path)[0]
 
 
@@ -369,8 +373,8 @@ def test_a_byte_flipped_far_into_a_large_file_is_detected(tmp_path, offset):
     """Every other checkpoint test writes files under 1 MiB: a verifier that hashed only a file's
     first megabyte would pass them all. Here the model file is > 4 MiB and the byte is past 1 MiB."""
     state = {"big": torch.arange(1_300_000, dtype=torch.float32), "small": torch.ones(3)}  # (5.2 MB)
-    first = save_checkpoint(tmp_path, 1, state)
-    second = save_checkpoint(tmp_path, 2, state)
+    first = save_checkpoint(tmp_path, step=1, model_state=state)
+    second = save_checkpoint(tmp_path, step=2, model_state=state)
     f = second / "model.safetensors"
     data = bytearray(f.read_bytes())
     assert len(data) > 4 << 20

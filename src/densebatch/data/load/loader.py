@@ -44,6 +44,7 @@ class StepLoader:
     def __init__(
         self,
         store: DocumentStore,
+        *,
         settings: PlanSettings,
         collator: Collator,
         seed: int,

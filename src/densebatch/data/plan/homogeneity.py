@@ -53,6 +53,7 @@ def _quantile_table(lengths) -> np.ndarray:
 
 def homogeneity(
     plan,
+    *,
     lengths: np.ndarray,
     source_of: Callable[[np.ndarray], np.ndarray] | None = None,
     num_sources: int = 1,

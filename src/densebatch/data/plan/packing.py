@@ -38,7 +38,7 @@ def best_fit_decreasing(hist: np.ndarray, S: int) -> Groups:
     levels: dict[int, list[int]] = {}  # remaining capacity -> live groups
     level_n = np.zeros(S + 1, np.int64)  # rows per remaining capacity (for the best-fit search)
 
-    def add(g, L, m, cnt, rem):
+    def add(g, *, L, m, cnt, rem):
         parent.append(g), glen.append(L), gmul.append(m), gcount.append(cnt)
         levels.setdefault(rem, []).append(len(parent) - 1)
         level_n[rem] += cnt
@@ -50,10 +50,10 @@ def best_fit_decreasing(hist: np.ndarray, S: int) -> Groups:
             if len(nz) == 0:  # open new rows: each takes q = S // L items
                 q = S // L
                 if c >= q:
-                    add(0, L, q, c // q, S - q * L)
+                    add(0, L=L, m=q, cnt=c // q, rem=S - q * L)
                     c -= c // q * q
                 if c:
-                    add(0, L, c, 1, S - c * L)
+                    add(0, L=L, m=c, cnt=1, rem=S - c * L)
                     c = 0
                 continue
             rem = L + int(nz[0])  # best fit: the smallest remaining capacity that holds L
@@ -65,12 +65,12 @@ def best_fit_decreasing(hist: np.ndarray, S: int) -> Groups:
                 if full:
                     gcount[g] -= full
                     level_n[rem] -= full
-                    add(g, L, q, full, rem - q * L)
+                    add(g, L=L, m=q, cnt=full, rem=rem - q * L)
                     c -= full * q
                 if c and c < q and gcount[g]:  # the rest all fit in one more row of this level
                     gcount[g] -= 1
                     level_n[rem] -= 1
-                    add(g, L, c, 1, rem - c * L)
+                    add(g, L=L, m=c, cnt=1, rem=rem - c * L)
                     c = 0
                 if gcount[g] == 0:
                     groups.pop()

@@ -31,7 +31,7 @@ _TAG = 0x42414C  # keeps this draw apart from the planner's streams of the same 
 
 
 def batch_balance(
-    store, weights, seed: int, rows: int, batches: int = SAMPLE_BATCHES, counts=None, selection=None
+    store, *, weights, seed: int, rows: int, batches: int = SAMPLE_BATCHES, counts=None, selection=None
 ) -> np.ndarray | None:
     """Per-source loss-token factors (float64, one per source) of random batches of ``rows`` documents
     over epoch 0's documents of ``store`` mixed by ``weights`` (None: natural shares); None for a

@@ -115,7 +115,7 @@ def _files(fmt: str, p: Path) -> list[Path]:
     return [p] + [q for q in (Path(f"{p}.index"), Path(f"{p}.loss"), Path(f"{p}.metadata")) if q.exists()]
 
 
-def _key(cfg: DataConfig, fmt: str, tok, inputs: list[Path], evals: list[Path]) -> str:
+def _key(cfg: DataConfig, *, fmt: str, tok, inputs: list[Path], evals: list[Path]) -> str:
     files = lambda p: _files(fmt, p)  # noqa: E731
     ident = [[input_key(str(f), cfg.verify_inputs) if f.exists() else str(f) for f in files(p)] for p in inputs]
     eval_ident = [[input_key(str(f), cfg.verify_inputs) if f.exists() else str(f) for f in files(p)] for p in evals]
@@ -178,7 +178,7 @@ def _windows(lengths: np.ndarray):
         d = e
 
 
-def _check_ids(x: Input, starts: np.ndarray, lengths: np.ndarray, first: int, vocab: int, tok_name: str) -> None:
+def _check_ids(x: Input, *, starts: np.ndarray, lengths: np.ndarray, first: int, vocab: int, tok_name: str) -> None:
     """Every token id of documents ``first`` .. of ``x`` (their ``starts`` and ``lengths``) within 0 .. vocab - 1,
     a window of documents at a time; ``DataError`` naming the file, the document and the token."""
     if x.tokens.dtype.kind == "u" and np.iinfo(x.tokens.dtype).max < vocab:
@@ -196,7 +196,7 @@ def _check_ids(x: Input, starts: np.ndarray, lengths: np.ndarray, first: int, vo
             )
 
 
-def _keep(x: Input, starts: np.ndarray, lengths: np.ndarray, cfg: DataConfig, s: PrepareSummary):
+def _keep(x: Input, *, starts: np.ndarray, lengths: np.ndarray, cfg: DataConfig, s: PrepareSummary):
     """The starts, lengths and loss tokens of the documents (``starts``, ``lengths``) of ``x`` that a split keeps
     (too short dropped; overlong truncated or dropped; with the writer's mask, those left without a loss token
     dropped)."""
@@ -238,7 +238,7 @@ def _joined(arrays: list[np.ndarray]):
     return joined
 
 
-def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path], evals: list[Path]) -> PrepareSummary:
+def _build(tmp: Path, *, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path], evals: list[Path]) -> PrepareSummary:
     s = PrepareSummary(source=str(cfg.path), format=fmt, tokenizer=tok.name, template="none (token ids as written)")
     s.eval_repeats_train = -1  # not checked: no text (summary: "not checked")
     s.eval_source = f"eval_path {cfg.eval_path}" if evals else f"{cfg.eval_fraction:g} of each file's documents by index hash"
@@ -259,14 +259,14 @@ def _build(tmp: Path, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path
             for a in range(0, n, _BLOCK):  # a block of documents at a time: memory bounded whatever the corpus
                 b = min(n, a + _BLOCK)
                 starts, lengths = np.asarray(x.doc_starts[a:b], np.int64), np.asarray(x.doc_lengths[a:b], np.int64)
-                _check_ids(x, starts, lengths, a, tok.vocab_size, tok.name)
+                _check_ids(x, starts=starts, lengths=lengths, first=a, vocab=tok.vocab_size, tok_name=tok.name)
                 ev = np.ones(b - a, bool) if split_of == "eval" else held_out(n, 0.0 if evals else cfg.eval_fraction, a, b)
                 for split, sel in (("train", ~ev), ("eval", ev)):
                     if split not in base or not sel.any():
                         continue
                     if split not in writers:
                         writers[split] = SplitWriter(tmp / split, meta_of(split))
-                    kept, length, loss = _keep(x, starts[sel], lengths[sel], cfg, s)
+                    kept, length, loss = _keep(x, starts=starts[sel], lengths=lengths[sel], cfg=cfg, s=s)
                     writers[split].add(kept + base[split], length, loss)
     for split in ("train", "eval"):
         w = writers.get(split)
@@ -351,12 +351,12 @@ def prepare_foreign(
         )
     inputs = _paths(cfg.path, fmt)
     evals = _paths(cfg.eval_path, fmt) if cfg.eval_path is not None else []
-    final = Path(cfg.cache_dir) / f"{fmt}-{_key(cfg, fmt, tok, inputs, evals)}"
+    final = Path(cfg.cache_dir) / f"{fmt}-{_key(cfg, fmt=fmt, tok=tok, inputs=inputs, evals=evals)}"
     if marker_ok(final):
         return _open(final, tok, t0, True)
     with entry_lock(final):
         if not marker_ok(final):
             with staged_store(final) as tmp:
-                _build(tmp, cfg, fmt, tok, meta_of, inputs, evals)
+                _build(tmp, cfg=cfg, fmt=fmt, tok=tok, meta_of=meta_of, inputs=inputs, evals=evals)
             return _open(final, tok, t0, False)
     return _open(final, tok, t0, True)

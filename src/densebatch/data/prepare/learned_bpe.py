@@ -36,7 +36,9 @@ def train_bpe(texts, *, vocab_size: int, pad_id: int | None = None, name: str | 
         show_progress=False,
     )
     tok.train_from_iterator((utf8(t).decode("utf-8", "replace") for t in texts), trainer=trainer)  # as encode_batch reads them
-    return HFTokenizer(tok, name or f"bpe:{vocab_size}", BPE_SPECIALS[0], BPE_SPECIALS[1], pad_id, added)
+    return HFTokenizer(
+        tok, name=name or f"bpe:{vocab_size}", eos_token=BPE_SPECIALS[0], mask_token=BPE_SPECIALS[1], pad_id=pad_id, added=added
+    )
 
 
 def learn_bpe(sources: Iterable[tuple[Iterable[tuple[str, dict]], DataConfig]], pending: PendingBPE) -> Tokenizer:
@@ -65,7 +67,7 @@ def learn_bpe(sources: Iterable[tuple[Iterable[tuple[str, dict]], DataConfig]], 
                     rendered += 1
                     yield text
             if first is not None:
-                refuse_ids_for_a_new_bpe(first, found, n, cfg, pending)
+                refuse_ids_for_a_new_bpe(first, found=found, n=n, cfg=cfg, pending=pending)
 
     tok = train_bpe(
         texts(), vocab_size=pending.vocab_size, pad_id=pending.requested_pad_id, name=pending.name, added=pending.requested
@@ -75,7 +77,7 @@ def learn_bpe(sources: Iterable[tuple[Iterable[tuple[str, dict]], DataConfig]], 
     return tok
 
 
-def refuse_ids_for_a_new_bpe(first: str, found: int, n: int, cfg: DataConfig, pending: PendingBPE) -> None:
+def refuse_ids_for_a_new_bpe(first: str, *, found: int, n: int, cfg: DataConfig, pending: PendingBPE) -> None:
     """Pre-tokenised records (``found`` of ``n``, the first at ``first``) hold ids of a tokenizer that
     already exists: learning a new one from text (``bpe:N``) cannot give their ids a meaning, and there
     may be no text at all to learn from."""

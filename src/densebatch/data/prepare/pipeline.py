@@ -178,13 +178,13 @@ def _cannot_write(final: Path, e: OSError) -> DataError:
     return DataError(f"data.cache_dir {final.parent}: cannot be written (the documents of {final.name}: {io_reason(e)})")
 
 
-def _prepare_one(name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, keys: list[str] | None = None) -> Prepared:
+def _prepare_one(name: str, *, cfg: DataConfig, fmt: str, tok: Tokenizer, t0: float, keys: list[str] | None = None) -> Prepared:
     """One source's entry (built, or found in the cache). ``keys``: a mixture's source keys up to this
     one's (``cache.source_keys``), whose entries before it hold the records it is deduped against."""
     keys = keys or [cache_key(cfg, tok)]
     final = Path(cfg.cache_dir) / keys[-1]
     prior = [Path(cfg.cache_dir) / k for k in keys[:-1]]
-    return _cached_or_built(final, tok, t0, lambda: _build_one(final, name, cfg, fmt, tok, prior))
+    return _cached_or_built(final, tok, t0, lambda: _build_one(final, name=name, cfg=cfg, fmt=fmt, tok=tok, prior=prior))
 
 
 def _summary(cfg: DataConfig, fmt: str, tok: Tokenizer) -> PrepareSummary:
@@ -206,7 +206,7 @@ def _prior_keys(cfg: DataConfig, prior: list[Path]) -> Keys | None:
     return read_prior(prior, mode == "near")
 
 
-def _build_one(final: Path, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, prior: list[Path]) -> Tokenizer:
+def _build_one(final: Path, *, name: str, cfg: DataConfig, fmt: str, tok: Tokenizer, prior: list[Path]) -> Tokenizer:
     """The entry ``final`` of one source, chunk by chunk on ``data.num_proc`` processes (``stream.py``), with
     memory bounded by the chunk; returns the tokenizer its documents were made with. The tests build the same
     entry in memory (``tests/data/prepare/in_memory_prepare.py``) and compare the two byte for byte."""
@@ -263,16 +263,16 @@ def _prepare_mixture(cfg: DataConfig, parts: list[Part], tok: Tokenizer, t0: flo
     final = Path(cfg.cache_dir) / f"mix-{hashlib.sha256(json.dumps(material).encode()).hexdigest()[:24]}"
     # Under the mixture's lock, each part's entry takes its own: always in that order, so no two processes
     # can each hold a lock the other waits for.
-    return _cached_or_built(final, tok, t0, lambda: _build_mixture(final, cfg, parts, tok, t0))
+    return _cached_or_built(final, tok, t0, lambda: _build_mixture(final, cfg=cfg, parts=parts, tok=tok, t0=t0))
 
 
-def _build_mixture(final: Path, cfg: DataConfig, parts: list[Part], tok: Tokenizer, t0: float) -> Tokenizer:
+def _build_mixture(final: Path, *, cfg: DataConfig, parts: list[Part], tok: Tokenizer, t0: float) -> Tokenizer:
     if isinstance(tok, PendingBPE):  # one vocabulary learned from every part's text (read as it comes), then each part with it
         tok = learn_bpe(
             ((Builder(p.cfg, tok, PrepareSummary(), collect_bad=True).stream(p.cfg.path, p.fmt), p.cfg) for p in parts), tok
         )
     keys = source_keys([p.cfg for p in parts], tok)  # with dedupe on, each part's names those before it
-    built = [_prepare_one(p.name, p.cfg, p.fmt, tok, t0, keys[: i + 1]) for i, p in enumerate(parts)]
+    built = [_prepare_one(p.name, cfg=p.cfg, fmt=p.fmt, tok=tok, t0=t0, keys=keys[: i + 1]) for i, p in enumerate(parts)]
     sources = _per_source(cfg, parts, built, tok)
     if len(sources) == 1:  # one source of several files
         summary = sources[0][1].of_files()
@@ -336,7 +336,7 @@ def prepare(cfg: DataConfig) -> Prepared:
     else:
         parts = source_parts(cfg)
         if len(parts) == 1:
-            prepared = _prepare_one(parts[0].name, parts[0].cfg, parts[0].fmt, tok, t0)
+            prepared = _prepare_one(parts[0].name, cfg=parts[0].cfg, fmt=parts[0].fmt, tok=tok, t0=t0)
         else:
             prepared = _prepare_mixture(cfg, parts, tok, t0)
     names = [name for name, _ in source_configs(cfg)]

@@ -92,17 +92,17 @@ def _init_worker(tok: Tokenizer) -> None:
     _TOK = tok
 
 
-def _run_chunk(cfg: DataConfig, index: int, work, stage: str, blocks: bool, tok: Tokenizer | None = None) -> int:
+def _run_chunk(cfg: DataConfig, *, index: int, work, stage: str, blocks: bool, tok: Tokenizer | None = None) -> int:
     """Prepare chunk ``index`` into ``stage``: ``work`` is its good records, or its ``LineRange`` (JSONL) or
     ``RowRange`` (Parquet, save_to_disk), read here; returns ``index``."""
     running = Path(stage) / f".running-{index:06d}-{os.getpid()}"  # names the chunk if this process dies
     running.touch()
-    _prepare_chunk(cfg, index, work, Path(stage), tok if tok is not None else _TOK, blocks)
+    _prepare_chunk(cfg, index=index, work=work, stage_dir=Path(stage), tok=tok if tok is not None else _TOK, blocks=blocks)
     running.unlink(missing_ok=True)
     return index
 
 
-def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Tokenizer, blocks: bool = False) -> None:
+def _prepare_chunk(cfg: DataConfig, *, index: int, work, stage_dir: Path, tok: Tokenizer, blocks: bool = False) -> None:
     """``blocks``: blocks of running text (``text_blocks.py``), kept whole here: cut into documents later."""
     b = Builder(cfg, tok, PrepareSummary(), collect_bad=True)
     items = list(b.stream(cfg.path, "jsonl", work)) if isinstance(work, (LineRange, RowRange)) else work
@@ -119,10 +119,10 @@ def _prepare_chunk(cfg: DataConfig, index: int, work, stage_dir: Path, tok: Toke
     if keeps_records(cfg):
         records = "".join(json.dumps(d.record, ensure_ascii=False, default=str) + "\n" for d in docs)
         (stage_dir / f"{CHUNK_FILES.format(index)}.records.jsonl").write_text(records, encoding="utf-8")
-    write_chunk(b, stage_dir, index, docs, info, finish=not blocks)
+    write_chunk(b, stage_dir=stage_dir, index=index, docs=docs, info=info, finish=not blocks)
 
 
-def write_chunk(b: Builder, stage_dir: Path, index: int, docs: list, info: dict, finish: bool = True) -> None:
+def write_chunk(b: Builder, *, stage_dir: Path, index: int, docs: list, info: dict, finish: bool = True) -> None:
     """Chunk file ``index`` of ``docs`` (``finish``: judged by ``finish_one`` first, else all kept) with its
     ``info``: per-document columns, then the kept documents' tokens and mask."""
     outcomes = np.array([finish_one(d, b.cfg) if finish else KEPT for d in docs], np.int8)
@@ -226,7 +226,7 @@ def prepare_chunks(
     first = list(islice(jobs, 2))
     if num_proc <= 1 or len(first) < 2:  # one chunk (or one process): no pool to start
         for c in chain(first, jobs):
-            _run_chunk(cfg, c.index, c.work, str(stage), blocks, tok)
+            _run_chunk(cfg, index=c.index, work=c.work, stage=str(stage), blocks=blocks, tok=tok)
             c.work = None  # its records are not kept once prepared
         return chunks
     # fork where there is one (as datasets.map does): a spawned worker would import the caller's __main__,
@@ -236,15 +236,15 @@ def prepare_chunks(
     with cf.ProcessPoolExecutor(num_proc, mp_context=ctx, initializer=_init_worker, initargs=(tok,)) as pool:
         pending: dict[cf.Future, int] = {}
         for c in chain(first, jobs):
-            pending[pool.submit(_run_chunk, cfg, c.index, c.work, str(stage), blocks)] = c.index
+            pending[pool.submit(_run_chunk, cfg, index=c.index, work=c.work, stage=str(stage), blocks=blocks)] = c.index
             c.work = None  # sent: not kept here
             if len(pending) >= 2 * num_proc:  # bounded: at most this many chunks of records in memory
-                _wait(pending, chunks, stage, cf.FIRST_COMPLETED, pool)
-        _wait(pending, chunks, stage, cf.ALL_COMPLETED, pool)
+                _wait(pending, chunks=chunks, stage=stage, how=cf.FIRST_COMPLETED, pool=pool)
+        _wait(pending, chunks=chunks, stage=stage, how=cf.ALL_COMPLETED, pool=pool)
     return chunks
 
 
-def _wait(pending: dict, chunks: list[Chunk], stage: Path, how, pool: cf.ProcessPoolExecutor) -> None:
+def _wait(pending: dict, *, chunks: list[Chunk], stage: Path, how, pool: cf.ProcessPoolExecutor) -> None:
     finished, _ = cf.wait(list(pending), return_when=how)
     for fut in sorted(finished, key=pending.get):
         i = pending.pop(fut)

@@ -37,6 +37,6 @@ def cut_chunks(b: Builder, chunks: list[Chunk], stage: Path) -> list[Chunk]:
         both = np.concatenate([carry_t, tokens]), np.concatenate([carry_m, mask])
         pieces, carry_t, carry_m = cut(*both, b.cfg.chunk_tokens, final=j >= last)
         docs = [Doc(piece_key(t), t, m, None) for t, m in pieces]
-        write_chunk(b, out, c.index, docs, dict(info, documents=len(docs)))
+        write_chunk(b, stage_dir=out, index=c.index, docs=docs, info=dict(info, documents=len(docs)))
         made.append(Chunk(c.index, c.first, c.last, stage=out))
     return made

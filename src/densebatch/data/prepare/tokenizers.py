@@ -179,6 +179,7 @@ class HFTokenizer(Tokenizer):
     def __init__(
         self,
         tok,
+        *,
         name: str,
         eos_token: str,
         mask_token: str | None = None,
@@ -259,7 +260,7 @@ def _first_known(tok, names: Sequence[str]) -> str | None:
 
 
 def _load_tokenizer_json(
-    path: Path, name: str, pad_id: int | None, eos_token: str | None = None, mask_token: str | None = None, added: Added = ()
+    path: Path, *, name: str, pad_id: int | None, eos_token: str | None = None, mask_token: str | None = None, added: Added = ()
 ) -> HFTokenizer:
     from tokenizers import Tokenizer as _Tok
 
@@ -275,7 +276,17 @@ def _load_tokenizer_json(
             f'"eos_token" beside it (tried {", ".join(_EOS_NAMES)})'
         )
     mask_token = mask_token or token_text(config.get("mask_token")) or _first_known(tok, _MASK_NAMES)
-    return HFTokenizer(tok, name, eos_token, mask_token, pad_id, added, config, read_chat_template(path.parent, config))
+    chat_template = read_chat_template(path.parent, config)
+    return HFTokenizer(
+        tok,
+        name=name,
+        eos_token=eos_token,
+        mask_token=mask_token,
+        pad_id=pad_id,
+        added=added,
+        config=config,
+        chat_template=chat_template,
+    )
 
 
 def _load_bpe_files(directory: Path, pad_id: int | None, added: Added = ()) -> HFTokenizer:
@@ -292,7 +303,10 @@ def _load_bpe_files(directory: Path, pad_id: int | None, added: Added = ()) -> H
         raise ConfigError(f"data.tokenizer: {directory}/vocab.json has no {eos!r} (the end-of-text token)")
     # As Hugging Face's GPT2TokenizerFast: the end-of-text string in text maps to its one id.
     tok.add_special_tokens([eos])
-    return HFTokenizer(tok, str(directory), eos, None, pad_id, added, config, read_chat_template(directory, config))
+    chat_template = read_chat_template(directory, config)
+    return HFTokenizer(
+        tok, name=str(directory), eos_token=eos, pad_id=pad_id, added=added, config=config, chat_template=chat_template
+    )
 
 
 class PendingBPE(Tokenizer):
@@ -354,7 +368,7 @@ def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None, adde
         return PendingBPE(str(spec), pad_id, added)
     p = Path(spec).expanduser()
     if p.is_file():
-        return _load_tokenizer_json(p, str(spec), pad_id, added=added)
+        return _load_tokenizer_json(p, name=str(spec), pad_id=pad_id, added=added)
     if p.is_dir():
         if (p / SAVED_META).is_file():
             meta = read_saved_meta(p / SAVED_META)  # checked: a damaged file is named, not a traceback
@@ -362,14 +376,19 @@ def load_tokenizer(spec: str | Path = "default", pad_id: int | None = None, adde
             if meta.get("kind") == "byte":
                 return ByteTokenizer(pad, [*map(tuple, meta.get("added", [])), *added])
             tok = _load_tokenizer_json(
-                p / "tokenizer.json", meta.get("name", str(spec)), pad, meta.get("eos_token"), meta.get("mask_token"), added
+                p / "tokenizer.json",
+                name=meta.get("name", str(spec)),
+                pad_id=pad,
+                eos_token=meta.get("eos_token"),
+                mask_token=meta.get("mask_token"),
+                added=added,
             )
             # the tokens added before saving are in tokenizer.json already: keep what they were added to
             tok.added = meta.get("added", []) + tok.added
             tok.base_vocab_size = int(meta.get("base_vocab_size", tok.base_vocab_size))
             return tok
         if (p / "tokenizer.json").is_file():
-            return _load_tokenizer_json(p / "tokenizer.json", str(spec), pad_id, added=added)
+            return _load_tokenizer_json(p / "tokenizer.json", name=str(spec), pad_id=pad_id, added=added)
         if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
             return _load_bpe_files(p, pad_id, added)
         raise ConfigError(f"data.tokenizer: directory '{spec}' has neither tokenizer.json nor vocab.json + merges.txt")

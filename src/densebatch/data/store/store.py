@@ -133,6 +133,7 @@ class DocumentStore:
     def __init__(
         self,
         tokens: np.ndarray,
+        *,
         offsets: np.ndarray,
         loss_mask: np.ndarray,
         meta: dict,
@@ -331,7 +332,9 @@ class DocumentStore:
         src = None if source is None else np.asarray(source, np.int16)
         if src is not None and len(src) and (np.diff(src) < 0).any():
             raise ValueError("source: documents must lie source after source (ascending source ids)")
-        return cls(tokens, np.cumsum(lengths, dtype=np.int64), mask, dict(meta or {}), None, src)
+        return cls(
+            tokens, offsets=np.cumsum(lengths, dtype=np.int64), loss_mask=mask, meta=dict(meta or {}), path=None, source=src
+        )
 
     def subset(self, docs: np.ndarray) -> DocumentStore:
         """An in-memory store of documents ``docs`` (ascending indices), in that order, with their sources

@@ -158,7 +158,15 @@ class HFCausalLM(nn.Module):
             # The plan is built once here and reaches every layer's attention call as a keyword
             # (transformers forwards unknown keywords to the attention interface), no mask at all.
             backend = pick_backend(self.attention, input_ids.device, torch.is_grad_enabled(), positions.shape[-1])
-            plan = plan_attention(positions, backend, single_doc_rows, None, cu_seqlens, max_seqlen, self.causal)
+            plan = plan_attention(
+                positions,
+                backend=backend,
+                single_doc_rows=single_doc_rows,
+                past_positions=None,
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                causal=self.causal,
+            )
             return planned(plan, input_ids=input_ids, position_ids=given, use_cache=False)
         if single_doc_rows and self.causal:
             # One document per row, starting at column 0: its positions are the model's default, and
@@ -166,7 +174,9 @@ class HFCausalLM(nn.Module):
             # restart of positions at the padding run as a second packed sequence and builds a 4-D mask,
             # where no mask lets SDPA run its causal kernel.
             return nullcontext(dict(input_ids=input_ids, use_cache=False))
-        mask = hf_document_mask(positions, self._windows, ALLOWED[self.attn_implementation], self.dtype, self.causal)
+        mask = hf_document_mask(
+            positions, windows=self._windows, how=ALLOWED[self.attn_implementation], dtype=self.dtype, causal=self.causal
+        )
         return nullcontext(dict(input_ids=input_ids, position_ids=given, attention_mask=mask, use_cache=False))
 
     def forward(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False) -> Tensor:

@@ -80,7 +80,7 @@ def densebatch_attention(
             plan = AttentionPlan("masked", mask=(torch.arange(Tk, device=query.device)[None, :] <= q_at[:, None]))
     if plan.causal != causal:
         raise AssertionError(f"a {'causal' if plan.causal else 'bidirectional'} attention plan reached a layer that is not")
-    out = attend_eagerly(query, key, value, plan, dropout, opts)  # (rows, H, T, D)
+    out = attend_eagerly(query, k=key, v=value, plan=plan, dropout_p=dropout, opts=opts)  # (rows, H, T, D)
     return out.transpose(1, 2), None
 
 
@@ -111,7 +111,7 @@ def _plan_from_packed(query: Tensor, kwargs: dict, causal: bool = True) -> Atten
         longest = kwargs.get("max_length_q")
         bounds = None if cu is None else cu.to("cpu", torch.int32)
         plan = plan_attention(
-            pos, backend, cu_seqlens=bounds, max_seqlen=None if longest is None else int(longest), causal=causal
+            pos, backend=backend, cu_seqlens=bounds, max_seqlen=None if longest is None else int(longest), causal=causal
         )
     _ACTIVE.from_kwargs = (None if cu is None else weakref.ref(cu), weakref.ref(given), stamp, plan)
     return plan

@@ -18,7 +18,7 @@ from densebatch.model.attention import document_mask
 
 
 def hf_document_mask(
-    positions: Tensor, windows: dict[str, int | None], how: str, dtype: torch.dtype, causal: bool = True
+    positions: Tensor, *, windows: dict[str, int | None], how: str, dtype: torch.dtype, causal: bool = True
 ) -> Tensor | dict[str, Tensor]:
     """The document mask of ``positions`` (rows, T) as (rows, 1, T, T): boolean (``how`` "bool": True may
     attend) or additive (``how`` "additive": 0 or the dtype's minimum, in ``dtype``, the hidden states'

@@ -102,7 +102,7 @@ def fill_from_files(model, shards: dict[str, tuple[torch.Tensor, int]]) -> None:
         for name, (local, first) in shards.items():
             key = file_key(model, name)
             if (table := token_rows_table(key)) is not None:  # every row is an added token's (new_rows)
-                local.copy_(_mean_row(reader, files[table], table, start, local.dtype).expand_as(local))
+                local.copy_(_mean_row(reader, file=files[table], key=table, start=start, dtype=local.dtype).expand_as(local))
                 continue
             file = files[key]
             shape = reader.shape(file, key)
@@ -118,9 +118,9 @@ def fill_from_files(model, shards: dict[str, tuple[torch.Tensor, int]]) -> None:
             if key in tables:
                 a, b = max(first, start), min(first + local.shape[0], stop)
                 if a < b:
-                    local[a - first : b - first] = _mean_row(reader, file, key, start, local.dtype)
+                    local[a - first : b - first] = _mean_row(reader, file=file, key=key, start=start, dtype=local.dtype)
 
 
-def _mean_row(reader: RowReader, file: str, key: str, start: int, dtype: torch.dtype) -> torch.Tensor:
+def _mean_row(reader: RowReader, *, file: str, key: str, start: int, dtype: torch.dtype) -> torch.Tensor:
     """The mean of a table's first ``start`` rows, as ``HFCausalLM.resize_vocab`` computes it (one table)."""
     return reader.rows(file, key, 0, start).to(dtype).float().mean(0).to(dtype)

@@ -90,7 +90,9 @@ class CheckpointWriter:
         t0 = time.perf_counter()
         self.wait()
         if not self.background:
-            path = self.manager.save(step, model_state, optimizer_state, extra_state, dist=self.dist)
+            path = self.manager.save(
+                step, model_state=model_state, optimizer_state=optimizer_state, extra_state=extra_state, dist=self.dist
+            )
             self.last_write_s = self.previous_write_s = time.perf_counter() - t0
             return (path if self.dist.is_main else None), self.last_write_s
         self.previous_write_s = self.last_write_s
@@ -104,8 +106,11 @@ class CheckpointWriter:
 
     def _write(self, step: int, states: tuple) -> None:
         t0 = time.perf_counter()
+        model_state, optimizer_state, extra_state = states
         try:
-            self._result = self.manager.save(step, *states, dist=self.side)
+            self._result = self.manager.save(
+                step, model_state=model_state, optimizer_state=optimizer_state, extra_state=extra_state, dist=self.side
+            )
         except BaseException as e:  # handed to the training thread at its next save or wait
             self._result = e
         self.last_write_s = time.perf_counter() - t0

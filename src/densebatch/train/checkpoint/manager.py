@@ -103,11 +103,11 @@ def _write_json(path: Path, obj: Any) -> None:
 # ------------------------------------------------------------------------------ save
 def save_checkpoint(
     root: str | Path,
+    *,
     step: int,
     model_state: dict[str, torch.Tensor],
     optimizer_state: Any = None,
     extra_state: Any = None,
-    *,
     keep_last: int = 3,
     mirror_dir: str | Path | None = None,
     dist: Any = None,
@@ -137,16 +137,18 @@ def save_checkpoint(
             failure = e
     name = dist.broadcast_object(str(staged) if staged is not None else None)
     if name is None:
-        raise _failed(root, final, mirror_dir, failure, dist.rank)
+        raise _failed(root, final=final, mirror_dir=mirror_dir, failure=failure, rank=dist.rank)
     tmp = Path(name)
     try:
-        outcome, failure = _write_staged(tmp, final, step, (model_state, optimizer_state, extra_state), dist)
+        outcome, failure = _write_staged(
+            tmp, final=final, step=step, states=(model_state, optimizer_state, extra_state), dist=dist
+        )
     except BaseException:  # a second signal (KeyboardInterrupt) in the middle: nothing staged is left
         if dist.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     if outcome is None:
-        raise _failed(root, final, mirror_dir, failure, dist.rank)
+        raise _failed(root, final=final, mirror_dir=mirror_dir, failure=failure, rank=dist.rank)
     if dist.rank == 0:
         prune(root, keep_last, step)
         if mirror_dir is not None and Path(mirror_dir).resolve() != root.resolve():
@@ -160,7 +162,7 @@ def save_checkpoint(
     return Path(outcome)
 
 
-def _write_staged(tmp: Path, final: Path, step: int, states: tuple, dist) -> tuple[str | None, BaseException | None]:
+def _write_staged(tmp: Path, *, final: Path, step: int, states: tuple, dist) -> tuple[str | None, BaseException | None]:
     """Every rank writes its files into ``tmp``; rank 0 then completes and publishes it. Returns (the
     published path, or None on every rank when any rank failed; this rank's failure)."""
     writers = dist.world_size if any(is_dtensor(t) for t in (states[0] or {}).values()) else 1
@@ -175,7 +177,7 @@ def _write_staged(tmp: Path, final: Path, step: int, states: tuple, dist) -> tup
         try:
             if bad := [(r, w["error"]) for r, w in enumerate(everyone) if "error" in w]:
                 raise failure or CheckpointError(f"rank {bad[0][0]}: {bad[0][1]}")
-            _finish(tmp, final, step, states, everyone, writers)
+            _finish(tmp, final=final, step=step, states=states, everyone=everyone, writers=writers)
             outcome = str(final)
         except (OSError, SafetensorError, CheckpointError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -199,7 +201,7 @@ def _write_rank_files(tmp: Path, rank: int, writers: int, states: tuple) -> dict
     return {"files": files, "parts": parts}
 
 
-def _finish(tmp: Path, final: Path, step: int, states: tuple, everyone: list[dict], writers: int) -> None:
+def _finish(tmp: Path, *, final: Path, step: int, states: tuple, everyone: list[dict], writers: int) -> None:
     """Rank 0, once every rank's files are in ``tmp``: ``state.json``, then the manifest, then the name."""
     parts = {}
     for part in PARTS:
@@ -218,7 +220,7 @@ def _finish(tmp: Path, final: Path, step: int, states: tuple, everyone: list[dic
     publish(tmp, final)
 
 
-def _failed(root: Path, final: Path, mirror_dir, failure: BaseException | None, rank: int) -> CheckpointError:
+def _failed(root: Path, *, final: Path, mirror_dir, failure: BaseException | None, rank: int) -> CheckpointError:
     """The one-line error of a save that did not complete, naming the checkpoint a resume would use."""
     if failure is None:  # another rank failed: its message is the one rank 0 prints
         return CheckpointError(f"checkpoint {final}: cannot be written (rank 0 says why); nothing half-written is left")
@@ -245,6 +247,7 @@ def _which(e: BaseException) -> str:
 # ------------------------------------------------------------------------------ load
 def load_checkpoint(
     path: str | Path,
+    *,
     device: str | torch.device = "cpu",
     parts: tuple[str, ...] = PARTS,
     targets: dict[str, dict[str, Any]] | None = None,
@@ -303,9 +306,11 @@ class CheckpointManager:
         self.mirror_dir = Path(mirror_dir) if mirror_dir is not None else None
         self.dist = dist
 
-    def save(self, step: int, model_state: dict, optimizer_state: Any = None, extra_state: Any = None, dist: Any = None) -> Path:
+    def save(
+        self, step: int, *, model_state: dict, optimizer_state: Any = None, extra_state: Any = None, dist: Any = None
+    ) -> Path:
         return save_checkpoint(
-            self.root, step, model_state, optimizer_state, extra_state,
+            self.root, step=step, model_state=model_state, optimizer_state=optimizer_state, extra_state=extra_state,
             keep_last=self.keep_last, mirror_dir=self.mirror_dir, dist=dist or self.dist,
         )  # fmt: skip
 
@@ -313,8 +318,14 @@ class CheckpointManager:
         return latest_valid(self.root, self.mirror_dir, on_skip, dist=self.dist)
 
     def load(
-        self, path: str | Path, device: str | torch.device = "cpu", parts: tuple[str, ...] = PARTS, targets=None, verified=False
+        self,
+        path: str | Path,
+        *,
+        device: str | torch.device = "cpu",
+        parts: tuple[str, ...] = PARTS,
+        targets=None,
+        verified=False,
     ) -> Checkpoint:
-        return load_checkpoint(path, device, parts, targets, verified)
+        return load_checkpoint(path, device=device, parts=parts, targets=targets, verified=verified)
 
     verify = staticmethod(verify)

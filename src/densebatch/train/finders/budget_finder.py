@@ -174,12 +174,12 @@ class BudgetResult:
 
 def find_budget(
     model: torch.nn.Module,
+    *,
     optimizer: torch.optim.Optimizer,
     worst: Callable[[int], list[Batch]],
     snap: Callable[[int], int],
     low: int,
     high: int,
-    *,
     limit_gb: float | None,
     margin: float,
     precision: str = "fp32",
@@ -211,7 +211,9 @@ def find_budget(
     try:
         while len(probes) < max_probes:
             batches = worst(budget)
-            peak, fits, tps = _probe(forward or model.token_losses, optimizer, batches, precision, meter, limit)
+            peak, fits, tps = _probe(
+                forward or model.token_losses, optimizer=optimizer, batches=batches, precision=precision, meter=meter, limit=limit
+            )
             fits, tps = not dist.agree(not fits), dist.broadcast_object(tps)  # rank 0's speed for the report
             probes.append(
                 Probe(
@@ -230,7 +232,7 @@ def find_budget(
                 if not meter.exact:  # the allocator keeps what the overrun took: later peaks would read it
                     stop = "the last probe did not fit; on CPU the memory it took stays with the process, so no bisection"
                     break
-            nxt = snap(_next_budget(fitted, lo, hi, limit, base, high, dist, NOISE[meter.exact]))
+            nxt = snap(_next_budget(fitted, lo=lo, hi=hi, limit=limit, base=base, high=high, dist=dist, noise=NOISE[meter.exact]))
             if lo >= high:
                 stop = "every document fits in one batch: no larger budget changes anything"
                 break
@@ -260,7 +262,7 @@ def find_budget(
     return BudgetResult(lo, chosen.peak_gb, limits, probes, efficient if best > 0 else None, throughput_share, device.type, stop)
 
 
-def _next_budget(fitted, lo: int | None, hi: int | None, limit: int, base: int, high: int, dist, noise: float) -> int:
+def _next_budget(fitted, *, lo: int | None, hi: int | None, limit: int, base: int, high: int, dist, noise: float) -> int:
     """The next budget to probe (the same on every rank): the smallest any rank predicts fits; ``lo``
     (stop) when less than ``noise`` of the limit is left, below what a prediction can resolve."""
     b1, p1 = fitted[-1] if fitted else (0, base)
@@ -275,7 +277,7 @@ def _next_budget(fitted, lo: int | None, hi: int | None, limit: int, base: int, 
 
 
 def _probe(
-    losses_of, optimizer, batches: list[Batch], precision: str, meter: MemoryMeter, limit: int
+    losses_of, *, optimizer, batches: list[Batch], precision: str, meter: MemoryMeter, limit: int
 ) -> tuple[int, bool, float | None]:
     """(peak bytes, fits, real tokens/s) of a whole step on each of ``batches``; no collectives."""
     device = meter.device
@@ -284,7 +286,7 @@ def _probe(
     oom = False
     try:
         for batch in batches:
-            _step(losses_of, optimizer, batch, device, precision)
+            _step(losses_of, optimizer=optimizer, batch=batch, device=device, precision=precision)
     except RuntimeError as e:
         if not is_out_of_memory(e):
             raise
@@ -299,7 +301,7 @@ def _probe(
     seconds = math.inf
     for _ in range(TIMED):  # the fastest of a few: other processes only ever slow a step down
         t0 = time.perf_counter()
-        _step(losses_of, optimizer, timed, device, precision)
+        _step(losses_of, optimizer=optimizer, batch=timed, device=device, precision=precision)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = min(seconds, time.perf_counter() - t0)
@@ -307,7 +309,7 @@ def _probe(
     return peak, True, timed.num_real_tokens / seconds if seconds > 0 else None
 
 
-def _step(losses_of, optimizer, batch: Batch, device: torch.device, precision: str) -> None:
+def _step(losses_of, *, optimizer, batch: Batch, device: torch.device, precision: str) -> None:
     optimizer.zero_grad(set_to_none=True)
     batch = to_device(batch, device)
     with autocast(device, precision):

@@ -127,7 +127,7 @@ def schedule(finder: FinderConfig) -> list[float]:
     return [finder.lr_start * (finder.lr_end / finder.lr_start) ** (k / (n - 1)) for k in range(n)]
 
 
-def progress_line(step: int, total: int, elapsed: float, lr: float, loss: float, heldout: float | None = None) -> str:
+def progress_line(step: int, *, total: int, elapsed: float, lr: float, loss: float, heldout: float | None = None) -> str:
     """``  step 20/100 | 0:12 elapsed, ETA 0:48 | lr 1.00e-05 | loss 5.5123 | held-out 5.4012``: the ETA at
     the pace so far, for all ``total`` steps (the test may stop earlier, when the loss diverges)."""
     eta = elapsed / step * (total - step) if step else 0.0
@@ -161,7 +161,16 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
                 if heldout:
                     held.append(float(trainer.evaluate_batches(heldout).loss))  # eval mode: no dropout, no RNG drawn
                 if log is not None and (len(lrs) == 1 or len(lrs) % 10 == 0):  # the first: an ETA early on
-                    log(progress_line(len(lrs), len(rates), time.perf_counter() - t0, lr, loss, held[-1] if held else None))
+                    log(
+                        progress_line(
+                            len(lrs),
+                            total=len(rates),
+                            elapsed=time.perf_counter() - t0,
+                            lr=lr,
+                            loss=loss,
+                            heldout=held[-1] if held else None,
+                        )
+                    )
                 if trainer.dist.agree(diverged(losses, finder)):
                     stop = f"stopped at lr {lr:.2e}: the smoothed loss diverged (above {finder.diverge:g}x its minimum, or back above its start)"
                     break

@@ -186,7 +186,7 @@ def run_trials(
         with contextlib.closing(iter(data)) as it:
             taken = 0
             while taken < n:
-                rates = lambda k=taken, c=cfg: set_lrs(trainer.optimizer, k, c, n)  # noqa: E731
+                rates = lambda k=taken, c=cfg: set_lrs(trainer.optimizer, step=k, cfg=c, total_steps=n)  # noqa: E731
                 if one_update(trainer, it, rates, skip=held_out) is None:  # the run's clipper, no guard
                     break
                 taken += 1

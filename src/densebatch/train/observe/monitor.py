@@ -130,7 +130,7 @@ class _RunPeak:
 RUN_PEAK = _RunPeak()
 
 
-def finish_run(device: torch.device, gather: Callable, write: Callable[[dict], None], step: int, reason: str) -> dict:
+def finish_run(device: torch.device, *, gather: Callable, write: Callable[[dict], None], step: int, reason: str) -> dict:
     """Write the run's last record (``"kind": "run"``: every rank's true peak memory, the largest of them, and
     the attention kernels this rank's layers ran, with any fallback's reason) and return its facts for the
     summary; then start the next run's afresh. ``gather``: every rank's object (a collective: every rank calls)."""
@@ -191,6 +191,7 @@ class Console:
     def __init__(
         self,
         total_steps: int | None,
+        *,
         initial_step: int,
         enabled: bool = True,
         progress: bool = True,
