@@ -306,7 +306,7 @@ def test_sources_weigh_the_loss_as_densebatch_loop_does(base, mixture, tmp_path)
     order = np.argsort(docs.sources, kind="stable")
     spans = [(mixture[int(i)]["input_ids"], (np.asarray(mixture[int(i)]["labels"]) != -100).astype(np.uint8)) for i in order]
     store = DocumentStore.from_documents(spans, {"sources": docs.source_names}, docs.sources[order])
-    assert factors == batch_balance(store, None, 5, 8).tolist()
+    assert factors == batch_balance(store, weights=None, seed=5, rows=8).tolist()
 
     attn = densebatch.register_attention()
     fused = _sgd_trainer(transformers.AutoModelForCausalLM.from_pretrained(base, attn_implementation=attn), tmp_path, mixture, 2)

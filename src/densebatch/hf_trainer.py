@@ -144,7 +144,7 @@ def source_factors(docs: Documents, strategy: str, seed: int, rows_per_batch: in
     batches do). The same documents, source by source, seed and rows give the factors ``densebatch train`` uses."""
     if not sized_by_budget(strategy) or len(docs.source_names) < 2:
         return None
-    factors = batch_balance(_SourceView(docs), None, seed, rows_per_batch)
+    factors = batch_balance(_SourceView(docs), weights=None, seed=seed, rows=rows_per_batch)
     return None if factors is None else [float(f) for f in factors]
 
 

@@ -30,7 +30,7 @@ from densebatch.testing.models import (
 )
 
 pytest.importorskip("transformers")
-from densebatch.model.hf.adapter import _HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
+from densebatch.model.hf.adapter import HIDDEN_PATH_TYPES, REFUSED, HFCausalLM  # noqa: E402
 
 SUPPORTED = [(k, impl) for k, impl in ARCHITECTURES if k not in REFUSED]
 # (kind, attn_implementation, model.attention) of the packed model
@@ -120,7 +120,7 @@ def test_negative_control_a_forgotten_window_shows(config_root, kind, gen):
     assert loss_diff > 1e-4
 
 
-@pytest.mark.parametrize("kind", sorted(_HIDDEN_PATH_TYPES & {k for k, _ in SUPPORTED}))
+@pytest.mark.parametrize("kind", sorted(HIDDEN_PATH_TYPES & {k for k, _ in SUPPORTED}))
 def test_hidden_state_path_matches_the_models_own_logits(config_root, kind, gen):
     """The architectures whose losses skip the full logits (only target positions projected) lose nothing."""
     model = build(config_root, kind, dict(ARCHITECTURES)[kind])
