@@ -9,6 +9,7 @@ never import each other.
 
 from __future__ import annotations
 
+import ast
 import os
 import socket
 import sys
@@ -91,3 +92,17 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------ import guards
+def imported(source: str) -> set[str]:
+    """The absolute module names a source imports, anywhere in its body (``from a import b``: ``a``, and
+    ``a.b`` in case ``b`` is a module): what the tree and stage guards check."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out

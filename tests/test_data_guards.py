@@ -12,12 +12,12 @@ Each guard is a function of a ``{path: source}`` mapping, so a planted violation
 
 from __future__ import annotations
 
-import ast
 import re
 import typing
 from pathlib import Path
 
 import numpy as np
+from support import imported
 
 from densebatch.config import BatchingConfig
 from densebatch.data.plan.planner import PlanSettings
@@ -47,18 +47,6 @@ def strategy_names_spelled(files: dict[str, str]) -> list[str]:
         for i, line in enumerate(source.splitlines(), 1)
         if NAME.search(line)
     ]
-
-
-def imported(source: str) -> set[str]:
-    """Every absolute module name a source imports (``from a import b``: ``a`` and ``a.b``), functions included."""
-    out = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out
 
 
 def stages_reaching_across(files: dict[str, str]) -> list[str]:

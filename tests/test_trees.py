@@ -12,25 +12,14 @@ import ast
 import re
 from pathlib import Path
 
+from support import imported
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def sources(folder: str) -> dict[str, str]:
     """{path relative to the repository: source} of every Python file under ``folder``."""
     return {str(p.relative_to(REPO)): p.read_text(encoding="utf-8") for p in sorted((REPO / folder).rglob("*.py"))}
-
-
-def imported(source: str) -> set[str]:
-    """The absolute module names a source imports, anywhere in its body (``from a import b``: ``a``, and
-    ``a.b`` in case ``b`` is a module)."""
-    out = set()
-    for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            out.add(node.module)
-            out.update(f"{node.module}.{a.name}" for a in node.names)
-    return out
 
 
 def reaching(files: dict[str, str], forbidden: set[str]) -> list[str]:
