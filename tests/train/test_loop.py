@@ -1,4 +1,4 @@
-"""The training loop: exact token-normalised loss across micro-batches, stopping, eval, hooks, state, determinism."""
+"""The training loop: exact token-normalised loss across micro-batches, stopping, eval, hooks, state, determinism, the run's last record (one concept, 420 lines: the Trainer's own behaviour, one section a facet, sharing its helpers)."""
 
 from __future__ import annotations
 
