@@ -48,21 +48,26 @@ def reference(store, rows, pad_id, mult, use_mask=True):
 doc_st = st.lists(st.tuples(st.integers(0, 20), st.integers(0, 1)), min_size=1, max_size=30)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
-@given(st.lists(doc_st, min_size=1, max_size=12), st.data(), st.sampled_from([1, 4, 8]), st.booleans())
-def test_causal_matches_reference(docs, data, mult, use_mask):
-    """Tokens drawn from a tiny vocabulary so pad/eos ids (0..20 includes 0 = pad, 20 = eos) occur inside texts."""
-    store = memory_store([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
-    n = len(docs)
+def _draw_rows(data, store, n: int) -> list[list[tuple[int, int, int]]]:
+    """1-4 rows of 1-3 spans ``(document, start, end)`` drawn from the ``n`` documents of ``store``."""
     rows = []
     for _ in range(data.draw(st.integers(1, 4))):
         row = []
         for d in data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)):
             L = int(store.lengths[d])
             a = data.draw(st.integers(0, L - 1))
-            b = data.draw(st.integers(a + 1, L))
-            row.append((d, a, b))
+            row.append((d, a, data.draw(st.integers(a + 1, L))))
         rows.append(row)
+    return rows
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.lists(doc_st, min_size=1, max_size=12), st.data(), st.sampled_from([1, 4, 8]), st.booleans())
+def test_causal_matches_reference(docs, data, mult, use_mask):
+    """Tokens drawn from a tiny vocabulary so pad/eos ids (0..20 includes 0 = pad, 20 = eos) occur inside texts."""
+    store = memory_store([[t for t, _ in d] for d in docs], [[m for _, m in d] for d in docs], eos_id=20, pad_id=0)
+    n = len(docs)
+    rows = _draw_rows(data, store, n)
     batch = CausalCollator(pad_id=0, pad_to_multiple_of=mult, use_loss_mask=use_mask)(store, rows)
     ids, lab, pos = reference(store, rows, 0, mult, use_mask)
     assert batch.input_ids.dtype == torch.int64 and batch.input_ids.shape == ids.shape and ids.shape[1] % mult == 0
@@ -315,14 +320,7 @@ def test_batch_carries_single_doc_rows_max_position_and_documents(docs, data, mu
         [[t for t, _ in d] for d in docs], eos_id=20, pad_id=0, vocab_size=30, mask_id=21, special_ids=(0, 20, 21)
     )
     n = len(docs)
-    rows = []
-    for _ in range(data.draw(st.integers(1, 4))):
-        row = []
-        for d in data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3)):
-            L = int(store.lengths[d])
-            a = data.draw(st.integers(0, L - 1))
-            row.append((d, a, data.draw(st.integers(a + 1, L))))
-        rows.append(row)
+    rows = _draw_rows(data, store, n)
     if mlm:
         b = MaskedLMCollator(0, mask_id=21, vocab_size=30, special_ids=(0, 20), mlm_probability=0.3, pad_to_multiple_of=mult)(
             store, rows
