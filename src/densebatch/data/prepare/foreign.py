@@ -66,16 +66,12 @@ def _whole(name: Path, tokens: np.ndarray, loss_file: Path | None = None) -> tup
 
 
 def foreign_format(cfg: DataConfig) -> str | None:
-    """The foreign format ``cfg`` reads (``FORMATS``), or None for records densebatch tokenises itself."""
-    if cfg.format in FORMATS:
-        if cfg.sources:
-            raise DataError(f"data.format {cfg.format}: data.sources is not read in this format yet; use data.path")
+    """The foreign format ``cfg`` reads (``FORMATS``), or None for records densebatch tokenises itself and for
+    a mixture (``data.sources``: ``foreign_mixture`` reads one holding foreign sources)."""
+    if cfg.format in FORMATS and not cfg.sources:
         if cfg.path is None:
             raise DataError(f"data.format {cfg.format}: data.path names the corpus (a prefix, a folder or a pattern)")
         return cfg.format
-    bad = [s.format for s in cfg.sources if s.format in FORMATS]
-    if bad:
-        raise DataError(f"data.sources: a source in format {bad[0]} is not read in a mixture yet; use data.path")
     return None
 
 

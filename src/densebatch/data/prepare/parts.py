@@ -24,6 +24,7 @@ from densebatch.config import DataConfig
 from densebatch.data.prepare.cache import source_keys
 from densebatch.data.prepare.documents import Builder
 from densebatch.data.prepare.foreign import foreign_format
+from densebatch.data.prepare.foreign_mixture import own_sources
 from densebatch.data.prepare.source_configs import source_configs
 from densebatch.data.prepare.sources import detect_format, expand, is_pattern
 from densebatch.data.prepare.stream import prepare_chunks, stage_dir, workers
@@ -77,7 +78,7 @@ def prepare_share(cfg: DataConfig, rank: int, world_size: int) -> int:
     prepared yet (chunks ``rank``, ``rank + world_size``, ... of each streamed part not in the cache)
     into the parts' chunk directories, so that every rank works and rank 0 then only assembles. Parts
     with a ``bpe:N`` tokenizer still to learn are left to rank 0. Returns the chunks this rank prepared."""
-    if foreign_format(cfg) is not None:  # already tokenised: rank 0's prepare only indexes it
+    if foreign_format(cfg) is not None or (cfg := own_sources(cfg)) is None:  # tokenised: rank 0's prepare indexes it
         return 0
     tok = load_data_tokenizer(cfg)
     if isinstance(tok, PendingBPE):  # learned by rank 0's prepare first: the chunks need its ids

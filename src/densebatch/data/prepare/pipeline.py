@@ -66,6 +66,7 @@ from densebatch.data.prepare.cache import (
 from densebatch.data.prepare.dedupe import Keys, dedupe_mode, leakage_across, read_prior
 from densebatch.data.prepare.documents import Builder
 from densebatch.data.prepare.foreign import foreign_format, prepare_foreign
+from densebatch.data.prepare.foreign_mixture import mixes_foreign, prepare_mixed
 from densebatch.data.prepare.learned_bpe import learn_bpe
 from densebatch.data.prepare.parts import Part, source_parts
 from densebatch.data.prepare.source_configs import mixture_weights, source_configs
@@ -271,8 +272,7 @@ def _build_mixture(final: Path, *, cfg: DataConfig, parts: list[Part], tok: Toke
         tok = learn_bpe(
             ((Builder(p.cfg, tok, PrepareSummary(), collect_bad=True).stream(p.cfg.path, p.fmt), p.cfg) for p in parts), tok
         )
-    keys = source_keys([p.cfg for p in parts], tok)  # with dedupe on, each part's names those before it
-    built = [_prepare_one(p.name, cfg=p.cfg, fmt=p.fmt, tok=tok, t0=t0, keys=keys[: i + 1]) for i, p in enumerate(parts)]
+    built = _prepare_parts(parts, tok, t0)
     sources = _per_source(cfg, parts, built, tok)
     if len(sources) == 1:  # one source of several files
         summary = sources[0][1].of_files()
@@ -301,6 +301,21 @@ def _build_mixture(final: Path, *, cfg: DataConfig, parts: list[Part], tok: Toke
                 write_marker(tmp / split, {"sizes": {n: (tmp / split / n).stat().st_size for n in names}})
         _write_entry_files(tmp, records, summary)
     return tok
+
+
+def _prepare_parts(parts: list[Part], tok: Tokenizer, t0: float) -> list[Prepared]:
+    """Each part's entry, in order (with dedupe on, each part's key names those before it: ``cache.source_keys``)."""
+    keys = source_keys([p.cfg for p in parts], tok)
+    return [_prepare_one(p.name, cfg=p.cfg, fmt=p.fmt, tok=tok, t0=t0, keys=keys[: i + 1]) for i, p in enumerate(parts)]
+
+
+def _own_sources(cfg: DataConfig, tok: Tokenizer, t0: float) -> list[tuple[list[Prepared], PrepareSummary]]:
+    """Each source of ``cfg`` (all tokenised by densebatch) as a mixture of them prepares it: its parts' entries
+    and its summary, in order (what ``foreign_mixture`` joins with the foreign sources)."""
+    parts = source_parts(cfg)
+    built = _prepare_parts(parts, tok, t0)
+    per = _per_source(cfg, parts, built, tok)
+    return [([b for p, b in zip(parts, built) if p.source == sid], s) for sid, (_, s) in enumerate(per)]
 
 
 def _per_source(cfg: DataConfig, parts: list[Part], built: list[Prepared], tok: Tokenizer) -> list[tuple[str, PrepareSummary]]:
@@ -333,6 +348,9 @@ def prepare(cfg: DataConfig) -> Prepared:
     tok = load_data_tokenizer(cfg)
     if foreign_format(cfg) is not None:  # a corpus another engine tokenised: read in place (data/store/formats)
         prepared = Prepared(*prepare_foreign(cfg, tok, lambda split: _meta(tok, cfg, split), t0))
+    elif mixes_foreign(cfg):  # a mixture holding such a corpus: each source its own entry, read as one store
+        meta_of = lambda split: _meta(tok, cfg, split)  # noqa: E731
+        prepared = Prepared(*prepare_mixed(cfg, tok, t0, meta_of=meta_of, own=lambda c: _own_sources(c, tok, t0)))
     else:
         parts = source_parts(cfg)
         if len(parts) == 1:
