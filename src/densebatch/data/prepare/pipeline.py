@@ -17,6 +17,8 @@ holds each source's own held-out documents, and its summary one line of facts pe
 and weights are not part of any key: renaming or re-weighting prepares nothing again. With dedupe on,
 a source's records that repeat an earlier source's kept records are dropped too (counted per source as
 ``dedupe_cross_source``), so a source's key names the keys of the sources before it (``cache.source_keys``).
+A mixture that holds a corpus another engine wrote is read as its sources' own entries joined in memory
+(``foreign_mixture.py``: ``_own_sources`` gives it ours, prepared as here).
 
 Eval split, when ``data.eval_path`` is unset: a record goes to eval when the hash of its raw
 content (canonical JSON, BLAKE2b) ranks among the ``round(eval_fraction * n)`` smallest of its file's
