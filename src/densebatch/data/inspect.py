@@ -22,6 +22,7 @@ from densebatch.config import DataConfig
 from densebatch.data.prepare.clean import Cleaner
 from densebatch.data.prepare.dedupe import dedupe_mode, text_key
 from densebatch.data.prepare.default_dataset import generate_records
+from densebatch.data.prepare.foreign import FORMATS
 from densebatch.data.prepare.source_configs import source_configs
 from densebatch.data.prepare.sources import BadRecord, detect_format, iter_records
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, render
@@ -105,6 +106,8 @@ def render_cleaning(cfg: DataConfig, num: int) -> str:
     dedupe = dedupe_mode(cfg.clean) != "off"  # exact copies after cleaning are marked; near ones only prepare finds
     seen: dict[bytes, str] = {}  # rendered text -> the first record with it, over every source (as prepare dedupes)
     for name, c in source_configs(cfg):
+        if c.format in FORMATS:  # token ids another engine wrote: no text was cleaned
+            continue
         fmt = "json" if c.path is None else detect_format(c.path, c.format)
         if fmt == "text":  # paragraphs: the text is the record (as prepare reads it)
             c = dataclasses.replace(c, template="raw", fields=dataclasses.replace(c.fields, text="text"))

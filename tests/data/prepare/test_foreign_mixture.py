@@ -169,13 +169,21 @@ def test_ranks_share_the_steps_one_process_takes(tmp_path, corpora):
             for b in step.batches:
                 for r in range(b.input_ids.shape[0]):
                     real = b.source_ids[r] >= 0
-                    out[-1].append((tuple(b.input_ids[r][real].tolist()), tuple(b.source_ids[r][real].tolist())))
+                    ids, src, pos = (x[r][real].tolist() for x in (b.input_ids, b.source_ids, b.positions))
+                    out[-1].append((tuple(ids), tuple(src), tuple(pos)))
         return out
 
     one = rows(0, 1, 2)
     two = [a + b for a, b in zip(rows(0, 2, 1), rows(1, 2, 1), strict=True)]
     assert len(one) == 4 and [sorted(x) for x in one] == [sorted(x) for x in two]
-    assert {s for step in one for _, src in step for s in src} == {0, 1}
+    written = [{tuple(d) for d in split_of(corpora[n][1], 0.0)[0]} for n in ("web", "code")]
+    shared = 0
+    for ids, src, pos in (row for step in one for row in step):  # packed rows: whole documents, each apart
+        starts = [i for i, x in enumerate(pos) if x == 0] + [len(ids)]
+        shared += len(starts) > 2
+        for a, b in itertools.pairwise(starts):
+            assert ids[a:b] in written[src[a]] and set(src[a:b]) == {src[a]} and pos[a:b] == tuple(range(b - a))
+    assert shared > len(one)  # most rows hold several documents
 
 
 def _args(tmp_path, sources, *extra):
@@ -261,3 +269,28 @@ def test_trains_with_the_loss_of_each_source_and_resumes_bit_identically(tmp_pat
     assert "(step 2)" in capsys.readouterr().out  # resumed from the checkpoint of step 2
     assert fd.train_losses(out) == ref
     assert 0 < epoch[1] < epoch[-1] < 1  # step 2 ends inside the first epoch: the resume starts mid-epoch
+
+
+def _with_notes(tmp_path, corpora, **kw) -> DataConfig:
+    jsonl = tmp_path / "notes.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": f"note {i}: " + "ab" * (i % 17)}) + "\n" for i in range(60)))
+    sources = [SourceConfig(path=str(jsonl)), SourceConfig(path=corpora["web"][0], format="megatron")]
+    return DataConfig(sources=sources, template="raw", tokenizer="default", cache_dir=str(tmp_path / "cache"), **kw)
+
+
+def test_under_torchrun_ranks_tokenise_the_text_sources_chunks_and_leave_the_corpus_to_rank_0(tmp_path, corpora):
+    from densebatch.data.prepare.parts import prepare_share
+
+    cfg = _with_notes(tmp_path, corpora, chunk_records=16)
+    assert sum(prepare_share(cfg, rank, 2) for rank in (1, 0)) == 4  # the 60 records' 16-record chunks, nothing else
+    p = prepare(cfg)
+    assert p.summary.parts == [2, 2] and len(p.train) == p.summary.train_documents
+
+
+def test_inspect_with_cleaning_on_shows_the_text_sources_records(tmp_path, corpora, capsys):
+    cfg = _with_notes(tmp_path, corpora)
+    args = [f"--data.sources={json.dumps([{'path': s.path, 'format': s.format} for s in cfg.sources])}"]
+    args += ["--data.template=raw", "--data.tokenizer=default", f"--data.cache_dir={cfg.cache_dir}", "--data.format=jsonl"]
+    assert main(["inspect", *args, "--data.clean.collapse_whitespace=true", "--num", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "--- document 0:" in out and "cleaning (collapse_whitespace)" in out

@@ -61,7 +61,7 @@ class MixedStore(DocumentStore):
             meta,
             num_documents=int(self._doc_base[-1]),
             num_tokens=sum(s.num_tokens for s in stores),
-            num_loss_tokens=sum(int(s.meta.get("num_loss_tokens", 0)) for s in stores),
+            num_loss_tokens=sum(int(s.meta.get("num_loss_tokens", np.sum(s.doc_loss_tokens, dtype=np.int64))) for s in stores),
             max_length=max(s.max_length for s in stores),
             source_documents=counts.tolist(),
         )
