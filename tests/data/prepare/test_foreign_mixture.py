@@ -130,6 +130,20 @@ def test_renaming_or_reweighting_a_source_prepares_nothing_again(tmp_path, corpo
     assert p.summary.cache_hit and p.summary.parts == [0, 2] and sorted(os.listdir(tmp_path / "cache")) == entries
     assert p.train.source_names == ["web", "code-v2"] and [x["name"] for x in p.summary.sources] == ["web", "code-v2"]
     assert p.weights == (1.0, 5.0) and documents_of(p.train) == documents_of(first.train)
+    assert "web" not in p.summary.eval_source and "code" not in p.summary.eval_source  # nothing says the old names
+
+
+def test_data_format_names_every_sources_format(tmp_path, corpora):
+    other = write_megatron(tmp_path / "more", _docs(40, 3))
+    cfg = DataConfig(
+        sources=[SourceConfig(path=corpora["web"][0]), SourceConfig(path=other)],
+        format="megatron",
+        tokenizer="default",
+        cache_dir=str(tmp_path / "cache"),
+        eval_fraction=0.0,
+    )
+    p = prepare(cfg)
+    assert documents_of(p.train) == corpora["web"][1] + _docs(40, 3) and p.train.source_names == ["web", "more"]
 
 
 def test_a_source_densebatch_tokenises_mixes_with_a_foreign_one(tmp_path, corpora):

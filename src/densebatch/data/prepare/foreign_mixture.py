@@ -125,7 +125,8 @@ def _build(final: Path, *, cfg: DataConfig, tok, sources: list[_Source], train: 
         format="mixture",
         template=", ".join(sorted({src.summary.template for src in sources})),
         tokenizer=tok.name,
-        eval_source="; ".join(f"{src.name}: {src.summary.eval_source}" for src in sources),
+        eval_source="per source: "
+        + "; ".join(dict.fromkeys(src.summary.eval_source for src in sources)),  # no names: they change
     )
     summary.lengths = length_percentiles(train)
     ours = [src for src in sources if src.own]
