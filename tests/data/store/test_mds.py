@@ -101,11 +101,18 @@ def test_every_encoding_and_dtype_token_for_token_across_shards(writer, tmp_path
     assert snapshot(folder) == before  # nothing written beside the corpus
 
 
-def test_fixed_shape_arrays_another_column_name_and_a_pattern_of_folders(writer, tmp_path):
+def test_fixed_shape_arrays_another_column_name_a_pattern_of_folders_and_a_merged_index(writer, tmp_path):
+    from streaming.base.util import merge_index
+
     docs = [list(range(i, i + 16)) for i in range(30)]
     for part, chunk in (("a", docs[:12]), ("b", docs[12:])):
         write(writer, tmp_path / "corpus" / part, chunk, encoding="ndarray:uint16:16", column="ids")
-    p = prepare(cfg(tmp_path / "corpus" / "*", tmp_path, eval_fraction=0, fields=FieldsConfig(input_ids="ids")))
+    ids = FieldsConfig(input_ids="ids")
+    p = prepare(cfg(tmp_path / "corpus" / "*", tmp_path, eval_fraction=0, fields=ids))
+    assert read_all(p.train) == docs
+    merge_index([str(tmp_path / "corpus" / x / "index.json") for x in "ab"], str(tmp_path / "corpus"))
+    assert json.loads((tmp_path / "corpus" / "index.json").read_text())["shards"][0]["raw_data"]["basename"].startswith("a/")
+    p = prepare(cfg(tmp_path / "corpus", tmp_path, eval_fraction=0, fields=ids))
     assert read_all(p.train) == docs
 
 
@@ -208,6 +215,16 @@ def test_bad_datasets_are_one_line_naming_the_file(writer, tmp_path, capsys):
     assert "set data.bytes_dtype" in _line(capsys, h, tmp_path)
     j = write(writer, tmp_path / "j", [[1, 2, 3]], encoding="bytes", dtype="uint8")  # 3 bytes read as 2-byte ids
     assert f"{j / 'shard.00000.mds'}: sample 0's 3 bytes" in _line(capsys, j, tmp_path, "--data.bytes_dtype=int16")
+
+    k = write(writer, tmp_path / "k", [np.array([[1, 2], [3, 4]])])
+    assert f"{k / 'shard.00000.mds'}: sample 0 holds a 2-D array" in _line(capsys, k, tmp_path)
+
+    m = write(writer, tmp_path / "m", docs)  # the index claims int64 ids, the shards' own header int32
+    index = json.loads((m / "index.json").read_text())
+    for entry in index["shards"]:
+        entry["column_encodings"][entry["column_names"].index("tokens")] = "ndarray:int64"
+    (m / "index.json").write_text(json.dumps(index))
+    assert "the columns its header records disagree with its index.json entry" in _line(capsys, m, tmp_path)
 
     i = write(writer, tmp_path / "i", [[1, 2, 300]])
     assert "token id 300 at token 2" in _line(capsys, i, tmp_path)

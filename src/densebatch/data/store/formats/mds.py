@@ -144,9 +144,9 @@ def token_column(index: Path, entry: dict, column: str) -> int:
     )
 
 
-def _encoding(index: Path, *, name: str, encoding: str, bytes_dtype: str | None) -> tuple[str, np.dtype | None, int | None]:
-    """(kind, dtype, fixed count) of the token column: kind ``fixed`` (ndarray:D:N), ``shape`` (ndarray:D),
-    ``dynamic`` (ndarray: a dtype byte per sample, dtype None) or ``bytes``."""
+def _encoding(index: Path, *, name: str, encoding: str, bytes_dtype: str | None) -> tuple[str, np.dtype | None]:
+    """(kind, dtype) of the token column: kind ``fixed`` (ndarray:D:N), ``shape`` (ndarray:D), ``dynamic``
+    (ndarray: a dtype byte per sample, dtype None) or ``bytes``."""
     kind, _, rest = encoding.partition(":")
     if kind == "bytes" and not rest:
         if bytes_dtype is None:
@@ -154,21 +154,21 @@ def _encoding(index: Path, *, name: str, encoding: str, bytes_dtype: str | None)
                 f"{index}: column {name} holds raw bytes (encoding bytes, no dtype recorded): set data.bytes_dtype to the "
                 "dtype its ids were written in (llm-foundry's tokens columns: int64)"
             )
-        return "bytes", np.dtype(bytes_dtype).newbyteorder("<"), None
+        return "bytes", np.dtype(bytes_dtype).newbyteorder("<")
     if kind != "ndarray":
         raise DataError(f"{index}: column {name} is encoded as {encoding}: token ids are read from ndarray or bytes columns")
     if not rest:
-        return "dynamic", None, None
+        return "dynamic", None
     dtype, _, shape = rest.partition(":")
     if dtype not in _INTS:
         raise DataError(f"{index}: column {name} holds {dtype} values ({encoding}), not integer token ids")
     if not shape:
-        return "shape", np.dtype(dtype).newbyteorder("<"), None
+        return "shape", np.dtype(dtype).newbyteorder("<")
     if not shape.isdigit():
         raise DataError(
             f"{index}: column {name} holds arrays of shape ({shape}) ({encoding}): one 1-D array of ids a sample is read"
         )
-    return "fixed", np.dtype(dtype).newbyteorder("<"), int(shape)
+    return "fixed", np.dtype(dtype).newbyteorder("<")
 
 
 def _header(shard: Path, entry: dict, size: int) -> np.ndarray:
@@ -208,7 +208,7 @@ def read_shard(shard: Path, *, column: str, bytes_dtype: str | None) -> Shard:
     _uncompressed(index, entry)
     c = token_column(index, entry, column)
     name = entry["column_names"][c]
-    kind, dtype, fixed = _encoding(index, name=name, encoding=entry["column_encodings"][c], bytes_dtype=bytes_dtype)
+    kind, dtype = _encoding(index, name=name, encoding=entry["column_encodings"][c], bytes_dtype=bytes_dtype)
     size = shard.stat().st_size
     offsets = _header(shard, entry, size)
     n = len(offsets) - 1
@@ -228,9 +228,9 @@ def read_shard(shard: Path, *, column: str, bytes_dtype: str | None) -> Shard:
             raise DataError(f"{shard}: sample {k}'s column sizes disagree with its offsets")
         start = at + 4 * len(variable) + col[:, :c].sum(1)  # (samples,) the token column's first byte
         value_at[a:b], lengths[a:b], codes[a:b] = _values(
-            shard, raw, start=start, nbytes=col[:, c], kind=kind, dtype=dtype, fixed=fixed, first=a
+            shard, raw=raw, start=start, nbytes=col[:, c], kind=kind, dtype=dtype, first=a
         )
-    return _mapped(shard, size, value_at=value_at, lengths=lengths, codes=codes, dtype=dtype)
+    return _mapped(shard, size=size, value_at=value_at, lengths=lengths, codes=codes, dtype=dtype)
 
 
 def _gather(raw: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
@@ -241,7 +241,7 @@ def _gather(raw: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
     return np.ascontiguousarray(out)
 
 
-def _values(shard: Path, raw, *, start, nbytes, kind: str, dtype, fixed, first: int):
+def _values(shard: Path, *, raw, start, nbytes, kind: str, dtype, first: int):
     """Each sample's ids: (first byte, count, dtype code) of the token column's values at ``start`` (``nbytes`` long)."""
     codes = np.zeros(len(start), np.uint8)
     if kind == "dynamic":
@@ -272,7 +272,7 @@ def _values(shard: Path, raw, *, start, nbytes, kind: str, dtype, fixed, first: 
     return start + 1 + width, shape, codes
 
 
-def _mapped(shard: Path, size: int, *, value_at, lengths, codes, dtype) -> Shard:
+def _mapped(shard: Path, *, size: int, value_at, lengths, codes, dtype) -> Shard:
     """The shard mapped once per (dtype, alignment) of its documents' first ids, each document placed in those mappings."""
     itemsize = _ITEMSIZE[codes] if dtype is None else np.full(len(codes), dtype.itemsize, np.int64)
     rem = value_at % np.maximum(itemsize, 1)
