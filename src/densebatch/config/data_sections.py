@@ -23,7 +23,9 @@ class FieldsConfig:
     content: str = _f("content", "Key of a chat message's text.")
     text: str = _f("text", "Field with plain text (raw template).")
     input_ids: str = _f(
-        "input_ids", "Field with pre-tokenised ids (any format): a record that has it is used as is, its ids from data.tokenizer."
+        "input_ids",
+        "Field with pre-tokenised ids (any format): a record that has it is used as is, its ids from data.tokenizer "
+        "(format mds: the column of token ids; at this default, input_ids or else tokens).",
     )
     labels: str = _f("labels", "Optional field with per-token labels of pre-tokenised records (-100 = no loss).")
 

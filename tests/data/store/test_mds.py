@@ -138,13 +138,16 @@ def test_any_lengths_read_back_as_written(writer, tmp_path_factory, lengths, enc
     assert p.summary.dropped_no_target == len(docs) - len(kept)
 
 
-def test_eval_split_is_each_shards_own_index_hash(writer, tmp_path):
+def test_eval_split_is_each_shards_own_index_hash_or_eval_path(writer, tmp_path):
     docs = documents(90, seed=5)
     folder = write(writer, tmp_path / "ds", docs, size_limit=None)  # one shard: document i is sample i
     p = prepare(cfg(folder, tmp_path, eval_fraction=0.1))
     ev = held_out(len(docs), 0.1)
     assert read_all(p.eval) == [d for d, e in zip(docs, ev) if e] and ev.any()
     assert read_all(p.train) == [d for d, e in zip(docs, ev) if not e]
+    held = write(writer, tmp_path / "held", docs[:7])  # data.eval_path in the same format: the eval split whole
+    p = prepare(cfg(folder, tmp_path, eval_path=str(held)))
+    assert read_all(p.eval) == docs[:7] and read_all(p.train) == docs
 
 
 def test_trains_on_packed_rows_and_inspect_shows_the_writers_documents(writer, tmp_path, capsys):
