@@ -108,6 +108,7 @@ def test_fixed_shape_arrays_another_column_name_a_pattern_of_folders_and_a_merge
     for part, chunk in (("a", docs[:12]), ("b", docs[12:])):
         write(writer, tmp_path / "corpus" / part, chunk, encoding="ndarray:uint16:16", column="ids")
     ids = FieldsConfig(input_ids="ids")
+    (tmp_path / "corpus" / "logs").mkdir()  # a pattern's matches without an index are not datasets
     p = prepare(cfg(tmp_path / "corpus" / "*", tmp_path, eval_fraction=0, fields=ids))
     assert read_all(p.train) == docs
     merge_index([str(tmp_path / "corpus" / x / "index.json") for x in "ab"], str(tmp_path / "corpus"))

@@ -63,6 +63,8 @@ def shards_of(path: str) -> list[Path]:
     out: dict[Path, None] = {}
     for m in map(Path, matches):
         index = m if m.name == INDEX else m / INDEX
+        if glob.has_magic(path) and not index.is_file():
+            continue  # a pattern's other matches (shards, logs): its datasets are the folders with an index
         if not m.is_dir() and m.name != INDEX:
             raise DataError(f"{m}: not an MDS dataset (data.format mds reads the folder with the index.json streaming wrote)")
         for entry in _shards(index):
@@ -72,7 +74,7 @@ def shards_of(path: str) -> list[Path]:
                 raise DataError(f"{f}: missing (listed by {index})")
             out[f] = None
     if not out:
-        raise DataError(f"{path}: lists no shard")
+        raise DataError(f"{path}: no MDS shard (no index.json there, or one that lists no shard)")
     return list(out)
 
 
@@ -119,15 +121,20 @@ def _shards(index: Path) -> tuple[dict, ...]:
     return _index_cached(str(index), index.stat().st_mtime_ns)
 
 
+@functools.lru_cache(maxsize=64)
+def _listing(path: str, mtime: int) -> dict[str, dict]:
+    """An index's entries by their shard's path relative to the index's folder."""
+    return {Path(e["raw_data"]["basename"]).as_posix(): e for e in _index_cached(path, mtime)}
+
+
 def index_of(shard: Path) -> tuple[Path, dict]:
     """The ``index.json`` that lists ``shard`` (in its folder or one above: merged indexes name sub-folders) and its entry."""
     for folder in shard.parents:
         index = folder / INDEX
         if index.is_file():
-            rel = shard.relative_to(folder).as_posix()
-            for entry in _shards(index):
-                if Path(entry["raw_data"]["basename"]).as_posix() == rel:
-                    return index, entry
+            entry = _listing(str(index), index.stat().st_mtime_ns).get(shard.relative_to(folder).as_posix())
+            if entry is not None:
+                return index, entry
     raise DataError(f"{shard}: no index.json beside or above it lists this shard")
 
 
