@@ -161,6 +161,8 @@ def _encoding(index: Path, *, name: str, encoding: str, bytes_dtype: str | None)
                 f"{index}: column {name} holds raw bytes (encoding bytes, no dtype recorded): set data.bytes_dtype to the "
                 "dtype its ids were written in (llm-foundry's tokens columns: int64)"
             )
+        if bytes_dtype not in _INTS:
+            raise DataError(f"data.bytes_dtype {bytes_dtype}: one of {', '.join(sorted(_INTS))}")
         return "bytes", np.dtype(bytes_dtype).newbyteorder("<")
     if kind != "ndarray":
         raise DataError(f"{index}: column {name} is encoded as {encoding}: token ids are read from ndarray or bytes columns")
