@@ -100,11 +100,8 @@ def _read(fmt: str, p: Path, cfg: DataConfig) -> Input:
             f.bin_path, (f.idx_path, f.bin_path), f.tokens, f.doc_starts, f.doc_lengths, None, _whole(f.bin_path, f.tokens)
         )
     if fmt in ("litdata", "mds"):
-        c = (
-            litdata.read_chunk(p)
-            if fmt == "litdata"
-            else mds.read_shard(p, column=cfg.fields.input_ids, bytes_dtype=cfg.bytes_dtype)
-        )
+        column, dtype = cfg.fields.input_ids, cfg.bytes_dtype  # mds: which column holds the ids, and a bytes column's dtype
+        c = litdata.read_chunk(p) if fmt == "litdata" else mds.read_shard(p, column=column, bytes_dtype=dtype)
         tokens = _joined([litdata.map_part(x) for x in c.parts])
         return Input(c.path, (c.path,), tokens, c.doc_starts, c.doc_lengths, None, tuple(dict(x, loss=None) for x in c.parts))
     d = datatrove.read_shard(p)
@@ -304,7 +301,7 @@ def _build(tmp: Path, *, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[P
     return s
 
 
-_SPLIT_NAMES = ("starts.npy", "lengths.npy", "doc_loss.npy", "meta.json")
+_SPLIT_NAMES = ("starts.npy", "lengths.npy", "doc_loss.npy", "meta.json", "first_tokens.npy")
 
 
 def _same_masks(x: Input, before: list[dict]) -> None:
