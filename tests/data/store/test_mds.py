@@ -85,6 +85,7 @@ def snapshot(folder):
         ("ndarray:uint16", "uint16", {}),
         ("ndarray:int64", "int64", {}),  # 8-byte ids after odd headers: off their alignment
         ("ndarray:uint8", "uint8", {}),
+        ("ndarray:uint64", "uint64", {}),
         ("ndarray", "int16", {}),  # the dtype a byte in each sample
         ("ndarray", "uint32", {}),
         ("bytes", "int64", {"bytes_dtype": "int64"}),  # llm-foundry's tokens column
