@@ -16,6 +16,7 @@ from densebatch.cli import main
 from densebatch.config import DataConfig, FieldsConfig
 from densebatch.data.prepare.foreign import held_out
 from densebatch.data.prepare.pipeline import prepare
+from densebatch.data.store import store_io
 from densebatch.data.store.store_io import read_ranges
 
 
@@ -99,6 +100,8 @@ def test_every_encoding_and_dtype_token_for_token_across_shards(writer, tmp_path
     before = snapshot(folder)
     p = prepare(cfg(folder, tmp_path, eval_fraction=0, **extra))
     assert read_all(p.train) == docs and masks_right(p.train)
+    mappings = getattr(p.train.tokens, "parts", [p.train.tokens])  # each read by positioned reads, nothing left resident
+    assert all(store_io._file_of(m) is not None for m in mappings)
     assert snapshot(folder) == before  # nothing written beside the corpus
 
 
