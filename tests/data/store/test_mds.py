@@ -237,3 +237,14 @@ def test_bad_datasets_are_one_line_naming_the_file(writer, tmp_path, capsys):
     i = write(writer, tmp_path / "i", [[1, 2, 300]])
     assert "token id 300 at token 2" in _line(capsys, i, tmp_path)
     assert "data.bytes_dtype" in _line(capsys, h, tmp_path, "--data.bytes_dtype=float32")
+
+
+def test_more_mappings_than_open_files_allowed_is_one_line(writer, tmp_path, capsys, monkeypatch):
+    """Each shard's mappings (and their positioned readers) hold open files: the soft limit is raised as our
+    stores' is, and a corpus that needs more than the hard limit is one line, not "Too many open files" mid-run."""
+    import resource
+
+    folder = write(writer, tmp_path / "ds", documents(40, seed=8))
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (16, 16))
+    line = _line(capsys, folder, tmp_path)
+    assert "open files" in line and "write the corpus in fewer, larger files" in line
