@@ -89,7 +89,7 @@ class SplitWriter:
         for n, f in self.files.items():
             f.write(_header(self.DTYPES[n], 0))
         self.documents = self.tokens = self.loss_tokens = self.longest = 0
-        self.last_start, self.ascending = -1, True
+        self.last_start, self.ascending, self.blocks = -1, True, []
 
     def add(self, starts: np.ndarray, lengths: np.ndarray, doc_loss: np.ndarray) -> None:
         for n, arr in zip(SPLIT_FILES, (starts, lengths, doc_loss)):
@@ -97,6 +97,7 @@ class SplitWriter:
         if len(starts):
             self.ascending &= bool(starts[0] > self.last_start and (np.diff(starts) > 0).all())
             self.last_start = max(self.last_start, int(np.max(starts)))
+            self.blocks.append(len(starts))
         self.documents += len(lengths)
         self.tokens += int(np.sum(lengths, dtype=np.int64))
         self.loss_tokens += int(np.sum(doc_loss, dtype=np.int64))
@@ -110,7 +111,7 @@ class SplitWriter:
             f.write(head)
             f.close()
         if not self.ascending:  # FirstTokenMask finds the document starts inside a range by bisection
-            np.save(self.directory / "first_tokens.npy", np.sort(np.load(self.directory / "starts.npy", mmap_mode="r")))
+            self._write_first_tokens()
         meta = dict(
             self.meta,
             num_documents=self.documents,
@@ -120,6 +121,25 @@ class SplitWriter:
             source_documents=[self.documents],
         )
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+
+    def _write_first_tokens(self) -> None:
+        """``first_tokens.npy``: each ``add``'s starts sorted in turn, one block in memory, while each block's
+        follow the last (a format's disorder stays inside an input file, which a block rarely spans); else all
+        of them sorted at once."""
+        starts = np.load(self.directory / "starts.npy", mmap_mode="r")
+        path = self.directory / "first_tokens.npy"
+        with open(path, "wb") as f:
+            f.write(_header(self.DTYPES["starts"], self.documents))
+            at, last = 0, -1
+            for n in self.blocks:
+                block = np.sort(starts[at : at + n])
+                if block[0] <= last:
+                    break
+                f.write(np.ascontiguousarray(block, self.DTYPES["starts"]).tobytes())
+                at, last = at + n, int(block[-1])
+            else:
+                return
+        np.save(path, np.sort(starts))
 
 
 class ForeignStore(DocumentStore):
