@@ -12,6 +12,13 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 CONSTRAINTS ?= constraints.txt
 STAMP := $(BIN)/.installed$(if $(CONSTRAINTS),,-newest)
+# Writers the format tests build corpora with that cannot be installed with their requirements: litdata
+# (it requires torchvision, whose PyPI build is CUDA's, does not load beside the CPU torch and then breaks
+# transformers' model imports) and mosaicml-streaming (it also pins numpy<2.2 and transformers<5). They go
+# in with --no-deps, with only what their writers import (boto3 & co.: litdata's import; brotli, snappy,
+# zstd, catalogue: streaming's); their versions are pinned in constraints.txt with the rest.
+NO_DEPS_WRITERS := litdata lightning-utilities boto3 botocore jmespath s3transfer \
+	mosaicml-streaming brotli python-snappy cramjam zstd xxhash catalogue
 
 .PHONY: demo test install clean lock
 
@@ -20,6 +27,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	rm -f $(BIN)/.installed $(BIN)/.installed-newest
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q $(if $(CONSTRAINTS),-c $(CONSTRAINTS),-U --upgrade-strategy eager torch==2.13.0) -e '.[dev]'
+	$(BIN)/pip install -q --no-deps $(if $(CONSTRAINTS),-c $(CONSTRAINTS),-U) $(NO_DEPS_WRITERS)
 	touch $@
 
 install: $(STAMP)

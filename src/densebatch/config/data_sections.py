@@ -23,7 +23,9 @@ class FieldsConfig:
     content: str = _f("content", "Key of a chat message's text.")
     text: str = _f("text", "Field with plain text (raw template).")
     input_ids: str = _f(
-        "input_ids", "Field with pre-tokenised ids (any format): a record that has it is used as is, its ids from data.tokenizer."
+        "input_ids",
+        "Field with pre-tokenised ids (any format): a record that has it is used as is, its ids from data.tokenizer "
+        "(format mds: the column of token ids; at this default, input_ids or else tokens).",
     )
     labels: str = _f("labels", "Optional field with per-token labels of pre-tokenised records (-100 = no loss).")
 
@@ -67,7 +69,7 @@ class DefaultDataConfig:
     seed: int = _f(1234, "Seed of the generator (independent of the run seed), in [0, 2**63).", minimum=0)
 
 
-Format = Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk", "megatron", "datatrove", "litdata"]
+Format = Literal["auto", "json", "jsonl", "csv", "parquet", "text", "hf_disk", "megatron", "datatrove", "litdata", "mds"]
 Template = Literal["alpaca", "chatml", "chat_template", "raw", "custom"]
 
 
@@ -115,9 +117,14 @@ class DataConfig:
     )
     format: Format = _f(
         "auto",
-        "Input format; auto = from the file name (a directory = Hugging Face save_to_disk); megatron / datatrove / litdata = "
-        "token ids an engine wrote (PREFIX.bin + PREFIX.idx; NAME.ds + .ds.index; index.json + chunks), read in place "
-        "(docs/data.md).",
+        "Input format; auto = from the file name (a directory = Hugging Face save_to_disk); megatron / datatrove / litdata / mds = "
+        "token ids an engine wrote (PREFIX.bin + PREFIX.idx; NAME.ds + .ds.index; index.json + chunks; index.json + "
+        "MDS shards), read in place (docs/data.md).",
+    )
+    bytes_dtype: Literal["uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"] | None = _f(
+        None,
+        "format mds: the dtype of the ids in a token column encoded as bytes (llm-foundry's tokens: int64); none = "
+        "such a column is refused (ndarray columns record their own).",
     )
     eval_path: str | None = _f(None, "Separate evaluation file; none = hold out eval_fraction of records.")
     eval_fraction: float = _f(0.05, "Share of records held out for evaluation when eval_path is unset.", minimum=0.0)

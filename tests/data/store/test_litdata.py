@@ -55,6 +55,8 @@ def test_every_integer_dtype_token_for_token_across_chunks(tmp_path, dtype, nump
     before = sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir())
     p = prepare(cfg(folder, tmp_path, eval_fraction=0))
     assert read_all(p.train) == docs  # 8-byte ids 4 bytes off alignment included
+    starts, lengths = p.train.doc_spans(np.arange(len(p.train)))  # and their loss masks (starts out of order)
+    assert read_ranges(p.train.loss_mask, starts, starts + lengths).tolist() == [x for n in lengths for x in [0] + [1] * (n - 1)]
     assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) == before
 
 

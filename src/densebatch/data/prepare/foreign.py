@@ -34,14 +34,14 @@ import numpy as np
 from densebatch.config import DataConfig
 from densebatch.data.prepare.cache import entry_lock, input_key
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
-from densebatch.data.store.formats import datatrove, litdata, megatron
+from densebatch.data.store.formats import datatrove, litdata, mds, megatron
 from densebatch.data.store.formats.view import ForeignStore, SplitWriter
 from densebatch.data.store.joined import JoinedArray
-from densebatch.data.store.store import marker_ok, read_ranges, staged_store, write_marker
+from densebatch.data.store.store import _room_for_files, marker_ok, read_ranges, staged_store, write_marker
 from densebatch.errors import DataError
 
-FORMATS = ("megatron", "datatrove", "litdata")
-ENTRY_VERSION = 1
+FORMATS = ("megatron", "datatrove", "litdata", "mds")
+ENTRY_VERSION = 2  # 2: first_tokens.npy where the starts are unsorted (1 read such entries' loss masks wrong)
 _SCAN = 1 << 24  # tokens read at once by the vocabulary scan
 _BLOCK = 1 << 22  # documents handled at once while the entry is built
 
@@ -81,20 +81,23 @@ def _paths(path: str, fmt: str) -> list[Path]:
         return datatrove.shards_of(path)
     if fmt == "litdata":
         return litdata.chunks_of(path)
+    if fmt == "mds":
+        return mds.shards_of(path)
     matches = sorted(glob.glob(path, recursive=True)) if glob.has_magic(path) else [path]
     if not matches:
         raise DataError(f"{path}: the pattern matches no file")
     return list({p: None for m in matches for p in megatron.prefixes_of(m)})
 
 
-def _read(fmt: str, p: Path) -> Input:
+def _read(fmt: str, p: Path, cfg: DataConfig) -> Input:
     if fmt == "megatron":
         f = megatron.read_indexed(p)
         return Input(
             f.bin_path, (f.idx_path, f.bin_path), f.tokens, f.doc_starts, f.doc_lengths, None, _whole(f.bin_path, f.tokens)
         )
-    if fmt == "litdata":
-        c = litdata.read_chunk(p)
+    if fmt in ("litdata", "mds"):
+        column, dtype = cfg.fields.input_ids, cfg.bytes_dtype  # mds: which column holds the ids, and a bytes column's dtype
+        c = litdata.read_chunk(p) if fmt == "litdata" else mds.read_shard(p, column=column, bytes_dtype=dtype)
         tokens = _joined([litdata.map_part(x) for x in c.parts])
         return Input(c.path, (c.path,), tokens, c.doc_starts, c.doc_lengths, None, tuple(dict(x, loss=None) for x in c.parts))
     d = datatrove.read_shard(p)
@@ -108,6 +111,8 @@ def _files(fmt: str, p: Path) -> list[Path]:
         return [Path(f"{p}.idx"), Path(f"{p}.bin")]
     if fmt == "litdata":
         return [p, p.parent / litdata.INDEX]
+    if fmt == "mds":
+        return [p, mds.index_of(p)[0]]
     return [p] + [q for q in (Path(f"{p}.index"), Path(f"{p}.loss"), Path(f"{p}.metadata")) if q.exists()]
 
 
@@ -127,6 +132,8 @@ def _key(cfg: DataConfig, *, fmt: str, tok, inputs: list[Path], evals: list[Path
         "vocab_size": tok.vocab_size,
         "pad_id": tok.pad_id,
     }
+    if fmt == "mds":  # which column holds the ids, and what a bytes column's ids are
+        material["mds"] = [cfg.fields.input_ids, cfg.bytes_dtype]
     return hashlib.sha256(json.dumps(material, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -243,7 +250,7 @@ def _build(tmp: Path, *, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[P
     offsets = {"train": 0, "eval": 0}
     for names, split_of in ((inputs, None), (evals, "eval")):
         for p in names:
-            x = _read(fmt, p)
+            x = _read(fmt, p, cfg)
             n = len(x.doc_lengths)
             s.records_read += n
             base = {}
@@ -284,13 +291,13 @@ def _build(tmp: Path, *, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[P
     (tmp / "corpus.json").write_text(json.dumps(corpus, indent=1), encoding="utf-8")
     (tmp / "summary.json").write_text(json.dumps(s.as_dict(), indent=1), encoding="utf-8")
     files = ["corpus.json", "summary.json"] + [
-        f"{sp}/{n}" for sp in ("train", "eval") if (tmp / sp).is_dir() for n in _SPLIT_NAMES
+        f"{sp}/{n}" for sp in ("train", "eval") if (tmp / sp).is_dir() for n in _SPLIT_NAMES if (tmp / sp / n).exists()
     ]
     write_marker(tmp, {"format": ENTRY_VERSION, "sizes": {f: (tmp / f).stat().st_size for f in files}})
     return s
 
 
-_SPLIT_NAMES = ("starts.npy", "lengths.npy", "doc_loss.npy", "meta.json")
+_SPLIT_NAMES = ("starts.npy", "lengths.npy", "doc_loss.npy", "meta.json", "first_tokens.npy")
 
 
 def _same_masks(x: Input, before: list[dict]) -> None:
@@ -308,6 +315,8 @@ def _masks_of(files: list[dict], final: Path):
 
 def _tokens_of(files: list[dict], final: Path):
     """The token files of one split, mapped read-only, each checked against what the entry recorded."""
+    reading = f"the {len(files)} mappings of its token files"  # each mapping and its positioned reader: 2 files
+    _room_for_files(2 * len(files), final, reading=reading, fix="write the corpus in fewer, larger files")
     arrays = []
     for f in files:
         p = Path(f["file"])

@@ -96,9 +96,10 @@ def _shards_ok(shards: list[dict]) -> bool:
         return False
 
 
-def _room_for_files(n: int, d: Path) -> None:
+def _room_for_files(n: int, d: Path, *, reading: str = "", fix: str = "prepare again with a larger data.shard_tokens") -> None:
     """Make room for ``n`` more open files: the soft limit is raised up to the hard one (as data loaders do);
-    a store that still needs more is a one-line ``DataError``, not "Too many open files" mid-run."""
+    a store that still needs more is a one-line ``DataError`` (what it reads: ``reading``, the way out: ``fix``),
+    not "Too many open files" mid-run."""
     try:
         import resource  # noqa: I001  (POSIX only)
     except ImportError:
@@ -117,8 +118,8 @@ def _room_for_files(n: int, d: Path) -> None:
         )
         return
     raise DataError(
-        f"{d}: reading its {n // 8} shards needs about {want} open files and this process may open {hard} (ulimit -n): "
-        "raise the limit, or prepare again with a larger data.shard_tokens"
+        f"{d}: reading {reading or f'its {n // 8} shards'} needs about {want} open files and this process may open {hard} "
+        f"(ulimit -n): raise the limit, or {fix}"
     )
 
 

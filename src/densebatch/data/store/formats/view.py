@@ -6,9 +6,11 @@ same: ``tokens`` is the writer's own token file (or files, read as one ``JoinedA
 split's documents are described by three arrays kept in the cache entry (``data.cache_dir``, never
 beside the corpus)::
 
-    starts.npy    int64  (docs,)  each document's first token in ``tokens`` (ascending)
+    starts.npy    int64  (docs,)  each document's first token in ``tokens``
     lengths.npy   uint32 (docs,)  its tokens (after data.max_seq_len's truncation)
     doc_loss.npy  uint32 (docs,)  its loss tokens
+    first_tokens.npy  int64  (docs,)  starts.npy sorted; only where a format's mappings (one per id
+                  alignment: litdata, mds) leave the starts of documents in the writer's order unsorted
 
 A split may skip documents (the eval split's, the dropped ones), so a document is found by its start,
 not by summing lengths. The loss mask follows our convention (``loss_mask[i] == 1``: token ``i``, as a
@@ -87,10 +89,15 @@ class SplitWriter:
         for n, f in self.files.items():
             f.write(_header(self.DTYPES[n], 0))
         self.documents = self.tokens = self.loss_tokens = self.longest = 0
+        self.last_start, self.ascending, self.blocks = -1, True, []
 
     def add(self, starts: np.ndarray, lengths: np.ndarray, doc_loss: np.ndarray) -> None:
         for n, arr in zip(SPLIT_FILES, (starts, lengths, doc_loss)):
             self.files[n].write(np.ascontiguousarray(arr, self.DTYPES[n]).tobytes())
+        if len(starts):
+            self.ascending &= bool(starts[0] > self.last_start and (np.diff(starts) > 0).all())
+            self.last_start = max(self.last_start, int(np.max(starts)))
+            self.blocks.append(len(starts))
         self.documents += len(lengths)
         self.tokens += int(np.sum(lengths, dtype=np.int64))
         self.loss_tokens += int(np.sum(doc_loss, dtype=np.int64))
@@ -103,6 +110,8 @@ class SplitWriter:
             f.seek(0)
             f.write(head)
             f.close()
+        if not self.ascending:  # FirstTokenMask finds the document starts inside a range by bisection
+            self._write_first_tokens()
         meta = dict(
             self.meta,
             num_documents=self.documents,
@@ -112,6 +121,25 @@ class SplitWriter:
             source_documents=[self.documents],
         )
         (self.directory / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
+
+    def _write_first_tokens(self) -> None:
+        """``first_tokens.npy``: each ``add``'s starts sorted in turn, one block in memory, while each block's
+        follow the last (a format's disorder stays inside an input file, which a block rarely spans); else all
+        of them sorted at once."""
+        starts = np.load(self.directory / "starts.npy", mmap_mode="r")
+        path = self.directory / "first_tokens.npy"
+        with open(path, "wb") as f:
+            f.write(_header(self.DTYPES["starts"], self.documents))
+            at, last = 0, -1
+            for n in self.blocks:
+                block = np.sort(starts[at : at + n])
+                if block[0] <= last:
+                    break
+                f.write(np.ascontiguousarray(block, self.DTYPES["starts"]).tobytes())
+                at, last = at + n, int(block[-1])
+            else:
+                return
+        np.save(path, np.sort(starts))
 
 
 class ForeignStore(DocumentStore):
@@ -123,7 +151,9 @@ class ForeignStore(DocumentStore):
         arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in SPLIT_FILES}
         self._starts = arrays["starts"]
         self.tokens = tokens
-        self.loss_mask = FirstTokenMask(self._starts, len(tokens), mask_file)
+        first = d / "first_tokens.npy"
+        first_tokens = np.load(first, mmap_mode="r", allow_pickle=False) if first.exists() else self._starts
+        self.loss_mask = FirstTokenMask(first_tokens, len(tokens), mask_file)
         # read as a joined store's (slices by positioned reads, as our sharded stores are): a slice of a plain
         # mapping would keep the lengths' pages resident while the planner walks the epoch
         self.lengths = JoinedArray([arrays["lengths"]])
