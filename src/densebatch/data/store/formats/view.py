@@ -25,10 +25,11 @@ import numpy as np
 
 from densebatch.data.store.joined import JoinedArray
 from densebatch.data.store.store import DocumentStore
-from densebatch.data.store.store_io import read_ranges, take
+from densebatch.data.store.store_io import read_ranges, take, windows
 from densebatch.data.store.store_write import _header
 
 SPLIT_FILES = ("starts", "lengths", "doc_loss")
+_EVERY = 64  # document starts between two that FirstTokenMask holds in memory (1/8 byte a document)
 
 
 class FirstTokenMask(JoinedArray):
@@ -36,8 +37,9 @@ class FirstTokenMask(JoinedArray):
     document's first token (``starts``, ascending), computed for the ranges read: nothing held per
     token. ``read_ranges`` (``store_io``) calls its ``read_ranges`` as it does a joined store's."""
 
-    def __init__(self, starts: np.ndarray, num_tokens: int, base=None) -> None:
-        self.starts_of_docs, self.base = starts, base
+    def __init__(self, starts: np.ndarray, num_tokens: int, base=None, *, every: int = _EVERY) -> None:
+        self.starts_of_docs, self.base, self.every = starts, base, every
+        self._held: np.ndarray | None = None  # every ``every``-th start, read on first use (_before)
         self.parts = []
         self.starts = np.array([0, num_tokens], np.int64)
         self.dtype = np.dtype(np.uint8)
@@ -50,15 +52,30 @@ class FirstTokenMask(JoinedArray):
             out = np.ones(int(lens.sum()), np.uint8)
         else:
             out = (read_ranges(self.base, starts, starts + lens) != 0).astype(np.uint8)
-        lo = np.searchsorted(self.starts_of_docs, starts, side="left")  # the document starts inside each range
-        hi = np.searchsorted(self.starts_of_docs, stops, side="left")
+        lo, hi = np.split(self._before(np.concatenate([starts, starts + lens])), 2)  # the starts inside each range
         count = hi - lo
         if count.any():
             which = np.repeat(np.arange(len(starts)), count)
-            j = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
-            at = np.asarray(self.starts_of_docs[j], np.int64)  # memory-mapped: only these entries are read
+            at = read_ranges(self.starts_of_docs, lo, hi).astype(np.int64)  # positioned reads: nothing resident
             out[(np.cumsum(lens) - lens)[which] + at - starts[which]] = 0
         return out
+
+    def _before(self, x: np.ndarray) -> np.ndarray:
+        """How many document starts lie before each token position ``x``: a search of the held starts (one every
+        ``every`` documents), then of the block of ``every`` starts after the one found, read by positioned reads.
+        (A search of the mapping itself would fault its pages in: 8 bytes a document resident, not 1/8.)"""
+        n = len(self.starts_of_docs)
+        if self._held is None:
+            step = (1 << 18) // self.every * self.every  # 2 MB read at a time
+            held = [w[:: self.every].copy() for _, w in windows(self.starts_of_docs, step)]  # not views of each window
+            self._held = np.concatenate([np.zeros(0, np.int64), *held]).astype(np.int64)
+        if not n:
+            return np.zeros(len(x), np.int64)
+        a = np.maximum(np.searchsorted(self._held, x, side="left") - 1, 0) * self.every  # held[k-1] < x <= held[k]
+        e = np.minimum(a + self.every, n)
+        below = read_ranges(self.starts_of_docs, a, e) < np.repeat(x, e - a)
+        c = np.concatenate([[0], np.cumsum(below)])
+        return a + c[np.cumsum(e - a)] - c[np.cumsum(e - a) - (e - a)]
 
     def __getitem__(self, key):
         if isinstance(key, slice):
