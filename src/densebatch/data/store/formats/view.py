@@ -35,7 +35,8 @@ _EVERY = 64  # document starts between two that FirstTokenMask holds in memory (
 class FirstTokenMask(JoinedArray):
     """A loss mask of ones (or of the writer's own mask, ``base``, read by positioned reads) but at each
     document's first token (``starts``, ascending), computed for the ranges read: nothing held per
-    token. ``read_ranges`` (``store_io``) calls its ``read_ranges`` as it does a joined store's."""
+    token, and of ``starts`` (memory-mapped) one in ``every``, as ``DocumentStore.doc_spans`` holds one
+    offset in 64. ``read_ranges`` (``store_io``) calls its ``read_ranges`` as it does a joined store's."""
 
     def __init__(self, starts: np.ndarray, num_tokens: int, base=None, *, every: int = _EVERY) -> None:
         self.starts_of_docs, self.base, self.every = starts, base, every
