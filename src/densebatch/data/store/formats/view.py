@@ -40,7 +40,7 @@ class FirstTokenMask(JoinedArray):
 
     def __init__(self, starts: np.ndarray, num_tokens: int, base=None, *, every: int = _EVERY) -> None:
         self.starts_of_docs, self.base, self.every = starts, base, every
-        self._held: np.ndarray | None = None  # every ``every``-th start, read on first use (_before)
+        self._held: np.ndarray | None = None  # every ``every``-th start, read on first use (_blocks)
         self.parts = []
         self.starts = np.array([0, num_tokens], np.int64)
         self.dtype = np.dtype(np.uint8)
@@ -53,30 +53,27 @@ class FirstTokenMask(JoinedArray):
             out = np.ones(int(lens.sum()), np.uint8)
         else:
             out = (read_ranges(self.base, starts, starts + lens) != 0).astype(np.uint8)
-        lo, hi = np.split(self._before(np.concatenate([starts, starts + lens])), 2)  # the starts inside each range
-        count = hi - lo
-        if count.any():
-            which = np.repeat(np.arange(len(starts)), count)
-            at = read_ranges(self.starts_of_docs, lo, hi).astype(np.int64)  # positioned reads: nothing resident
-            out[(np.cumsum(lens) - lens)[which] + at - starts[which]] = 0
+        a, e = self._blocks(starts, starts + lens)  # the starts inside each range lie in starts_of_docs[a:e]
+        got = read_ranges(self.starts_of_docs, a, e).astype(np.int64)  # one positioned read a range: nothing resident
+        which = np.repeat(np.arange(len(starts)), e - a)
+        inside = (got >= starts[which]) & (got < (starts + lens)[which])
+        which = which[inside]
+        out[(np.cumsum(lens) - lens)[which] + got[inside] - starts[which]] = 0
         return out
 
-    def _before(self, x: np.ndarray) -> np.ndarray:
-        """How many document starts lie before each token position ``x``: a search of the held starts (one every
-        ``every`` documents), then of the block of ``every`` starts after the one found, read by positioned reads.
-        (A search of the mapping itself would fault its pages in: 8 bytes a document resident, not 1/8.)"""
+    def _blocks(self, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each token range, entries ``[a, e)`` of ``starts_of_docs`` that hold every document start inside it:
+        from the block of ``every`` starts where the range begins to the one where it ends, found by a search of
+        the held starts (one in ``every``, read by one scan on first use). A search of the mapping itself would
+        fault its pages in: 8 bytes a document resident, not 1/8."""
         n = len(self.starts_of_docs)
         if self._held is None:
             step = (1 << 18) // self.every * self.every  # 2 MB read at a time
             held = [w[:: self.every].copy() for _, w in windows(self.starts_of_docs, step)]  # not views of each window
             self._held = np.concatenate([np.zeros(0, np.int64), *held]).astype(np.int64)
-        if not n:
-            return np.zeros(len(x), np.int64)
-        a = np.maximum(np.searchsorted(self._held, x, side="left") - 1, 0) * self.every  # held[k-1] < x <= held[k]
-        e = np.minimum(a + self.every, n)
-        below = read_ranges(self.starts_of_docs, a, e) < np.repeat(x, e - a)
-        c = np.concatenate([[0], np.cumsum(below)])
-        return a + c[np.cumsum(e - a)] - c[np.cumsum(e - a) - (e - a)]
+        first = np.maximum(np.searchsorted(self._held, starts, side="left") - 1, 0)  # held[k-1] < start <= held[k]
+        last = np.maximum(np.searchsorted(self._held, stops, side="left"), 1)  # every start < stop lies before held[last]
+        return np.minimum(first * self.every, n), np.minimum(last * self.every, n)
 
     def __getitem__(self, key):
         if isinstance(key, slice):
