@@ -136,7 +136,7 @@ class ForeignStore(DocumentStore):
     def __init__(self, directory: Path, tokens, mask_file=None) -> None:  # noqa: D107 (no super(): nothing in memory)
         d = Path(directory)
         arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in SPLIT_FILES}
-        self._starts = arrays["starts"]
+        self._starts, self._lengths = arrays["starts"], arrays["lengths"]  # the mappings themselves: doc_spans
         self.tokens = tokens
         self.loss_mask = FirstTokenMask(self._starts, len(tokens), mask_file)
         # read as a joined store's (slices by positioned reads, as our sharded stores are): a slice of a plain
@@ -154,7 +154,7 @@ class ForeignStore(DocumentStore):
 
     def doc_spans(self, docs) -> tuple[np.ndarray, np.ndarray]:
         docs = np.asarray(docs, np.int64)
-        return take(self._starts, docs).astype(np.int64), take(self.lengths, docs).astype(np.int64)
+        return take(self._starts, docs).astype(np.int64), take(self._lengths, docs).astype(np.int64)  # positioned reads
 
     def __repr__(self) -> str:
         return f"ForeignStore({len(self)} documents, {self.num_tokens} tokens, path={self.path})"
