@@ -16,7 +16,7 @@ the step (``batching.prefetch``; by default a thread reads 2 steps ahead): readi
 Lengths (``--lengths``): ``lognormal`` (``planning_memory``'s generator), ``oasst`` (the GPT-2 lengths
 of ``../shared/data``'s oasst threads, drawn with replacement) or ``uniform`` (2 .. 1,024).
 
-    PYTHONPATH=src:. /work/venv-i46/bin/python -m benchmarks.scale.foreign_train --lengths lognormal --docs 50000
+    .venv/bin/python -m benchmarks.scale.foreign_train --lengths lognormal --prefetch 0 --docs 50000   # needs densebatch[megatron]
 """
 
 from __future__ import annotations
