@@ -6,11 +6,12 @@ same lognormal lengths (the same generator, seed 0). Each measurement runs in a 
 
 - ``build``: ``prepare`` of ``data.format: megatron`` with an empty cache (the index checked, every
   token scanned for the vocabulary, the eval split, the entry written): wall seconds and peak RSS;
-- ``startup``: the same ``prepare`` again (a cache hit: what every later run pays) for the megatron
-  entry, and ``DocumentStore.open`` for our store;
+- ``startup`` (3 times each, interleaved): the same ``prepare`` again (a cache hit: what every later run
+  pays) for the megatron entry, and ``DocumentStore.open`` for our store, both timed after importing
+  ``prepare``'s pipeline (which every run imports, whatever it reads: ``imports_s``, apart);
 - ``plan``: rank 0 of 2's ``StepLoader`` (packed rows of 2,048, 16,384 slots a batch): steps of an
-  epoch, then the first 20 steps collated; peak RSS over the RSS after opening, per document (as
-  ``planning_memory`` measures our store);
+  epoch, then the first 20 steps collated; peak RSS over the RSS after importing the loader (torch)
+  and opening, per document (as ``planning_memory`` measures our store);
 - ``read``: 1,000 steps collated from each, tokens a second.
 
     .venv/bin/python -m benchmarks.scale.foreign_store --docs 10000000 --dir /tmp/foreign-store
@@ -96,10 +97,17 @@ def _open(which: str, d: Path):
 
 def run_one(which: str, phase: str, d: Path) -> dict:
     t = time.perf_counter()
+    import densebatch.data.prepare.pipeline  # noqa: F401  (what every run imports, whichever store it reads)
+
+    imports = time.perf_counter() - t
+    if phase == "plan":
+        import densebatch.data.load.loader  # noqa: F401  (torch: not planning memory)
+    t = time.perf_counter()
     store = _open(which, d)
     out: dict = {"store": which, "phase": phase, "docs": len(store)}
     if phase in ("build", "startup"):
-        return dict(out, seconds=round(time.perf_counter() - t, 2), process_cpu_s=_cpu_s(), peak_rss_gb=round(_rss_gb(), 3))
+        return dict(out, seconds=round(time.perf_counter() - t, 3), imports_s=round(imports, 3), process_cpu_s=_cpu_s(),
+                    peak_rss_gb=round(_rss_gb(), 3))  # fmt: skip
     base = _rss_gb()
     t = time.perf_counter()
     loader = _loader(store)
@@ -139,7 +147,7 @@ def main() -> int:
     if not _written(d):  # in a process of its own: a child's peak RSS (ru_maxrss) starts from its parent's at fork
         subprocess.run([*me, "corpora", "write"], check=True, cwd=REPO)
     shutil.rmtree(d / "cache", ignore_errors=True)  # the build is measured from an empty cache
-    runs = [("megatron", "build"), ("megatron", "startup"), ("ours", "startup")]
+    runs = [("megatron", "build")] + [("megatron", "startup"), ("ours", "startup")] * 3
     runs += [(w, p) for p in ("plan", "read") for w in ("ours", "megatron")]
     for which, phase in runs:
         print(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -14,20 +17,46 @@ from densebatch.data.store.store_io import read_ranges
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 30), min_size=1, max_size=40), st.data())
 def test_first_token_mask_equals_the_dense_mask_on_any_ranges(lengths, data):
-    """Ones but at each document's start, on any ranges (within or across documents), with or without the writer's mask."""
+    """Ones but at each document's start, on any ranges (within or across documents), with or without the writer's mask,
+    whichever starts it holds in memory (``every``)."""
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
     total = int(sum(lengths))
     base = np.array(data.draw(st.lists(st.integers(0, 1), min_size=total, max_size=total)), np.uint8)
     for writer in (None, base):
         dense = np.ones(total, np.uint8) if writer is None else writer.copy()
         dense[starts] = 0
-        mask = FirstTokenMask(starts, total, writer)
+        mask = FirstTokenMask(starts, total, writer, every=data.draw(st.sampled_from([1, 2, 3, 7, 64])))
         k = data.draw(st.integers(1, 6))
         a = np.array(data.draw(st.lists(st.integers(0, total), min_size=k, max_size=k)), np.int64)
         b = np.minimum(a + np.array(data.draw(st.lists(st.integers(0, total), min_size=k, max_size=k)), np.int64), total)
         want = np.concatenate([dense[x:y] for x, y in zip(a, b)])
         assert (read_ranges(mask, a, b) == want).all()
         assert (np.asarray(mask) == dense).all() and (mask[3:9] == dense[3:9]).all()
+
+
+def _resident_mb(path: Path) -> float:
+    """This process's resident MB of the mappings of ``path`` (Linux's smaps)."""
+    kb, here = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and not line.split(" ", 1)[0].endswith(":"):
+            here = line.rstrip().endswith(str(path))
+        elif here and line.startswith("Rss:"):
+            kb += int(line.split()[1])
+    return kb / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="reads Linux's /proc/self/smaps")
+def test_first_token_mask_leaves_the_starts_file_unmapped(tmp_path):
+    """Reading scattered ranges keeps no page of a memory-mapped starts file resident (issue 46: a search of the
+    mapping faulted it all in, 8 bytes a document held while training)."""
+    starts = np.arange(0, 8 << 20, 2, dtype=np.int64)  # 4M documents of 2 tokens: a 32 MB file
+    np.save(tmp_path / "starts.npy", starts)
+    mapped = np.load(tmp_path / "starts.npy", mmap_mode="r")
+    mask = FirstTokenMask(mapped, 8 << 20)
+    a = np.random.default_rng(0).integers(0, (8 << 20) - 100, 2000)
+    got = read_ranges(mask, a, a + 100)
+    assert (got == (np.arange(100) % 2 != a[:, None] % 2).reshape(-1)).all()
+    assert _resident_mb(tmp_path / "starts.npy") < 1
 
 
 @given(st.integers(0, 3000), st.floats(0.0, 0.5))

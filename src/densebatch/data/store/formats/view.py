@@ -27,19 +27,22 @@ import numpy as np
 
 from densebatch.data.store.joined import JoinedArray
 from densebatch.data.store.store import DocumentStore
-from densebatch.data.store.store_io import read_ranges, take
+from densebatch.data.store.store_io import read_ranges, take, windows
 from densebatch.data.store.store_write import _header
 
 SPLIT_FILES = ("starts", "lengths", "doc_loss")
+_EVERY = 64  # document starts between two that FirstTokenMask holds in memory (1/8 byte a document)
 
 
 class FirstTokenMask(JoinedArray):
     """A loss mask of ones (or of the writer's own mask, ``base``, read by positioned reads) but at each
     document's first token (``starts``, ascending), computed for the ranges read: nothing held per
-    token. ``read_ranges`` (``store_io``) calls its ``read_ranges`` as it does a joined store's."""
+    token, and of ``starts`` (memory-mapped) one in ``every``, as ``DocumentStore.doc_spans`` holds one
+    offset in 64. ``read_ranges`` (``store_io``) calls its ``read_ranges`` as it does a joined store's."""
 
-    def __init__(self, starts: np.ndarray, num_tokens: int, base=None) -> None:
-        self.starts_of_docs, self.base = starts, base
+    def __init__(self, starts: np.ndarray, num_tokens: int, base=None, *, every: int = _EVERY) -> None:
+        self.starts_of_docs, self.base, self.every = starts, base, every
+        self._held: np.ndarray | None = None  # every ``every``-th start, read on first use (_blocks)
         self.parts = []
         self.starts = np.array([0, num_tokens], np.int64)
         self.dtype = np.dtype(np.uint8)
@@ -52,15 +55,27 @@ class FirstTokenMask(JoinedArray):
             out = np.ones(int(lens.sum()), np.uint8)
         else:
             out = (read_ranges(self.base, starts, starts + lens) != 0).astype(np.uint8)
-        lo = np.searchsorted(self.starts_of_docs, starts, side="left")  # the document starts inside each range
-        hi = np.searchsorted(self.starts_of_docs, stops, side="left")
-        count = hi - lo
-        if count.any():
-            which = np.repeat(np.arange(len(starts)), count)
-            j = np.repeat(lo - (np.cumsum(count) - count), count) + np.arange(int(count.sum()))
-            at = np.asarray(self.starts_of_docs[j], np.int64)  # memory-mapped: only these entries are read
-            out[(np.cumsum(lens) - lens)[which] + at - starts[which]] = 0
+        a, e = self._blocks(starts, starts + lens)  # the starts inside each range lie in starts_of_docs[a:e]
+        got = read_ranges(self.starts_of_docs, a, e).astype(np.int64)  # one positioned read a range: nothing resident
+        which = np.repeat(np.arange(len(starts)), e - a)
+        inside = (got >= starts[which]) & (got < (starts + lens)[which])
+        which = which[inside]
+        out[(np.cumsum(lens) - lens)[which] + got[inside] - starts[which]] = 0
         return out
+
+    def _blocks(self, starts: np.ndarray, stops: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For each token range, entries ``[a, e)`` of ``starts_of_docs`` that hold every document start inside it:
+        from the block of ``every`` starts where the range begins to the one where it ends, found by a search of
+        the held starts (one in ``every``, read by one scan on first use). A search of the mapping itself would
+        fault its pages in: 8 bytes a document resident, not 1/8."""
+        n = len(self.starts_of_docs)
+        if self._held is None:
+            step = (1 << 18) // self.every * self.every  # 2 MB read at a time
+            held = [w[:: self.every].copy() for _, w in windows(self.starts_of_docs, step)]  # not views of each window
+            self._held = np.concatenate([np.zeros(0, np.int64), *held]).astype(np.int64)
+        first = np.maximum(np.searchsorted(self._held, starts, side="left") - 1, 0)  # held[k-1] < start <= held[k]
+        last = np.maximum(np.searchsorted(self._held, stops, side="left"), 1)  # every start < stop lies before held[last]
+        return np.minimum(first * self.every, n), np.minimum(last * self.every, n)
 
     def __getitem__(self, key):
         if isinstance(key, slice):
@@ -149,7 +164,7 @@ class ForeignStore(DocumentStore):
     def __init__(self, directory: Path, tokens, mask_file=None) -> None:  # noqa: D107 (no super(): nothing in memory)
         d = Path(directory)
         arrays = {n: np.load(d / f"{n}.npy", mmap_mode="r", allow_pickle=False) for n in SPLIT_FILES}
-        self._starts = arrays["starts"]
+        self._starts, self._lengths = arrays["starts"], arrays["lengths"]  # the mappings themselves: doc_spans
         self.tokens = tokens
         first = d / "first_tokens.npy"
         first_tokens = np.load(first, mmap_mode="r", allow_pickle=False) if first.exists() else self._starts
@@ -169,7 +184,7 @@ class ForeignStore(DocumentStore):
 
     def doc_spans(self, docs) -> tuple[np.ndarray, np.ndarray]:
         docs = np.asarray(docs, np.int64)
-        return take(self._starts, docs).astype(np.int64), take(self.lengths, docs).astype(np.int64)
+        return take(self._starts, docs).astype(np.int64), take(self._lengths, docs).astype(np.int64)  # positioned reads
 
     def __repr__(self) -> str:
         return f"ForeignStore({len(self)} documents, {self.num_tokens} tokens, path={self.path})"
