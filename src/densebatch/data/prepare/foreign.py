@@ -37,7 +37,7 @@ from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.store.formats import datatrove, litdata, mds, megatron
 from densebatch.data.store.formats.view import ForeignStore, SplitWriter
 from densebatch.data.store.joined import JoinedArray
-from densebatch.data.store.store import _room_for_files, marker_ok, read_ranges, staged_store, write_marker
+from densebatch.data.store.store import marker_ok, read_ranges, room_for_files, staged_store, write_marker
 from densebatch.errors import DataError
 
 FORMATS = ("megatron", "datatrove", "litdata", "mds")
@@ -316,7 +316,7 @@ def _masks_of(files: list[dict], final: Path):
 def _tokens_of(files: list[dict], final: Path):
     """The token files of one split, mapped read-only, each checked against what the entry recorded."""
     reading = f"the {len(files)} mappings of its token files"  # each mapping and its positioned reader: 2 files
-    _room_for_files(2 * len(files), final, reading=reading, fix="write the corpus in fewer, larger files")
+    room_for_files(2 * len(files), final, reading=reading, fix="write the corpus in fewer, larger files")
     arrays = []
     for f in files:
         p = Path(f["file"])

@@ -96,7 +96,7 @@ def _shards_ok(shards: list[dict]) -> bool:
         return False
 
 
-def _room_for_files(n: int, d: Path, *, reading: str = "", fix: str = "prepare again with a larger data.shard_tokens") -> None:
+def room_for_files(n: int, d: Path, *, reading: str = "", fix: str = "prepare again with a larger data.shard_tokens") -> None:
     """Make room for ``n`` more open files: the soft limit is raised up to the hard one (as data loaders do);
     a store that still needs more is a one-line ``DataError`` (what it reads: ``reading``, the way out: ``fix``),
     not "Too many open files" mid-run."""
@@ -163,7 +163,7 @@ class DocumentStore:
             raise DataError(f"{d}: not a complete document store (missing or mismatched {MARKER} marker); prepare it again")
         meta = json.loads((d / "meta.json").read_text(encoding="utf-8"))
         shards = read_index(d) or []
-        _room_for_files(8 * len(shards), d)  # a mapping and a positioned reader of each shard's 4 files
+        room_for_files(8 * len(shards), d)  # a mapping and a positioned reader of each shard's 4 files
         arrays = {
             n: [np.load(Path(e["dir"]) / f"{n}.npy", mmap_mode="r", allow_pickle=False) for e in shards]
             for n in ("tokens", "loss_mask", "lengths", "doc_loss")
