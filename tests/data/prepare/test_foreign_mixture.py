@@ -166,6 +166,7 @@ def test_a_source_densebatch_tokenises_mixes_with_a_foreign_one(tmp_path, corpor
     assert p.train.sources_of(np.arange(len(p.train))).tolist() == [0] * len(alone.train) + [1] * len(web_train)
     assert p.eval_records == alone.eval_records  # read back from the mixture's entry (kept for the embedded dataset only)
     assert p.summary.eval_repeats_train == 0 and [x["name"] for x in p.summary.sources] == ["notes", "web"]
+    assert "among the sources densebatch tokenised (the corpora of token ids as written: not checked)" in str(p.summary)
 
 
 def test_ranks_share_the_steps_one_process_takes(tmp_path, corpora):

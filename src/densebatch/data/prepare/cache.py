@@ -4,7 +4,9 @@ reading an entry back, checked, so that a damaged or stale entry is a one-line e
 An entry ``cache_dir/<key>/`` holds ``train/`` and ``eval/`` document stores, ``summary.json``,
 ``eval_records.jsonl``, a learned ``bpe:N`` tokenizer in ``tokenizer/`` and the completion marker
 (written by ``prepare``). A mixture has one entry per source and ``cache_dir/mix-<key>/`` with all of
-them end to end (its key hashes the sources' keys, in order).
+them end to end (its key hashes the sources' keys, in order). A mixture holding a corpus another engine
+wrote (``foreign_mixture``) keeps in ``cache_dir/mix-<key>/`` only its summary and held-out records (its
+key hashes the names of its sources' entries, in order): its stores are those entries', joined in memory.
 
 An entry is built under its lock, ``cache_dir/.<key>.lock`` (``entry_lock``; a ``densebatch.locks.FileLock``):
 a second process preparing the same data at the same time waits for the first, saying so, then reads

@@ -161,6 +161,8 @@ class PrepareSummary:
         text = f"held-out records that duplicate training records: {n}"
         if n:  # dedupe off (on, there are none by construction)
             text += " (warning: their answers are seen in training; set data.clean.dedupe: exact or near to drop them)"
+        if "token ids as written" in self.template:  # a mixture beside a corpus another engine wrote: ours only
+            text += " among the sources densebatch tokenised (the corpora of token ids as written: not checked)"
         return text
 
     def as_dict(self) -> dict:
