@@ -35,6 +35,7 @@ from densebatch.config import DataConfig
 from densebatch.data.prepare.cache import entry_lock, input_key
 from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.store.formats import datatrove, litdata, mds, megatron
+from densebatch.data.store.formats.mapped import map_part
 from densebatch.data.store.formats.view import ForeignStore, SplitWriter
 from densebatch.data.store.joined import JoinedArray
 from densebatch.data.store.store import marker_ok, read_ranges, room_for_files, staged_store, write_marker
@@ -98,7 +99,7 @@ def _read(fmt: str, p: Path, cfg: DataConfig) -> Input:
     if fmt in ("litdata", "mds"):
         column, dtype = cfg.fields.input_ids, cfg.bytes_dtype  # mds: which column holds the ids, and a bytes column's dtype
         c = litdata.read_chunk(p) if fmt == "litdata" else mds.read_shard(p, column=column, bytes_dtype=dtype)
-        tokens = _joined([litdata.map_part(x) for x in c.parts])
+        tokens = _joined([map_part(x) for x in c.parts])
         return Input(c.path, (c.path,), tokens, c.doc_starts, c.doc_lengths, None, tuple(dict(x, loss=None) for x in c.parts))
     d = datatrove.read_shard(p)
     loss_file = d.files[-1] if d.loss is not None else None
@@ -326,7 +327,7 @@ def _tokens_of(files: list[dict], final: Path):
             raise DataError(f"{p}: missing (the corpus changed since {final} was made)") from None
         if size != f["size"]:
             raise DataError(f"{p}: {size} bytes, {f['size']} when {final} was made: the corpus changed")
-        arrays.append(litdata.map_part(f))
+        arrays.append(map_part(f))
     return _joined(arrays)
 
 

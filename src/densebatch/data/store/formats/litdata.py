@@ -19,26 +19,16 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from densebatch.data.store.formats.mapped import MappedFile, place
 from densebatch.errors import DataError
 
 INDEX = "index.json"
 _TORCH = {11: "u1", 12: "i1", 13: "i2", 14: "i2", 15: "i4", 16: "i4", 17: "i8", 18: "i8", 20: "u2"}
 _NUMPY = {0: "i1", 1: "i2", 2: "i4", 3: "i8", 4: "u1", 5: "u2", 6: "u4", 7: "u8"}
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One checked chunk: its mappings (one per alignment its documents need) and each document's place."""
-
-    path: Path
-    parts: list[dict]  # {"file", "dtype", "offset" (bytes), "tokens", "size" (the file's)}: the mappings, in order
-    doc_starts: np.ndarray  # (documents,) int64, in the mappings' tokens end to end
-    doc_lengths: np.ndarray  # (documents,) int64
 
 
 def chunks_of(path: str) -> list[Path]:
@@ -95,7 +85,7 @@ def _dtype(index_path: Path, config: dict) -> np.dtype:
     return np.dtype("<" + table[int(code)])
 
 
-def read_chunk(chunk: Path) -> Chunk:
+def read_chunk(chunk: Path) -> MappedFile:
     """Check ``chunk`` against its header and its dataset's index and map it; ``DataError`` naming the file."""
     index_path = chunk.parent / INDEX
     dtype = _dtype(index_path, _index(index_path)["config"])
@@ -115,20 +105,6 @@ def read_chunk(chunk: Path) -> Chunk:
     if (sizes + 4 != np.diff(offsets)).any() or (sizes % dtype.itemsize).any():
         raise DataError(f"{chunk}: an item's size disagrees with its offsets or with {dtype.name} ids ({index_path.name})")
     starts = offsets[:-1] + 4  # (n,) byte where each document's ids begin
-    parts, base = [], 0
-    doc_starts = np.zeros(n, np.int64)
-    for r in sorted(set((starts % dtype.itemsize).tolist())) or [0]:
-        count = (size - r) // dtype.itemsize
-        sel = starts % dtype.itemsize == r
-        doc_starts[sel] = base + (starts[sel] - r) // dtype.itemsize
-        parts.append({"file": str(chunk), "dtype": dtype.str, "offset": r, "tokens": int(count), "size": size})
-        base += count
-    return Chunk(chunk, parts, doc_starts, sizes // dtype.itemsize)
-
-
-def map_part(part: dict) -> np.ndarray:
-    """One mapping of a chunk (``Chunk.parts``), read-only."""
-    dtype = np.dtype(part["dtype"])
-    if not part["tokens"]:
-        return np.zeros(0, dtype)
-    return np.memmap(part["file"], dtype, mode="r", offset=part["offset"], shape=(part["tokens"],))
+    return place(
+        chunk, size=size, byte_starts=starts, lengths=sizes // dtype.itemsize, codes=np.zeros(n, np.int64), dtypes={0: dtype}
+    )

@@ -26,32 +26,23 @@ from __future__ import annotations
 import functools
 import glob
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from densebatch.data.store.formats.mapped import MappedFile, place
 from densebatch.errors import DataError
 
 INDEX = "index.json"
 DEFAULT_COLUMNS = ("input_ids", "tokens")  # data.fields.input_ids at its default: the first present is read
 # streaming's NDArray dtype codes (``NDArray._int2value_dtype``)
 _CODES = {8: "u1", 9: "i1", 16: "u2", 17: "i2", 32: "u4", 33: "i4", 64: "u8", 65: "i8"}
+_DTYPES = {code: np.dtype("<" + d) for code, d in _CODES.items()}  # a sample's ids by its code (``ndarray`` columns)
 _FLOAT_CODES = {18: "float16", 34: "float32", 66: "float64"}
 _INTS = {"uint8", "int8", "uint16", "int16", "uint32", "int32", "uint64", "int64"}
 _BLOCK = 1 << 20  # samples whose headers are gathered at once
 _ITEMSIZE = np.zeros(256, np.int64)  # dtype code -> bytes an id
 _ITEMSIZE[list(_CODES)] = [np.dtype(d).itemsize for d in _CODES.values()]
-
-
-@dataclass(frozen=True)
-class Shard:
-    """One checked shard: its mappings (one per dtype and alignment its documents need) and each document's place."""
-
-    path: Path
-    parts: list[dict]  # {"file", "dtype", "offset" (bytes), "tokens", "size" (the file's)}: the mappings, in order
-    doc_starts: np.ndarray  # (documents,) int64, in the mappings' tokens end to end
-    doc_lengths: np.ndarray  # (documents,) int64
 
 
 def shards_of(path: str) -> list[Path]:
@@ -211,7 +202,7 @@ def _header(shard: Path, entry: dict, size: int) -> np.ndarray:
     return offsets
 
 
-def read_shard(shard: Path, *, column: str, bytes_dtype: str | None) -> Shard:
+def read_shard(shard: Path, *, column: str, bytes_dtype: str | None) -> MappedFile:
     """Check ``shard`` against its header and its index and map it (module docstring); ``DataError`` naming the file."""
     index, entry = index_of(shard)
     _uncompressed(index, entry)
@@ -239,7 +230,9 @@ def read_shard(shard: Path, *, column: str, bytes_dtype: str | None) -> Shard:
         value_at[a:b], lengths[a:b], codes[a:b] = _values(
             shard, raw=raw, start=start, nbytes=col[:, c], kind=kind, dtype=dtype, first=a
         )
-    return _mapped(shard, size=size, value_at=value_at, lengths=lengths, codes=codes, dtype=dtype)
+    if dtype is not None:  # one dtype for every sample's ids
+        return place(shard, size=size, byte_starts=value_at, lengths=lengths, codes=np.zeros(n, np.int64), dtypes={0: dtype})
+    return place(shard, size=size, byte_starts=value_at, lengths=lengths, codes=codes, dtypes=_DTYPES)
 
 
 def _gather(raw: np.ndarray, at: np.ndarray, width: int) -> np.ndarray:
@@ -279,23 +272,3 @@ def _values(shard: Path, *, raw, start, nbytes, kind: str, dtype, first: int):
         k = int(np.argmax(1 + width + shape * itemsize != nbytes))
         raise DataError(f"{shard}: sample {first + k}'s array shape disagrees with its size")
     return start + 1 + width, shape, codes
-
-
-def _mapped(shard: Path, *, size: int, value_at, lengths, codes, dtype) -> Shard:
-    """The shard mapped once per (dtype, alignment) of its documents' first ids, each document placed in those mappings."""
-    itemsize = _ITEMSIZE[codes] if dtype is None else np.full(len(codes), dtype.itemsize, np.int64)
-    rem = value_at % np.maximum(itemsize, 1)
-    parts, base = [], 0
-    doc_starts = np.zeros(len(value_at), np.int64)
-    groups = np.unique(np.stack([codes.astype(np.int64), rem], 1), axis=0) if len(codes) else np.zeros((0, 2), np.int64)
-    for code, r in groups.tolist():
-        dt = np.dtype("<" + _CODES[code]) if dtype is None else dtype
-        sel = (codes == code) & (rem == r)
-        count = (size - r) // dt.itemsize
-        doc_starts[sel] = base + (value_at[sel] - r) // dt.itemsize
-        parts.append({"file": str(shard), "dtype": dt.str, "offset": r, "tokens": int(count), "size": size})
-        base += count
-    if not parts:  # a shard of no sample: one empty mapping
-        dt = np.dtype("<u2") if dtype is None else dtype
-        parts.append({"file": str(shard), "dtype": dt.str, "offset": 0, "tokens": 0, "size": size})
-    return Shard(shard, parts, doc_starts, lengths)
