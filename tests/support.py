@@ -106,3 +106,19 @@ def imported(source: str) -> set[str]:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
     return out
+
+
+def documents_of(store) -> list[list[int]]:
+    """Every document of ``store`` (any store: ours, foreign, mixed), its ids read through ``doc_spans``."""
+    from densebatch.data.store.store_io import read_ranges
+
+    starts, lengths = store.doc_spans(np.arange(len(store)))
+    return [read_ranges(store.tokens, np.array([a]), np.array([a + n])).tolist() for a, n in zip(starts, lengths)]
+
+
+def split_of(docs: list, fraction: float) -> tuple[list, list]:
+    """(train, eval) of one file's ``docs`` under a foreign corpus's eval rule (``foreign.held_out``)."""
+    from densebatch.data.prepare.foreign import held_out
+
+    ev = held_out(len(docs), fraction)
+    return [d for d, e in zip(docs, ev) if not e], [d for d, e in zip(docs, ev) if e]

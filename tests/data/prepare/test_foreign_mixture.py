@@ -10,6 +10,7 @@ import os
 import fault_driver as fd
 import numpy as np
 import pytest
+from support import documents_of, split_of
 
 from densebatch.cli import main
 from densebatch.config import DataConfig, SourceConfig
@@ -20,7 +21,6 @@ from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.steps import StepSettings
 from densebatch.data.plan.store_epochs import epoch_selection, plan_store_epoch
 from densebatch.data.plan.strategies import STRATEGIES
-from densebatch.data.prepare.foreign import held_out
 from densebatch.data.prepare.foreign_mixture import length_percentiles
 from densebatch.data.prepare.pipeline import prepare
 from densebatch.data.prepare.summary import percentiles
@@ -74,16 +74,6 @@ def _cfg(tmp_path, corpora, weights=(None, None), **kw) -> DataConfig:
     ]
     kw = {"tokenizer": "default", "cache_dir": str(tmp_path / "cache"), "eval_fraction": 0.1, **kw}
     return DataConfig(sources=sources, **kw)
-
-
-def documents_of(store) -> list[list[int]]:
-    starts, lengths = store.doc_spans(np.arange(len(store)))
-    return [read_ranges(store.tokens, np.array([a]), np.array([a + n])).tolist() for a, n in zip(starts, lengths)]
-
-
-def split_of(docs, fraction):
-    ev = held_out(len(docs), fraction)
-    return [d for d, e in zip(docs, ev) if not e], [d for d, e in zip(docs, ev) if e]
 
 
 def test_each_writers_documents_token_for_token_source_after_source_eval_per_source(tmp_path, corpora):

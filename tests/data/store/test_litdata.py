@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import pytest
+from support import documents_of
 
 from densebatch.cli import main
 from densebatch.config import DataConfig
@@ -36,11 +37,6 @@ def write(folder, docs, dtype=torch.int64, numpy=False, chunk_bytes=400):
     return folder
 
 
-def read_all(store):
-    starts, lengths = store.doc_spans(np.arange(len(store)))
-    return [read_ranges(store.tokens, np.array([a]), np.array([a + n])).tolist() for a, n in zip(starts, lengths)]
-
-
 def cfg(path, tmp_path, **kw):
     return DataConfig(path=str(path), format="litdata", tokenizer="default", cache_dir=str(tmp_path / "cache"), **kw)
 
@@ -54,7 +50,7 @@ def test_every_integer_dtype_token_for_token_across_chunks(tmp_path, dtype, nump
     assert len(list(folder.glob("chunk-*.bin"))) > 1
     before = sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir())
     p = prepare(cfg(folder, tmp_path, eval_fraction=0))
-    assert read_all(p.train) == docs  # 8-byte ids 4 bytes off alignment included
+    assert documents_of(p.train) == docs  # 8-byte ids 4 bytes off alignment included
     starts, lengths = p.train.doc_spans(np.arange(len(p.train)))  # and their loss masks (starts out of order)
     assert read_ranges(p.train.loss_mask, starts, starts + lengths).tolist() == [x for n in lengths for x in [0] + [1] * (n - 1)]
     assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) == before
@@ -66,7 +62,7 @@ def test_optimize_output_trains_and_splits_eval(tmp_path):
     out = tmp_path / "optimized"
     litdata.optimize(fn=_doc, inputs=[(d,) for d in docs], output_dir=str(out), chunk_bytes="1KB", num_workers=1)
     p = prepare(cfg(out, tmp_path, eval_fraction=0.1))
-    assert sorted(read_all(p.train) + read_all(p.eval)) == sorted(docs) and len(p.eval)
+    assert sorted(documents_of(p.train) + documents_of(p.eval)) == sorted(docs) and len(p.eval)
     run = tmp_path / "run"
     args = [
         "train",

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import documents_of
 
 from densebatch.cli import main
 from densebatch.config import DataConfig, FieldsConfig
@@ -59,11 +60,6 @@ def write(writer, folder, docs, *, encoding="ndarray:int32", column="tokens", si
     return folder
 
 
-def read_all(store):
-    starts, lengths = store.doc_spans(np.arange(len(store)))
-    return [read_ranges(store.tokens, np.array([a]), np.array([a + n])).tolist() for a, n in zip(starts, lengths)]
-
-
 def masks_right(store):
     """Every document's loss mask is ``0, 1, 1, ...`` (its first token no target), whatever order its starts lie in."""
     starts, lengths = store.doc_spans(np.arange(len(store)))
@@ -99,7 +95,7 @@ def test_every_encoding_and_dtype_token_for_token_across_shards(writer, tmp_path
     assert len(list(folder.glob("shard.*.mds"))) > 1
     before = snapshot(folder)
     p = prepare(cfg(folder, tmp_path, eval_fraction=0, **extra))
-    assert read_all(p.train) == docs and masks_right(p.train)
+    assert documents_of(p.train) == docs and masks_right(p.train)
     mappings = getattr(p.train.tokens, "parts", [p.train.tokens])  # each read by positioned reads, nothing left resident
     assert all(store_io._file_of(m) is not None for m in mappings)
     assert snapshot(folder) == before  # nothing written beside the corpus
@@ -114,11 +110,11 @@ def test_fixed_shape_arrays_another_column_name_a_pattern_of_folders_and_a_merge
     ids = FieldsConfig(input_ids="ids")
     (tmp_path / "corpus" / "logs").mkdir()  # a pattern's matches without an index are not datasets
     p = prepare(cfg(tmp_path / "corpus" / "*", tmp_path, eval_fraction=0, fields=ids))
-    assert read_all(p.train) == docs
+    assert documents_of(p.train) == docs
     merge_index([str(tmp_path / "corpus" / x / "index.json") for x in "ab"], str(tmp_path / "corpus"))
     assert json.loads((tmp_path / "corpus" / "index.json").read_text())["shards"][0]["raw_data"]["basename"].startswith("a/")
     p = prepare(cfg(tmp_path / "corpus", tmp_path, eval_fraction=0, fields=ids))
-    assert read_all(p.train) == docs
+    assert documents_of(p.train) == docs
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -139,7 +135,7 @@ def test_any_lengths_read_back_as_written(writer, tmp_path_factory, lengths, enc
     if not kept:
         return
     p = prepare(cfg(folder, tmp, eval_fraction=0, max_seq_len=400))
-    assert read_all(p.train) == kept and masks_right(p.train)
+    assert documents_of(p.train) == kept and masks_right(p.train)
     assert p.summary.dropped_no_target == len(docs) - len(kept)
 
 
@@ -148,11 +144,11 @@ def test_eval_split_is_each_shards_own_index_hash_or_eval_path(writer, tmp_path)
     folder = write(writer, tmp_path / "ds", docs, size_limit=None)  # one shard: document i is sample i
     p = prepare(cfg(folder, tmp_path, eval_fraction=0.1))
     ev = held_out(len(docs), 0.1)
-    assert read_all(p.eval) == [d for d, e in zip(docs, ev) if e] and ev.any()
-    assert read_all(p.train) == [d for d, e in zip(docs, ev) if not e]
+    assert documents_of(p.eval) == [d for d, e in zip(docs, ev) if e] and ev.any()
+    assert documents_of(p.train) == [d for d, e in zip(docs, ev) if not e]
     held = write(writer, tmp_path / "held", docs[:7])  # data.eval_path in the same format: the eval split whole
     p = prepare(cfg(folder, tmp_path, eval_path=str(held)))
-    assert read_all(p.eval) == docs[:7] and read_all(p.train) == docs
+    assert documents_of(p.eval) == docs[:7] and documents_of(p.train) == docs
 
 
 def test_trains_on_packed_rows_and_inspect_shows_the_writers_documents(writer, tmp_path, capsys):

@@ -8,6 +8,7 @@ import signal
 import fault_driver as fd
 import numpy as np
 import pytest
+from support import documents_of, split_of
 
 from densebatch.cli import main
 from densebatch.config import DataConfig
@@ -45,16 +46,6 @@ def random_docs(n, seed=0, lo=2, hi=60, vocab=VOCAB):
 def cfg_for(path, tmp_path, **kw) -> DataConfig:
     base = {"path": str(path), "format": "megatron", "tokenizer": "default", "cache_dir": str(tmp_path / "cache")}
     return DataConfig(**{**base, **kw})
-
-
-def documents_of(store) -> list[list[int]]:
-    starts, lengths = store.doc_spans(np.arange(len(store)))
-    return [read_ranges(store.tokens, np.array([a]), np.array([a + n])).tolist() for a, n in zip(starts, lengths)]
-
-
-def split_of(docs, fraction):
-    ev = held_out(len(docs), fraction)
-    return [d for d, e in zip(docs, ev) if not e], [d for d, e in zip(docs, ev) if e]
 
 
 def snapshot(folder):
