@@ -7,6 +7,8 @@ import dataclasses
 import difflib
 import json
 import math
+import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -14,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 
+from densebatch.config.applies import check_applicability
 from densebatch.config.checks import _check
 from densebatch.config.field import key_of
 from densebatch.config.moved import refuse_moved, upgrade_saved
@@ -255,7 +258,16 @@ def config_from_dict(data: dict, saved: bool = False) -> RunConfig:
     a run (a checkpoint's, ``output_dir/config.yaml``), whose moved keys are read at their new place."""
     cfg = _build(RunConfig, upgrade_saved(data) if saved else _mlm_targets(data), "")
     _check(cfg)
+    if not saved:  # a saved run's keys were judged when it started (and older runs predate the rule)
+        for line in check_applicability(cfg):
+            note(line)
     return cfg
+
+
+def note(line: str) -> None:
+    """A one-line note on stderr (once under torchrun: rank 0's)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"densebatch: note: {line}", file=sys.stderr, flush=True)
 
 
 def _mlm_targets(data: dict) -> dict:
