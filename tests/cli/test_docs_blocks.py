@@ -111,6 +111,15 @@ def test_the_rule_catches_a_block_that_is_neither():
     assert len(said) == 3 and "untagged" in said[0] and "needs its reason" in said[1] and "yaml block" in said[2]
 
 
+def test_blocks_that_read_the_shared_data_are_known():
+    """Where ../shared/data is absent, a page's blocks stop at the first that reads it (or writes a file that does)."""
+    readme = [b for b in blocks("README.md") if b.lang in RUNNABLE and b.mark is None]
+    data = blocks("docs/data.md")
+    assert readme and all(b.needs_shared for b in readme)
+    assert data[0].mark == ("file", "mix.yaml") and data[0].needs_shared  # the mixture's sources
+    assert not any(b.needs_shared for b in blocks("docs/python.md"))
+
+
 # ------------------------------------------------------------------ running the pages
 def _checkout(root: Path) -> tuple[Path, bool]:
     """A directory laid out like a checkout: configs/ (copied), .venv (this environment), ../shared (a link)."""
@@ -156,14 +165,14 @@ def test_the_pages_blocks_run_as_written(page, tmp_path):
     work, have_shared = _checkout(tmp_path)
     ran, outputs = 0, []
     for n, b in enumerate(blocks(page)):
+        if b.needs_shared and not have_shared and (b.mark is None or b.mark[0] == "file") and b.lang in (*RUNNABLE, "yaml"):
+            pytest.skip(f"{b.where} (and the blocks after it) read ../shared/data, absent here")
         if b.mark is not None and b.mark[0] == "file":
             (work / b.mark[1]).parent.mkdir(parents=True, exist_ok=True)
             (work / b.mark[1]).write_text(b.code, encoding="utf-8")
             continue
         if b.mark is not None or b.lang not in RUNNABLE:
             continue
-        if b.needs_shared and not have_shared:
-            pytest.skip(f"{b.where} (and the blocks after it) read ../shared/data, absent here")
         outputs.append(run_block(b, work, n))
         ran += 1
     assert ran

@@ -89,26 +89,28 @@ def _default_of(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
-def set_keys(section: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, value) of every key of ``section`` (a dataclass) set away from its default, the sections inside
-    it walked (``data.sources``, a list, is one key; so is a source's ``fields``)."""
+def set_keys(section: Any, prefix: str = "", base: Any = None) -> list[tuple[str, Any]]:
+    """(dotted key, value) of every key of ``section`` (a dataclass) set away from its default (or from ``base``'s
+    value: a section of the same class whose values count as defaults), the sections inside it walked
+    (``data.sources``, a list, is one key; so is a source's ``fields``)."""
     out = []
     for f in dataclasses.fields(section):
         key = f"{prefix}.{key_of(f)}" if prefix else key_of(f)
-        value, default = getattr(section, f.name), _default_of(f)
+        value, default = getattr(section, f.name), (_default_of(f) if base is None else getattr(base, f.name))
         if dataclasses.is_dataclass(default) and dataclasses.is_dataclass(value):
-            out += set_keys(value, key)
+            out += set_keys(value, key, None if base is None else default)
         elif value != default:
             out.append((key, value))
     return out
 
 
-def enforce(cfg: RunConfig, rules: dict[str, Rule], source_rules: dict[str, Rule]) -> list[str]:
+def enforce(cfg: RunConfig, rules: dict[str, Rule], source_rules: dict[str, Rule], base: RunConfig | None = None) -> list[str]:
     """``ConfigError`` for the first key set away from its default where its rule says it has no effect and
     ignoring it is not harmless; otherwise the note lines of those where it is. ``rules``: by dotted key;
-    ``source_rules``: by the key inside a ``data.sources`` item, judged as ``applies(cfg, (i, value))``."""
+    ``source_rules``: by the key inside a ``data.sources`` item, judged as ``applies(cfg, (i, value))``;
+    ``base``: a configuration whose values count as defaults (the demo's settings, which the user did not set)."""
     notes = []
-    for key, value in set_keys(cfg):
+    for key, value in set_keys(cfg, base=base):
         rule = rules[key]  # tests/test_config_applicability.py: every key has one
         if rule.applies is None or value in rule.inert or rule.applies(cfg, value):
             continue

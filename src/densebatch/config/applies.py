@@ -275,7 +275,7 @@ APPLIES: dict[str, Rule] = {
         "model.kind", "hf", off={"model.kind": "gpt"}, fix="set model.kind: hf to train the model in that directory"
     ),
     **{
-        f"model.{k}": when("model.kind", "gpt", off=HF, fix="the model directory's config.json sets the architecture")
+        f"model.{k}": when("model.kind", "gpt", harmless=True, off=HF)  # the model directory's config.json sets it
         for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "vocab_size")
     },
     "model.attention": Rule(
@@ -444,7 +444,7 @@ SOURCE_APPLIES: dict[str, Rule] = {  # data.sources[i].<key>, judged on that sou
 }
 
 
-def check_applicability(cfg: RunConfig) -> list[str]:
-    """Every key of ``cfg`` set away from its default where it has no effect: ``ConfigError`` for the first that
-    is not harmless, else the note lines of those that are (``applicability.enforce``)."""
-    return enforce(cfg, APPLIES, SOURCE_APPLIES)
+def check_applicability(cfg: RunConfig, base: RunConfig | None = None) -> list[str]:
+    """Every key of ``cfg`` set away from its default (or ``base``'s value) where it has no effect: ``ConfigError``
+    for the first that is not harmless, else the note lines of those that are (``applicability.enforce``)."""
+    return enforce(cfg, APPLIES, SOURCE_APPLIES, base)

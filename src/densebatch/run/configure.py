@@ -14,11 +14,12 @@ def resolve_config(path: str | None, overrides: list[str], *, one_strategy: bool
     settings) plus overrides, checked against the batching strategy's rules. Without a file but with
     ``--data.path``, the dataclass defaults apply. ``one_strategy``: the command plans with
     ``batching.strategy`` alone, so a key only other strategies read is noted (``analyze`` plans with all)."""
-    base = list(DEMO_OVERRIDES) if is_demo(path, overrides) else []
-    cfg = load_config(path, base + list(overrides))
+    demo = list(DEMO_OVERRIDES) if is_demo(path, overrides) else []
+    cfg = load_config(path, overrides, defaults=demo)  # the demo's settings count as defaults: the user set none of them
     check_batching(cfg.batching)
     if one_strategy:
-        for line in unread_notes(cfg.batching, sources=len(cfg.data.sources), source_balance=cfg.train.source_balance):
+        base = load_config(None, demo).batching if demo else None
+        for line in unread_notes(cfg.batching, sources=len(cfg.data.sources), source_balance=cfg.train.source_balance, base=base):
             note(line)
     # data.tokenizer auto: a Hugging Face model's own tokenizer when its directory has one (resolved
     # here, so the saved config names the tokenizer actually used).
