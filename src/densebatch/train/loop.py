@@ -108,6 +108,7 @@ class Trainer:
         self.clipper = parts.clipper if parts.clipper is not None else FixedClipper(cfg.grad_clip)
         self.eval_data = evaluation.data
         self.evaluate_fn = evaluation.extra
+        self.objective = parts.objective  # a preference objective's steps (train/objectives/); None: sft
         names = reporting.source_names
         self.source_names = list(names) if names and len(names) > 1 else None  # with two or more: loss per source
         self.source_losses: SourceLosses | None = None  # the current step's, with two or more sources
@@ -183,6 +184,8 @@ class Trainer:
         Returns the step's loss and token counts over all ranks. Gradients carry the fp16 loss scale
         when it is on (``scaler.unscale_`` removes it). The passes run in ``train/passes.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
+        if self.objective is not None:
+            return self.objective.forward_backward(self, batches)
         batches = list(batches)
         local, total, denom = step_denominator(batches, self.source_weights, self.dist, self.device)
         sources = self.source_losses = SourceLosses(self.source_names, self.device) if self.source_names else None
@@ -278,6 +281,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------- eval
     def evaluate_batches(self, batches: Iterable[Batch], max_batches: int | None = None) -> EvalResult:
         """``evaluate`` on ``batches`` through this trainer's model wrapper, device, precision and ranks."""
+        if self.objective is not None:
+            return self.objective.evaluate(self, batches, max_batches)
         return evaluate(
             self.model, batches, device=self.device, precision=self.precision, max_batches=max_batches,
             all_reduce_sum=self.dist.all_reduce_sum if self.dist.enabled else None, forward=self.forward,
