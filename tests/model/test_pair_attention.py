@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from densebatch.data.load.pair_collate import PairCollator
-from densebatch.data.store.pair_layout import pair_document
+from densebatch.data.load.pair_collate import PairCollator, laid_lengths
+from densebatch.data.store.pair_layout import pair_document, pair_spans
 from densebatch.data.store.store import DocumentStore
 from densebatch.model.attention import plan_attention
 from densebatch.testing.batches import pack
@@ -41,8 +41,10 @@ def _alone(model, raw) -> torch.Tensor:
     return torch.tensor(out)
 
 
-def _layouts(store):
-    n, lengths = len(store), [int(x) for x in store.lengths]
+def _layouts(store, shared: bool = True):
+    """Rows of one pair each (padded) and of three (packed), each pair planned as laid (``laid_lengths``)."""
+    prefixes = pair_spans(np.asarray(store.loss_mask), store.lengths)[:, 0]
+    n, lengths = len(store), [int(x) for x in laid_lengths(store.lengths, prefixes, shared)]
     whole = lambda i: (i, 0, lengths[i])  # noqa: E731
     padded = [[whole(i)] for i in range(n)]
     packed = [[whole(i) for i in range(k, min(n, k + 3))] for k in range(0, n, 3)]
@@ -56,7 +58,7 @@ def test_each_answer_scores_as_in_its_sequence_alone_in_every_layout(attention):
     with torch.no_grad():
         want = _alone(model, raw)
         for shared in (True, False):
-            for name, rows in _layouts(store).items():
+            for name, rows in _layouts(store, shared).items():
                 batch = PairCollator(0, shared=shared)(store, rows)
                 got = pair_logps(model.token_losses(batch), batch).sums
                 assert (got - want).abs().max() < 1e-5, (attention, shared, name)
@@ -103,6 +105,6 @@ def test_a_hugging_face_model_keeps_the_branches_apart_too(tmp_path, impl):
     with torch.no_grad():
         want = _alone(model, raw)
         for shared in (True, False):
-            batch = PairCollator(0, shared=shared)(store, _layouts(store)["packed"])
+            batch = PairCollator(0, shared=shared)(store, _layouts(store, shared)["packed"])
             got = pair_logps(model.token_losses(batch), batch).sums
             assert (got - want).abs().max() < 1e-5, shared

@@ -30,7 +30,7 @@ def test_the_drawn_layout():
     assert b.labels.tolist() == [[11, 12, 20, 21, 9, -100, 30, 9, -100]]
     assert b.pairs.answer.tolist() == [[-1, -1, 0, 0, 0, -1, 1, 1, -1]]
     assert b.pairs.prompt.tolist() == [[0, 0, -1, -1, -1, -1, -1, -1, -1]]
-    twice = PairCollator(0, shared=False)(store, [[(0, 0, 9)]])
+    twice = PairCollator(0, shared=False)(store, [[(0, 0, 11)]])  # planned as laid: two prompt tokens more
     assert twice.input_ids.tolist() == [[10, 11, 12, 20, 21, 9, 10, 11, 12, 30, 9]]
     assert twice.positions.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]]
     assert twice.pairs.branches is None and twice.cu_seqlens.tolist() == [0, 6, 11]
@@ -63,12 +63,14 @@ def test_prompt_once_or_twice_gives_each_pair_the_same_targets(shapes, per_row, 
             out.setdefault(slot, []).append((tok, pos))
         return out
 
-    shared, twice = PairCollator(0)(store, rows), PairCollator(0, shared=False)(store, rows)
+    prefixes = pair_spans(np.asarray(store.loss_mask), store.lengths)[:, 0]
+    laid = laid_lengths(store.lengths, prefixes, False)
+    rows_twice = [[(d, 0, int(laid[d])) for d, _, _ in row] for row in rows]
+    shared, twice = PairCollator(0)(store, rows), PairCollator(0, shared=False)(store, rows_twice)
     assert targets(shared) == targets(twice)
     for k, (p, c, _r, lc, _lr) in enumerate(raw):  # the chosen answer's loss tokens, at prompt length on
         want = [(t, len(p) - 1 + j) for j, (t, flag) in enumerate(zip(c, lc)) if flag]
         assert targets(shared).get(2 * k, []) == want
-    prefixes = pair_spans(np.asarray(store.loss_mask), store.lengths)[:, 0]
     assert shared.num_real_tokens == sum(laid_lengths(store.lengths, prefixes, True))
     assert twice.num_real_tokens == sum(laid_lengths(store.lengths, prefixes, False))
     assert shared.num_loss_tokens == twice.num_loss_tokens == int((shared.labels != IGNORE_INDEX).sum())

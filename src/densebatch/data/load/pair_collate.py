@@ -75,15 +75,16 @@ class PairCollator:
         doc, start, stop = (np.array(pieces, np.int64).reshape(-1, 3).T) if pieces else (np.zeros(0, np.int64),) * 3
         row_of = np.repeat(np.arange(nrows), [len(r) for r in rows])
         first, length = store.doc_spans(doc)
-        if ((start != 0) | (stop != length)).any():
-            bad = int(np.flatnonzero((start != 0) | (stop != length))[0])
-            raise DataError(
-                f"pair {int(doc[bad])} was planned cut ({int(start[bad])}, {int(stop[bad])} of {int(length[bad])} tokens): a "
-                "pair is collated whole (raise the row length, batching.seq_len, or lower data.max_seq_len)"
-            )
         tok = read_ranges(store.tokens, first, first + length).astype(np.int64)
         msk = read_ranges(store.loss_mask, first, first + length)
         prefix, cb, _ = pair_spans(msk, length).T  # (n,) each
+        laid_as = laid_lengths(length, prefix, self.shared)  # what the planner was told
+        if ((start != 0) | (stop != laid_as)).any():
+            bad = int(np.flatnonzero((start != 0) | (stop != laid_as))[0])
+            raise DataError(
+                f"pair {int(doc[bad])} was planned cut ({int(start[bad])}, {int(stop[bad])} of {int(laid_as[bad])} tokens): a "
+                "pair is collated whole (raise the row length, batching.seq_len, or lower data.max_seq_len)"
+            )
         base = np.cumsum(length) - length  # each pair's first token in tok
         # What each pair lays, as ranges of its stored tokens: the whole pair, or [prefix + chosen] [prefix] [rejected]
         if self.shared:

@@ -100,7 +100,7 @@ class PreferenceSteps:
     def evaluate(self, trainer, batches: Iterable[Batch], max_batches: int | None = None) -> PairEval:
         """The objective's loss and metrics over ``batches`` (this rank's share; summed over ranks), eval mode."""
         model, device, o = trainer.model, trainer.device, self.objective
-        sums = torch.zeros(4 + _SUMS, dtype=torch.float64, device=device)  # pair losses, CE, its targets, tokens, then metrics
+        sums = torch.zeros(5 + _SUMS, dtype=torch.float64, device=device)  # pair losses, CE, its targets, tokens, then metrics
         was = model.training
         model.eval()
         n = 0
@@ -120,7 +120,8 @@ class PreferenceSteps:
                 sums[1] += chosen_sequence_nll(losses, batch).double()
                 sums[2] += chosen_sequence_targets(batch, o.prompt_targets)
                 sums[3] += batch.num_real_tokens
-                sums[4:] += metric_sums(pl)
+                sums[4] += batch.num_loss_tokens
+                sums[5:] += metric_sums(pl)
         finally:
             model.train(was)
         if trainer.dist.enabled:
@@ -128,7 +129,7 @@ class PreferenceSteps:
         v = sums.tolist()
         pairs = v[-1]
         loss = v[0] / pairs + (o.nll_weight * v[1] / v[2] if o.nll_weight and v[2] else 0.0) if pairs else math.nan
-        return PairEval(loss=loss, real_tokens=int(v[3]), batches=n, metrics=metrics_of(v[4:]))
+        return PairEval(loss=loss, tokens=int(v[4]), real_tokens=int(v[3]), batches=n, metrics=metrics_of(v[5:]))
 
 
 @dataclass
@@ -136,9 +137,10 @@ class PairEval:
     """An evaluation under a preference objective (what the eval record holds: ``as_dict``)."""
 
     loss: float  # the objective's loss over every held-out pair
+    tokens: int  # loss tokens (the answers' targets)
     real_tokens: int
     batches: int
     metrics: dict
 
     def as_dict(self) -> dict:
-        return {"loss": self.loss, "real_tokens": self.real_tokens, "batches": self.batches, **self.metrics}
+        return {"loss": self.loss, "tokens": self.tokens, "real_tokens": self.real_tokens, "batches": self.batches, **self.metrics}
