@@ -183,7 +183,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         model = _model()
         forward = torch.nn.parallel.DistributedDataParallel(TokenLosses(model))
         grad, stats = _step_with(model, forward, dist, mine, table)
-        torch.save({"grad": grad, "loss": stats["loss"], "margins": stats["rewards/margins"], "table": table}, f"{out}/rank{rank}.pt")
+        torch.save(
+            {"grad": grad, "loss": stats["loss"], "margins": stats["rewards/margins"], "table": table}, f"{out}/rank{rank}.pt"
+        )
     finally:
         tdist.destroy_process_group()
 

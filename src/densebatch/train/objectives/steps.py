@@ -143,4 +143,10 @@ class PairEval:
     metrics: dict
 
     def as_dict(self) -> dict:
-        return {"loss": self.loss, "tokens": self.tokens, "real_tokens": self.real_tokens, "batches": self.batches, **self.metrics}
+        return {
+            "loss": self.loss,
+            "tokens": self.tokens,
+            "real_tokens": self.real_tokens,
+            "batches": self.batches,
+            **self.metrics,
+        }
