@@ -34,6 +34,7 @@ from densebatch.data.plan.source_balance import batch_balance
 from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
 from densebatch.data.torch_loader import Documents, dataloader
 from densebatch.hf_trainer_loss import LOSSES, install_loss
+from densebatch.integrations.trl_dpo import dense_dpo_batches, is_dpo_trainer
 from densebatch.model.hf.attention import register
 from densebatch.model.hf.checks import check_transformers
 from densebatch.model.hf.falcon import install as install_falcon_attention
@@ -51,7 +52,7 @@ def register_attention() -> str:
 
 def dense_batches(
     trainer,
-    strategy: str = DEFAULT_STRATEGY,
+    strategy: str | None = None,
     max_tokens_per_batch: int = 8192,
     seq_len: int | None = None,
     loss: str = "densebatch",
@@ -60,7 +61,8 @@ def dense_batches(
     **settings: Any,
 ):
     """Make ``trainer`` (a ``transformers.Trainer`` or a subclass such as ``trl.SFTTrainer``) train on
-    densebatch's batches; returns it. ``settings``: the other ``densebatch.dataloader`` keywords
+    densebatch's batches; returns it. ``strategy``: packed unless given (TRL's ``DPOTrainer``: token_budget,
+    ``integrations/trl_dpo.py``). ``settings``: the other ``densebatch.dataloader`` keywords
     (``rows_per_batch``, ``long_docs``, ``bundle_tokens``, ``pad_to_multiple_of``, ...); ``pad_id``
     defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
     (packed rows as long as the budget: one row a batch). ``loss="densebatch"`` (the default) also gives the
@@ -69,6 +71,14 @@ def dense_batches(
     ``source_column``: the ``train_dataset`` column naming each record's source: on packed and token_budget
     plans each source's loss tokens weigh ``source_factors`` in the loss (densebatch's loss path only)."""
     check_transformers()
+    if is_dpo_trainer(trainer):  # TRL's DPOTrainer: pairs planned as units, TRL's collator and loss kept
+        if seq_len is not None or source_column is not None or loss_chunk_tokens is not None:
+            raise ValueError(
+                "dense_batches: DPOTrainer keeps TRL's padded rows and loss: seq_len, source_column and loss_chunk_tokens "
+                "do not apply"
+            )
+        return dense_dpo_batches(trainer, strategy or "token_budget", max_tokens_per_batch, **settings)
+    strategy = strategy or DEFAULT_STRATEGY
     if loss not in LOSSES:
         raise ValueError(f"dense_batches: loss: expected one of {', '.join(LOSSES)}; got {loss!r}")
     if source_column is not None and loss != "densebatch":

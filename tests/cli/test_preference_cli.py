@@ -27,7 +27,7 @@ def test_dpo_on_the_embedded_pairs_logs_trls_metrics_and_keeps_its_reference(tmp
     assert len(train) == 3 and all(set(METRICS) <= set(r) and r["pairs"] > 0 for r in train)
     assert abs(train[0]["loss"] - 0.693147) < 1e-4  # the policy is the reference at step 1: every reward 0
     assert evals and set(METRICS) <= set(evals[-1]) and evals[-1]["pairs"] > 0
-    tables = sorted((p.name for p in cache.rglob(f"{REFERENCE_DIR}/*.npy")))
+    tables = sorted(p.name for p in cache.rglob(f"{REFERENCE_DIR}/*.npy"))
     assert len(tables) == 2 and {t.split("-")[1] for t in tables} == {"train", "eval"}  # beside the pairs
     # another seed is other starting weights: its own tables; the same weights again read the stored ones
     assert main(["train", *args, "--seed=1", f"--output_dir={tmp_path / 'b'}"]) == 0

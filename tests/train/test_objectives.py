@@ -125,12 +125,12 @@ def test_the_precomputed_reference_is_the_live_one_and_the_starting_weights():
 
 def test_under_lora_the_reference_is_the_base_with_the_adapters_off(tmp_path):
     pytest.importorskip("peft")
+    import transformers
+
     from densebatch.config import LoraConfig
     from densebatch.model.hf.adapter import HFCausalLM
     from densebatch.model.hf.lora import apply_lora
     from densebatch.testing.models import two_layer_config
-
-    import transformers
 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(two_layer_config("llama", vocab_size=V)).save_pretrained(tmp_path / "m")
