@@ -31,7 +31,7 @@ import numpy as np
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import longest_row, sized_by_budget
 from densebatch.data.plan.source_balance import batch_balance
-from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
+from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped, TokenBudget
 from densebatch.data.torch_loader import Documents, dataloader
 from densebatch.hf_trainer_loss import LOSSES, install_loss
 from densebatch.integrations.trl_dpo import dense_dpo_batches, is_dpo_trainer
@@ -77,7 +77,7 @@ def dense_batches(
                 "dense_batches: DPOTrainer keeps TRL's padded rows and loss: seq_len, source_column and loss_chunk_tokens "
                 "do not apply"
             )
-        return dense_dpo_batches(trainer, strategy or "token_budget", max_tokens_per_batch, **settings)
+        return dense_dpo_batches(trainer, strategy or TokenBudget.name, max_tokens_per_batch, **settings)
     strategy = strategy or DEFAULT_STRATEGY
     if loss not in LOSSES:
         raise ValueError(f"dense_batches: loss: expected one of {', '.join(LOSSES)}; got {loss!r}")

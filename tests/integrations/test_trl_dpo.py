@@ -51,7 +51,7 @@ def test_every_pair_once_an_epoch_within_the_budget_and_trls_own_loss_trains(tra
 @pytest.mark.parametrize(
     "change, words",
     [
-        (dict(strategy="packed"), "packed rows need densebatch's own loss"),
+        (dict(strategy="packed"), "packs several pairs into a row, which needs densebatch's own loss"),
         (dict(max_tokens_per_batch=8), "pass max_tokens_per_batch="),
         (dict(seq_len=128), "seq_len, source_column and loss_chunk_tokens do not apply"),
     ],

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.strategies import STRATEGIES, TokenBudget
 from densebatch.data.torch_sampler import DenseBatchSampler
 
@@ -63,13 +64,6 @@ def dense_dpo_batches(trainer, strategy: str = TokenBudget.name, max_tokens_per_
     """``dense_batches`` for a ``DPOTrainer`` (the module docstring); returns the trainer."""
     from trl.trainer.dpo_trainer import DataCollatorForPreference
 
-    if strategy not in STRATEGIES:
-        raise ValueError(f"dense_batches: strategy: expected one of {', '.join(STRATEGIES)}; got {strategy!r}")
-    if strategy == "packed":
-        raise ValueError(
-            "dense_batches: DPOTrainer: packed rows need densebatch's own loss (TRL's reads one padded row per answer): "
-            "use strategy='token_budget', or densebatch train with train.objective: dpo (docs/preference.md)"
-        )
     args, ds = trainer.args, trainer.train_dataset
     if getattr(args, "train_sampling_strategy", None) == "group_by_length" or getattr(args, "group_by_length", False) is True:
         raise ValueError("dense_batches: the trainer's group_by_length would be ignored (densebatch plans the batches): drop it")
@@ -91,12 +85,23 @@ def dense_dpo_batches(trainer, strategy: str = TokenBudget.name, max_tokens_per_
         )
     widths = pair_widths(ds)
     budget = max_tokens_per_batch // 2  # two padded rows a pair: the plan counts a pair's width once
-    if strategy in ("token_budget",) and int(widths.max()) > budget:
+    try:
+        PlanSettings(strategy=strategy, max_tokens_per_batch=budget, seq_len=budget)
+    except ValueError as e:
+        raise ValueError(f"dense_batches: {e}") from None
+    if STRATEGIES[strategy].sized_by_budget and int(widths.max()) > budget:
         raise ValueError(
             f"dense_batches: DPOTrainer: a pair's two rows take up to 2 x {int(widths.max())} slots: pass "
             f"max_tokens_per_batch={2 * int(widths.max())} or more (pairs are never split)"
         )
     settings.setdefault("bundle_tokens", 0)  # one pair a row: TRL pads each answer's row on its own
+    probe = DenseBatchSampler(widths, strategy=strategy, max_tokens_per_batch=budget, seq_len=budget, seed=args.seed, rank=0, world_size=1, **settings)  # fmt: skip
+    plan = probe.plan(0)
+    if hasattr(plan, "row_ptr") and int(np.diff(plan.row_ptr).max(initial=1)) > 1:
+        raise ValueError(
+            f"dense_batches: DPOTrainer: strategy {strategy!r} packs several pairs into a row, which needs densebatch's own "
+            "loss (TRL's reads one padded row per answer): use token_budget, or densebatch train with train.objective: dpo"
+        )
 
     def get_train_dataloader():
         import torch

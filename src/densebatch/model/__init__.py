@@ -43,8 +43,6 @@ def saved_gpt(cfg: ModelConfig, vocab_size: int, label_smoothing: float = 0.0) -
     """The reference GPT saved in ``cfg.path`` (``GPT.save``: a run's ``final/``) to train on from its weights: its
     shape is the saved one (a ``model.`` shape key that differs is a ``ConfigError`` naming both), the
     run's own settings (attention, dropout, checkpointing) apply."""
-    from densebatch.model.io import load_model
-
     model = load_model(cfg.path)
     if not isinstance(model, GPT):
         raise ConfigError(f"model.path: {cfg.path} holds a Hugging Face model: set model.kind: hf to train it")
