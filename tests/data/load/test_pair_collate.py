@@ -92,3 +92,24 @@ def test_a_batch_of_pairs_sliced_by_rows_renumbers_its_pairs():
     assert tail.count == 1 and tail.ids == (2,) and tail.rows.tolist() == [0]
     assert set(tail.answer[tail.answer >= 0].tolist()) == {0, 1} and tail.reference.tolist() == [[4.0, 5.0]]
     assert torch.equal(tail.prompt >= 0, b.pairs.prompt[1:2] >= 0)
+
+
+@pytest.mark.parametrize("strategy", ["random", "length_grouped", "token_budget", "packed"])
+def test_every_strategy_plans_pairs_whole_and_counts_them_as_laid(strategy):
+    """Every strategy keeps a pair whole in one row of one batch, each pair once an epoch, and a budget holds
+    the pairs as laid (prompt once): what the collator lays is what the planner counted."""
+    from densebatch.data.plan.planner import PlanSettings, plan_epoch
+
+    rng = np.random.default_rng(3)
+    raw = [(rng.integers(3, 40, p).tolist(), rng.integers(3, 40, c).tolist(), rng.integers(3, 40, r).tolist(), [1] * c, [1] * r)
+           for p, c, r in rng.integers(1, 12, (40, 3))]  # fmt: skip
+    store = _store(raw)
+    settings = PlanSettings(strategy=strategy, seq_len=64, max_tokens_per_batch=128, rows_per_batch=4)
+    plan = plan_epoch(np.asarray(store.lengths), settings, seed=0, epoch=0)
+    assert sorted(plan.doc.tolist()) == list(range(len(raw)))
+    assert (plan.start == 0).all() and (plan.stop == np.asarray(store.lengths)[plan.doc]).all()
+    for b in range(plan.num_batches):
+        batch = PairCollator(0)(store, plan.batch(b))
+        assert batch.pairs.count == sum(len(row) for row in plan.batch(b))
+        if strategy in ("token_budget", "packed"):
+            assert batch.num_slots <= 128
