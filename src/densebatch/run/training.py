@@ -39,6 +39,7 @@ from densebatch.train.observe.health import HealthMonitor, default_memory_limit_
 from densebatch.train.observe.monitor import METRICS_FILE, truncate_metrics
 from densebatch.train.observe.plots import PLOTS_DIR, plot_run
 from densebatch.train.observe.sinks import build_sinks as sinks_for
+from densebatch.train.parallel.mesh import ContextRanks
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.session import Session
@@ -101,6 +102,7 @@ class Run:
     eval_data: Callable[[], Iterable] | None
     weights: list[float] | None
     accuracy: AccuracyCheck | None
+    context: ContextRanks  # the data x context mesh (train.context_parallel)
 
 
 def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] | None) -> Run:
@@ -119,10 +121,10 @@ def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] 
     else:  # the budget is found before DDP wraps the model
         sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
-    loader, eval_data = build_loaders(sized, s.prepared, dist)
+    loader, eval_data = build_loaders(sized, s.prepared, dist, s.context)
     weights = source_weights(sized, s.prepared, loader)
     accuracy = accuracy_check(sized, s.prepared, dist)
-    return Run(sized, s.prepared, s.model, s.device, forward, loader, eval_data, weights, accuracy)
+    return Run(sized, s.prepared, s.model, s.device, forward, loader, eval_data, weights, accuracy, s.context)
 
 
 def build_trainer(run: Run, dist: Distributed) -> Trainer:
@@ -137,7 +139,7 @@ def build_trainer(run: Run, dist: Distributed) -> Trainer:
     return Trainer(
         run.model, run.loader, t, output_dir=out,
         evaluation=Evaluation(cfg.eval, run.eval_data, accuracy_entries(cfg, run.accuracy, tok) if run.accuracy is not None else None),
-        placement=Placement(run.device, dist, run.forward),
+        placement=Placement(run.device, dist, run.forward, run.context),
         parts=StepParts(
             guard=AnomalyGuard(t.guard.spike_zscore, t.guard.spike_window, t.guard.max_bad_steps),
             clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
