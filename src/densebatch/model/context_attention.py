@@ -99,10 +99,15 @@ def attend_across(
     to_rows, to_ranks = _orders(N, q.device)
     send = torch.cat([by_rank(q, hq), by_rank(k, hk), by_rank(v, hk)], dim=3)  # (N, t, rows, hq + 2 hk, D)
     got = exchange(send, shard.group)  # part i: rank i's columns of this rank's heads
+    del send  # each transient goes as soon as it is used: a layer's peak is its kernel's, not these copies'
     whole = _Chunks.apply(got.reshape(2 * N, c, rows, hq + 2 * hk, D), to_rows, to_ranks).reshape(T, rows, hq + 2 * hk, D)
-    qw, kw, vw = (x.permute(1, 2, 0, 3) for x in whole.split([hq, hk, hk], dim=2))  # (rows, h, T, D) in row order
-    out, what = local(qw, kw, vw)  # (rows, hq, T, D)
+    del got
+    out, what = local(*(x.permute(1, 2, 0, 3) for x in whole.split([hq, hk, hk], dim=2)))  # (rows, h, T, D) in row order
+    del whole
     back = _Chunks.apply(out.permute(2, 0, 1, 3).reshape(2 * N, c, rows, hq, D), to_ranks, to_rows)  # rank by rank
+    del out
     mine = exchange(back.reshape(N, t, rows, hq, D), shard.group)  # part i: this rank's columns of rank i's heads
-    out = mine.permute(2, 0, 3, 1, 4).reshape(rows, H, t, D)  # (rows, H, T/N, D)
+    del back
+    # laid out (rows, T/N, H, D), as the projections made q: the caller's transpose back to it is free
+    out = mine.permute(2, 1, 0, 3, 4).reshape(rows, t, H, D).transpose(1, 2)  # (rows, H, T/N, D)
     return out, f"{what}, rows split over {N} context ranks (all-to-all over heads)"
