@@ -129,7 +129,7 @@ class Batch:
             positions=self.positions.pin_memory(),
             source_ids=None if self.source_ids is None else self.source_ids.pin_memory(),
             cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.pin_memory(),
-            shard=None if self.shard is None else replace(self.shard, positions=self.shard.positions.pin_memory()),
+            shard=None if self.shard is None else self.shard.pin_memory(),
         )
 
 
@@ -153,6 +153,10 @@ class RowShard:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RowShard:
         return replace(self, positions=self.positions.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> RowShard:
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.pin_memory()
+        return replace(self, positions=self.positions.pin_memory(), cu_seqlens=cu)
 
 
 def chunk_owners(degree: int) -> list[int]:

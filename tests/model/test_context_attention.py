@@ -65,6 +65,8 @@ def _gpt_ranks(rank: int, world: int) -> None:
     batch = _batch(50)
     for attention in ("masked", "segmented"):
         _split_equals_whole(tiny_gpt(50, attention=attention), batch, rank, world)
+    # recomputed in the backward pass: the exchanges run again there, on every rank alike
+    _split_equals_whole(tiny_gpt(50, attention="segmented", gradient_checkpointing=True).train(), batch, rank, world)
     _split_equals_whole(tiny_gpt(50), _batch(50, ONE_DOC_ROWS), rank, world)  # whole rows: the causal path
 
 
