@@ -106,7 +106,8 @@ def runs(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("cp")
     cfg = str(_config(tmp))
     assert _one_process(["train", cfg, f"--output_dir={tmp / 'one'}", "--train.grad_accum_batches=4"]) == 0
-    _launch(["train", cfg, f"--output_dir={tmp / 'cp2'}", "--train.grad_accum_batches=4", "--train.context_parallel=2"], 2)
+    r = _launch(["train", cfg, f"--output_dir={tmp / 'cp2'}", "--train.grad_accum_batches=4", "--train.context_parallel=2"], 2)
+    assert "2 processes = 1 data rank x 2 context ranks; each rank holds 128 tokens of every 256-token row" in r.stdout
     args = ["train", cfg, f"--output_dir={tmp / 'fsdp2x2'}", "--train.grad_accum_batches=2", "--train.context_parallel=2"]
     _launch([*args, "--train.distributed=fsdp"], 4)
     return tmp

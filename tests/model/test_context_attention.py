@@ -10,6 +10,7 @@ chunk boundaries, documents shorter than a chunk, one as long as the row, one of
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -67,7 +68,9 @@ def _gpt_ranks(rank: int, world: int) -> None:
         _split_equals_whole(tiny_gpt(50, attention=attention), batch, rank, world)
     # recomputed in the backward pass: the exchanges run again there, on every rank alike
     _split_equals_whole(tiny_gpt(50, attention="segmented", gradient_checkpointing=True).train(), batch, rank, world)
-    _split_equals_whole(tiny_gpt(50), _batch(50, ONE_DOC_ROWS), rank, world)  # whole rows: the causal path
+    torch_features.reset_kernels()
+    _split_equals_whole(tiny_gpt(50), replace(_batch(50, ONE_DOC_ROWS), single_doc_rows=True), rank, world)
+    assert any(k.startswith("causal") and "context ranks" in k for k in torch_features.kernels_used())  # whole rows' causal path
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -54,3 +54,16 @@ def context_mesh(cfg: RunConfig, dist: Distributed) -> ContextRanks:
     """This rank's place in the data × context mesh of ``cfg.train.context_parallel`` ranks, checked first."""
     check_context_parallel(cfg, dist.world_size)
     return context_ranks(dist, cfg.train.context_parallel)
+
+
+def mesh_line(cfg: RunConfig, ranks: ContextRanks) -> str | None:
+    """The line a run prints about its mesh when rows are split (None when they are not)."""
+    if not ranks.split:
+        return None
+    N, T = ranks.degree, cfg.batching.seq_len
+    return (
+        f"{KEY} {N}: {ranks.data_size * N} processes = {ranks.data_size} data rank{'s' if ranks.data_size > 1 else ''} x "
+        f"{N} context ranks; each rank holds "
+        f"{T // N:,} tokens of every {T:,}-token row (chunks i and {2 * N - 1}-i of {2 * N}), attention exchanged by an "
+        "all-to-all over heads in every layer"
+    )

@@ -26,6 +26,7 @@ from densebatch.errors import ConfigError
 from densebatch.model import generate_batch
 from densebatch.run.auto import resolve_budget, resolve_lr
 from densebatch.run.build import build_loaders, materialise_run_model, resolve_config, setup, source_weights
+from densebatch.run.context import mesh_line
 from densebatch.run.final import write_final
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR
 from densebatch.run.lock import RunLock
@@ -63,8 +64,9 @@ def _train(requested: RunConfig, *, overrides: list[str], resume: bool, overwrit
     )  # resolve
     run = build_run(cfg, dist, start_over)  # build
     if dist.is_main:  # report
-        for line in report_lines(run.cfg, run.prepared, run.loader, run.weights):
-            print(line, flush=True)
+        for line in [*report_lines(run.cfg, run.prepared, run.loader, run.weights), mesh_line(run.cfg, run.context)]:
+            if line is not None:
+                print(line, flush=True)
     trainer = build_trainer(run, dist)
     final_cfg = resolve_lr(run.cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which takes the rate
     out = Path(final_cfg.output_dir)

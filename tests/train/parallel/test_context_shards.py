@@ -55,6 +55,7 @@ def test_the_ranks_columns_are_the_rows_once_with_their_labels_positions_and_cou
         assert torch.equal(s.shard.positions, padded.positions) and s.shard.seq_len == T
         assert s.shard.cu_seqlens[-1] == padded.num_slots and s.cu_seqlens is None
         assert shard_batch(s, ContextRanks(N, i)) is s  # cut once
+        assert s.single_doc_rows is bool(batch.single_doc_rows)  # unknown (None) is False: never guessed from columns
     # the context ranks hold disjoint targets: the step's denominator over ranks is the batch's loss tokens
     assert sum(s.num_loss_tokens for s in shards) == batch.num_loss_tokens
     assert sum(s.num_real_tokens for s in shards) == batch.num_real_tokens

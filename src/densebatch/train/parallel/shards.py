@@ -78,6 +78,9 @@ def shard_batch(batch: Batch, ranks: ContextRanks) -> Batch:
         positions=batch.positions.index_select(1, cols),
         num_loss_tokens=int((labels != IGNORE_INDEX).sum()),
         num_real_tokens=real_share(batch.num_real_tokens, N, ranks.index),
+        # a property of the whole rows, which a model could not tell from one rank's columns: unknown is False
+        # (the document-masked plan, always exact)
+        single_doc_rows=bool(batch.single_doc_rows),
         source_ids=None if batch.source_ids is None else batch.source_ids.index_select(1, cols),
         cu_seqlens=None,  # this rank's columns are no rows of their own: attention plans from the whole rows'
         max_seqlen=None,
