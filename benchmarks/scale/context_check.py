@@ -26,30 +26,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import yaml
-
-from benchmarks.scale.context_memory import corpus
+from benchmarks.scale.context_memory import config, corpus
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-
-
-def config(work: Path, seq_len: int, steps: int) -> Path:
-    cfg = {
-        "seed": 0,
-        "data": {
-            "path": str(work / "long.jsonl"), "template": "raw", "tokenizer": "default", "max_seq_len": seq_len,
-            "eval_fraction": 0.0, "cache_dir": str(work / "cache"),
-        },
-        "batching": {"strategy": "packed", "seq_len": seq_len, "max_tokens_per_batch": seq_len},
-        "model": {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": seq_len},
-        "train": {"max_steps": steps, "lr": 1e-3, "warmup_steps": 2, "progress": False, "plots": False, "device": "cpu"},
-        "eval": {"accuracy_samples": 0},
-        "checkpoint": {"every_steps": 0},
-    }  # fmt: skip
-    path = work / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    return path
 
 
 def train(work: Path, name: str, nproc: int, args: list[str]) -> list[float]:
@@ -77,7 +57,7 @@ def main() -> None:
     work = a.work or Path(tempfile.mkdtemp(prefix="context-check-"))
     work.mkdir(parents=True, exist_ok=True)
     corpus(work / "long.jsonl", docs=60, lengths=((4500, 7500), (200, 3000)))
-    cfg = str(config(work, a.seq_len, a.steps))
+    cfg = str(config(work, a.seq_len, steps=a.steps, lr=1e-3, warmup=2, model={"n_layer": 2, "n_head": 4, "n_embd": 64}))
     runs = {
         "one process": train(work, "one", 1, ["train", cfg, "--train.grad_accum_batches=2"]),
         "1 x 2 (context_parallel=2)": train(

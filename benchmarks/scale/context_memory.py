@@ -45,7 +45,10 @@ def corpus(path: Path, docs: int = 60, lengths: tuple[tuple[int, int], ...] = ((
             f.write(json.dumps({"text": " ".join(words)[:n]}) + "\n")
 
 
-def config(work: Path, seq_len: int) -> Path:
+def config(work: Path, seq_len: int, *, steps: int = 2, lr: float = 1e-4, warmup: int = 0, model: dict | None = None) -> Path:
+    """The runs' configuration: packed rows of ``seq_len`` tokens, one a batch, of ``work/long.jsonl``; ``model``:
+    the reference GPT's keys (default 4 layers x 128, 4 heads)."""
+    model = model or {"n_layer": 4, "n_head": 4, "n_embd": 128}
     cfg = {
         "seed": 0,
         "data": {
@@ -53,8 +56,8 @@ def config(work: Path, seq_len: int) -> Path:
             "eval_fraction": 0.0, "cache_dir": str(work / "cache"),
         },
         "batching": {"strategy": "packed", "seq_len": seq_len, "max_tokens_per_batch": seq_len},
-        "model": {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": seq_len},
-        "train": {"max_steps": 2, "lr": 1e-4, "warmup_steps": 0, "progress": False, "plots": False, "device": "cpu"},
+        "model": {**model, "block_size": seq_len},
+        "train": {"max_steps": steps, "lr": lr, "warmup_steps": warmup, "progress": False, "plots": False, "device": "cpu"},
         "eval": {"accuracy_samples": 0},
         "checkpoint": {"every_steps": 0},
     }  # fmt: skip
