@@ -34,8 +34,8 @@ A batch split over context ranks (``train.context_parallel``: N ranks share ever
 the columns ``shard_columns(T, N, index)`` of its rows, with the counts of those columns (loss tokens exactly;
 real tokens as an exact share of the whole), and in ``shard`` what the model needs to attend across the
 ranks: the whole rows' positions and segment bounds, this rank's place and the ranks' process group. Each row
-is cut into 2N equal chunks and rank i holds chunks i and 2N-1-i (head and tail), so that under causal
-attention every rank holds as many early tokens (cheap: few keys) as late ones (dear)::
+is cut into 2N equal chunks and rank i holds chunks i and 2N-1-i (head and tail), so that every rank's queries
+have as much causal work as any other's (over a row-long document, the same number of query-key pairs)::
 
     T = 8, N = 2: chunks [0 1] [2 3] [4 5] [6 7]    rank 0 holds columns 0 1 6 7, rank 1 holds 2 3 4 5
 
@@ -157,12 +157,6 @@ class RowShard:
     def pin_memory(self) -> RowShard:
         cu = None if self.cu_seqlens is None else self.cu_seqlens.pin_memory()
         return replace(self, positions=self.positions.pin_memory(), cu_seqlens=cu)
-
-
-def chunk_owners(degree: int) -> list[int]:
-    """The context rank holding each of a row's ``2 * degree`` equal chunks, in row order: rank i holds chunk i
-    (head) and chunk 2N-1-i (tail). ``[0, 1, 1, 0]`` for N = 2."""
-    return list(range(degree)) + list(range(degree - 1, -1, -1))
 
 
 def gathered_chunks(degree: int) -> list[int]:

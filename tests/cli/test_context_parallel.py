@@ -69,16 +69,25 @@ def _one_process(args: list[str]) -> int:
 
 # ------------------------------------------------------------------------ refused before any work
 REFUSALS = [
-    (["--train.context_parallel=2"], "2 context ranks do not divide the 1 process"),
-    (["--train.context_parallel=2", "--batching.seq_len=254", "--data.max_seq_len=254"], "do not split into 4 equal chunks"),
-    (["--train.context_parallel=4", "--model.n_head=2"], "2 attention heads do not split over 4 context ranks"),
-    (["--train.context_parallel=2", "--batching.max_tokens_per_batch=auto"], "max_tokens_per_batch auto probes whole rows"),
+    ("train", ["--train.context_parallel=2"], "2 context ranks do not divide the 1 process"),
+    (
+        "train",
+        ["--train.context_parallel=2", "--batching.seq_len=254", "--data.max_seq_len=254"],
+        "do not split into 4 equal chunks",
+    ),
+    ("train", ["--train.context_parallel=4", "--model.n_head=2"], "2 attention heads do not split over 4 context ranks"),
+    (
+        "train",
+        ["--train.context_parallel=2", "--batching.max_tokens_per_batch=auto"],
+        "max_tokens_per_batch auto probes whole rows",
+    ),
+    ("find-batch", ["--train.context_parallel=2"], "find-batch probes whole rows on one rank"),
 ]
 
 
-@pytest.mark.parametrize(("extra", "says"), REFUSALS, ids=["world", "row", "heads", "budget"])
-def test_what_context_parallelism_cannot_run_is_one_line_before_any_work(extra, says, tmp_path, capsys):
-    code = main(["train", *TINY, f"--output_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}", *extra])
+@pytest.mark.parametrize(("command", "extra", "says"), REFUSALS, ids=["world", "row", "heads", "budget", "find-batch"])
+def test_what_context_parallelism_cannot_run_is_one_line_before_any_work(command, extra, says, tmp_path, capsys):
+    code = main([command, *TINY, f"--output_dir={tmp_path / 'run'}", f"--data.cache_dir={tmp_path / 'cache'}", *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and says in err, err
     assert not (tmp_path / "cache").exists() and not (tmp_path / "run").exists()  # no documents prepared, no run
@@ -107,7 +116,7 @@ def runs(tmp_path_factory) -> Path:
     cfg = str(_config(tmp))
     assert _one_process(["train", cfg, f"--output_dir={tmp / 'one'}", "--train.grad_accum_batches=4"]) == 0
     r = _launch(["train", cfg, f"--output_dir={tmp / 'cp2'}", "--train.grad_accum_batches=4", "--train.context_parallel=2"], 2)
-    assert "2 processes = 1 data rank x 2 context ranks; each rank holds 128 tokens of every 256-token row" in r.stdout
+    assert "2 processes = 1 data rank x 2 context ranks; each rank holds 1/2 of every row (chunks i and 3-i of 4)" in r.stdout
     args = ["train", cfg, f"--output_dir={tmp / 'fsdp2x2'}", "--train.grad_accum_batches=2", "--train.context_parallel=2"]
     _launch([*args, "--train.distributed=fsdp"], 4)
     return tmp

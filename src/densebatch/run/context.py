@@ -60,10 +60,8 @@ def mesh_line(cfg: RunConfig, ranks: ContextRanks) -> str | None:
     """The line a run prints about its mesh when rows are split (None when they are not)."""
     if not ranks.split:
         return None
-    N, T = ranks.degree, cfg.batching.seq_len
+    N, D = ranks.degree, ranks.data_size
     return (
-        f"{KEY} {N}: {ranks.data_size * N} processes = {ranks.data_size} data rank{'s' if ranks.data_size > 1 else ''} x "
-        f"{N} context ranks; each rank holds "
-        f"{T // N:,} tokens of every {T:,}-token row (chunks i and {2 * N - 1}-i of {2 * N}), attention exchanged by an "
-        "all-to-all over heads in every layer"
+        f"{KEY} {N}: {D * N} processes = {D} data rank{'s' if D > 1 else ''} x {N} context ranks; each rank holds 1/{N} "
+        f"of every row (chunks i and {2 * N - 1}-i of {2 * N}), attention exchanged by an all-to-all over heads in every layer"
     )
