@@ -33,8 +33,8 @@ _EXPORTS = {
     "num_items": "densebatch.data.torch_loader",
     "causal_loss": "densebatch.data.torch_loader",
     # Hugging Face Trainer / TRL
-    "dense_batches": "densebatch.hf_trainer",
-    "register_attention": "densebatch.hf_trainer",
+    "dense_batches": "densebatch.integrations.hf_trainer",
+    "register_attention": "densebatch.integrations.hf_trainer",
 }
 __all__ = [  # the names of _EXPORTS (a test checks they agree)
     "IGNORE_INDEX",
@@ -73,7 +73,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         num_items,
         to_hf,
     )
-    from densebatch.hf_trainer import dense_batches, register_attention
+    from densebatch.integrations.hf_trainer import dense_batches, register_attention
 
 
 def __getattr__(name: str):

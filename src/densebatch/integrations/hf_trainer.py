@@ -17,7 +17,7 @@ Packed rows carry ``cu_seq_lens_q/k`` and ``position_ids``: load the model with
 them and let packed documents attend to each other). A resumed run (``resume_from_checkpoint``)
 skips the batches already trained, and so continues with the same batches. The trainer's loss becomes
 densebatch's (``loss="densebatch"``, the default): per-token losses through the fused chunked head, over
-the step's loss tokens, never the full logits (``hf_trainer_loss.py``); ``loss="hf"`` keeps the trainer's.
+the step's loss tokens, never the full logits (``integrations/hf_loss.py``); ``loss="hf"`` keeps the trainer's.
 ``source_column="source"`` (a column naming each record's source) weighs each source's loss tokens as
 ``densebatch train`` does with ``train.source_balance: batches`` (``source_factors``).
 """
@@ -33,7 +33,7 @@ from densebatch.data.plan.rules import longest_row, sized_by_budget
 from densebatch.data.plan.source_balance import batch_balance
 from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
 from densebatch.data.torch_loader import Documents, dataloader
-from densebatch.hf_trainer_loss import LOSSES, install_loss
+from densebatch.integrations.hf_loss import LOSSES, install_loss
 from densebatch.model.hf.attention import register
 from densebatch.model.hf.checks import check_transformers
 from densebatch.model.hf.falcon import install as install_falcon_attention
@@ -42,7 +42,7 @@ from densebatch.model.hf.falcon import install as install_falcon_attention
 def register_attention() -> str:
     """Make ``attn_implementation="densebatch"`` known to transformers; returns that name. (Falcon before
     transformers 5.25, whose layers pick their attention class from a table of their own, gets
-    densebatch's class there too: ``model/hf_falcon.py``.)"""
+    densebatch's class there too: ``model/hf/falcon.py``.)"""
     check_transformers()
     register()
     install_falcon_attention()
@@ -64,7 +64,7 @@ def dense_batches(
     (``rows_per_batch``, ``long_docs``, ``bundle_tokens``, ``pad_to_multiple_of``, ...); ``pad_id``
     defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
     (packed rows as long as the budget: one row a batch). ``loss="densebatch"`` (the default) also gives the
-    trainer densebatch's loss path, the fused chunked head (``hf_trainer_loss.py``); ``"hf"`` keeps its own;
+    trainer densebatch's loss path, the fused chunked head (``integrations/hf_loss.py``); ``"hf"`` keeps its own;
     ``loss_chunk_tokens``: positions the head projects at a time (default: 128 MiB of float32 logits, 1 GiB on CUDA).
     ``source_column``: the ``train_dataset`` column naming each record's source: on packed and token_budget
     plans each source's loss tokens weigh ``source_factors`` in the loss (densebatch's loss path only)."""

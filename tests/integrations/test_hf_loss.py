@@ -1,4 +1,4 @@
-"""densebatch's loss path inside Hugging Face ``Trainer`` (``dense_batches(trainer)``, hf_trainer_loss.py): exact
+"""densebatch's loss path inside Hugging Face ``Trainer`` (``dense_batches(trainer)``, integrations/hf_loss.py): exact
 against densebatch's own loop and the trainer's own loss, and never a (tokens, vocabulary) tensor."""
 
 from __future__ import annotations
@@ -296,7 +296,7 @@ def test_sources_weigh_the_loss_as_densebatch_loop_does(base, mixture, tmp_path)
     from densebatch.data.plan.source_balance import batch_balance
     from densebatch.data.store.store import DocumentStore
     from densebatch.data.torch_loader import Documents
-    from densebatch.hf_trainer import source_factors
+    from densebatch.integrations.hf_trainer import source_factors
     from densebatch.model.hf.adapter import HFCausalLM
     from densebatch.train.per_source import SourceWeights, step_loss_tokens, weighted_losses
 

@@ -44,14 +44,14 @@ from densebatch.model.hf.adapter import HIDDEN_PATH_TYPES
 from densebatch.model.loss_head import chunk_tokens_for, head_token_losses
 
 LOSSES = ("densebatch", "hf")
-# The architectures of densebatch's own hidden-state path (model/hf.py, checked against each model's own
+# The architectures of densebatch's own hidden-state path (model/hf/adapter.py, checked against each model's own
 # logits by tests/model/test_hf_architectures.py), two whose logits are the head's times a constant and two
 # that soft-cap them (final_logit_softcapping), which the fused head computes as they do.
 SUPPORTED = frozenset(HIDDEN_PATH_TYPES | {"cohere", "granite", "gemma2", "gemma3_text"})
 # Trainer classes whose compute_loss this module replaces (a subclass with its own keeps it).
 _OWN_LOSS = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "SFTTrainer")}
 
-logger = logging.getLogger("densebatch.hf_trainer")
+logger = logging.getLogger("densebatch.integrations")
 
 
 def install_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = None, source_weights=None) -> str:
