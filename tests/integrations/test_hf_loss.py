@@ -296,7 +296,7 @@ def test_sources_weigh_the_loss_as_densebatch_loop_does(base, mixture, tmp_path)
     from densebatch.data.plan.source_balance import batch_balance
     from densebatch.data.store.store import DocumentStore
     from densebatch.data.torch_loader import Documents
-    from densebatch.integrations.hf_trainer import source_factors
+    from densebatch.integrations.sources import source_factors
     from densebatch.model.hf.adapter import HFCausalLM
     from densebatch.train.per_source import SourceWeights, step_loss_tokens, weighted_losses
 

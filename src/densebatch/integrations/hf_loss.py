@@ -1,21 +1,22 @@
 """densebatch's loss path inside Hugging Face ``Trainer`` and TRL's ``SFTTrainer``: the ``compute_loss`` that
-``dense_batches(trainer)`` installs.
+``dense_batches(trainer)`` installs, or why the trainer's own loss is kept.
 
-During training the trainer's ``compute_loss`` asks the model for per-token losses instead of logits: the
-causal LM's backbone gives its last hidden states (``lm.base_model(...)``: the logits are never built) and
-densebatch's fused, chunked head (``model/loss_head.py``) turns them into cross-entropies against the
+During training the trainer's ``compute_loss`` asks the model for per-token losses instead of logits
+(``fused_forward.py``): the causal LM's backbone gives its last hidden states (the logits are never built)
+and densebatch's fused, chunked head (``model/loss_head.py``) turns them into cross-entropies against the
 batch's ``shift_labels`` through the output embedding (tied or not, its bias when it has one, the logit
 scale of Cohere / Granite, the final-logit soft-capping of Gemma 2 / 3). At most ``chunk x vocabulary``
-logits exist at once (twice that when soft-capped), in forward and backward. The request travels through the model the trainer hands ``compute_loss`` (DDP's wrapper,
-PEFT's ``PeftModel``): the causal LM's own ``forward`` is wrapped on the instance and answers a
-``densebatch_targets`` keyword, so DDP's gradient hooks, LoRA adapters and gradient checkpointing run as
-in any forward; without that keyword it is the model's forward as before (``generate``, evaluation).
+logits exist at once (twice that when soft-capped), in forward and backward. The call goes through the
+model the trainer hands ``compute_loss`` (DDP's wrapper, PEFT's ``PeftModel``, a compiled module), under
+the trainer's mixed-precision autocast, so DDP's gradient hooks, LoRA adapters and gradient checkpointing
+run as in any forward; the model's own ``forward`` is back when the call returns (``generate``,
+evaluation, copies of the model).
 
 The loss is ``sum(CE) / n`` with ``n`` the step's loss tokens over every micro-batch and rank, as
 densebatch's own loop normalises, times the number of processes (DDP averages the gradients). ``n`` is the
 trainer's ``num_items_in_batch`` (transformers 5 counts ``shift_labels`` over the accumulated batches and,
 with ``average_tokens_across_devices``, sums over ranks); where the trainer leaves it out (a model without
-loss keywords) or counts one rank only, ``get_batch_samples`` is wrapped to count it the same way.
+loss keywords) or counts one rank only, ``get_batch_samples`` counts it the same way.
 Evaluation, prediction (``return_outputs``) and a batch without labels keep the trainer's own loss.
 With source weights (``dense_batches(source_column=...)``: the batches carry each token's source) the loss
 is ``sum(w[source] x CE) / sum(w[source])`` over the step's loss tokens, micro-batches and ranks, as
@@ -24,15 +25,15 @@ densebatch's loop weighs them (``train/per_source.py``); the logged loss is that
 Refused, in one logged line, with the trainer's loss kept, where the fused head could not be exact or
 would bypass something: ``loss="hf"``; a trainer class whose ``compute_loss`` is its own; a
 ``compute_loss_func``; TRL's non-``nll`` losses or MoE auxiliary loss; an architecture whose logits are not
-known to be the head over the last hidden state (``SUPPORTED``); a head that is not a plain ``nn.Linear`` (LoRA or trainable tokens on it); DataParallel, tensor / sequence / context
-parallelism, FSDP and DeepSpeed (whose sharded head weights this path would read directly).
+known to be the head over the last hidden state (``SUPPORTED``); a head that is not a plain ``nn.Linear``
+(LoRA or trainable tokens on it); DataParallel, tensor / sequence / context parallelism, FSDP and DeepSpeed
+(whose sharded head weights this path would read directly).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import types
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -40,8 +41,9 @@ import torch.nn.functional as F
 
 from densebatch.batch import IGNORE_INDEX
 from densebatch.data.torch_loader import SOURCE_KEY
+from densebatch.integrations.fused_forward import FusedHead, token_losses
+from densebatch.integrations.installed import LINE, Installed, installed
 from densebatch.model.hf.adapter import HIDDEN_PATH_TYPES
-from densebatch.model.loss_head import chunk_tokens_for, head_token_losses
 
 LOSSES = ("densebatch", "hf")
 # The architectures of densebatch's own hidden-state path (model/hf/adapter.py, checked against each model's own
@@ -54,38 +56,46 @@ _OWN_LOSS = {("transformers.trainer", "Trainer"), ("trl.trainer.sft_trainer", "S
 logger = logging.getLogger("densebatch.integrations")
 
 
-def install_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = None, source_weights=None) -> str:
-    """Give ``trainer`` densebatch's loss path (``loss="densebatch"``) or leave its own (``"hf"``); returns
-    the line the trainer logs once at its first training step, also kept as ``trainer.densebatch_loss``:
-    ``densebatch fused head, chunk N`` or why the trainer's own loss is kept. ``source_weights``: one weight
+@dataclass
+class LossPath:
+    """The trainer's loss path: the line it logs once at its first training step; the fused head (None: the
+    trainer's own loss is kept, ``line`` says why); each source's weight (float64), and the step's summed
+    weight over its loss tokens on every rank (``get_batch_samples`` sets it)."""
+
+    line: str
+    head: FusedHead | None = None
+    source_weights: torch.Tensor | None = None
+    weight_n: torch.Tensor | None = None
+    logged: bool = False
+
+
+def plan_loss(trainer, loss: str = "densebatch", chunk_tokens: int | None = None, source_weights=None) -> LossPath:
+    """The loss path ``trainer`` would get (``loss="densebatch"``: the fused head, where ``refusal`` allows it;
+    ``"hf"``: its own), changing nothing; ``ValueError`` for another ``loss``. ``source_weights``: one weight
     per source, for batches that carry their tokens' sources (the fused path only)."""
     if loss not in LOSSES:
         raise ValueError(f"dense_batches: loss: expected one of {', '.join(LOSSES)}; got {loss!r}")
-    _uninstall(trainer)
     lm = _causal_lm(trainer.model)
     why = "loss='hf'" if loss == "hf" else refusal(trainer, lm)
-    if why is None:
-        head = lm.get_output_embeddings()
-        chunk = chunk_tokens or chunk_tokens_for(head.weight.shape[0], device=trainer.args.device)
-        text = lm.config.get_text_config()
-        _wrap_forward(lm, chunk, _logit_scale(text), getattr(text, "final_logit_softcapping", None))
-        line = f"densebatch fused head, chunk {chunk}"
-        if source_weights is not None:
-            line += ", sources weighted " + ", ".join(f"{w:.2f}" for w in source_weights)
-            trainer._densebatch_source_weights = torch.tensor(source_weights, dtype=torch.float64)
-        own = trainer.compute_loss
-        trainer.compute_loss = types.MethodType(_fused_compute_loss(own, line), trainer)
-        counted = trainer.get_batch_samples
-        trainer.get_batch_samples = types.MethodType(_counting_batch_samples(counted), trainer)
-        trainer._densebatch_undo = (own, counted, trainer.loss_is_scaled_for_ga, lm)
-        trainer.loss_is_scaled_for_ga = True  # normalised by the step's loss tokens: no division by accumulation
-    else:
-        line = f"Hugging Face loss ({why})"
-        own = trainer.compute_loss
-        trainer.compute_loss = types.MethodType(_logging_compute_loss(own, line), trainer)
-        trainer._densebatch_undo = (own, None, trainer.loss_is_scaled_for_ga, None)
-    trainer.densebatch_loss = line
-    return line
+    if why is not None:
+        return LossPath(f"Hugging Face loss ({why})")
+    head = FusedHead.of(lm, chunk_tokens, trainer.args.device)
+    line = f"densebatch fused head, chunk {head.chunk}"
+    if source_weights is None:
+        return LossPath(line, head)
+    line += ", sources weighted " + ", ".join(f"{w:.2f}" for w in source_weights)
+    return LossPath(line, head, torch.tensor(source_weights, dtype=torch.float64))
+
+
+def install_loss(trainer, path: LossPath, into: Installed) -> None:
+    """Give ``trainer`` the loss path ``path`` (``plan_loss``), every attribute recorded in ``into``; the line
+    is also kept as ``trainer.densebatch_loss``."""
+    into.loss = path
+    into.bind(trainer, "compute_loss", _compute_loss)
+    if path.head is not None:
+        into.bind(trainer, "get_batch_samples", _get_batch_samples)
+        into.set(trainer, "loss_is_scaled_for_ga", True)  # normalised by the step's loss tokens: no division by accumulation
+    setattr(trainer, LINE, path.line)
 
 
 def refusal(trainer, lm: nn.Module) -> str | None:
@@ -125,43 +135,6 @@ def _causal_lm(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
 
 
-def _logit_scale(text_config) -> float:
-    """The constant the architecture multiplies its logits by: Cohere's ``logit_scale``, Granite's
-    ``1 / logits_scaling``; 1.0 elsewhere."""
-    kind = getattr(text_config, "model_type", None)
-    if kind == "cohere":
-        return float(getattr(text_config, "logit_scale", 1.0) or 1.0)
-    if kind == "granite":
-        return 1.0 / float(getattr(text_config, "logits_scaling", 1.0) or 1.0)
-    return 1.0
-
-
-def _wrap_forward(lm: nn.Module, chunk: int, scale: float, cap: float | None) -> None:
-    """``lm.forward(..., densebatch_targets=(rows, T))`` returns the per-token losses (rows, T) float32, 0
-    where the target is -100, from the backbone's last hidden states through the fused head; without the
-    keyword it is the forward ``lm`` had."""
-    previous = lm.forward
-
-    # The model's own signature (``__wrapped__``): Trainer drops dataset columns the forward does not name,
-    # and generate checks its keywords against it.
-    @functools.wraps(previous)
-    def forward(*args, densebatch_targets=None, densebatch_smoothing: float = 0.0, **kwargs):
-        if densebatch_targets is None:
-            return previous(*args, **kwargs)
-        for k in ("labels", "shift_labels", "num_items_in_batch", "logits_to_keep", "fused_lm_head", "return_dict"):
-            kwargs.pop(k, None)
-        kwargs["use_cache"] = False
-        h = lm.base_model(*args, **kwargs).last_hidden_state  # (rows, T, C): no logits
-        head, targets = lm.get_output_embeddings(), densebatch_targets.to(h.device)
-        return head_token_losses(
-            h, targets, head.weight, head.bias, chunk_tokens=chunk, label_smoothing=densebatch_smoothing, logit_scale=scale,
-            softcap=cap,
-        )  # fmt: skip
-
-    lm.forward = forward
-    lm._densebatch_previous_forward = previous
-
-
 def _targets(inputs: dict) -> torch.Tensor | None:
     """The batch's next-token targets (rows, T): ``shift_labels``, else ``labels`` shifted left (-100 last)."""
     if inputs.get("shift_labels") is not None:
@@ -170,95 +143,66 @@ def _targets(inputs: dict) -> torch.Tensor | None:
     return None if labels is None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
 
 
-def _fused_compute_loss(own, line: str):
-    """The trainer's ``compute_loss`` during training: the fused head's token losses over the step's loss
-    tokens; evaluation and prediction go to ``own`` (the trainer's)."""
-    logged = []
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        sources = inputs.pop(SOURCE_KEY, None)
-        targets = _targets(inputs)
-        if return_outputs or not model.training or targets is None:
-            return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        _log_once(self, line, logged)
-        given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        eps = float(self.args.label_smoothing_factor or 0.0)
-        losses = model(**given, densebatch_targets=targets, densebatch_smoothing=eps)  # (rows, T)
-        per = _token_weights(self, sources, losses.device)
-        if per is not None:  # sum(w x CE) / sum(w) over the step's loss tokens on every rank (get_batch_samples)
-            n = getattr(self, "_densebatch_weight_n", None)
-            n = (per * (targets.to(per.device) != IGNORE_INDEX)).sum() if n is None else n
-            loss = (losses * per).sum() / torch.as_tensor(n, device=losses.device).clamp(min=1e-12)
-            return loss * self.accelerator.num_processes if self.args.world_size > 1 else loss
-        n = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
-        loss = losses.sum() / torch.as_tensor(n, device=losses.device).clamp(min=1)
-        if num_items_in_batch is not None and self.args.world_size > 1:
-            loss = loss * self.accelerator.num_processes  # n counts every rank's tokens; DDP averages gradients
-        return loss
-
-    return compute_loss
-
-
-def _token_weights(trainer, sources, device) -> torch.Tensor | None:
-    """(rows, T) float32: each token's source weight (padding's is the first source's; its CE is 0), or None."""
-    weights = getattr(trainer, "_densebatch_source_weights", None)
-    if weights is None or sources is None:
-        return None
-    return weights.to(device, torch.float32)[sources.to(device).clamp(min=0)]
-
-
-def _logging_compute_loss(own, line: str):
-    logged = []
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """The trainer's ``compute_loss`` (bound to it): during training, the fused head's token losses over the
+    step's loss tokens; evaluation, prediction and the refused path go to the trainer's own."""
+    state = installed(self)
+    path = state.loss
+    own = state.own(self, "compute_loss")
+    sources = inputs.pop(SOURCE_KEY, None)
+    targets = _targets(inputs)
+    if path.head is None or return_outputs or not model.training or targets is None:
         if model.training:
-            _log_once(self, line, logged)
+            _log_once(self, path)
         return own(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    _log_once(self, path)
+    given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+    head = replace(path.head, smoothing=float(self.args.label_smoothing_factor or 0.0))
+    with self.accelerator.autocast():  # what accelerate's mixed-precision wrapper of the forward would apply
+        losses = token_losses(model, _causal_lm(self.model), head, given, targets)  # (rows, T)
+    per = _token_weights(path, sources, losses.device)
+    if per is not None:  # sum(w x CE) / sum(w) over the step's loss tokens on every rank (get_batch_samples)
+        n = path.weight_n
+        n = (per * (targets.to(per.device) != IGNORE_INDEX)).sum() if n is None else n
+        loss = (losses * per).sum() / torch.as_tensor(n, device=losses.device).clamp(min=1e-12)
+        return loss * self.accelerator.num_processes if self.args.world_size > 1 else loss
+    n = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
+    loss = losses.sum() / torch.as_tensor(n, device=losses.device).clamp(min=1)
+    if num_items_in_batch is not None and self.args.world_size > 1:
+        loss = loss * self.accelerator.num_processes  # n counts every rank's tokens; DDP averages gradients
+    return loss
 
-    return compute_loss
+
+def _token_weights(path: LossPath, sources, device) -> torch.Tensor | None:
+    """(rows, T) float32: each token's source weight (padding's is the first source's; its CE is 0), or None."""
+    if path.source_weights is None or sources is None:
+        return None
+    return path.source_weights.to(device, torch.float32)[sources.to(device).clamp(min=0)]
 
 
-def _log_once(trainer, line: str, logged: list) -> None:
-    if not logged:
-        logged.append(True)
+def _log_once(trainer, path: LossPath) -> None:
+    if not path.logged:
+        path.logged = True
         if trainer.is_world_process_zero():
-            logger.warning("densebatch: loss path: %s", line)
+            logger.warning("densebatch: loss path: %s", path.line)
 
 
-def _counting_batch_samples(own):
-    """``get_batch_samples`` whose count is always the step's loss tokens over every rank (the trainer's own
-    when it already is; counted from ``shift_labels`` where it left it out or counted one rank)."""
-
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        samples, n = own(epoch_iterator, num_batches, device)
-        world = self.args.world_size
-        weighted = [(w, b) for b in samples if (w := _token_weights(self, b.get(SOURCE_KEY), device)) is not None]
-        if weighted:  # the step's summed source weight over its loss tokens, every micro-batch and rank (float64)
-            total = sum((w.double() * (_targets(b).to(device) != IGNORE_INDEX)).sum() for w, b in weighted)
-            self._densebatch_weight_n = self.accelerator.gather(total.reshape(1)).sum() if world > 1 else total
-        if n is None or (world > 1 and not self.args.average_tokens_across_devices):
-            found = [t for b in samples if (t := _targets(b)) is not None]
-            if found:
-                n = sum((t != IGNORE_INDEX).sum() for t in found).to(device)
-                if world > 1:
-                    n = self.accelerator.gather(n).sum()
-        return samples, n
-
-    return get_batch_samples
-
-
-def _uninstall(trainer) -> None:
-    """Undo an earlier ``install_loss`` on ``trainer`` (``dense_batches`` called again)."""
-    undo = getattr(trainer, "_densebatch_undo", None)
-    if undo is None:
-        return
-    own, counted, scaled, lm = undo
-    trainer.compute_loss = own
-    if counted is not None:
-        trainer.get_batch_samples = counted
-    trainer.loss_is_scaled_for_ga = scaled
-    trainer.__dict__.pop("_densebatch_source_weights", None)
-    trainer.__dict__.pop("_densebatch_weight_n", None)
-    if lm is not None:
-        lm.forward = lm._densebatch_previous_forward
-    del trainer._densebatch_undo
+def _get_batch_samples(self, epoch_iterator, num_batches, device):
+    """The trainer's ``get_batch_samples`` (bound to it), whose count is always the step's loss tokens over every
+    rank (the trainer's own when it already is; counted from ``shift_labels`` where it left it out or counted
+    one rank)."""
+    state = installed(self)
+    path = state.loss
+    samples, n = state.own(self, "get_batch_samples")(epoch_iterator, num_batches, device)
+    world = self.args.world_size
+    weighted = [(w, b) for b in samples if (w := _token_weights(path, b.get(SOURCE_KEY), device)) is not None]
+    if weighted:  # the step's summed source weight over its loss tokens, every micro-batch and rank (float64)
+        total = sum((w.double() * (_targets(b).to(device) != IGNORE_INDEX)).sum() for w, b in weighted)
+        path.weight_n = self.accelerator.gather(total.reshape(1)).sum() if world > 1 else total
+    if n is None or (world > 1 and not self.args.average_tokens_across_devices):
+        found = [t for b in samples if (t := _targets(b)) is not None]
+        if found:
+            n = sum((t != IGNORE_INDEX).sum() for t in found).to(device)
+            if world > 1:
+                n = self.accelerator.gather(n).sum()
+    return samples, n
