@@ -158,13 +158,13 @@ def _compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=
     _log_once(self, path)
     given = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
     head = replace(path.head, smoothing=float(self.args.label_smoothing_factor or 0.0))
+    per = _token_weights(path, sources, targets.device)  # (rows, T), weighed inside the head: no second pass
     with self.accelerator.autocast():  # what accelerate's mixed-precision wrapper of the forward would apply
-        losses = token_losses(model, _causal_lm(self.model), head, given, targets)  # (rows, T)
-    per = _token_weights(path, sources, losses.device)
+        losses = token_losses(model, _causal_lm(self.model), head, given, targets, per)  # (rows, T)
     if per is not None:  # sum(w x CE) / sum(w) over the step's loss tokens on every rank (get_batch_samples)
         n = path.weight_n
-        n = (per * (targets.to(per.device) != IGNORE_INDEX)).sum() if n is None else n
-        loss = (losses * per).sum() / torch.as_tensor(n, device=losses.device).clamp(min=1e-12)
+        n = (per * (targets != IGNORE_INDEX)).sum() if n is None else n
+        loss = losses.sum() / torch.as_tensor(n, device=losses.device).clamp(min=1e-12)
         return loss * self.accelerator.num_processes if self.args.world_size > 1 else loss
     n = num_items_in_batch if num_items_in_batch is not None else (targets != IGNORE_INDEX).sum()
     loss = losses.sum() / torch.as_tensor(n, device=losses.device).clamp(min=1)
