@@ -107,7 +107,13 @@ def _before_tree(rev: str, into: Path) -> Path:
 
 
 def _run(variant: str, work: Path, src: Path, a) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(src)}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(src),
+    }
     cmd = [sys.executable, "-m", "benchmarks.throughput.hf_trainer_sources", "--child", variant, "--work", str(work)]
     cmd += ["--steps", str(a.steps), "--tokens", str(a.tokens), "--seq-len", str(a.seq_len)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, cwd=REPO)
@@ -132,7 +138,11 @@ def _report(runs: dict[str, list[dict]], a) -> str:
             continue
         ratio = f"{total[v] / total['before']:.3f}" if "before" in total else "-"
         lines.append(f"| {v} | {med[v]:.3f} | {total[v]:.2f} | {ratio} | {rs[0]['first_loss']:.6f} | {rs[0]['loss_path']} |")
-    lines += ["", "per run, in run order (s): " + "; ".join(f"{v} " + ", ".join(f"{sum(r['times']):.2f}" for r in rs) for v, rs in ok.items())]
+    lines += [
+        "",
+        "per run, in run order (s): "
+        + "; ".join(f"{v} " + ", ".join(f"{sum(r['times']):.2f}" for r in rs) for v, rs in ok.items()),
+    ]
     return "\n".join(lines)
 
 
