@@ -12,7 +12,9 @@ One model (a 2-layer Llama shape with GPT-2's vocabulary of 50,257, random weigh
 one two-source data set (the instruction and oasst documents of ../shared/data as GPT-2 ids, a ``source`` column
 naming each, loss on every token). Each variant runs ``--steps`` optimizer steps after one warm-up step, in a
 process of its own (one thread, fp32, AdamW, packed rows of ``--seq-len``, ``--tokens`` token slots a step), the
-variants interleaved (A B C, A B C, ...); step times come from a callback (step begin to step end):
+variants interleaved (A B C, A B C, ...); step times come from a callback (step begin to step end), as wall
+time and as the process's CPU time (one thread: the CPU time is the step's work, and moves less than the wall
+time when other processes share the cores):
 
 - ``before``: densebatch's source tree at ``--before-rev`` (``git archive``), weights outside the head;
 - ``after``: this checkout's source tree, weights inside the head;
@@ -31,9 +33,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from io import BytesIO
 from pathlib import Path
+
+from benchmarks.throughput.hf_setup import save_llama, step_clock
 
 VARIANTS = ("before", "after", "unweighted")
 REPO = Path(__file__).resolve().parents[2]
@@ -41,8 +44,6 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _setup(work: Path, shared: Path, docs: int) -> None:
     """The model (random weights, saved) and the two-source data set (GPT-2 ids, as JSON) every variant reads."""
-    import torch
-    import transformers
 
     from benchmarks.common import texts
     from densebatch.testing.book import gpt2_tokenizer
@@ -54,13 +55,7 @@ def _setup(work: Path, shared: Path, docs: int) -> None:
             rows.append({"input_ids": (enc.ids + [50256])[:1024], "source": source})
     rows = [r for pair in zip(rows[:docs], rows[docs:]) for r in pair]  # the sources interleaved
     (work / "rows.json").write_text(json.dumps(rows))
-    config = transformers.LlamaConfig(
-        vocab_size=50257, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=50256,
-        eos_token_id=50256, pad_token_id=50256,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(work / "model")
+    save_llama(work / "model")
 
 
 def _child(variant: str, work: Path, steps: int, tokens: int, seq_len: int) -> dict:
@@ -77,25 +72,25 @@ def _child(variant: str, work: Path, steps: int, tokens: int, seq_len: int) -> d
     ds = datasets.Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "source")})
     model = transformers.AutoModelForCausalLM.from_pretrained(work / "model", attn_implementation=densebatch.register_attention())
     times: list[float] = []
-
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
+    cpu: list[float] = []
 
     args = transformers.TrainingArguments(
         output_dir=str(work / f"out-{variant}"), max_steps=steps + 1, learning_rate=1e-4, weight_decay=0.0, seed=5,
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=1, max_grad_norm=1.0,
         dataloader_num_workers=0,
     )  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[Clock()])
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=ds, callbacks=[step_clock(times, cpu)])
     sources = {} if variant == "unweighted" else {"source_column": "source"}
     densebatch.dense_batches(trainer, strategy="packed", seq_len=seq_len, max_tokens_per_batch=tokens, pad_id=50256, **sources)
     trainer.train()
     first = next(h["loss"] for h in trainer.state.log_history if "loss" in h)
-    return {"times": times[1:], "first_loss": first, "loss_path": trainer.densebatch_loss, "densebatch": densebatch.__file__}
+    return {
+        "times": times[1:],
+        "cpu": cpu[1:],
+        "first_loss": first,
+        "loss_path": trainer.densebatch_loss,
+        "densebatch": densebatch.__file__,
+    }
 
 
 def _before_tree(rev: str, into: Path) -> Path:
@@ -126,18 +121,24 @@ def _report(runs: dict[str, list[dict]], a) -> str:
     ok = {v: rs for v, rs in runs.items() if rs and all("times" in r for r in rs)}
     med = {v: statistics.median(t for r in rs for t in r["times"]) for v, rs in ok.items()}
     total = {v: statistics.median(sum(r["times"]) for r in rs) for v, rs in ok.items()}
+    cpu = {v: statistics.median(c for r in rs for c in r["cpu"]) for v, rs in ok.items()}
     lines = [
         f"{a.tokens} token slots a step (packed rows of {a.seq_len}), {a.steps} timed steps, {a.repeats} interleaved runs each",
         "",
-        f"| variant | median step (s) | {a.steps} steps, median run (s) | x before | first-step loss | loss path |",
-        "|---|---|---|---|---|---|",
+        f"| variant | median step, wall (s) | {a.steps} steps, median run (s) | x before | median step, CPU (s) | x before "
+        "| first-step loss | loss path |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for v, rs in runs.items():
         if v not in ok:
-            lines.append(f"| {v} | failed: {next((r['error'] for r in rs if 'error' in r), '?')} | | | | |")
+            lines.append(f"| {v} | failed: {next((r['error'] for r in rs if 'error' in r), '?')} | | | | | | |")
             continue
         ratio = f"{total[v] / total['before']:.3f}" if "before" in total else "-"
-        lines.append(f"| {v} | {med[v]:.3f} | {total[v]:.2f} | {ratio} | {rs[0]['first_loss']:.6f} | {rs[0]['loss_path']} |")
+        cratio = f"{cpu[v] / cpu['before']:.3f}" if "before" in cpu else "-"
+        lines.append(
+            f"| {v} | {med[v]:.3f} | {total[v]:.2f} | {ratio} | {cpu[v]:.3f} | {cratio} | {rs[0]['first_loss']:.6f} "
+            f"| {rs[0]['loss_path']} |"
+        )
     lines += [
         "",
         "per run, in run order (s): "
