@@ -127,6 +127,64 @@ MUTATIONS = (
         (f"{_TRAINER}::test_a_refused_call_changes_nothing",),
         "the review's item 6: an unservable source_column refused after the trainer's loader was replaced",
     ),
+    # issue 53: rows split over context ranks
+    Mutation(
+        "context_loss_tokens",
+        "densebatch/train/parallel/shards.py",
+        (("num_loss_tokens=int((labels != IGNORE_INDEX).sum()),", "num_loss_tokens=batch.num_loss_tokens,"),),
+        ("tests/train/parallel/test_data_by_context.py",),
+        "each context rank counting the whole rows' loss tokens: the step's denominator N times too large",
+    ),
+    Mutation(
+        "context_real_share",
+        "densebatch/train/parallel/shards.py",
+        (("return total * (index + 1) // degree - total * index // degree", "return total // degree"),),
+        ("tests/train/parallel/test_context_shards.py",),
+        "real tokens split by floor division: the step's real tokens over the context ranks short of the rows'",
+    ),
+    Mutation(
+        "context_contiguous_chunks",
+        "densebatch/batch.py",
+        (("    head, tail = index, 2 * degree - 1 - index", "    head, tail = 2 * index, 2 * index + 1"),),
+        ("tests/train/parallel/test_context_shards.py",),
+        "contiguous halves instead of a head and a tail chunk: a rank's queries' causal work no longer even",
+    ),
+    Mutation(
+        "context_chunk_order",
+        "densebatch/model/context_attention.py",
+        (
+            (
+                "got.reshape(2 * N, c, rows, hq + 2 * hk, D), to_rows, to_ranks)",
+                "got.reshape(2 * N, c, rows, hq + 2 * hk, D), to_ranks, to_rows)",
+            ),
+        ),
+        ("tests/model/test_context_attention.py::test_reference_gpt_split_over_context_ranks_equals_the_whole_rows",),
+        "the exchanged chunks left in the ranks' order, not the row's: attention over the wrong keys",
+    ),
+    Mutation(
+        "context_kv_heads_tiled",
+        "densebatch/model/context_attention.py",
+        (
+            (
+                "k, v = (x.repeat_interleave(N // Hkv, dim=1) for x in (k, v))",
+                "k, v = (x.repeat(1, N // Hkv, 1, 1) for x in (k, v))",
+            ),
+        ),
+        ("tests/model/test_context_attention.py::test_hugging_face_families_split_over_context_ranks_equal_the_whole_rows",),
+        "fewer key/value heads than ranks tiled, not repeated in place: a rank's query heads read another group's",
+    ),
+    Mutation(
+        "context_data_ranks",
+        "densebatch/run/build.py",
+        (
+            (
+                "steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, ranks.data_size, ranks.data_rank)",
+                "steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)",
+            ),
+        ),
+        ("tests/cli/test_context_parallel.py::test_rows_split_over_two_ranks_train_like_one_process",),
+        "steps dealt over every process: the context ranks of a data rank read different rows",
+    ),
 )
 
 

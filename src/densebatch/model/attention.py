@@ -37,8 +37,9 @@ import torch
 from torch import Tensor
 
 from densebatch import torch_features
-from densebatch.batch import IGNORE_INDEX, Batch, document_ids
+from densebatch.batch import IGNORE_INDEX, Batch, RowShard, document_ids
 from densebatch.errors import ConfigError
+from densebatch.model.context_attention import attend_across
 from densebatch.model.kernels import PLAIN, AttnOptions, kernel
 from densebatch.model.segmented import SegmentPlan, segment_plan, segmented_attention
 
@@ -158,6 +159,7 @@ class AttentionPlan:
     host_cu_seqlens: Tensor | None = None  # the batch's segment bounds on the host (no device sync to use them)
     causal: bool = True  # False: bidirectional within each document (an encoder's masked-LM attention)
     flex_masks: dict = field(default_factory=dict)  # flex: block masks by sliding window (None: none), built on first use
+    shard: RowShard | None = None  # rows split over context ranks: the plan is the whole rows', q/k/v this rank's columns
 
 
 def plan_attention(
@@ -169,6 +171,7 @@ def plan_attention(
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     causal: bool = True,
+    shard: RowShard | None = None,
 ) -> AttentionPlan:
     """Build the plan for ``positions`` (rows, T) with an already-resolved ``backend``.
 
@@ -183,7 +186,14 @@ def plan_attention(
     ``causal`` False: each token attends to every token of its own document (an encoder). The padding
     after a row's last document is then a key its queries could see, so the plain ``causal`` plan (one
     document per row, then padding) is not taken; the padding run is a segment of its own.
+
+    ``shard``: the rows are split over context ranks (``Batch.shard``) and ``positions`` are this rank's
+    columns; the plan is then the whole rows' (``shard.positions``, ``shard.cu_seqlens``), which ``attend``
+    runs on every layer's heads after exchanging them with the other ranks (``context_attention``).
     """
+    if shard is not None:
+        assert past_positions is None, "a KV cache does not run split over context ranks"
+        positions, cu_seqlens, max_seqlen = shard.positions, shard.cu_seqlens, shard.max_seqlen
     plan = _plan(
         positions,
         backend=backend,
@@ -194,6 +204,7 @@ def plan_attention(
         causal=causal,
     )
     plan.causal = causal
+    plan.shard = shard
     return plan
 
 
@@ -249,11 +260,14 @@ def attend(q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: f
     Inside autocast, q, k and v enter the kernel in autocast's dtype: a rotary step computed in the fp32
     residual stream (transformers' RoPE next to fp32 master weights) makes q and k fp32 beside a bf16 v, and
     would otherwise push the layer off FlashAttention. Each call is counted in ``torch_features``' record
-    of kernels (``varlen (FlashAttention) bf16``, or the fallback and why) for the run's summary."""
+    of kernels (``varlen (FlashAttention) bf16``, or the fallback and why) for the run's summary. Under a plan
+    with a ``shard`` q, k, v are this rank's columns of rows split over context ranks (``context_attention``)."""
     low = torch_features.autocast_dtype(q.device.type)
     if low is not None:
         q, k, v = (x if x.dtype == low else x.to(low) for x in (q, k, v))
-    out, what = _dispatch(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)
+    whole = lambda q, k, v: _dispatch(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)  # noqa: E731
+    # rows split over context ranks: this rank's columns, exchanged for whole rows of a share of the heads
+    out, what = whole(q, k, v) if plan.shard is None else attend_across(q, k, v, plan.shard, whole)
     torch_features.record_kernel(f"{what} {_DTYPE_NAMES.get(q.dtype, str(q.dtype))}")
     return out
 

@@ -10,7 +10,7 @@ as the mean of the others), the same label smoothing, the same context check and
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,10 +41,12 @@ from densebatch.model.hf.checks import check_model_dir
 from densebatch.model.hf.lora import lora_summary
 from densebatch.model.hf.weights import fill_from_files, missing_weights, weight_files
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
+from densebatch.run.context import context_mesh
 from densebatch.run.data_commands import prepare_data
 from densebatch.train.distributed import Distributed, check_device
 from densebatch.train.loop import resolve_device
 from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init, recording, storage_key
+from densebatch.train.parallel.mesh import ContextRanks
 
 
 def seed_everything(seed: int) -> None:
@@ -199,21 +201,27 @@ def eval_store(cfg: RunConfig, store: DocumentStore) -> DocumentStore:
     return store if docs is None else store.subset(docs)
 
 
-def eval_loader(cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None) -> StepLoader:
+def eval_loader(
+    cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None, ranks: ContextRanks | None = None
+) -> StepLoader:
     """The loader of ``store`` (an eval split; only what ``eval.max_tokens`` selects) under
-    ``eval_settings``: one batch a step, no prefetch. Cap its batches with ``iter_epoch(0, eval.max_batches)``."""
+    ``eval_settings``: one batch a step, no prefetch. Cap its batches with ``iter_epoch(0, eval.max_batches)``.
+    ``ranks``: the data × context mesh; the batches are dealt over its data ranks (None: over ``dist``'s)."""
     dist = dist or Distributed()
     store = eval_store(cfg, store)
     collator = collator_from_config(cfg.batching, store.meta, cfg.seed)
-    steps = StepSettings(1, None, dist.world_size, dist.rank)
+    ranks = ranks or ContextRanks(data_rank=dist.rank, data_size=dist.world_size)
+    steps = StepSettings(1, None, ranks.data_size, ranks.data_rank)
     return StepLoader(store, settings=eval_settings(cfg, store), collator=collator, seed=cfg.seed, steps=steps, prefetch=0)
 
 
-def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
-    """(train StepLoader, eval batches factory or None)."""
+def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed, ranks: ContextRanks | None = None):
+    """(train StepLoader, eval batches factory or None), their steps dealt over the data ranks of ``ranks`` (the
+    context ranks of a data rank read the same rows; None: every rank is a data rank)."""
     settings = PlanSettings.from_config(cfg.batching)
     t = cfg.train
-    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)
+    ranks = ranks or ContextRanks(data_rank=dist.rank, data_size=dist.world_size)
+    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, ranks.data_size, ranks.data_rank)
     collator = collator_from_config(cfg.batching, prepared.train.meta, cfg.seed)
     loader = StepLoader(
         prepared.train,
@@ -226,7 +234,7 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
     )
     if prepared.eval is None:
         return loader, None
-    evaluation = eval_loader(cfg, prepared.eval, dist)
+    evaluation = eval_loader(cfg, prepared.eval, dist, ranks)
     return loader, lambda: evaluation.iter_epoch(0, cfg.eval.max_batches)  # a global cap: N ranks score what 1 does
 
 
@@ -274,6 +282,7 @@ class Setup:
     model: torch.nn.Module
     device: torch.device
     init: InitRecord | None = None  # the model is on the meta device until materialise_run_model
+    context: ContextRanks = field(default_factory=ContextRanks)  # the data x context mesh (train.context_parallel)
 
 
 def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
@@ -284,6 +293,7 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     device = training_device(cfg, dist)
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
         check_model_dir(cfg.model.path, cfg.batching.mode)
+    context = context_mesh(cfg, dist)  # train.context_parallel: refused in one line now, or the ranks' mesh
     problem = None
     if dist.is_main:  # train holds its lock there already; the finders write their results there at the end
         try:
@@ -303,4 +313,4 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
         )
     if dist.is_main and (line := lora_summary(model)) is not None:
         print(line, flush=True)
-    return Setup(cfg, dist, prepared, model, device, record)
+    return Setup(cfg, dist, prepared, model, device, record, context)

@@ -28,10 +28,10 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
         s = setup(cfg, dist)
         cfg = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
-        loader, eval_data = build_loaders(cfg, s.prepared, dist)  # the eval data give the held-out batches
+        loader, eval_data = build_loaders(cfg, s.prepared, dist, s.context)  # the eval data give the held-out batches
         trainer = Trainer(
             s.model, loader, cfg.train, output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
-            placement=Placement(s.device, dist, forward), reporting=Reporting(console=False),
+            placement=Placement(s.device, dist, forward, s.context), reporting=Reporting(console=False),
             parts=StepParts(source_weights=source_weights(cfg, s.prepared, loader)),
         )  # fmt: skip
         result = lr_range_test(trainer, cfg.finder, log=(lambda text: say(dist, text)))
@@ -52,6 +52,8 @@ def find_batch_command(path: str | None, overrides: list[str]) -> int:
             f"find-batch sizes token_budget and packed batches; batching.strategy is {cfg.batching.strategy}: "
             "pass --batching.strategy=token_budget or packed"
         )
+    if cfg.train.context_parallel > 1:
+        raise ConfigError("find-batch probes whole rows on one rank; under train.context_parallel set the budget yourself")
     dist = Distributed.from_environment(cfg.train.device)
     try:
         s = setup(cfg, dist)
