@@ -39,6 +39,14 @@ must not be given such a batch: the collator then lays the prompt twice (``[p c]
 segments) and ``branches`` is None. ``single_doc_rows`` is False for pair batches. Labels hold the answers'
 targets (and, for an objective that asks, the prompt's: ORPO's), and ``pairs.answer`` / ``pairs.prompt``
 say whose they are; a model's per-token losses are all an objective needs of it (``train/objectives/``).
+A batch split over context ranks (``train.context_parallel``: N ranks share every row) holds, on each rank,
+the columns ``shard_columns(T, N, index)`` of its rows, with the counts of those columns (loss tokens exactly;
+real tokens as an exact share of the whole), and in ``shard`` what the model needs to attend across the
+ranks: the whole rows' positions and segment bounds, this rank's place and the ranks' process group. Each row
+is cut into 2N equal chunks and rank i holds chunks i and 2N-1-i (head and tail), so that every rank's queries
+have as much causal work as any other's (over a row-long document, the same number of query-key pairs)::
+
+    T = 8, N = 2: chunks [0 1] [2 3] [4 5] [6 7]    rank 0 holds columns 0 1 6 7, rank 1 holds 2 3 4 5
 
 A batch never has zero rows. A rank with no share of a step gets ``Batch.null(pad_id)``: one row
 of one padding token and no loss, so it still runs forward and backward and joins every collective
@@ -48,6 +56,7 @@ of the step (DDP's gradient all-reduce, FSDP's all-gathers) with a zero contribu
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 from torch import Tensor
@@ -118,6 +127,7 @@ class Batch:
     # trainer on the device; a model whose ``weighs_losses`` is True then returns weight x CE per position
     loss_weights: Tensor | None = None
     pairs: Pairs | None = None  # preference pairs (data.pairs): whose each target is; None for documents
+    shard: RowShard | None = None  # the rows are split over context ranks: this batch holds one rank's columns
 
     @classmethod
     def null(cls, pad_id: int) -> Batch:
@@ -165,6 +175,7 @@ class Batch:
             source_ids=None if self.source_ids is None else self.source_ids.to(device, non_blocking=non_blocking),
             loss_weights=None if self.loss_weights is None else self.loss_weights.to(device, non_blocking=non_blocking),
             pairs=None if self.pairs is None else self.pairs.to(device, non_blocking=non_blocking),
+            shard=None if self.shard is None else self.shard.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:
@@ -176,7 +187,55 @@ class Batch:
             source_ids=None if self.source_ids is None else self.source_ids.pin_memory(),
             cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.pin_memory(),
             pairs=None if self.pairs is None else self.pairs.pin_memory(),
+            shard=None if self.shard is None else self.shard.pin_memory(),
         )
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """What a rank's model needs of rows split over ``degree`` context ranks beyond its own columns: the whole
+    rows' positions (documents and the attention plan come from them) and segment bounds (host), and where
+    the other columns are (``index`` among the ``group``'s ranks, which hold the rows' other chunks)."""
+
+    index: int  # this rank's place among the context ranks: it holds chunks index and 2 * degree - 1 - index
+    degree: int  # context ranks sharing the rows (N)
+    positions: Tensor  # (rows, T) the whole rows' positions
+    cu_seqlens: Tensor | None = None  # (segments + 1,) int32 on the host: the whole rows' segment bounds
+    max_seqlen: int | None = None  # longest segment of the whole rows
+    group: object = None  # torch.distributed process group of the context ranks (the model exchanges over it)
+
+    @property
+    def seq_len(self) -> int:
+        """T: the whole rows' length."""
+        return int(self.positions.shape[-1])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RowShard:
+        return replace(self, positions=self.positions.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> RowShard:
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.pin_memory()
+        return replace(self, positions=self.positions.pin_memory(), cu_seqlens=cu)
+
+
+def gathered_chunks(degree: int) -> list[int]:
+    """The row's chunks as the ranks' columns laid end to end (rank 0's head and tail, rank 1's, ...):
+    ``[0, 3, 1, 2]`` for N = 2. What a rank receives when every rank sends it its columns in rank order."""
+    return [c for i in range(degree) for c in (i, 2 * degree - 1 - i)]
+
+
+@lru_cache(maxsize=64)
+def _columns(seq_len: int, degree: int, index: int) -> Tensor:
+    if seq_len % (2 * degree):
+        raise ValueError(f"a row of {seq_len} tokens does not split into {2 * degree} equal chunks")
+    c = seq_len // (2 * degree)
+    head, tail = index, 2 * degree - 1 - index
+    return torch.cat([torch.arange(head * c, head * c + c), torch.arange(tail * c, tail * c + c)])
+
+
+def shard_columns(seq_len: int, degree: int, index: int) -> Tensor:
+    """(seq_len / degree,) int64: the columns of a row of ``seq_len`` tokens that context rank ``index`` of
+    ``degree`` holds, in row order (its head chunk, then its tail chunk); ValueError unless 2N divides seq_len."""
+    return _columns(seq_len, degree, index)
 
 
 @dataclass(frozen=True)

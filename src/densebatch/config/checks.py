@@ -95,6 +95,10 @@ def _check_objective(cfg: RunConfig) -> None:
         raise ConfigError(f"train.beta: expected a number above 0; got {t.beta}")
     if cfg.batching.mode == "mlm":
         raise ConfigError(f"batching.mode: mlm trains an encoder; train.objective {t.objective} needs a causal LM")
+    if t.context_parallel > 1:
+        raise ConfigError(
+            f"train.context_parallel: a pair's branches are not split over context ranks: set it to 1 for {t.objective}"
+        )
 
 
 def _check_hf_model(m: ModelConfig) -> None:

@@ -200,6 +200,15 @@ class TrainConfig:
         "Under torchrun: ddp (replicated model, gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, "
         "gradients and optimizer state sharded over ranks); auto = ddp when launched by torchrun.",
     )
+    context_parallel: int = _f(
+        1,
+        "Under torchrun: context ranks that share every row (N), each holding seq_len / N of its tokens (a head and a "
+        "tail chunk of 2N); attention runs across them by an all-to-all over heads, exact. The world is data ranks x "
+        "N (N must divide it); the N ranks of a data rank read the same rows. Needs batching.seq_len divisible by 2N, "
+        "heads (and key/value heads, or N by them) divisible by N, model.attn_implementation densebatch, and a "
+        "numeric max_tokens_per_batch. See docs/scaling-out.md. 1 = off.",
+        minimum=1,
+    )
     report_to: list[Literal["tensorboard", "csv", "wandb", "mlflow"]] = _f(
         list,
         "Metric sinks besides metrics.jsonl: tensorboard (event files under output_dir/tensorboard), csv, wandb "

@@ -10,6 +10,7 @@ transformers is needed only for ``model.kind: hf``, and peft only for ``model.lo
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -19,6 +20,8 @@ from densebatch.model.attention import resolve_backend
 from densebatch.model.generate import generate, generate_batch
 from densebatch.model.gpt import GPT, GPTConfig, SelfAttention
 from densebatch.model.hf.adapter import HFCausalLM
+from densebatch.model.hf.checks import attention_heads as hf_attention_heads
+from densebatch.model.hf.checks import read_hf_config
 from densebatch.model.hf.lora import apply_lora, load_adapter
 from densebatch.model.io import load_model, save_model
 
@@ -67,6 +70,14 @@ def saved_gpt(cfg: ModelConfig, vocab_size: int, label_smoothing: float = 0.0) -
         elif isinstance(m, SelfAttention):
             m.dropout = cfg.dropout
     return model
+
+
+def attention_heads(cfg: ModelConfig) -> tuple[int, int]:
+    """(query heads, key/value heads) of the model ``cfg`` describes, from its configuration alone (a Hugging
+    Face model's config.json), before anything is built: what splitting heads over context ranks needs."""
+    if cfg.kind == "hf":
+        return hf_attention_heads(read_hf_config(Path(cfg.path)))
+    return cfg.n_head, cfg.n_head
 
 
 def build_model(

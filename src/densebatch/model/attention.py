@@ -43,8 +43,9 @@ import torch
 from torch import Tensor
 
 from densebatch import torch_features
-from densebatch.batch import IGNORE_INDEX, Batch, document_ids
+from densebatch.batch import IGNORE_INDEX, Batch, RowShard, document_ids
 from densebatch.errors import ConfigError
+from densebatch.model.context_attention import attend_across
 from densebatch.model.kernels import PLAIN, AttnOptions, kernel
 from densebatch.model.segmented import SegmentPlan, segment_plan, segmented_attention
 
@@ -173,6 +174,7 @@ class AttentionPlan:
     causal: bool = True  # False: bidirectional within each document (an encoder's masked-LM attention)
     flex_masks: dict = field(default_factory=dict)  # flex: block masks by sliding window (None: none), built on first use
     branches: Tensor | None = None  # (rows, T) int8 of a pair batch: rejected never attends to chosen (Batch.pairs)
+    shard: RowShard | None = None  # rows split over context ranks: the plan is the whole rows', q/k/v this rank's columns
 
 
 def plan_attention(
@@ -185,6 +187,7 @@ def plan_attention(
     max_seqlen: int | None = None,
     causal: bool = True,
     branches: Tensor | None = None,
+    shard: RowShard | None = None,
 ) -> AttentionPlan:
     """Build the plan for ``positions`` (rows, T) with an already-resolved ``backend``.
 
@@ -199,7 +202,14 @@ def plan_attention(
     ``causal`` False: each token attends to every token of its own document (an encoder). The padding
     after a row's last document is then a key its queries could see, so the plain ``causal`` plan (one
     document per row, then padding) is not taken; the padding run is a segment of its own.
+
+    ``shard``: the rows are split over context ranks (``Batch.shard``) and ``positions`` are this rank's
+    columns; the plan is then the whole rows' (``shard.positions``, ``shard.cu_seqlens``), which ``attend``
+    runs on every layer's heads after exchanging them with the other ranks (``context_attention``).
     """
+    if shard is not None:
+        assert past_positions is None, "a KV cache does not run split over context ranks"
+        positions, cu_seqlens, max_seqlen = shard.positions, shard.cu_seqlens, shard.max_seqlen
     if branches is not None:  # a pair batch with its prompt shared: what keeps the branches apart
         return _pair_plan(positions, backend=backend, cu_seqlens=cu_seqlens, branches=branches)
     plan = _plan(
@@ -212,6 +222,7 @@ def plan_attention(
         causal=causal,
     )
     plan.causal = causal
+    plan.shard = shard
     return plan
 
 
@@ -288,11 +299,14 @@ def attend(q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: f
     Inside autocast, q, k and v enter the kernel in autocast's dtype: a rotary step computed in the fp32
     residual stream (transformers' RoPE next to fp32 master weights) makes q and k fp32 beside a bf16 v, and
     would otherwise push the layer off FlashAttention. Each call is counted in ``torch_features``' record
-    of kernels (``varlen (FlashAttention) bf16``, or the fallback and why) for the run's summary."""
+    of kernels (``varlen (FlashAttention) bf16``, or the fallback and why) for the run's summary. Under a plan
+    with a ``shard`` q, k, v are this rank's columns of rows split over context ranks (``context_attention``)."""
     low = torch_features.autocast_dtype(q.device.type)
     if low is not None:
         q, k, v = (x if x.dtype == low else x.to(low) for x in (q, k, v))
-    out, what = _dispatch(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)
+    whole = lambda q, k, v: _dispatch(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)  # noqa: E731
+    # rows split over context ranks: this rank's columns, exchanged for whole rows of a share of the heads
+    out, what = whole(q, k, v) if plan.shard is None else attend_across(q, k, v, plan.shard, whole)
     torch_features.record_kernel(f"{what} {_DTYPE_NAMES.get(q.dtype, str(q.dtype))}")
     return out
 

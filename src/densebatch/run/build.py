@@ -10,7 +10,7 @@ as the mean of the others), the same label smoothing, the same context check and
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,11 +41,13 @@ from densebatch.model.hf.checks import check_model_dir
 from densebatch.model.hf.lora import lora_summary
 from densebatch.model.hf.weights import fill_from_files, missing_weights, weight_files
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
+from densebatch.run.context import context_mesh
 from densebatch.run.data_commands import prepare_data
 from densebatch.run.preference import is_pairs, pair_loading
 from densebatch.train.distributed import Distributed, check_device
 from densebatch.train.loop import resolve_device
 from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init, recording, storage_key
+from densebatch.train.parallel.mesh import ContextRanks
 
 
 def seed_everything(seed: int) -> None:
@@ -211,22 +213,32 @@ def collation(cfg: RunConfig, store: DocumentStore, reference=None):
     return collator_from_config(cfg.batching, store.meta, cfg.seed), None
 
 
-def eval_loader(cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None, reference=None) -> StepLoader:
+def eval_loader(
+    cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None, ranks: ContextRanks | None = None, reference=None
+) -> StepLoader:
     """The loader of ``store`` (an eval split; only what ``eval.max_tokens`` selects) under
-    ``eval_settings``: one batch a step, no prefetch. Cap its batches with ``iter_epoch(0, eval.max_batches)``."""
+    ``eval_settings``: one batch a step, no prefetch. Cap its batches with ``iter_epoch(0, eval.max_batches)``.
+    ``ranks``: the data × context mesh; the batches are dealt over its data ranks (None: over ``dist``'s).
+    ``reference``: a precomputed reference's table of these pairs (``train.reference: precompute``)."""
     dist = dist or Distributed()
     store = eval_store(cfg, store)
     collator, lengths = collation(cfg, store, reference)
-    steps = StepSettings(1, None, dist.world_size, dist.rank)
+    ranks = ranks or ContextRanks(data_rank=dist.rank, data_size=dist.world_size)
+    steps = StepSettings(1, None, ranks.data_size, ranks.data_rank)
     settings = eval_settings(cfg, store, lengths)
     return StepLoader(store, settings=settings, collator=collator, seed=cfg.seed, steps=steps, prefetch=0, lengths=lengths)
 
 
-def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed, reference: dict | None = None):
-    """(train StepLoader, eval batches factory or None); ``reference``: {split: table} of a precomputed reference."""
+def build_loaders(
+    cfg: RunConfig, prepared: Prepared, dist: Distributed, ranks: ContextRanks | None = None, reference: dict | None = None
+):
+    """(train StepLoader, eval batches factory or None), their steps dealt over the data ranks of ``ranks`` (the
+    context ranks of a data rank read the same rows; None: every rank is a data rank); ``reference``: {split:
+    table} of a precomputed reference (preference pairs)."""
     settings = PlanSettings.from_config(cfg.batching)
     t = cfg.train
-    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)
+    ranks = ranks or ContextRanks(data_rank=dist.rank, data_size=dist.world_size)
+    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, ranks.data_size, ranks.data_rank)
     reference = reference or {}
     collator, lengths = collation(cfg, prepared.train, reference.get("train"))
     loader = StepLoader(
@@ -241,7 +253,7 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed, referen
     )
     if prepared.eval is None:
         return loader, None
-    evaluation = eval_loader(cfg, prepared.eval, dist, reference.get("eval"))
+    evaluation = eval_loader(cfg, prepared.eval, dist, ranks, reference.get("eval"))
     return loader, lambda: evaluation.iter_epoch(0, cfg.eval.max_batches)  # a global cap: N ranks score what 1 does
 
 
@@ -289,6 +301,7 @@ class Setup:
     model: torch.nn.Module
     device: torch.device
     init: InitRecord | None = None  # the model is on the meta device until materialise_run_model
+    context: ContextRanks = field(default_factory=ContextRanks)  # the data x context mesh (train.context_parallel)
 
 
 def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
@@ -299,6 +312,7 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     device = training_device(cfg, dist)
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
         check_model_dir(cfg.model.path, cfg.batching.mode)
+    context = context_mesh(cfg, dist)  # train.context_parallel: refused in one line now, or the ranks' mesh
     problem = None
     if dist.is_main:  # train holds its lock there already; the finders write their results there at the end
         try:
@@ -318,4 +332,4 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
         )
     if dist.is_main and (line := lora_summary(model)) is not None:
         print(line, flush=True)
-    return Setup(cfg, dist, prepared, model, device, record)
+    return Setup(cfg, dist, prepared, model, device, record, context)

@@ -34,10 +34,10 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
             reference = pairs_before_training(
                 cfg, model=s.model, prepared=s.prepared, device=s.device, dist=dist, eval_store=eval_store
             )
-        loader, eval_data = build_loaders(cfg, s.prepared, dist, reference)  # the eval data give the held-out batches
+        loader, eval_data = build_loaders(cfg, s.prepared, dist, s.context, reference)  # the eval data give the held-out batches
         trainer = Trainer(
             s.model, loader, cfg.train, output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
-            placement=Placement(s.device, dist, forward), reporting=Reporting(console=False),
+            placement=Placement(s.device, dist, forward, s.context), reporting=Reporting(console=False),
             parts=StepParts(source_weights=source_weights(cfg, s.prepared, loader), objective=preference_steps(cfg, s.model)),
         )  # fmt: skip
         result = lr_range_test(trainer, cfg.finder, log=(lambda text: say(dist, text)))
@@ -58,6 +58,8 @@ def find_batch_command(path: str | None, overrides: list[str]) -> int:
             f"find-batch sizes token_budget and packed batches; batching.strategy is {cfg.batching.strategy}: "
             "pass --batching.strategy=token_budget or packed"
         )
+    if cfg.train.context_parallel > 1:
+        raise ConfigError("find-batch probes whole rows on one rank; under train.context_parallel set the budget yourself")
     dist = Distributed.from_environment(cfg.train.device)
     try:
         s = setup(cfg, dist)

@@ -19,6 +19,7 @@ from densebatch.config import EvalConfig
 from densebatch.train.distributed import Distributed
 from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
 from densebatch.train.observe.health import HealthMonitor
+from densebatch.train.parallel.mesh import ContextRanks
 from densebatch.train.schedule import BatchSchedule
 
 
@@ -37,11 +38,13 @@ class Evaluation:
 class Placement:
     """Where the trainer runs: ``device`` (None: ``train.device``), ``dist`` (ranks and collectives; None: one
     process) and ``forward``, the module every training pass goes through (None: ``TokenLosses(model)``;
-    under torchrun its DDP / FSDP wrapper)."""
+    under torchrun its DDP / FSDP wrapper) and ``context``, this rank's place among ranks that split every row
+    (``train.context_parallel``; None: rows are not split)."""
 
     device: str | torch.device | None = None
     dist: Distributed | None = None
     forward: nn.Module | None = None
+    context: ContextRanks | None = None
 
 
 @dataclass
