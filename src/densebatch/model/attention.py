@@ -1,4 +1,4 @@
-"""Document-isolating causal attention: one plan per batch from ``positions``, several kernels (one concept, 430 lines: what a token may see, said once for every kernel).
+"""Document-isolating causal attention: one plan per batch from ``positions``, several kernels (one concept, 441 lines: what a token may see, said once for every kernel).
 
 A token may attend to another only when both lie in the same segment (``document_ids``, which
 increments at every ``positions == 0``) and the key is not after the query. Backends:
