@@ -30,6 +30,15 @@ The collator computes them from the plan; ``cu_seqlens`` stays on the host (``to
 ``pin_memory`` pins it), so a model builds its attention plan without reading the device back and
 copies the bounds over asynchronously. For the padded row above: ``cu_seqlens = [0, 3, 5, 7]``.
 
+A batch of preference pairs (``pairs``, a ``Pairs``) lays each pair as its store holds it
+(``data/store/pair_layout.py``): the prompt's first tokens, then the chosen branch and the rejected branch,
+each opened by the prompt's last token; the rejected branch's positions continue from the prompt's end, so
+positions do not restart there, and ``pairs.branches`` says which tokens a model must keep apart (a token of
+the rejected branch never attends to one of the chosen branch). A model that cannot honour ``branches``
+must not be given such a batch: the collator then lays the prompt twice (``[p c] [p r]``, two plain
+segments) and ``branches`` is None. ``single_doc_rows`` is False for pair batches. Labels hold the answers'
+targets (and, for an objective that asks, the prompt's: ORPO's), and ``pairs.answer`` / ``pairs.prompt``
+say whose they are; a model's per-token losses are all an objective needs of it (``train/objectives/``).
 A batch split over context ranks (``train.context_parallel``: N ranks share every row) holds, on each rank,
 the columns ``shard_columns(T, N, index)`` of its rows, with the counts of those columns (loss tokens exactly;
 real tokens as an exact share of the whole), and in ``shard`` what the model needs to attend across the
@@ -56,6 +65,52 @@ IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
+class Pairs:
+    """The preference pairs of a batch, one per piece, in row order: whose each target is, and what attention
+    keeps apart (the module docstring)."""
+
+    answer: Tensor  # (rows, T) int64: 2k at a target of pair k's chosen answer, 2k + 1 of its rejected one, -1 elsewhere
+    branches: Tensor | None  # (rows, T) int8: 1 chosen branch, 2 rejected branch, 0 elsewhere; None: prompts laid twice
+    rows: Tensor  # (pairs,) int64 on the host: each pair's row (ascending)
+    ids: tuple[int, ...] = ()  # each pair's store index
+    prompt: Tensor | None = None  # (rows, T) int64: k at a target of pair k's prompt (its chosen sequence's), -1 elsewhere
+    reference: Tensor | None = None  # (pairs, 2) float64: the reference model's summed log-probabilities (chosen, rejected)
+
+    @property
+    def count(self) -> int:
+        return int(self.rows.numel())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Pairs:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, answer=move(self.answer), branches=move(self.branches), prompt=move(self.prompt), reference=move(self.reference))  # fmt: skip
+
+    def pin_memory(self) -> Pairs:
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return replace(self, answer=pin(self.answer), branches=pin(self.branches), prompt=pin(self.prompt), reference=pin(self.reference))  # fmt: skip
+
+    def row_slice(self, a: int, b: int) -> Pairs:
+        """The pairs of rows ``[a, b)`` (a pair lies in one row), renumbered from 0."""
+        keep = (self.rows >= a) & (self.rows < b)
+        idx = torch.nonzero(keep).flatten()
+        first = int(idx[0]) if idx.numel() else 0
+
+        def shift(t: Tensor | None, scale: int) -> Tensor | None:
+            if t is None:
+                return None
+            t = t[a:b]
+            return torch.where(t >= 0, t - scale * first, t)
+
+        return Pairs(
+            answer=shift(self.answer, 2),
+            branches=None if self.branches is None else self.branches[a:b],
+            rows=self.rows[idx] - a,
+            ids=tuple(self.ids[i] for i in idx.tolist()) if self.ids else (),
+            prompt=shift(self.prompt, 1),
+            reference=None if self.reference is None else self.reference[idx.to(self.reference.device)],
+        )
+
+
+@dataclass(frozen=True)
 class Batch:
     input_ids: Tensor  # (rows, T) int64
     labels: Tensor  # (rows, T) int64; IGNORE_INDEX where no loss
@@ -71,6 +126,7 @@ class Batch:
     # (rows, T) float32: each position's weight in the training loss (train.source_balance), set by the
     # trainer on the device; a model whose ``weighs_losses`` is True then returns weight x CE per position
     loss_weights: Tensor | None = None
+    pairs: Pairs | None = None  # preference pairs (data.pairs): whose each target is; None for documents
     shard: RowShard | None = None  # the rows are split over context ranks: this batch holds one rank's columns
 
     @classmethod
@@ -118,6 +174,7 @@ class Batch:
             positions=self.positions.to(device, non_blocking=non_blocking),
             source_ids=None if self.source_ids is None else self.source_ids.to(device, non_blocking=non_blocking),
             loss_weights=None if self.loss_weights is None else self.loss_weights.to(device, non_blocking=non_blocking),
+            pairs=None if self.pairs is None else self.pairs.to(device, non_blocking=non_blocking),
             shard=None if self.shard is None else self.shard.to(device, non_blocking=non_blocking),
         )
 
@@ -129,6 +186,7 @@ class Batch:
             positions=self.positions.pin_memory(),
             source_ids=None if self.source_ids is None else self.source_ids.pin_memory(),
             cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.pin_memory(),
+            pairs=None if self.pairs is None else self.pairs.pin_memory(),
             shard=None if self.shard is None else self.shard.pin_memory(),
         )
 

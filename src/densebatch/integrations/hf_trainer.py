@@ -36,11 +36,12 @@ from typing import Any
 
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import longest_row
-from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped
+from densebatch.data.plan.strategies import DEFAULT_STRATEGY, LengthGrouped, TokenBudget
 from densebatch.data.torch_loader import Documents, dataloader
 from densebatch.integrations.hf_loss import install_loss, plan_loss
 from densebatch.integrations.installed import STATE, Installed, installed
 from densebatch.integrations.sources import source_factors
+from densebatch.integrations.trl_dpo import dense_dpo_batches, is_dpo_trainer
 from densebatch.model.hf.attention import register
 from densebatch.model.hf.checks import check_transformers
 from densebatch.model.hf.falcon import install as install_falcon_attention
@@ -60,7 +61,7 @@ def register_attention() -> str:
 
 def dense_batches(
     trainer,
-    strategy: str = DEFAULT_STRATEGY,
+    strategy: str | None = None,
     max_tokens_per_batch: int = 8192,
     seq_len: int | None = None,
     loss: str = "densebatch",
@@ -69,7 +70,8 @@ def dense_batches(
     **settings: Any,
 ):
     """Make ``trainer`` (a ``transformers.Trainer`` or a subclass such as ``trl.SFTTrainer``) train on
-    densebatch's batches; returns it. ``settings``: the other ``densebatch.dataloader`` keywords
+    densebatch's batches; returns it. ``strategy``: packed unless given (TRL's ``DPOTrainer``: token_budget,
+    ``integrations/trl_dpo.py``). ``settings``: the other ``densebatch.dataloader`` keywords
     (``rows_per_batch``, ``long_docs``, ``bundle_tokens``, ``pad_to_multiple_of``, ...); ``pad_id``
     defaults to the trainer's tokenizer's pad (else end-of-text) id, ``seq_len`` to ``max_tokens_per_batch``
     (packed rows as long as the budget: one row a batch). ``loss="densebatch"`` (the default) also gives the
@@ -79,6 +81,14 @@ def dense_batches(
     plans each source's loss tokens weigh ``source_factors`` in the loss (densebatch's loss path only).
     Called again, it first undoes the earlier call. Nothing changes when it raises."""
     check_transformers()
+    if is_dpo_trainer(trainer):  # TRL's DPOTrainer: pairs planned as units, TRL's collator and loss kept
+        if seq_len is not None or source_column is not None or loss_chunk_tokens is not None:
+            raise ValueError(
+                "dense_batches: DPOTrainer keeps TRL's padded rows and loss: seq_len, source_column and loss_chunk_tokens "
+                "do not apply"
+            )
+        return dense_dpo_batches(trainer, strategy or TokenBudget.name, max_tokens_per_batch, **settings)
+    strategy = strategy or DEFAULT_STRATEGY
     PlanSettings(strategy=strategy, max_tokens_per_batch=max_tokens_per_batch, seq_len=seq_len or max_tokens_per_batch)
     args = trainer.args
     if getattr(args, "train_sampling_strategy", None) == "group_by_length" or getattr(args, "group_by_length", False) is True:

@@ -25,11 +25,12 @@ from densebatch.data.prepare.pipeline import Prepared
 from densebatch.errors import ConfigError
 from densebatch.model import generate_batch
 from densebatch.run.auto import resolve_budget, resolve_lr
-from densebatch.run.build import build_loaders, materialise_run_model, resolve_config, setup, source_weights
+from densebatch.run.build import build_loaders, eval_store, materialise_run_model, resolve_config, setup, source_weights
 from densebatch.run.context import mesh_line
 from densebatch.run.final import write_final
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR
 from densebatch.run.lock import RunLock
+from densebatch.run.preference import is_pairs, pairs_before_training, preference_steps
 from densebatch.run.report import report_lines
 from densebatch.run.resume import resolve_run
 from densebatch.train.checkpoint.manager import CheckpointManager
@@ -123,7 +124,12 @@ def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] 
     else:  # the budget is found before DDP wraps the model
         sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
-    loader, eval_data = build_loaders(sized, s.prepared, dist, s.context)
+    reference = None
+    if is_pairs(s.prepared.train):  # preference pairs: whole in every row; dpo's reference scored once if precomputed
+        reference = pairs_before_training(
+            sized, model=s.model, prepared=s.prepared, device=s.device, dist=dist, eval_store=eval_store
+        )
+    loader, eval_data = build_loaders(sized, s.prepared, dist, s.context, reference)
     weights = source_weights(sized, s.prepared, loader)
     accuracy = accuracy_check(sized, s.prepared, dist)
     return Run(sized, s.prepared, s.model, s.device, forward, loader, eval_data, weights, accuracy, s.context)
@@ -146,6 +152,7 @@ def build_trainer(run: Run, dist: Distributed) -> Trainer:
             guard=AnomalyGuard(t.guard.spike_zscore, t.guard.spike_window, t.guard.max_bad_steps),
             clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
             batch_schedule=BatchSchedule.from_config(t.batch_schedule), source_weights=run.weights,
+            objective=preference_steps(cfg, run.model, sharded=t.distributed == "fsdp" and dist.enabled),
         ),
         reporting=Reporting(
             sinks=build_sinks(cfg, out) if dist.is_main else (), health=build_health(cfg, run.device),

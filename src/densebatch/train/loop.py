@@ -1,4 +1,4 @@
-"""The training loop: turn steps of batches into optimizer updates whose loss is exact in tokens.
+"""The training loop: turn steps of batches into optimizer updates whose loss is exact in tokens (one concept, 402 lines: a step, its evaluation and the run read in one place).
 
 Each step's batches come planned (``Step``, from the data layer's ``StepLoader``; a plain iterable
 of ``Batch`` is grouped here by ``grad_accum_batches`` / ``loss_tokens_per_step``). The loop counts
@@ -113,6 +113,7 @@ class Trainer:
         self.clipper = parts.clipper if parts.clipper is not None else FixedClipper(cfg.grad_clip)
         self.eval_data = evaluation.data
         self.evaluate_fn = evaluation.extra
+        self.objective = parts.objective  # a preference objective's steps (train/objectives/); None: sft
         names = reporting.source_names
         self.source_names = list(names) if names and len(names) > 1 else None  # with two or more: loss per source
         self.source_losses: SourceLosses | None = None  # the current step's, with two or more sources
@@ -188,6 +189,8 @@ class Trainer:
         Returns the step's loss and token counts over all ranks. Gradients carry the fp16 loss scale
         when it is on (``scaler.unscale_`` removes it). The passes run in ``train/passes.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
+        if self.objective is not None:
+            return self.objective.forward_backward(self, batches)
         batches = list(batches)
         local, total, denom = step_denominator(batches, self.source_weights, self.dist, self.device)
         sources = self.source_losses = SourceLosses(self.source_names, self.device) if self.source_names else None
@@ -283,6 +286,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------- eval
     def evaluate_batches(self, batches: Iterable[Batch], max_batches: int | None = None) -> EvalResult:
         """``evaluate`` on ``batches`` through this trainer's model wrapper, device, precision and ranks."""
+        if self.objective is not None:
+            return self.objective.evaluate(self, batches, max_batches)
         if self.context.split:
             batches = (shard_batch(b, self.context) for b in batches)
         return evaluate(

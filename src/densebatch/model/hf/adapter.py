@@ -149,6 +149,7 @@ class HFCausalLM(nn.Module):
         single_doc_rows: bool,
         cu_seqlens: Tensor | None = None,
         max_seqlen: int | None = None,
+        branches: Tensor | None = None,
         shard: RowShard | None = None,
     ) -> AbstractContextManager[dict]:
         """The model's keyword inputs, as a context (densebatch's attention plan is published while it runs).
@@ -170,20 +171,22 @@ class HFCausalLM(nn.Module):
                 cu_seqlens=cu_seqlens,
                 max_seqlen=max_seqlen,
                 causal=self.causal,
+                branches=branches,
                 shard=shard,
             )
             return planned(plan, input_ids=input_ids, position_ids=given, use_cache=False)
         if shard is not None:  # the run layer refuses it up front
             raise ConfigError(f"model.attn_implementation: {self.attn_implementation} cannot attend across context ranks")
-        if single_doc_rows and self.causal:
+        if single_doc_rows and self.causal and branches is None:
             # One document per row, starting at column 0: its positions are the model's default, and
             # padding only follows it. Passing no position_ids matters: transformers >= 4.56 reads the
             # restart of positions at the padding run as a second packed sequence and builds a 4-D mask,
             # where no mask lets SDPA run its causal kernel.
             return nullcontext(dict(input_ids=input_ids, use_cache=False))
         mask = hf_document_mask(
-            positions, windows=self._windows, how=ALLOWED[self.attn_implementation], dtype=self.dtype, causal=self.causal
-        )
+            positions, windows=self._windows, how=ALLOWED[self.attn_implementation], dtype=self.dtype, causal=self.causal,
+            branches=branches,
+        )  # fmt: skip
         return nullcontext(dict(input_ids=input_ids, position_ids=given, attention_mask=mask, use_cache=False))
 
     def forward(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False) -> Tensor:
@@ -203,6 +206,7 @@ class HFCausalLM(nn.Module):
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         plan_inputs = dict(
             positions=batch.positions, single_doc_rows=single, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+            branches=None if batch.pairs is None else batch.pairs.branches,
             shard=batch.shard,
         )  # fmt: skip
         with self._inputs(batch.input_ids, **plan_inputs) as inputs:
