@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 from support import shared_data_dir
 
 # Property tests draw the same examples on every run by default, so a CI run is reproducible (its
@@ -15,6 +15,8 @@ from support import shared_data_dir
 # an invariant: it found the fused head's scale bugs).
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("explore", derandomize=False)
+# tests/mutations.py: a planted bug must fail a test; the failure is reported, not minimised (shrinking takes minutes)
+settings.register_profile("mutations", derandomize=True, phases=[Phase.explicit, Phase.reuse, Phase.generate])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 

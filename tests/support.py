@@ -122,3 +122,13 @@ def split_of(docs: list, fraction: float) -> tuple[list, list]:
 
     ev = held_out(len(docs), fraction)
     return [d for d, e in zip(docs, ev) if not e], [d for d, e in zip(docs, ev) if e]
+
+
+def served_loss_tokens(store) -> np.ndarray:
+    """Each document's targets as the collator serves them (its labels that are not -100, the document alone in
+    a row): what ``store.doc_loss_tokens`` must count."""
+    from densebatch.data.load.collate import CausalCollator
+
+    _, lengths = store.doc_spans(np.arange(len(store)))
+    batch = CausalCollator(pad_id=0)(store, [[(d, 0, int(n))] for d, n in enumerate(lengths)])
+    return (batch.labels != -100).sum(dim=1).numpy()

@@ -106,6 +106,24 @@ def layer_violations(sources: dict[str, str]) -> list[str]:
     return problems
 
 
+INTEGRATIONS = "densebatch.integrations"
+
+
+def integration_violations(sources: dict[str, str]) -> list[str]:
+    """The integrations' room is reached only through the package's public names: no module but the package's
+    ``__init__`` (its lazy exports) imports ``densebatch.integrations``, and the room imports nothing of the
+    command line's wiring (``densebatch.run``, ``densebatch.cli``)."""
+    modules, problems = set(sources), []
+    for name, source in sorted(sources.items()):
+        inside = _within(name, INTEGRATIONS)
+        for mod in sorted(imports_of(name, source, modules)):
+            if not inside and name != "densebatch" and _within(mod, INTEGRATIONS):
+                problems.append(f"{name} imports {mod}")
+            if inside and (_within(mod, "densebatch.run") or _within(mod, "densebatch.cli")):
+                problems.append(f"{name} imports {mod}")
+    return problems
+
+
 def planning_torch_imports(sources: dict[str, str]) -> list[str]:
     """Imports of torch (or a library built on it) reached from the planning package, following the
     package's own imports transitively (planning → config → ... counts)."""
@@ -147,6 +165,12 @@ def uncommented_local_imports(sources: dict[str, str]) -> list[str]:
 # --------------------------------------------------------------------------------- the tree
 def test_layers_do_not_reach_across():
     problems = layer_violations(package_sources())
+    assert not problems, "\n".join(problems)
+
+
+def test_integrations_are_a_room_reached_only_through_the_public_names():
+    assert (PKG / "integrations" / "__init__.py").is_file()
+    problems = integration_violations(package_sources())
     assert not problems, "\n".join(problems)
 
 
@@ -217,6 +241,13 @@ def test_a_layer_importing_a_run_submodule_inside_a_function_is_caught():
     assert any("planted imports densebatch.run.training" in p for p in layer_violations(src))
     src = _planted(densebatch__train__planted="from densebatch.data.plan import planner\n")
     assert any("densebatch.train.planted imports densebatch.data.plan.planner" in p for p in layer_violations(src))
+
+
+def test_a_layer_importing_the_integrations_and_an_integration_importing_run_are_caught():
+    src = _planted(densebatch__train__planted="def f():\n    from densebatch.integrations import hf_loss\n")
+    assert integration_violations(src) == ["densebatch.train.planted imports densebatch.integrations.hf_loss"]
+    src = _planted(densebatch__integrations__planted="from densebatch.run import build\n")
+    assert integration_violations(src) == ["densebatch.integrations.planted imports densebatch.run.build"]
 
 
 def test_torch_reached_through_another_module_from_planning_is_caught():

@@ -11,6 +11,9 @@ hook, the phases are wrapped here:
 - ``save``: each checkpoint save (``Session.save``; the largest is kept);
 - ``resume``: restoring a checkpoint (``Session.restore``);
 - ``final``: writing ``output_dir/final``;
+- ``step``: each training step (``Trainer.train_step``: forward, backward, update; the largest is kept), with
+  ``before_step``, the resident memory just before the first one (so ``step - before_step`` is the most a step
+  held above what the process held before its first forward: activations and what the backward pass keeps);
 - ``run``: the whole process (never reset: the peak over everything);
 - ``<phase>_own``: the most one call of the phase added to the resident memory it began with.
 
@@ -82,8 +85,17 @@ def trainer_init(self, model, *args, **kwargs):
     return _trainer_init(self, model, *args, **kwargs)
 
 
+_train_step = _phase("step", Trainer.train_step)
+
+
+def train_step(self, step):
+    peaks.setdefault("before_step", _status("VmRSS"))
+    return _train_step(self, step)
+
+
 build.build_run_model = build_run_model
 Trainer.__init__ = trainer_init
+Trainer.train_step = train_step
 Session.save = _phase("save", Session.save)
 Session.restore = _phase("resume", Session.restore)
 training.write_final = _phase("final", training.write_final)

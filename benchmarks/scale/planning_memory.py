@@ -39,7 +39,7 @@ def write_store(directory: Path, n: int, seed: int = 0, sources: int = 1) -> Non
     ``sources`` > 1, the shards are split among that many sources, end to end (a mixture's layout)."""
     from densebatch.data.store.joined import FORMAT, write_index
     from densebatch.data.store.store_io import write_marker
-    from densebatch.data.store.store_write import _header
+    from densebatch.data.store.store_write import npy_header
 
     directory.mkdir(parents=True)
     rng = np.random.default_rng(seed)
@@ -72,7 +72,7 @@ def write_store(directory: Path, n: int, seed: int = 0, sources: int = 1) -> Non
         np.save(d / "doc_loss.npy", (here - 1).astype(np.uint32))
         for name, dtype, size in (("tokens", np.dtype(np.uint16), 2), ("loss_mask", np.dtype(np.uint8), 1)):
             with open(d / f"{name}.npy", "wb") as f:
-                f.write(_header(dtype, tokens))
+                f.write(npy_header(dtype, tokens))
                 f.truncate(f.tell() + tokens * size)  # sparse: no disk for the ids
         shards.append({
             "path": d.name, "source": source, "documents": len(here), "tokens": tokens, "loss_tokens": int((here - 1).sum()),

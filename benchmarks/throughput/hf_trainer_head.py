@@ -38,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.throughput.hf_setup import save_llama, step_clock
+
 METHODS = ("densebatch_train", "densebatch", "trainer", "trainer_hf", "sft", "trl_packing", "trl_padded")
 
 
@@ -54,15 +56,7 @@ def _setup(work: Path, data: str, shared: Path, docs: int) -> None:
     (work / "ids.json").write_text(json.dumps(ids))
     (work / "ids.jsonl").write_text("".join(json.dumps({"input_ids": t}) + "\n" for t in ids))
     tok.save_pretrained(work / "tok")
-    config = transformers.LlamaConfig(
-        vocab_size=50257, hidden_size=256, intermediate_size=688, num_hidden_layers=2, num_attention_heads=8,
-        num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=50256,
-        eos_token_id=50256, pad_token_id=50256,
-    )  # fmt: skip
-    import torch
-
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(work / "model")
+    save_llama(work / "model")
 
 
 def _cli(work: Path, steps: int, tokens: int, seq_len: int) -> dict:
@@ -129,13 +123,6 @@ def _child(method: str, work: Path, steps: int, tokens: int, seq_len: int) -> di
             times.append(time.perf_counter() - t0)
         return {"times": times[1:], "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}
 
-    class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
     common = dict(
         output_dir=str(work / f"out-{method}"), max_steps=steps + 1, learning_rate=1e-4, weight_decay=0.0, seed=5,
         report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, logging_steps=1000, max_grad_norm=1.0,
@@ -162,7 +149,7 @@ def _child(method: str, work: Path, steps: int, tokens: int, seq_len: int) -> di
         trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, processing_class=tok)
         if method == "sft":
             densebatch.dense_batches(trainer, **packed)
-    trainer.add_callback(Clock())
+    trainer.add_callback(step_clock(times))
     trainer.train()
     line = getattr(trainer, "densebatch_loss", "-")
     return {"times": times[1:], "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, "loss_path": line}

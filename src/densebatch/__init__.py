@@ -33,8 +33,9 @@ _EXPORTS = {
     "num_items": "densebatch.data.torch_loader",
     "causal_loss": "densebatch.data.torch_loader",
     # Hugging Face Trainer / TRL
-    "dense_batches": "densebatch.hf_trainer",
-    "register_attention": "densebatch.hf_trainer",
+    "dense_batches": "densebatch.integrations.hf_trainer",
+    "register_attention": "densebatch.integrations.hf_trainer",
+    "undo_dense_batches": "densebatch.integrations.hf_trainer",
 }
 __all__ = [  # the names of _EXPORTS (a test checks they agree)
     "IGNORE_INDEX",
@@ -56,6 +57,7 @@ __all__ = [  # the names of _EXPORTS (a test checks they agree)
     "plan_epoch",
     "register_attention",
     "to_hf",
+    "undo_dense_batches",
 ]
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
@@ -73,7 +75,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         num_items,
         to_hf,
     )
-    from densebatch.hf_trainer import dense_batches, register_attention
+    from densebatch.integrations.hf_trainer import dense_batches, register_attention, undo_dense_batches
 
 
 def __getattr__(name: str):

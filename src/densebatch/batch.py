@@ -30,6 +30,24 @@ The collator computes them from the plan; ``cu_seqlens`` stays on the host (``to
 ``pin_memory`` pins it), so a model builds its attention plan without reading the device back and
 copies the bounds over asynchronously. For the padded row above: ``cu_seqlens = [0, 3, 5, 7]``.
 
+A batch of preference pairs (``pairs``, a ``Pairs``) lays each pair as its store holds it
+(``data/store/pair_layout.py``): the prompt's first tokens, then the chosen branch and the rejected branch,
+each opened by the prompt's last token; the rejected branch's positions continue from the prompt's end, so
+positions do not restart there, and ``pairs.branches`` says which tokens a model must keep apart (a token of
+the rejected branch never attends to one of the chosen branch). A model that cannot honour ``branches``
+must not be given such a batch: the collator then lays the prompt twice (``[p c] [p r]``, two plain
+segments) and ``branches`` is None. ``single_doc_rows`` is False for pair batches. Labels hold the answers'
+targets (and, for an objective that asks, the prompt's: ORPO's), and ``pairs.answer`` / ``pairs.prompt``
+say whose they are; a model's per-token losses are all an objective needs of it (``train/objectives/``).
+A batch split over context ranks (``train.context_parallel``: N ranks share every row) holds, on each rank,
+the columns ``shard_columns(T, N, index)`` of its rows, with the counts of those columns (loss tokens exactly;
+real tokens as an exact share of the whole), and in ``shard`` what the model needs to attend across the
+ranks: the whole rows' positions and segment bounds, this rank's place and the ranks' process group. Each row
+is cut into 2N equal chunks and rank i holds chunks i and 2N-1-i (head and tail), so that every rank's queries
+have as much causal work as any other's (over a row-long document, the same number of query-key pairs)::
+
+    T = 8, N = 2: chunks [0 1] [2 3] [4 5] [6 7]    rank 0 holds columns 0 1 6 7, rank 1 holds 2 3 4 5
+
 A batch never has zero rows. A rank with no share of a step gets ``Batch.null(pad_id)``: one row
 of one padding token and no loss, so it still runs forward and backward and joins every collective
 of the step (DDP's gradient all-reduce, FSDP's all-gathers) with a zero contribution.
@@ -38,11 +56,58 @@ of the step (DDP's gradient all-reduce, FSDP's all-gathers) with a zero contribu
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import torch
 from torch import Tensor
 
 IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Pairs:
+    """The preference pairs of a batch, one per piece, in row order: whose each target is, and what attention
+    keeps apart (the module docstring)."""
+
+    answer: Tensor  # (rows, T) int64: 2k at a target of pair k's chosen answer, 2k + 1 of its rejected one, -1 elsewhere
+    branches: Tensor | None  # (rows, T) int8: 1 chosen branch, 2 rejected branch, 0 elsewhere; None: prompts laid twice
+    rows: Tensor  # (pairs,) int64 on the host: each pair's row (ascending)
+    ids: tuple[int, ...] = ()  # each pair's store index
+    prompt: Tensor | None = None  # (rows, T) int64: k at a target of pair k's prompt (its chosen sequence's), -1 elsewhere
+    reference: Tensor | None = None  # (pairs, 2) float64: the reference model's summed log-probabilities (chosen, rejected)
+
+    @property
+    def count(self) -> int:
+        return int(self.rows.numel())
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Pairs:
+        move = lambda t: None if t is None else t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, answer=move(self.answer), branches=move(self.branches), prompt=move(self.prompt), reference=move(self.reference))  # fmt: skip
+
+    def pin_memory(self) -> Pairs:
+        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
+        return replace(self, answer=pin(self.answer), branches=pin(self.branches), prompt=pin(self.prompt), reference=pin(self.reference))  # fmt: skip
+
+    def row_slice(self, a: int, b: int) -> Pairs:
+        """The pairs of rows ``[a, b)`` (a pair lies in one row), renumbered from 0."""
+        keep = (self.rows >= a) & (self.rows < b)
+        idx = torch.nonzero(keep).flatten()
+        first = int(idx[0]) if idx.numel() else 0
+
+        def shift(t: Tensor | None, scale: int) -> Tensor | None:
+            if t is None:
+                return None
+            t = t[a:b]
+            return torch.where(t >= 0, t - scale * first, t)
+
+        return Pairs(
+            answer=shift(self.answer, 2),
+            branches=None if self.branches is None else self.branches[a:b],
+            rows=self.rows[idx] - a,
+            ids=tuple(self.ids[i] for i in idx.tolist()) if self.ids else (),
+            prompt=shift(self.prompt, 1),
+            reference=None if self.reference is None else self.reference[idx.to(self.reference.device)],
+        )
 
 
 @dataclass(frozen=True)
@@ -61,6 +126,8 @@ class Batch:
     # (rows, T) float32: each position's weight in the training loss (train.source_balance), set by the
     # trainer on the device; a model whose ``weighs_losses`` is True then returns weight x CE per position
     loss_weights: Tensor | None = None
+    pairs: Pairs | None = None  # preference pairs (data.pairs): whose each target is; None for documents
+    shard: RowShard | None = None  # the rows are split over context ranks: this batch holds one rank's columns
 
     @classmethod
     def null(cls, pad_id: int) -> Batch:
@@ -107,6 +174,8 @@ class Batch:
             positions=self.positions.to(device, non_blocking=non_blocking),
             source_ids=None if self.source_ids is None else self.source_ids.to(device, non_blocking=non_blocking),
             loss_weights=None if self.loss_weights is None else self.loss_weights.to(device, non_blocking=non_blocking),
+            pairs=None if self.pairs is None else self.pairs.to(device, non_blocking=non_blocking),
+            shard=None if self.shard is None else self.shard.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> Batch:
@@ -117,7 +186,56 @@ class Batch:
             positions=self.positions.pin_memory(),
             source_ids=None if self.source_ids is None else self.source_ids.pin_memory(),
             cu_seqlens=None if self.cu_seqlens is None else self.cu_seqlens.pin_memory(),
+            pairs=None if self.pairs is None else self.pairs.pin_memory(),
+            shard=None if self.shard is None else self.shard.pin_memory(),
         )
+
+
+@dataclass(frozen=True)
+class RowShard:
+    """What a rank's model needs of rows split over ``degree`` context ranks beyond its own columns: the whole
+    rows' positions (documents and the attention plan come from them) and segment bounds (host), and where
+    the other columns are (``index`` among the ``group``'s ranks, which hold the rows' other chunks)."""
+
+    index: int  # this rank's place among the context ranks: it holds chunks index and 2 * degree - 1 - index
+    degree: int  # context ranks sharing the rows (N)
+    positions: Tensor  # (rows, T) the whole rows' positions
+    cu_seqlens: Tensor | None = None  # (segments + 1,) int32 on the host: the whole rows' segment bounds
+    max_seqlen: int | None = None  # longest segment of the whole rows
+    group: object = None  # torch.distributed process group of the context ranks (the model exchanges over it)
+
+    @property
+    def seq_len(self) -> int:
+        """T: the whole rows' length."""
+        return int(self.positions.shape[-1])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RowShard:
+        return replace(self, positions=self.positions.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> RowShard:
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.pin_memory()
+        return replace(self, positions=self.positions.pin_memory(), cu_seqlens=cu)
+
+
+def gathered_chunks(degree: int) -> list[int]:
+    """The row's chunks as the ranks' columns laid end to end (rank 0's head and tail, rank 1's, ...):
+    ``[0, 3, 1, 2]`` for N = 2. What a rank receives when every rank sends it its columns in rank order."""
+    return [c for i in range(degree) for c in (i, 2 * degree - 1 - i)]
+
+
+@lru_cache(maxsize=64)
+def _columns(seq_len: int, degree: int, index: int) -> Tensor:
+    if seq_len % (2 * degree):
+        raise ValueError(f"a row of {seq_len} tokens does not split into {2 * degree} equal chunks")
+    c = seq_len // (2 * degree)
+    head, tail = index, 2 * degree - 1 - index
+    return torch.cat([torch.arange(head * c, head * c + c), torch.arange(tail * c, tail * c + c)])
+
+
+def shard_columns(seq_len: int, degree: int, index: int) -> Tensor:
+    """(seq_len / degree,) int64: the columns of a row of ``seq_len`` tokens that context rank ``index`` of
+    ``degree`` holds, in row order (its head chunk, then its tail chunk); ValueError unless 2N divides seq_len."""
+    return _columns(seq_len, degree, index)
 
 
 @dataclass(frozen=True)

@@ -163,6 +163,21 @@ def fully_shard() -> Callable | None:
     return fn if fn is not None and "mp_policy" in inspect.signature(fn).parameters else None
 
 
+@cache
+def all_to_all_autograd() -> Callable | None:
+    """``torch.distributed._functional_collectives.all_to_all_single_autograd`` (an all-to-all whose backward is
+    the reverse exchange: context parallelism's attention) with ``init_device_mesh``; None where absent."""
+    try:
+        from torch.distributed import _functional_collectives as funcol
+        from torch.distributed.device_mesh import init_device_mesh
+    except ImportError:
+        return None
+    fn = getattr(funcol, "all_to_all_single_autograd", None)
+    if fn is None or init_device_mesh is None:
+        return None
+    return fn if {"output_split_sizes", "input_split_sizes", "group"} <= set(inspect.signature(fn).parameters) else None
+
+
 def dcp_state_dict() -> bool:
     """``torch.distributed.checkpoint.state_dict``'s get/set helpers for model and optimizer, and their options."""
     try:
@@ -239,6 +254,7 @@ FEATURES: dict[str, Callable[[], object]] = {
     "flex_attention": flex_attention,
     "scaled_dot_product_attention(enable_gqa=)": sdpa_gqa,
     "FSDP2 fully_shard": fully_shard,
+    "functional all_to_all_single_autograd": all_to_all_autograd,
     "DCP state_dict helpers": dcp_state_dict,
     "autocast dtype query": autocast_dtype_query,
     "torch.amp.GradScaler": grad_scaler,

@@ -199,6 +199,18 @@ def test_encoder_layers_see_their_whole_document(release, monkeypatch):
 
 
 @pytest.mark.parametrize("release", list(RELEASES))
+def test_encoder_layers_with_a_sliding_window_see_it_on_both_sides(release, monkeypatch):
+    """A bidirectional layer (an encoder's) with a window of 5: FlashAttention's window is 4 keys before and 4 after
+    each query, ``(4, 4)``, and the output and gradients equal masked attention's (``_run``); 2.10, which takes no
+    window, leaves the layer to the exact segmented path."""
+    used = _run(RELEASES[release], 2, opts=AttnOptions(window=5), causal=False, monkeypatch=monkeypatch)
+    if release == "2.10":
+        assert used == {"segmented (varlen: this torch's varlen_attn takes no window_size) bf16": 1} and not CALLS
+    else:
+        assert used == {"varlen (FlashAttention) bf16": 1} and CALLS[-1]["window_size"] == (4, 4)
+
+
+@pytest.mark.parametrize("release", list(RELEASES))
 def test_windows_and_scales_go_where_the_release_can_compute_them(release, monkeypatch):
     """A sliding window and a scale other than 1/sqrt(D): 2.10 has neither keyword, so the layer goes to the
     exact segmented path (flex on CUDA), named with the reason; 2.11+ pass them to FlashAttention."""

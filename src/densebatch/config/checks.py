@@ -58,14 +58,42 @@ def _check(cfg: RunConfig) -> None:
         raise ConfigError(f"model.n_embd: expected a multiple of model.n_head ({m.n_head}); got {m.n_embd}")
     _check_hf_model(m)
     _check_probabilities(cfg)
-    if not 0.0 <= cfg.train.label_smoothing < 1.0:
-        raise ConfigError(f"train.label_smoothing: expected a number in [0, 1); got {cfg.train.label_smoothing}")
+    _check_objective(cfg)
     if not 0.0 < cfg.train.guard.rollback_lr_factor <= 1.0:
         raise ConfigError(
             f"train.guard.rollback_lr_factor: expected a number in (0, 1]; got {cfg.train.guard.rollback_lr_factor}"
         )
     _check_schedules(cfg)
     _check_finders(cfg)
+
+
+PREFERENCE = ("dpo", "simpo", "orpo")  # the objectives that train on pairs
+
+
+def _check_objective(cfg: RunConfig) -> None:
+    """train.objective against the data it reads (pairs or documents) and the keys each objective reads."""
+    t, d = cfg.train, cfg.data
+    eps = t.label_smoothing
+    if t.objective == "sft":
+        if not 0.0 <= eps < 1.0:
+            raise ConfigError(f"train.label_smoothing: expected a number in [0, 1); got {eps}")
+        if d.pairs is True:
+            raise ConfigError("data.pairs: true trains on preference pairs: set train.objective to dpo, simpo or orpo")
+        return
+    if d.pairs is False:
+        raise ConfigError(f"data.pairs: false, but train.objective {t.objective} trains on preference pairs (set it to auto)")
+    if t.objective == "orpo" and eps:
+        raise ConfigError("train.label_smoothing: orpo has no label smoothing (TRL's ORPOTrainer neither); set it to 0")
+    if not 0.0 <= eps < 0.5:
+        raise ConfigError(f"train.label_smoothing: {t.objective}: the share of flipped preferences, in [0, 0.5); got {eps}")
+    if not t.beta > 0.0:
+        raise ConfigError(f"train.beta: expected a number above 0; got {t.beta}")
+    if cfg.batching.mode == "mlm":
+        raise ConfigError(f"batching.mode: mlm trains an encoder; train.objective {t.objective} needs a causal LM")
+    if t.context_parallel > 1:
+        raise ConfigError(
+            f"train.context_parallel: a pair's branches are not split over context ranks: set it to 1 for {t.objective}"
+        )
 
 
 def _check_hf_model(m: ModelConfig) -> None:

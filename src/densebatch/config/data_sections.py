@@ -28,6 +28,13 @@ class FieldsConfig:
         "(format mds: the column of token ids; at this default, input_ids or else tokens).",
     )
     labels: str = _f("labels", "Optional field with per-token labels of pre-tokenised records (-100 = no loss).")
+    prompt: str = _f(
+        "prompt",
+        "data.pairs: field with the prompt (a string, or chat messages); absent = the instruction and input fields "
+        "(alpaca), else the common start of chosen and rejected (TRL's implicit prompt).",
+    )
+    chosen: str = _f("chosen", "data.pairs: field with the preferred answer (a string, or chat messages).")
+    rejected: str = _f("rejected", "data.pairs: field with the answer that is not preferred (a string, or chat messages).")
 
 
 @dataclass
@@ -135,6 +142,11 @@ class DataConfig:
         "Jinja chat template), raw (plain text) or custom (prompt_format).",
     )
     prompt_format: str | None = _f(None, "custom template: prompt with {named} record fields; the response is fields.output.")
+    pairs: bool | Literal["auto"] = _f(
+        "auto",
+        "Records are preference pairs (fields.prompt, fields.chosen, fields.rejected), each prepared as one unit: "
+        "the prompt once, then each answer (docs/preference.md); auto = when train.objective is dpo, simpo or orpo.",
+    )
     loss_on: Literal["all", "response"] = _f(
         "response",
         "Tokens carrying loss: all, or only the response / assistant turns (batching.mode mlm: all, every token may be masked).",

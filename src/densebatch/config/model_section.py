@@ -27,7 +27,11 @@ class ModelConfig:
     kind: Literal["gpt", "hf"] = _f(
         "gpt", "gpt: the reference decoder; hf: a Hugging Face causal LM (an encoder masked LM with batching.mode mlm)."
     )
-    path: str | None = _f(None, "hf: a local directory with config.json (weights optional: random init when absent).")
+    path: str | None = _f(
+        None,
+        "hf: a local directory with config.json (weights optional: random init when absent); gpt: a saved reference "
+        "GPT (a run's final/) to train on from its weights (with its tokenizer: data.tokenizer set to the same directory).",
+    )
     n_layer: int = _f(4, "gpt: transformer blocks.", minimum=1)
     n_head: int = _f(4, "gpt: attention heads.", minimum=1)
     n_embd: int = _f(128, "gpt: width.", minimum=1)

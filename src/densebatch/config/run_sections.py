@@ -146,10 +146,31 @@ class TrainConfig:
         "so the step, and with it how the model learns, does not depend on the batches' layout or size.",
         minimum=1,
     )
+    objective: Literal["sft", "dpo", "simpo", "orpo"] = _f(
+        "sft",
+        "What the loss is: sft (next-token cross-entropy of the documents), or on preference pairs (data.pairs) dpo "
+        "(TRL's DPOTrainer sigmoid loss; conservative with label_smoothing), simpo (TRL's CPOTrainer loss_type simpo) "
+        "or orpo (TRL's ORPOTrainer). See docs/preference.md.",
+    )
+    beta: float = _f(0.1, "dpo, simpo, orpo: the beta of the loss (TRL's beta): how far the policy may move.", minimum=0.0)
+    reference: Literal["precompute", "live"] = _f(
+        "precompute",
+        "dpo: the reference model is the starting weights: precompute (its log-probabilities of every pair computed "
+        "once before training and stored beside the prepared pairs, keyed by the model's weights) or live (a frozen "
+        "copy in memory; under LoRA the base model with the adapters off, no copy).",
+    )
+    simpo_gamma: float = _f(0.5, "simpo: the target reward margin gamma (TRL's simpo_gamma).", minimum=0.0)
+    cpo_alpha: float = _f(
+        0.0,
+        "simpo: weight of the chosen answers' cross-entropy added to the loss (TRL's cpo_alpha; 0 = SimPO alone, "
+        "TRL's CPOConfig defaults to 1.0: CPO-SimPO).",
+        minimum=0.0,
+    )
     label_smoothing: float = _f(
         0.0,
-        "Label smoothing of the training loss, in [0, 1): the target distribution is (1 - e) onehot + e / vocab "
-        "(as torch's cross_entropy); per token, so exact under any batching. Evaluation reports plain cross-entropy.",
+        "sft: label smoothing of the training loss, in [0, 1): the target distribution is (1 - e) onehot + e / vocab "
+        "(as torch's cross_entropy); per token, so exact under any batching. Evaluation reports plain cross-entropy. "
+        "dpo, simpo: the share of preferences taken to be flipped, in [0, 0.5) (conservative DPO; TRL's label_smoothing).",
         minimum=0.0,
     )
     source_balance: Literal["batches", "tokens"] = _f(
@@ -157,7 +178,8 @@ class TrainConfig:
         "How much each source of a mixture weighs in the gradient on packed and token_budget plans: batches = each "
         "source's loss tokens weighted as random padded batches of batching.rows_per_batch documents, one a step on "
         "one device, weigh them on average (a source of short answers weighs more); tokens = every loss token alike. "
-        "random and length_grouped batches, and one source, are never reweighted. See docs/data.md.",
+        "random and length_grouped batches, and one source, are never reweighted; nor are the pairs of dpo, simpo "
+        "and orpo, which weigh alike. See docs/data.md.",
     )
     grad_clip: float = _f(1.0, "Clip the gradient norm to this (0 = off); adaptive: the ceiling.", minimum=0.0)
     grad_clip_mode: Literal["fixed", "adaptive"] = _f(
@@ -177,6 +199,15 @@ class TrainConfig:
         "auto",
         "Under torchrun: ddp (replicated model, gradients all-reduced) or fsdp (FSDP2 fully_shard: parameters, "
         "gradients and optimizer state sharded over ranks); auto = ddp when launched by torchrun.",
+    )
+    context_parallel: int = _f(
+        1,
+        "Under torchrun: context ranks that share every row (N), each holding seq_len / N of its tokens (a head and a "
+        "tail chunk of 2N); attention runs across them by an all-to-all over heads, exact. The world is data ranks x "
+        "N (N must divide it); the N ranks of a data rank read the same rows. Needs batching.seq_len divisible by 2N, "
+        "heads (and key/value heads, or N by them) divisible by N, model.attn_implementation densebatch, and a "
+        "numeric max_tokens_per_batch. See docs/scaling-out.md. 1 = off.",
+        minimum=1,
     )
     report_to: list[Literal["tensorboard", "csv", "wandb", "mlflow"]] = _f(
         list,

@@ -21,12 +21,14 @@ import numpy as np
 from densebatch.config import DataConfig
 from densebatch.data.prepare.clean import Cleaner
 from densebatch.data.prepare.dedupe import dedupe_mode, text_key
-from densebatch.data.prepare.default_dataset import generate_records
+from densebatch.data.prepare.default_dataset import as_pair, generate_records
 from densebatch.data.prepare.foreign import FORMATS
+from densebatch.data.prepare.pairs import pair_segments
 from densebatch.data.prepare.source_configs import source_configs
 from densebatch.data.prepare.sources import BadRecord, detect_format, iter_records
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, render
 from densebatch.data.prepare.tokenizers import Tokenizer
+from densebatch.data.store.pair_layout import loss_bit, pair_spans
 from densebatch.data.store.store import DocumentStore
 from densebatch.errors import DataError
 
@@ -57,14 +59,35 @@ def render_document(tokens: np.ndarray, mask: np.ndarray, tokenizer: Tokenizer, 
 def render_documents(store: DocumentStore, tokenizer: Tokenizer, indices: Iterable[int], color: bool = False) -> str:
     """Decoded documents ``indices`` of ``store``, loss-carrying tokens marked (see the module doc)."""
     legend = "loss-carrying tokens in green" if color else f"loss-carrying tokens between {LOSS_OPEN} and {LOSS_CLOSE}"
-    out = [f"{len(store)} documents, {store.num_tokens} tokens; {legend}"]
+    pairs = bool(store.meta.get("pairs"))
+    noun = "pair" if pairs else "document"
+    out = [f"{len(store)} {noun}s, {store.num_tokens} tokens; {legend}"]
     for i in indices:
         if not 0 <= i < len(store):
-            raise DataError(f"document {i} does not exist: the store holds documents 0..{len(store) - 1}")
+            raise DataError(f"{noun} {i} does not exist: the store holds {noun}s 0..{len(store) - 1}")
         tokens, mask = store.document(i)
-        out.append(f"--- document {i}: {len(tokens)} tokens, {int(mask.sum())} carry loss ---")
-        out.append(render_document(tokens, mask, tokenizer, color))
+        out.append(f"--- {noun} {i}: {len(tokens)} tokens, {int(loss_bit(mask).sum())} carry loss ---")
+        out.append(render_pair(tokens, mask, tokenizer, color) if pairs else render_document(tokens, mask, tokenizer, color))
     return "\n".join(out) + "\n"
+
+
+PAIR_LABELS = ("prompt", "chosen", "rejected")
+
+
+def render_pair(tokens: np.ndarray, mask: np.ndarray, tokenizer: Tokenizer, color: bool) -> str:
+    """A stored pair (``data/store/pair_layout.py``) as its three parts, each on lines of its own after its
+    label: the prompt once (its last token, which opens each answer's branch, included), then each answer
+    with its loss-carrying tokens marked."""
+    tokens, mask = np.asarray(tokens), np.asarray(mask)
+    prefix, c, _ = (int(x) for x in pair_spans(mask, [len(mask)])[0])
+    prompt = tokens[: prefix + 1]
+    parts = [
+        render_document(prompt, np.zeros(len(prompt), np.uint8), tokenizer, color),
+        render_document(tokens[prefix + 1 : prefix + c], loss_bit(mask[prefix + 1 : prefix + c]), tokenizer, color),
+        render_document(tokens[prefix + c + 1 :], loss_bit(mask[prefix + c + 1 :]), tokenizer, color),
+    ]
+    sizes = (len(prompt), c - 1, len(tokens) - prefix - c - 1)
+    return "\n".join(f"[{label}: {n} tokens]\n{text}" for label, n, text in zip(PAIR_LABELS, sizes, parts))
 
 
 SCAN = 1000  # records of a source looked at for render_cleaning
@@ -73,7 +96,7 @@ SCAN = 1000  # records of a source looked at for render_cleaning
 def _records(cfg: DataConfig) -> Iterator[tuple[str, dict]]:
     if cfg.path is None:
         for i, r in enumerate(generate_records(cfg.default.num_records, cfg.default.seed)):
-            yield f"default dataset: record {i}", r
+            yield f"default dataset: record {i}", as_pair(r, i, cfg.default.seed) if cfg.pairs is True else r
         return
     for item in iter_records(cfg.path, cfg.format):  # each file of a pattern in its own format
         if not isinstance(item, BadRecord):  # reported by prepare
@@ -118,7 +141,11 @@ def render_cleaning(cfg: DataConfig, num: int) -> str:
             changes.clear()
             copy_of = None
             try:
-                segments = render(rec, c, transform)
+                if c.pairs is True:
+                    pair = pair_segments(rec, c, transform)
+                    segments = [*pair.prompt, *pair.chosen, *pair.rejected]
+                else:
+                    segments = render(rec, c, transform)
                 copy_of = seen.setdefault(text_key("".join(t for t, _ in segments)), where) if dedupe else None
             except (RecordError, EmptiedByCleaning):
                 pass  # what was cleaned before the field that failed is still shown

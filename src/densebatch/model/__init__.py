@@ -10,6 +10,7 @@ transformers is needed only for ``model.kind: hf``, and peft only for ``model.lo
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -17,8 +18,10 @@ from densebatch.config import ModelConfig
 from densebatch.errors import ConfigError
 from densebatch.model.attention import resolve_backend
 from densebatch.model.generate import generate, generate_batch
-from densebatch.model.gpt import GPT, GPTConfig
+from densebatch.model.gpt import GPT, GPTConfig, SelfAttention
 from densebatch.model.hf.adapter import HFCausalLM
+from densebatch.model.hf.checks import attention_heads as hf_attention_heads
+from densebatch.model.hf.checks import read_hf_config
 from densebatch.model.hf.lora import apply_lora, load_adapter
 from densebatch.model.io import load_model, save_model
 
@@ -37,6 +40,44 @@ def check_hf_attention(cfg: ModelConfig) -> None:
             f"model.attention: {cfg.attention!r} applies to model.attn_implementation densebatch; under "
             f"{cfg.attn_implementation} transformers' kernel takes a 4-D document mask (use auto or masked)"
         )
+
+
+def saved_gpt(cfg: ModelConfig, vocab_size: int, label_smoothing: float = 0.0) -> GPT:
+    """The reference GPT saved in ``cfg.path`` (``GPT.save``: a run's ``final/``) to train on from its weights: its
+    shape is the saved one (a ``model.`` shape key that differs is a ``ConfigError`` naming both), the
+    run's own settings (attention, dropout, checkpointing) apply."""
+    model = load_model(cfg.path)
+    if not isinstance(model, GPT):
+        raise ConfigError(f"model.path: {cfg.path} holds a Hugging Face model: set model.kind: hf to train it")
+    saved = model.cfg
+    for key in ("n_layer", "n_head", "n_embd", "block_size"):
+        if getattr(cfg, key) != getattr(saved, key):
+            raise ConfigError(
+                f"model.{key}: {getattr(cfg, key)}, but the GPT at {cfg.path} has {getattr(saved, key)}: set it to "
+                f"{getattr(saved, key)}"
+            )
+    if saved.vocab_size < vocab_size:
+        raise ConfigError(
+            f"data.tokenizer: {vocab_size} ids, but the GPT at {cfg.path} has {saved.vocab_size}: use the tokenizer it "
+            f"was trained with (data.tokenizer: {cfg.path})"
+        )
+    model.cfg.attention, model.cfg.dropout = cfg.attention, cfg.dropout
+    model.cfg.gradient_checkpointing = cfg.gradient_checkpointing
+    model.label_smoothing = label_smoothing
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = cfg.dropout
+        elif isinstance(m, SelfAttention):
+            m.dropout = cfg.dropout
+    return model
+
+
+def attention_heads(cfg: ModelConfig) -> tuple[int, int]:
+    """(query heads, key/value heads) of the model ``cfg`` describes, from its configuration alone (a Hugging
+    Face model's config.json), before anything is built: what splitting heads over context ranks needs."""
+    if cfg.kind == "hf":
+        return hf_attention_heads(read_hf_config(Path(cfg.path)))
+    return cfg.n_head, cfg.n_head
 
 
 def build_model(
@@ -63,6 +104,8 @@ def build_model(
     """
     if cfg.kind == "gpt":
         resolve_backend(cfg.attention, "cpu", training=False)  # a ModelConfig built by hand: name check
+        if cfg.path:  # a saved reference GPT (a run's final/, e.g. an SFT run before dpo): its weights
+            return saved_gpt(cfg, vocab_size, label_smoothing)
         vocab = cfg.vocab_size or vocab_size
         if vocab < vocab_size:
             raise ConfigError(f"model.vocab_size: expected at least the tokenizer's {vocab_size} ids; got {vocab}")

@@ -1,4 +1,4 @@
-"""Document-isolating causal attention: one plan per batch from ``positions``, several kernels.
+"""Document-isolating causal attention: one plan per batch from ``positions``, several kernels (one concept, 441 lines: what a token may see, said once for every kernel).
 
 A token may attend to another only when both lie in the same segment (``document_ids``, which
 increments at every ``positions == 0``) and the key is not after the query. Backends:
@@ -15,6 +15,12 @@ increments at every ``positions == 0``) and the key is not after the query. Back
 - ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` on the flattened rows (FlashAttention;
   CUDA and fp16/bf16 only; fp32 and soft-capped layers go to ``flex``, attention dropout to ``segmented``),
   called with the keywords the installed release's signature takes (``torch_features.varlen_call``).
+
+A batch of preference pairs laid with their prompt once (``Batch.pairs.branches``) adds one rule: a
+query of a pair's rejected branch never sees a key of its chosen branch (``branch_conflict``). flex draws
+it into its block mask, segmented into each bucket's mask, masked into its mask; the plain causal kernel
+and FlashAttention's varlen cannot, so such a batch never takes them (``_pair_plan``: varlen goes to flex
+on CUDA, else segmented); a run that asks for varlen lays its prompts twice instead.
 
 Every backend ends in ``kernels.kernel`` (or FlashAttention / flex) with what the layer asks for
 (``AttnOptions``: grouped-query heads, a sliding window, a soft-cap, a scale).
@@ -37,8 +43,9 @@ import torch
 from torch import Tensor
 
 from densebatch import torch_features
-from densebatch.batch import IGNORE_INDEX, Batch, document_ids
+from densebatch.batch import IGNORE_INDEX, Batch, RowShard, document_ids
 from densebatch.errors import ConfigError
+from densebatch.model.context_attention import attend_across
 from densebatch.model.kernels import PLAIN, AttnOptions, kernel
 from densebatch.model.segmented import SegmentPlan, segment_plan, segmented_attention
 
@@ -49,15 +56,23 @@ BACKENDS = ("auto", "flex", "varlen", "segmented", "masked")
 SEGMENTED_MIN_LEN = 256
 
 
-def document_mask(positions: Tensor, causal: bool = True) -> Tensor:
+def document_mask(positions: Tensor, causal: bool = True, branches: Tensor | None = None) -> Tensor:
     """Same-segment and causal (only same-segment for an encoder): ``mask[r, 0, q, k]`` is True where q may
-    attend to k. (rows, 1, T, T)"""
+    attend to k; with ``branches`` (a pair batch's, ``Batch.pairs``) a rejected-branch query never sees a
+    chosen-branch key. (rows, 1, T, T)"""
     doc = document_ids(positions)  # (rows, T)
     same = doc[:, :, None] == doc[:, None, :]  # (rows, T, T)
     if causal:
         T = positions.shape[-1]
         same &= torch.ones(T, T, dtype=torch.bool, device=positions.device).tril()  # (T, T)
+    if branches is not None:
+        same &= ~branch_conflict(branches[:, :, None], branches[:, None, :])
     return same[:, None]  # (rows, 1, T, T)
+
+
+def branch_conflict(query: Tensor, key: Tensor) -> Tensor:
+    """True where a query of a pair's rejected branch would see a key of its chosen branch (``batch.Pairs``)."""
+    return (query == 2) & (key == 1)
 
 
 def rows_hold_one_document(batch: Batch) -> bool:
@@ -158,6 +173,8 @@ class AttentionPlan:
     host_cu_seqlens: Tensor | None = None  # the batch's segment bounds on the host (no device sync to use them)
     causal: bool = True  # False: bidirectional within each document (an encoder's masked-LM attention)
     flex_masks: dict = field(default_factory=dict)  # flex: block masks by sliding window (None: none), built on first use
+    branches: Tensor | None = None  # (rows, T) int8 of a pair batch: rejected never attends to chosen (Batch.pairs)
+    shard: RowShard | None = None  # rows split over context ranks: the plan is the whole rows', q/k/v this rank's columns
 
 
 def plan_attention(
@@ -169,6 +186,8 @@ def plan_attention(
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     causal: bool = True,
+    branches: Tensor | None = None,
+    shard: RowShard | None = None,
 ) -> AttentionPlan:
     """Build the plan for ``positions`` (rows, T) with an already-resolved ``backend``.
 
@@ -183,7 +202,16 @@ def plan_attention(
     ``causal`` False: each token attends to every token of its own document (an encoder). The padding
     after a row's last document is then a key its queries could see, so the plain ``causal`` plan (one
     document per row, then padding) is not taken; the padding run is a segment of its own.
+
+    ``shard``: the rows are split over context ranks (``Batch.shard``) and ``positions`` are this rank's
+    columns; the plan is then the whole rows' (``shard.positions``, ``shard.cu_seqlens``), which ``attend``
+    runs on every layer's heads after exchanging them with the other ranks (``context_attention``).
     """
+    if shard is not None:
+        assert past_positions is None, "a KV cache does not run split over context ranks"
+        positions, cu_seqlens, max_seqlen = shard.positions, shard.cu_seqlens, shard.max_seqlen
+    if branches is not None:  # a pair batch with its prompt shared: what keeps the branches apart
+        return _pair_plan(positions, backend=backend, cu_seqlens=cu_seqlens, branches=branches)
     plan = _plan(
         positions,
         backend=backend,
@@ -194,6 +222,28 @@ def plan_attention(
         causal=causal,
     )
     plan.causal = causal
+    plan.shard = shard
+    return plan
+
+
+PAIR_BACKENDS = ("flex", "segmented", "masked")  # the kernels that keep a pair's rejected branch from its chosen one
+
+
+def _pair_plan(positions: Tensor, *, backend: str, cu_seqlens: Tensor | None, branches: Tensor) -> AttentionPlan:
+    """The plan of a pair batch whose prompts are laid once (``Batch.pairs.branches``): never the plain causal
+    kernel (a row of one pair is still two branches) nor FlashAttention's varlen (no mask of this shape):
+    varlen goes to flex on CUDA, else to the segmented path; a caller that picks varlen on purpose lays the
+    prompts twice instead (the collator's ``shared``)."""
+    if backend == "varlen":
+        backend = "flex" if positions.is_cuda and _flex_available() else "segmented"
+    host = cu_seqlens if cu_seqlens is not None and cu_seqlens.device.type == "cpu" else None
+    plan = AttentionPlan(backend, positions=positions, host_cu_seqlens=host, branches=branches)
+    if backend == "segmented":
+        plan.segments = segment_plan(positions, cu_seqlens=host, branches=branches)
+    elif backend == "masked":
+        plan.mask = document_mask(positions, True, branches)
+    else:
+        plan.block_mask = _flex_mask(plan, None)
     return plan
 
 
@@ -249,11 +299,14 @@ def attend(q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, dropout_p: f
     Inside autocast, q, k and v enter the kernel in autocast's dtype: a rotary step computed in the fp32
     residual stream (transformers' RoPE next to fp32 master weights) makes q and k fp32 beside a bf16 v, and
     would otherwise push the layer off FlashAttention. Each call is counted in ``torch_features``' record
-    of kernels (``varlen (FlashAttention) bf16``, or the fallback and why) for the run's summary."""
+    of kernels (``varlen (FlashAttention) bf16``, or the fallback and why) for the run's summary. Under a plan
+    with a ``shard`` q, k, v are this rank's columns of rows split over context ranks (``context_attention``)."""
     low = torch_features.autocast_dtype(q.device.type)
     if low is not None:
         q, k, v = (x if x.dtype == low else x.to(low) for x in (q, k, v))
-    out, what = _dispatch(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)
+    whole = lambda q, k, v: _dispatch(q, k=k, v=v, plan=plan, dropout_p=dropout_p, opts=opts)  # noqa: E731
+    # rows split over context ranks: this rank's columns, exchanged for whole rows of a share of the heads
+    out, what = whole(q, k, v) if plan.shard is None else attend_across(q, k, v, plan.shard, whole)
     torch_features.record_kernel(f"{what} {_DTYPE_NAMES.get(q.dtype, str(q.dtype))}")
     return out
 
@@ -339,10 +392,13 @@ def _flex_mask(plan: AttentionPlan, window: int | None):
         doc = document_ids(plan.positions)  # (rows, T)
 
         causal = plan.causal
+        br = plan.branches  # a pair batch's branches: rejected never sees chosen
 
         def same_doc_causal(b, h, q, k):
             if causal:
                 ok = (doc[b, q] == doc[b, k]) & (q >= k)
+                if br is not None:
+                    ok = ok & ~branch_conflict(br[b, q], br[b, k])
                 return ok if window is None else ok & (q - k < window)
             ok = doc[b, q] == doc[b, k]
             return ok if window is None else ok & ((q - k).abs() < window)
@@ -375,7 +431,7 @@ def _flex_attention(q: Tensor, *, k: Tensor, v: Tensor, plan: AttentionPlan, opt
 def _segments(plan: AttentionPlan) -> SegmentPlan:
     """The plan's segmented indices, built on first use (a backend handing one layer to the segmented path)."""
     if plan.segments is None:
-        plan.segments = segment_plan(plan.positions, cu_seqlens=plan.host_cu_seqlens)
+        plan.segments = segment_plan(plan.positions, cu_seqlens=plan.host_cu_seqlens, branches=plan.branches)
     return plan.segments
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from densebatch.batch import Batch
+from densebatch.batch import Batch, RowShard
 from densebatch.errors import ConfigError, read_json_object
 from densebatch.model.attention import (
     BACKENDS,
@@ -160,16 +160,20 @@ class GPT(nn.Module):
         max_position: int | None = None,
         cu_seqlens: Tensor | None = None,
         max_seqlen: int | None = None,
+        branches: Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> Tensor:
         """Final-normed hidden states. (rows, T, n_embd). ``max_position``: ``positions.max()`` when the
         caller knows it (a Batch does), which spares a host synchronisation; so do the segment bounds
-        ``cu_seqlens`` / ``max_seqlen`` (``Batch``'s) for the attention plan."""
+        ``cu_seqlens`` / ``max_seqlen`` (``Batch``'s) for the attention plan; ``branches``: a pair batch's
+        (``Batch.pairs``), whose rejected branches never attend to their chosen ones. ``shard``: the rows are
+        split over context ranks and ``input_ids`` / ``positions`` are this rank's columns (``Batch.shard``)."""
         top = int(positions.max()) if max_position is None else max_position
         # The run layer checks row lengths against block_size before training: here it is a bug.
         if top >= self.cfg.block_size:
             raise ValueError(f"position {top} is beyond the position table (block_size {self.cfg.block_size})")
         past = cache.positions if cache is not None else None
-        backend = self.attention_backend(input_ids.device, positions.shape[-1])
+        backend = self.attention_backend(input_ids.device, (positions if shard is None else shard.positions).shape[-1])
         plan = plan_attention(
             positions,
             backend=backend,
@@ -177,6 +181,8 @@ class GPT(nn.Module):
             past_positions=past,
             cu_seqlens=cu_seqlens,
             max_seqlen=max_seqlen,
+            branches=branches,
+            shard=shard,
         )  # shared by all layers
         if cache is not None:
             cache.positions = positions if past is None else torch.cat([past, positions], dim=-1)
@@ -214,6 +220,8 @@ class GPT(nn.Module):
             max_position=batch.max_position,
             cu_seqlens=batch.cu_seqlens,
             max_seqlen=batch.max_seqlen,
+            branches=None if batch.pairs is None else batch.pairs.branches,
+            shard=batch.shard,
         )  # (rows, T, C)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         w = batch.loss_weights  # weight x CE per position (train.source_balance), or None

@@ -39,10 +39,15 @@ class SegmentPlan:
     scatter: Tensor  # (rows * T,) int64
     pad_slots: Tensor  # (slots - rows * T,) int64: slots after a segment's end
     buckets: list[tuple[int, int]]  # (segments, padded length) per bucket, in slot order
+    masks: list[Tensor] | None = None  # per bucket (n, 1, L, L) bool: a pair batch's causal mask without rejected -> chosen
 
 
 def segment_plan(
-    positions: Tensor, ratio: float | None = None, min_len: int | None = None, cu_seqlens: Tensor | None = None
+    positions: Tensor,
+    ratio: float | None = None,
+    min_len: int | None = None,
+    cu_seqlens: Tensor | None = None,
+    branches: Tensor | None = None,
 ) -> SegmentPlan:
     """Segments of ``positions`` (rows, T), bucketed by length, as gather / scatter indices.
 
@@ -57,12 +62,30 @@ def segment_plan(
     n_tok = rows * T
     dev = positions.device
     if cu_seqlens is not None:
-        return _host_segment_plan(cu_seqlens.numpy().astype(np.int64), n_tok, ratio, min_len, dev)
-    is_start = positions == 0  # (rows, T)
-    is_start[:, 0] = True
-    seg_start = torch.nonzero(is_start.reshape(-1)).flatten()  # (S,)
-    seg_len = torch.diff(seg_start, append=seg_start.new_tensor([n_tok]))  # (S,)
-    return _segment_indices(seg_start, seg_len, n_tok, ratio, min_len)
+        plan = _host_segment_plan(cu_seqlens.numpy().astype(np.int64), n_tok, ratio, min_len, dev)
+    else:
+        is_start = positions == 0  # (rows, T)
+        is_start[:, 0] = True
+        seg_start = torch.nonzero(is_start.reshape(-1)).flatten()  # (S,)
+        seg_len = torch.diff(seg_start, append=seg_start.new_tensor([n_tok]))  # (S,)
+        plan = _segment_indices(seg_start, seg_len, n_tok, ratio, min_len)
+    if branches is not None:
+        plan.masks = _branch_masks(plan, branches)
+    return plan
+
+
+def _branch_masks(seg: SegmentPlan, branches: Tensor) -> list[Tensor]:
+    """Each bucket's mask of a pair batch (``Batch.pairs.branches``): causal within a segment, and a query of a
+    pair's rejected branch never sees a key of its chosen branch (a pair is one segment: prompt, then both
+    branches). Slots past a segment's end come after its tokens: causality keeps them out as keys."""
+    br = branches.reshape(-1).index_select(0, seg.gather)  # (slots,) each slot's branch
+    out, at = [], 0
+    for n, L in seg.buckets:
+        b = br[at : at + n * L].view(n, L)
+        causal = torch.ones(L, L, dtype=torch.bool, device=br.device).tril()
+        out.append((causal & ~((b[:, :, None] == 2) & (b[:, None, :] == 1)))[:, None])  # (n, 1, L, L)
+        at += n * L
+    return out
 
 
 def _host_segment_plan(cu: np.ndarray, n_tok: int, ratio: float, min_len: int, dev: torch.device) -> SegmentPlan:
@@ -188,6 +211,8 @@ def segmented_attention(
         qb = qb.view(n, L, H, D).transpose(1, 2)  # (n, H, L, D)
         kb, vb = (x.view(n, L, Hkv, D).transpose(1, 2) for x in (kb, vb))  # (n, Hkv, L, D)
         keys = None if valid is None else valid[b].view(n, 1, 1, L)  # a segment's own slots, not its padding
+        if seg.masks is not None:  # a pair batch: causal, rejected never sees chosen
+            keys = seg.masks[b]
         out = kernel(qb, k=kb, v=vb, mask=keys, dropout_p=dropout_p, opts=opts)  # (n, H, L, D)
         outs.append(out.transpose(1, 2).reshape(n * L, H, D))
     slots = outs[0] if len(outs) == 1 else torch.cat(outs)  # (slots, H, D)

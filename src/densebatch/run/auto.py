@@ -23,11 +23,11 @@ import numpy as np
 import yaml
 
 from densebatch.config import RunConfig, config_from_dict
-from densebatch.data.load.collate import collator_from_config
 from densebatch.data.plan.planner import PlanSettings
 from densebatch.data.plan.rules import budget_range, worst_batches
 from densebatch.data.prepare.pipeline import Prepared
 from densebatch.errors import ConfigError
+from densebatch.run.build import collation
 from densebatch.train.distributed import Distributed
 from densebatch.train.finders.budget_finder import BudgetResult, find_budget
 from densebatch.train.finders.lr_finder import lr_range_test, write_outputs
@@ -47,9 +47,9 @@ def budget_search(cfg: RunConfig, prepared: Prepared):
     (``rules.worst_batches``, collated), the rounding of a budget to a valid one, and the range searched."""
     b = cfg.batching
     store = prepared.train
-    lengths = np.asarray(store.lengths, dtype=np.int64)
+    collator, laid = collation(cfg, store)  # preference pairs: their collator and the lengths as laid
+    lengths = np.asarray(store.lengths if laid is None else laid, dtype=np.int64)
     unit, low, high = budget_range(b, lengths)
-    collator = collator_from_config(b, store.meta, cfg.seed)
 
     def snap(budget: int) -> int:
         return int(min(high, max(low, budget // unit * unit)))

@@ -10,7 +10,7 @@ as the mean of the others), the same label smoothing, the same context check and
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -41,10 +41,13 @@ from densebatch.model.hf.checks import check_model_dir
 from densebatch.model.hf.lora import lora_summary
 from densebatch.model.hf.weights import fill_from_files, missing_weights, weight_files
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
+from densebatch.run.context import context_mesh
 from densebatch.run.data_commands import prepare_data
+from densebatch.run.preference import is_pairs, pair_loading
 from densebatch.train.distributed import Distributed, check_device
 from densebatch.train.loop import resolve_device
 from densebatch.train.meta_init import InitRecord, MetaInitError, materialise, record_init, recording, storage_key
+from densebatch.train.parallel.mesh import ContextRanks
 
 
 def seed_everything(seed: int) -> None:
@@ -138,7 +141,8 @@ def build_run_model(cfg: RunConfig, prepared: Prepared, device: torch.device, on
         seed_everything(cfg.seed)
         return build_model(
             cfg.model, vocab_size=tok.vocab_size, base_vocab_size=tok.base_vocab_size, empty_weights=empty_weights,
-            after_load=after_load, task=cfg.batching.mode, label_smoothing=cfg.train.label_smoothing,
+            after_load=after_load, task=cfg.batching.mode,
+            label_smoothing=cfg.train.label_smoothing if cfg.train.objective == "sft" else 0.0,  # dpo's is its own
         )  # fmt: skip
 
     record, why = None, None
@@ -185,11 +189,12 @@ def materialise_run_model(cfg: RunConfig, *, model, record: InitRecord, device: 
         )
 
 
-def eval_settings(cfg: RunConfig, store: DocumentStore) -> PlanSettings:
+def eval_settings(cfg: RunConfig, store: DocumentStore, lengths=None) -> PlanSettings:
     """The plan of every evaluation (inside a run and ``densebatch eval``): the run's batching, with
     rows long enough for the longest document, so no document is split and every strategy scores
-    the same loss."""
-    return full_context_settings(PlanSettings.from_config(cfg.batching), store.max_length)
+    the same loss (``lengths``: as laid out, when that is not as stored: pairs with their prompt twice)."""
+    longest = store.max_length if lengths is None else int(np.max(lengths, initial=0))
+    return full_context_settings(PlanSettings.from_config(cfg.batching), longest)
 
 
 def eval_store(cfg: RunConfig, store: DocumentStore) -> DocumentStore:
@@ -199,22 +204,43 @@ def eval_store(cfg: RunConfig, store: DocumentStore) -> DocumentStore:
     return store if docs is None else store.subset(docs)
 
 
-def eval_loader(cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None) -> StepLoader:
+def collation(cfg: RunConfig, store: DocumentStore, reference=None):
+    """(the collator of ``store``, the lengths its plans see: None when as stored): preference pairs'
+    (``run/preference.py``: their layout, the reference table of ``train.reference: precompute``), or the
+    batching mode's."""
+    if is_pairs(store):
+        return pair_loading(cfg, store, reference)
+    return collator_from_config(cfg.batching, store.meta, cfg.seed), None
+
+
+def eval_loader(
+    cfg: RunConfig, store: DocumentStore, dist: Distributed | None = None, ranks: ContextRanks | None = None, reference=None
+) -> StepLoader:
     """The loader of ``store`` (an eval split; only what ``eval.max_tokens`` selects) under
-    ``eval_settings``: one batch a step, no prefetch. Cap its batches with ``iter_epoch(0, eval.max_batches)``."""
+    ``eval_settings``: one batch a step, no prefetch. Cap its batches with ``iter_epoch(0, eval.max_batches)``.
+    ``ranks``: the data × context mesh; the batches are dealt over its data ranks (None: over ``dist``'s).
+    ``reference``: a precomputed reference's table of these pairs (``train.reference: precompute``)."""
     dist = dist or Distributed()
     store = eval_store(cfg, store)
-    collator = collator_from_config(cfg.batching, store.meta, cfg.seed)
-    steps = StepSettings(1, None, dist.world_size, dist.rank)
-    return StepLoader(store, settings=eval_settings(cfg, store), collator=collator, seed=cfg.seed, steps=steps, prefetch=0)
+    collator, lengths = collation(cfg, store, reference)
+    ranks = ranks or ContextRanks(data_rank=dist.rank, data_size=dist.world_size)
+    steps = StepSettings(1, None, ranks.data_size, ranks.data_rank)
+    settings = eval_settings(cfg, store, lengths)
+    return StepLoader(store, settings=settings, collator=collator, seed=cfg.seed, steps=steps, prefetch=0, lengths=lengths)
 
 
-def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
-    """(train StepLoader, eval batches factory or None)."""
+def build_loaders(
+    cfg: RunConfig, prepared: Prepared, dist: Distributed, ranks: ContextRanks | None = None, reference: dict | None = None
+):
+    """(train StepLoader, eval batches factory or None), their steps dealt over the data ranks of ``ranks`` (the
+    context ranks of a data rank read the same rows; None: every rank is a data rank); ``reference``: {split:
+    table} of a precomputed reference (preference pairs)."""
     settings = PlanSettings.from_config(cfg.batching)
     t = cfg.train
-    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, dist.world_size, dist.rank)
-    collator = collator_from_config(cfg.batching, prepared.train.meta, cfg.seed)
+    ranks = ranks or ContextRanks(data_rank=dist.rank, data_size=dist.world_size)
+    steps = StepSettings(t.grad_accum_batches, t.loss_tokens_per_step, ranks.data_size, ranks.data_rank)
+    reference = reference or {}
+    collator, lengths = collation(cfg, prepared.train, reference.get("train"))
     loader = StepLoader(
         prepared.train,
         settings=settings,
@@ -223,10 +249,11 @@ def build_loaders(cfg: RunConfig, prepared: Prepared, dist: Distributed):
         steps=steps,
         prefetch=cfg.batching.prefetch,
         weights=prepared.weights,
+        lengths=lengths,
     )
     if prepared.eval is None:
         return loader, None
-    evaluation = eval_loader(cfg, prepared.eval, dist)
+    evaluation = eval_loader(cfg, prepared.eval, dist, ranks, reference.get("eval"))
     return loader, lambda: evaluation.iter_epoch(0, cfg.eval.max_batches)  # a global cap: N ranks score what 1 does
 
 
@@ -236,8 +263,8 @@ def source_weights(cfg: RunConfig, prepared: Prepared, loader: StepLoader | None
     the plans sized by a token budget (packed, token_budget), whose steps hold about as many loss tokens
     each. random and length_grouped batches hold ``rows_per_batch`` rows and weigh sources as they do.
     ``loader``: the run's, whose epoch-0 plan already drew a weighted mixture's documents."""
-    if cfg.train.source_balance != "batches" or not sized_by_budget(cfg.batching.strategy):
-        return None
+    if cfg.train.source_balance != "batches" or not sized_by_budget(cfg.batching.strategy) or is_pairs(prepared.train):
+        return None  # preference pairs weigh alike
     store = prepared.train
     counts = store.lengths if cfg.batching.mode == "mlm" else None  # masked-LM targets: a share of every token
     selection = loader.selection(0) if loader is not None else None
@@ -274,6 +301,7 @@ class Setup:
     model: torch.nn.Module
     device: torch.device
     init: InitRecord | None = None  # the model is on the meta device until materialise_run_model
+    context: ContextRanks = field(default_factory=ContextRanks)  # the data x context mesh (train.context_parallel)
 
 
 def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
@@ -284,6 +312,7 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     device = training_device(cfg, dist)
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
         check_model_dir(cfg.model.path, cfg.batching.mode)
+    context = context_mesh(cfg, dist)  # train.context_parallel: refused in one line now, or the ranks' mesh
     problem = None
     if dist.is_main:  # train holds its lock there already; the finders write their results there at the end
         try:
@@ -303,4 +332,4 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
         )
     if dist.is_main and (line := lora_summary(model)) is not None:
         print(line, flush=True)
-    return Setup(cfg, dist, prepared, model, device, record)
+    return Setup(cfg, dist, prepared, model, device, record, context)

@@ -24,4 +24,6 @@ def resolve_config(path: str | None, overrides: list[str], *, one_strategy: bool
     # data.tokenizer auto: a Hugging Face model's own tokenizer when its directory has one (resolved
     # here, so the saved config names the tokenizer actually used).
     cfg.data.tokenizer = resolve_tokenizer_spec(cfg.data.tokenizer, cfg.model.path if cfg.model.kind == "hf" else None)
+    if cfg.data.pairs == "auto" and cfg.train.objective != "sft":  # a preference objective reads pairs (saved so)
+        cfg.data.pairs = True
     return cfg

@@ -12,7 +12,8 @@ from densebatch.atomic import write_file
 from densebatch.data.plan.rules import sized_by_budget
 from densebatch.errors import ConfigError
 from densebatch.run.auto import fit_budget, resolve_budget, say
-from densebatch.run.build import build_loaders, resolve_config, setup, source_weights
+from densebatch.run.build import build_loaders, eval_store, resolve_config, setup, source_weights
+from densebatch.run.preference import is_pairs, pairs_before_training, preference_steps
 from densebatch.train.distributed import Distributed, wrap_model
 from densebatch.train.finders.lr_finder import lr_range_test, write_outputs
 from densebatch.train.loop import Trainer
@@ -28,11 +29,16 @@ def find_lr_command(path: str | None, overrides: list[str]) -> int:
         s = setup(cfg, dist)
         cfg = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
-        loader, eval_data = build_loaders(cfg, s.prepared, dist)  # the eval data give the held-out batches
+        reference = None  # preference pairs: the range test's steps are the objective's, as train's are
+        if is_pairs(s.prepared.train):
+            reference = pairs_before_training(
+                cfg, model=s.model, prepared=s.prepared, device=s.device, dist=dist, eval_store=eval_store
+            )
+        loader, eval_data = build_loaders(cfg, s.prepared, dist, s.context, reference)  # the eval data give the held-out batches
         trainer = Trainer(
             s.model, loader, cfg.train, output_dir=cfg.output_dir, evaluation=Evaluation(cfg.eval, eval_data),
-            placement=Placement(s.device, dist, forward), reporting=Reporting(console=False),
-            parts=StepParts(source_weights=source_weights(cfg, s.prepared, loader)),
+            placement=Placement(s.device, dist, forward, s.context), reporting=Reporting(console=False),
+            parts=StepParts(source_weights=source_weights(cfg, s.prepared, loader), objective=preference_steps(cfg, s.model)),
         )  # fmt: skip
         result = lr_range_test(trainer, cfg.finder, log=(lambda text: say(dist, text)))
         if dist.is_main:
@@ -52,6 +58,8 @@ def find_batch_command(path: str | None, overrides: list[str]) -> int:
             f"find-batch sizes token_budget and packed batches; batching.strategy is {cfg.batching.strategy}: "
             "pass --batching.strategy=token_budget or packed"
         )
+    if cfg.train.context_parallel > 1:
+        raise ConfigError("find-batch probes whole rows on one rank; under train.context_parallel set the budget yourself")
     dist = Distributed.from_environment(cfg.train.device)
     try:
         s = setup(cfg, dist)

@@ -2,7 +2,8 @@
 
 Each line comes from the run's plan, documents and source weights (None when it has nothing to say):
 the homogeneity warning (``data/plan/homogeneity.py``), the batches a loss-token step takes on average,
-the share of the eval split ``eval.max_tokens`` keeps, and the sources' weights (``train.source_balance``).
+the share of the eval split ``eval.max_tokens`` keeps, the sources' weights (``train.source_balance``), and
+when preference pairs are laid with their prompt twice, why (``run/preference.py``).
 ``report_lines`` gives them in that order; ``run/training.py`` prints them once, on rank 0.
 """
 
@@ -18,6 +19,7 @@ from densebatch.data.plan.source_balance import balance_line
 from densebatch.data.plan.store_epochs import eval_documents
 from densebatch.data.prepare.pipeline import Prepared
 from densebatch.data.store.store import DocumentStore
+from densebatch.run.preference import is_pairs, prompt_layout
 
 
 def report_lines(cfg: RunConfig, prepared: Prepared, loader: StepLoader, weights: list[float] | None) -> list[str]:
@@ -27,6 +29,7 @@ def report_lines(cfg: RunConfig, prepared: Prepared, loader: StepLoader, weights
         step_size_line(loader),
         eval_cap_line(cfg, prepared.eval) if prepared.eval is not None else None,
         source_weights_line(prepared, weights, cfg.batching.rows_per_batch),
+        prompt_layout(cfg)[1] if is_pairs(prepared.train) else None,  # prompts laid twice: said once
     ]
     return [line for line in lines if line is not None]
 

@@ -37,6 +37,7 @@ from densebatch.run.auto import keep_resolved
 from densebatch.run.layout import CHECKPOINT_DIR, MIRROR_MARK, RUN_OUTPUTS, foreign_outputs, holds_a_run, mirror_owner
 from densebatch.train.checkpoint.manager import CheckpointError, latest_valid, list_checkpoints, load_checkpoint
 from densebatch.train.distributed import Distributed
+from densebatch.train.parallel.mesh import check_world
 
 RESUMABLE = frozenset(
     {
@@ -59,6 +60,7 @@ RESUMABLE = frozenset(
         "checkpoint.async",  # when a checkpoint is written, not what it holds
         "batching.prefetch",
         "train.distributed",  # ddp and fsdp compute the same updates (≤ 1e-5): a resume may switch
+        "train.context_parallel",  # the mesh: rows split over more or fewer ranks, the same updates (float tolerance)
     }
 )
 EVALUATION_KEYS = frozenset(
@@ -196,17 +198,21 @@ def resolve_run(requested: RunConfig, *, overrides: list[str], resume: bool, ove
     requested = keep_resolved(requested, extra["config"])  # `auto` asked again: the value the run found
     plan = plan_resume(extra["config"], requested, overrides)
     cfg = plan.config
-    saved_world = int(extra.get("world_size", 1))
-    if saved_world != dist.world_size:  # elastic: keep the global batch by changing the accumulation
+    # data ranks: processes / context ranks (the context ranks of a data rank read the same batches)
+    saved_cp, cp = int(extra["config"].get("train", {}).get("context_parallel", 1)), cfg.train.context_parallel
+    check_world(dist.world_size, cp)
+    saved_world, world = int(extra.get("world_size", 1)) // saved_cp, dist.world_size // cp
+    ranks = "processes" if saved_cp == cp == 1 else "data ranks"
+    if saved_world != world:  # elastic: keep the global batch by changing the accumulation
         total = saved_world * cfg.train.grad_accum_batches
-        if cfg.train.loss_tokens_per_step is None and total % dist.world_size:
+        if cfg.train.loss_tokens_per_step is None and total % world:
             raise UserError(
-                f"--resume: the run took {total} batches per step over {saved_world} processes; "
-                f"{dist.world_size} processes cannot split that evenly: use a world size that divides {total}"
+                f"--resume: the run took {total} batches per step over {saved_world} {ranks}; "
+                f"{world} {ranks} cannot split that evenly: use a number of {ranks} that divides {total}"
             )
-        k = max(1, total // dist.world_size)
+        k = max(1, total // world)
         plan.changed.append(
-            f"train.grad_accum_batches: {cfg.train.grad_accum_batches} → {k} ({saved_world} → {dist.world_size} processes, same batches per step)"
+            f"train.grad_accum_batches: {cfg.train.grad_accum_batches} → {k} ({saved_world} → {world} {ranks}, same batches per step)"
         )
         cfg = replace(cfg, train=replace(cfg.train, grad_accum_batches=k))
     if dist.is_main:

@@ -26,10 +26,12 @@ from densebatch.data.prepare.pipeline import Prepared
 from densebatch.errors import ConfigError
 from densebatch.model import generate_batch
 from densebatch.run.auto import resolve_budget, resolve_lr
-from densebatch.run.build import build_loaders, materialise_run_model, resolve_config, setup, source_weights
+from densebatch.run.build import build_loaders, eval_store, materialise_run_model, resolve_config, setup, source_weights
+from densebatch.run.context import mesh_line
 from densebatch.run.final import write_final
 from densebatch.run.layout import CHECKPOINT_DIR, FINAL_DIR
 from densebatch.run.lock import RunLock
+from densebatch.run.preference import is_pairs, pairs_before_training, preference_steps
 from densebatch.run.report import report_lines
 from densebatch.run.resume import resolve_run
 from densebatch.train.checkpoint.manager import CheckpointManager
@@ -40,6 +42,7 @@ from densebatch.train.observe.health import HealthMonitor, default_memory_limit_
 from densebatch.train.observe.monitor import METRICS_FILE, truncate_metrics
 from densebatch.train.observe.plots import PLOTS_DIR, plot_run
 from densebatch.train.observe.sinks import build_sinks as sinks_for
+from densebatch.train.parallel.mesh import ContextRanks
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts
 from densebatch.train.schedule import BatchSchedule
 from densebatch.train.session import Session
@@ -64,8 +67,9 @@ def _train(requested: RunConfig, *, overrides: list[str], resume: bool, overwrit
     )  # resolve
     run = build_run(cfg, dist, start_over)  # build
     if dist.is_main:  # report
-        for line in report_lines(run.cfg, run.prepared, run.loader, run.weights):
-            print(line, flush=True)
+        for line in [*report_lines(run.cfg, run.prepared, run.loader, run.weights), mesh_line(run.cfg, run.context)]:
+            if line is not None:
+                print(line, flush=True)
     trainer = build_trainer(run, dist)
     final_cfg = resolve_lr(run.cfg, trainer, dist)  # train.lr: auto: the range test on this trainer, which takes the rate
     out = Path(final_cfg.output_dir)
@@ -103,6 +107,7 @@ class Run:
     eval_data: Callable[[], Iterable] | None
     weights: list[float] | None
     accuracy: AccuracyCheck | None
+    context: ContextRanks  # the data x context mesh (train.context_parallel)
 
 
 def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] | None) -> Run:
@@ -121,10 +126,15 @@ def build_run(cfg: RunConfig, dist: Distributed, start_over: Callable[[], None] 
     else:  # the budget is found before DDP wraps the model
         sized = resolve_budget(cfg, model=s.model, prepared=s.prepared, dist=dist)
         forward = wrap_model(s.model, cfg.train.distributed, dist, cfg.train.precision)
-    loader, eval_data = build_loaders(sized, s.prepared, dist)
+    reference = None
+    if is_pairs(s.prepared.train):  # preference pairs: whole in every row; dpo's reference scored once if precomputed
+        reference = pairs_before_training(
+            sized, model=s.model, prepared=s.prepared, device=s.device, dist=dist, eval_store=eval_store
+        )
+    loader, eval_data = build_loaders(sized, s.prepared, dist, s.context, reference)
     weights = source_weights(sized, s.prepared, loader)
     accuracy = accuracy_check(sized, s.prepared, dist)
-    return Run(sized, s.prepared, s.model, s.device, forward, loader, eval_data, weights, accuracy)
+    return Run(sized, s.prepared, s.model, s.device, forward, loader, eval_data, weights, accuracy, s.context)
 
 
 def build_trainer(run: Run, dist: Distributed) -> Trainer:
@@ -139,11 +149,12 @@ def build_trainer(run: Run, dist: Distributed) -> Trainer:
     return Trainer(
         run.model, run.loader, t, output_dir=out,
         evaluation=Evaluation(cfg.eval, run.eval_data, accuracy_entries(cfg, run.accuracy, tok) if run.accuracy is not None else None),
-        placement=Placement(run.device, dist, run.forward),
+        placement=Placement(run.device, dist, run.forward, run.context),
         parts=StepParts(
             guard=AnomalyGuard(t.guard.spike_zscore, t.guard.spike_window, t.guard.max_bad_steps),
             clipper=AdaptiveClipper(ceiling=t.grad_clip) if t.grad_clip_mode == "adaptive" else FixedClipper(t.grad_clip),
             batch_schedule=BatchSchedule.from_config(t.batch_schedule), source_weights=run.weights,
+            objective=preference_steps(cfg, run.model, sharded=t.distributed == "fsdp" and dist.enabled),
         ),
         reporting=Reporting(
             sinks=build_sinks(cfg, out) if dist.is_main else (), health=build_health(cfg, run.device),

@@ -1,4 +1,4 @@
-"""The training loop: turn steps of batches into optimizer updates whose loss is exact in tokens.
+"""The training loop: turn steps of batches into optimizer updates whose loss is exact in tokens (one concept, 402 lines: a step, its evaluation and the run read in one place).
 
 Each step's batches come planned (``Step``, from the data layer's ``StepLoader``; a plain iterable
 of ``Batch`` is grouped here by ``grad_accum_batches`` / ``loss_tokens_per_step``). The loop counts
@@ -33,6 +33,8 @@ from densebatch.train.evaluate import EvalResult, eval_record, evaluate
 from densebatch.train.guard import AnomalyGuard, FixedClipper
 from densebatch.train.observe.monitor import METRICS_FILE, Console, MetricsWriter, finish_run, format_summary, resource_usage
 from densebatch.train.optim import build_optimizer, estimate_total_steps, lr_record, set_lrs
+from densebatch.train.parallel.mesh import ContextRanks
+from densebatch.train.parallel.shards import ShardedSteps, shard_batch
 from densebatch.train.parts import Evaluation, Placement, Reporting, StepParts, load_parts
 from densebatch.train.passes import OOMLog, Passes, accumulate
 from densebatch.train.per_source import SourceLosses, SourceWeights, step_denominator
@@ -102,12 +104,16 @@ class Trainer:
         self.params = [p for g in self.optimizer.param_groups for p in g["params"]]  # what the optimizer updates
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == "fp16")
         self.data: StepSource = data if isinstance(data, StepSource) else BatchSteps(data, cfg)
+        self.context = placement.context or ContextRanks()  # rows split over context ranks: each pass takes its columns
+        if self.context.split:
+            self.data = ShardedSteps(self.data, self.context)
         schedule = parts.batch_schedule
         self.batch_schedule = schedule.attach(self.data) if schedule is not None else None  # train/schedule.py
         self.guard = parts.guard if parts.guard is not None else AnomalyGuard(spike_zscore=0.0, max_bad_steps=None)
         self.clipper = parts.clipper if parts.clipper is not None else FixedClipper(cfg.grad_clip)
         self.eval_data = evaluation.data
         self.evaluate_fn = evaluation.extra
+        self.objective = parts.objective  # a preference objective's steps (train/objectives/); None: sft
         names = reporting.source_names
         self.source_names = list(names) if names and len(names) > 1 else None  # with two or more: loss per source
         self.source_losses: SourceLosses | None = None  # the current step's, with two or more sources
@@ -183,6 +189,8 @@ class Trainer:
         Returns the step's loss and token counts over all ranks. Gradients carry the fp16 loss scale
         when it is on (``scaler.unscale_`` removes it). The passes run in ``train/passes.py``: a batch that
         runs out of memory is split by rows and retried within the step (``oom_splits`` counts splits)."""
+        if self.objective is not None:
+            return self.objective.forward_backward(self, batches)
         batches = list(batches)
         local, total, denom = step_denominator(batches, self.source_weights, self.dist, self.device)
         sources = self.source_losses = SourceLosses(self.source_names, self.device) if self.source_names else None
@@ -278,6 +286,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------- eval
     def evaluate_batches(self, batches: Iterable[Batch], max_batches: int | None = None) -> EvalResult:
         """``evaluate`` on ``batches`` through this trainer's model wrapper, device, precision and ranks."""
+        if self.objective is not None:
+            return self.objective.evaluate(self, batches, max_batches)
+        if self.context.split:
+            batches = (shard_batch(b, self.context) for b in batches)
         return evaluate(
             self.model, batches, device=self.device, precision=self.precision, max_batches=max_batches,
             all_reduce_sum=self.dist.all_reduce_sum if self.dist.enabled else None, forward=self.forward,

@@ -19,6 +19,7 @@ from densebatch.config import EvalConfig
 from densebatch.train.distributed import Distributed
 from densebatch.train.guard import AdaptiveClipper, AnomalyGuard, FixedClipper
 from densebatch.train.observe.health import HealthMonitor
+from densebatch.train.parallel.mesh import ContextRanks
 from densebatch.train.schedule import BatchSchedule
 
 
@@ -37,11 +38,13 @@ class Evaluation:
 class Placement:
     """Where the trainer runs: ``device`` (None: ``train.device``), ``dist`` (ranks and collectives; None: one
     process) and ``forward``, the module every training pass goes through (None: ``TokenLosses(model)``;
-    under torchrun its DDP / FSDP wrapper)."""
+    under torchrun its DDP / FSDP wrapper) and ``context``, this rank's place among ranks that split every row
+    (``train.context_parallel``; None: rows are not split)."""
 
     device: str | torch.device | None = None
     dist: Distributed | None = None
     forward: nn.Module | None = None
+    context: ContextRanks | None = None
 
 
 @dataclass
@@ -50,12 +53,15 @@ class StepParts:
     ``guard`` (apply, skip or roll back; None: skip non-finite steps, never roll back), ``clipper`` (None: a
     fixed clip at ``train.grad_clip``) and ``batch_schedule`` (each step's size; None: full size); and
     ``source_weights``, each source's weight of its loss tokens in the gradient (``train.source_balance``;
-    None: every loss token alike), which the data decides, so no checkpoint holds it."""
+    None: every loss token alike), which the data decides, so no checkpoint holds it; ``objective``, what
+    a step's loss and an evaluation are when it is not the loss tokens' cross-entropy (a preference
+    objective's ``PreferenceSteps``), which holds no state either."""
 
     guard: AnomalyGuard | None = None
     clipper: FixedClipper | AdaptiveClipper | None = None
     batch_schedule: BatchSchedule | None = None
     source_weights: Sequence[float] | None = None
+    objective: Any = None  # a preference objective's steps and evaluation (train/objectives/steps.py); None: sft
 
 
 @dataclass

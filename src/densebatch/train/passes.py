@@ -102,6 +102,9 @@ def split_rows(batch: Batch) -> list[Batch]:
                 single_doc_rows=bool(batch.single_doc_rows),
                 max_position=int(batch.positions[a:b].max()),
                 source_ids=None if batch.source_ids is None else batch.source_ids[a:b],
+                pairs=None if batch.pairs is None else batch.pairs.row_slice(a, b),  # a pair lies in one row
+                cu_seqlens=None,  # the halves' bounds are found from their positions
+                max_seqlen=None,
             )
         )
     return out
@@ -160,18 +163,22 @@ class Passes:
     console: Any  # .message(text)
     oom: OOMLog
     source_weights: SourceWeights | None = None  # each source's weight of its loss tokens (None: all alike)
+    # An objective's pass (train/objectives/steps.py): batch on the device -> (its share of the step's loss, to
+    # back-propagate as it is; what the pass reports, summed over the step's passes); None: the summed CE / denom
+    loss_of: Callable[[Batch], tuple[Tensor, Tensor]] | None = None
 
 
 def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, int]:
     """Zero the gradients, then back-propagate ``sum(token losses) / denom`` of every batch through
-    ``p.forward`` (DDP's reduction on the step's last pass only). Returns (the summed loss of
-    the step on this rank, a float64 scalar; how many splits out-of-memory errors caused). The first
-    split of a run is printed once on the trainer's console; the step's record counts them."""
+    ``p.forward`` (DDP's reduction on the step's last pass only), or what ``p.loss_of`` says. Returns (the
+    summed loss of the step on this rank, a float64 scalar, or the sum of what ``loss_of`` reports; how many
+    splits out-of-memory errors caused). The first split of a run is printed once on the trainer's console;
+    the step's record counts them."""
     pieces = [[b] for b in batches]  # each batch as the parts it runs in
     splits = 0
     while True:
         p.optimizer.zero_grad(set_to_none=True)
-        loss = torch.zeros((), dtype=torch.float64, device=p.device)
+        loss: Tensor | None = None
         if p.source_losses is not None:
             p.source_losses.zero()  # a replayed step counts its sources afresh
         replay = False
@@ -181,7 +188,8 @@ def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, i
                 stage = _Stage()
                 try:
                     last = i == len(pieces) - 1 and j == len(parts) - 1
-                    loss += _pass(p, batch=parts[j], denom=denom, last=last, stage=stage)
+                    got = _pass(p, batch=parts[j], denom=denom, last=last, stage=stage)
+                    loss = got if loss is None else loss + got
                     j += 1
                     continue
                 except RuntimeError as e:
@@ -202,13 +210,19 @@ def accumulate(p: Passes, batches: list[Batch], denom: float) -> tuple[Tensor, i
             if replay:
                 break
         if not replay:
-            return loss, splits
+            return (loss if loss is not None else torch.zeros((), dtype=torch.float64, device=p.device)), splits
 
 
 def _pass(p: Passes, *, batch: Batch, denom: float, last: bool, stage: _Stage) -> Tensor:
     batch = to_device(batch, p.device)
     # the backward too runs inside the sync context: DDP decides at forward time, FSDP2 at backward time
     with p.sync(last):
+        if p.loss_of is not None:  # an objective's own loss (train/objectives/)
+            with autocast(p.device, p.precision):
+                loss, report = p.loss_of(batch)
+            stage.backward = True
+            p.scaler.scale(loss).backward()
+            return report
         with autocast(p.device, p.precision):  # losses: (rows, T) float32, 0 where label == -100
             weighted, losses = weighted_losses(p.forward, batch, p.source_weights)  # the weighted sum, the plain CE
         summed = losses.float().sum()

@@ -145,6 +145,7 @@ def step_record(st: TrainState, *, step: Step, stats: dict, outcome: StepOutcome
     for key in ("loss_by_source", "loss_tokens_share_by_source"):
         if key in stats:
             rec[key] = stats[key]
+    rec.update(stats.get("record", {}))  # an objective's own metrics (train/objectives/steps.py)
     if stats.get("oom_splits"):  # a batch ran out of memory and was split by rows (train/passes.py)
         rec["oom_splits"] = stats["oom_splits"]
     return rec

@@ -39,12 +39,14 @@ class StepStats(dict):
         source_names: list[str] | None,
         by_source,
         has_targets: bool = False,
+        entries=None,
     ):
         super().__init__(known)
         if not isinstance(total, torch.Tensor):
             self["loss_tokens"] = int(total)
         self.has_targets = has_targets
         self._pending = (sums, total, source_names, by_source)
+        self._entries = entries  # (loss sum, the extra sums) -> entries that replace or add to the defaults
 
     @classmethod
     def gather(
@@ -57,15 +59,21 @@ class StepStats(dict):
         total,
         has_targets: bool,
         dist,
+        extra: torch.Tensor | None = None,
+        entries=None,
     ) -> StepStats:
         """The stats of a step whose passes summed ``loss`` (this rank's, on the device) over ``batches``: the
         loss sum, real tokens and slots (and the sums per source) all-reduced in one collective, left on the
-        device until ``read``; ``total``: the step's loss tokens over ranks (a number, or a device tensor)."""
+        device until ``read``; ``total``: the step's loss tokens over ranks (a number, or a device tensor).
+        ``extra``: more sums of an objective's (train/objectives/steps.py), all-reduced with the rest, which
+        ``entries(loss sum, extra sums)`` turns into the entries that replace the loss or add to the stats."""
         real, slots = sum(b.num_real_tokens for b in batches), sum(b.num_slots for b in batches if not b.is_null)
         sums = torch.tensor([0.0, real, slots], dtype=torch.float64, device=loss.device)  # CE sum, real tokens, slots
         sums[0] = loss
         if sources is not None:  # per source: loss sums, then loss tokens (one all-reduce with the rest)
             sums = torch.cat([sums, sources.sums])
+        if extra is not None:
+            sums = torch.cat([sums, extra.to(sums)])
         return cls(
             {"batches": len(batches), "oom_splits": splits},
             sums=dist.all_reduce_sum(sums),
@@ -73,6 +81,7 @@ class StepStats(dict):
             source_names=sources.names if sources is not None else None,
             by_source=by_source,
             has_targets=has_targets,
+            entries=entries,
         )
 
     def read(self, extra: torch.Tensor | None = None) -> float | None:
@@ -93,6 +102,8 @@ class StepStats(dict):
         self.update({"loss": loss_sum / total if total > 0 else math.nan, "real_tokens": int(real), "slot_tokens": int(slots)})
         if names:
             self["loss_by_source"], self["loss_tokens_share_by_source"] = by_source(values[3 : 3 + 2 * len(names)], names)
+        if self._entries is not None:
+            self.update(self._entries(loss_sum, values[3 + 2 * len(names or ()) : len(sums)]))
         return values[-1] if extra is not None else None
 
     def is_empty(self) -> bool:

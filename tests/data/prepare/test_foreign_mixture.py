@@ -10,7 +10,7 @@ import os
 import fault_driver as fd
 import numpy as np
 import pytest
-from support import documents_of, split_of
+from support import documents_of, served_loss_tokens, split_of
 
 from densebatch.cli import main
 from densebatch.config import DataConfig, SourceConfig
@@ -89,6 +89,7 @@ def test_each_writers_documents_token_for_token_source_after_source_eval_per_sou
         mask = read_ranges(store.loss_mask, starts, starts + lengths)
         assert (mask == np.concatenate([np.r_[0, np.ones(n - 1)] for n in lengths])).all()  # the first is never a target
         assert (np.asarray(store.doc_loss_tokens) == lengths - 1).all()
+        assert (np.asarray(store.doc_loss_tokens) == served_loss_tokens(store)).all()
         assert store.num_tokens == int(lengths.sum()) and store.max_length == int(lengths.max())
     facts = {x["name"]: x for x in p.summary.sources}
     assert [facts[n]["documents"] for n in ("web", "code")] == [len(web_train), len(code_train)]

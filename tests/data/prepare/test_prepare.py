@@ -9,6 +9,7 @@ import shutil
 
 import numpy as np
 import pytest
+from support import served_loss_tokens
 
 from densebatch.config import CleanConfig
 from densebatch.data.prepare.pipeline import prepare
@@ -54,6 +55,7 @@ def test_loss_mask_is_the_response_by_position(data_cfg, tmp_path, records, writ
         t, m = p.train.document(i)
         n_prompt = len(alpaca_prompt(records[i]["instruction"], records[i]["input"]).encode())
         assert m[:n_prompt].sum() == 0 and m[n_prompt:].all() and t[-1] == p.tokenizer.eos_id
+    assert np.asarray(p.train.doc_loss_tokens).tolist() == served_loss_tokens(p.train).tolist()  # counts: what is served
     # loss_on=all: identical tokens, every token but the first carries loss.
     q = prepare(data_cfg(path=str(path), loss_on="all"))
     assert np.array_equal(np.asarray(q.train.tokens), np.asarray(p.train.tokens))

@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 import pytest
-from support import documents_of
+from support import documents_of, served_loss_tokens
 
 from densebatch.cli import main
 from densebatch.config import DataConfig
@@ -53,6 +53,7 @@ def test_every_integer_dtype_token_for_token_across_chunks(tmp_path, dtype, nump
     assert documents_of(p.train) == docs  # 8-byte ids 4 bytes off alignment included
     starts, lengths = p.train.doc_spans(np.arange(len(p.train)))  # and their loss masks (starts out of order)
     assert read_ranges(p.train.loss_mask, starts, starts + lengths).tolist() == [x for n in lengths for x in [0] + [1] * (n - 1)]
+    assert np.asarray(p.train.doc_loss_tokens).tolist() == served_loss_tokens(p.train).tolist()  # the counts are what is served
     assert sorted((p.name, p.stat().st_mtime_ns) for p in folder.iterdir()) == before
 
 

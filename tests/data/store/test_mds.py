@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from support import documents_of
+from support import documents_of, served_loss_tokens
 
 from densebatch.cli import main
 from densebatch.config import DataConfig, FieldsConfig
@@ -96,6 +96,7 @@ def test_every_encoding_and_dtype_token_for_token_across_shards(writer, tmp_path
     before = snapshot(folder)
     p = prepare(cfg(folder, tmp_path, eval_fraction=0, **extra))
     assert documents_of(p.train) == docs and masks_right(p.train)
+    assert np.asarray(p.train.doc_loss_tokens).tolist() == served_loss_tokens(p.train).tolist()  # counts: what is served
     mappings = getattr(p.train.tokens, "parts", [p.train.tokens])  # each read by positioned reads, nothing left resident
     assert all(store_io._file_of(m) is not None for m in mappings)
     assert snapshot(folder) == before  # nothing written beside the corpus

@@ -8,7 +8,7 @@ import signal
 import fault_driver as fd
 import numpy as np
 import pytest
-from support import documents_of, split_of
+from support import documents_of, served_loss_tokens, split_of
 
 from densebatch.cli import main
 from densebatch.config import DataConfig
@@ -92,6 +92,8 @@ def test_overlong_short_and_eval_path(tmp_path):
     assert documents_of(p.train) == [[2, 3], list(range(16)), list(range(10))]
     assert documents_of(p.eval) == [[5, 6, 7]]
     assert p.summary.truncated == 1 and p.summary.dropped_no_target == 1
+    for store in (p.train, p.eval):  # each document's loss tokens are the targets the collator serves
+        assert np.asarray(store.doc_loss_tokens).tolist() == served_loss_tokens(store).tolist()
     q = prepare(cfg_for(tmp_path / "train", tmp_path, eval_fraction=0, max_seq_len=16, overlong="drop"))
     assert documents_of(q.train) == [[2, 3], list(range(10))] and q.summary.dropped_overlong == 1
 

@@ -72,3 +72,16 @@ def test_parts_out_of_source_order_are_refused():
     one = DocumentStore.from_documents([([1, 2], [0, 1])], {"eos_id": 0})
     with pytest.raises(ValueError, match="source after source"):
         MixedStore([(one, 1), (one, 0)], {"sources": ["a", "b"]})
+
+
+def test_arrays_read_as_one_keep_every_id_in_one_integer_type():
+    """joined.read_as_one, which a mixture's stores and a foreign corpus's files share: the widest integer type of
+    the parts, int64 where numpy's rule gives float64 (uint64 beside int64: the ids of a uint64 corpus beside
+    int64 ones), the dtype asked for, and a single array as it is when it has that dtype."""
+    from densebatch.data.store.joined import read_as_one
+
+    big, signed = np.array([2**40, 7], np.uint64), np.array([3, 4], np.int64)
+    both = read_as_one([big, signed])
+    assert both.dtype == np.int64 and read_ranges(both, np.array([0]), np.array([4])).tolist() == [2**40, 7, 3, 4]
+    assert read_as_one([np.zeros(2, np.uint16), np.zeros(1, np.uint32)]).dtype == np.uint32
+    assert read_as_one([signed]) is signed and read_as_one([signed], np.uint32).dtype == np.uint32

@@ -159,7 +159,7 @@ def test_a_transformers_loop_giving_only_position_ids_keeps_packed_documents_apa
     """``densebatch.register_attention()`` and the model called directly with packed rows whose positions
     restart at each document, no ``cu_seq_lens`` (what ``DataCollatorWithFlattening`` gives by default):
     each document's logits are its logits alone. Falcon's layers pass on only the positions."""
-    from densebatch.hf_trainer import register_attention
+    from densebatch.integrations.hf_trainer import register_attention
 
     transformers = pytest.importorskip("transformers")
     register_attention()

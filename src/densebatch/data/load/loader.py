@@ -53,6 +53,7 @@ class StepLoader:
         pin_memory: bool | None = None,
         max_epochs: float | None = None,
         weights: tuple[float, ...] | None = None,
+        lengths=None,
     ):
         if prefetch < 0:
             raise ValueError(f"prefetch: expected 0 or more steps; got {prefetch}")
@@ -61,7 +62,9 @@ class StepLoader:
         self.seed, self.prefetch = int(seed), prefetch
         self.rank, self.world_size = self.step_settings.rank, self.step_settings.world_size
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.lengths = store.lengths  # as stored (uint32 memory-mapped from disk): never copied whole
+        # as stored (uint32 memory-mapped from disk): never copied whole; or as laid out when that differs
+        # (``lengths``: preference pairs with their prompt laid twice, run/preference.py)
+        self.lengths = store.lengths if lengths is None else lengths
         self.pad_id = int(collator.pad_id)
         self.max_epochs = max_epochs
         self.weights = weights  # data.sources' weights (store order); None: every document once an epoch

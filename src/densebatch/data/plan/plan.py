@@ -73,7 +73,7 @@ class Plan:
         rl = self.row_lengths()
         real = _segment_sum(rl, self.batch_ptr)
         longest = _segment_max(rl, self.batch_ptr)
-        slots = np.diff(self.batch_ptr) * _round_up(longest, self.pad_to_multiple_of)
+        slots = np.diff(self.batch_ptr) * round_up(longest, self.pad_to_multiple_of)
         return real, slots
 
     def stats(self) -> dict:
@@ -116,7 +116,8 @@ def join_plans(parts: list[Plan], pad_to_multiple_of: int = 1) -> Plan:
     )
 
 
-def _round_up(x, m: int):
+def round_up(x, m: int):
+    """``x`` (a number or an array) rounded up to a multiple of ``m``, as an array: the padded length of a row."""
     return (np.asarray(x) + m - 1) // m * m if m > 1 else np.asarray(x)
 
 

@@ -30,7 +30,7 @@ from densebatch.data.plan.packing import (
     ranges,
     sorted_desc,
 )
-from densebatch.data.plan.plan import Plan, _round_up
+from densebatch.data.plan.plan import Plan, round_up
 from densebatch.data.plan.steps import rows_of
 
 GROUPED_BUNDLE_QUANTILE = 0.9  # length_grouped, bundle_tokens auto: bundle documents up to this quantile of lengths
@@ -38,10 +38,6 @@ _EXACT_TOKEN_BUDGET_MAX = 20_000  # exact DP up to this many pieces (and work be
 _EXACT_TOKEN_BUDGET_WORK = 40_000_000  # pieces x DP window: ~0.5 s of numpy
 
 Row = tuple[int, str | None]  # (tokens, the setting that bounds them; None: the longest document does)
-
-
-def _up(n: int, m: int) -> int:
-    return -(-int(n) // m) * m
 
 
 def _budget(s) -> int | None:
@@ -78,9 +74,14 @@ class Strategy:
         this strategy's rows hold whole documents (or its budget is still ``auto``)."""
         return None
 
+    def bundle_cap(self, s, lengths: np.ndarray) -> int:
+        """Pieces up to this many tokens are bundled before they are laid out (0: none are), for an epoch of
+        documents of ``lengths``."""
+        return 0
+
     def eval_settings(self, s, longest: int):
         """``s`` with a budget that holds one longest document: evaluation never splits or truncates one."""
-        return replace(s, max_tokens_per_batch=max(s.max_tokens_per_batch, _up(longest, s.pad_to_multiple_of)))
+        return replace(s, max_tokens_per_batch=max(s.max_tokens_per_batch, int(round_up(longest, s.pad_to_multiple_of))))
 
     def budget_range(self, s, lengths: np.ndarray) -> tuple[int, int, int]:
         """(unit, lowest, highest) budget worth trying on ``lengths``; ``ValueError`` for rows sized by count."""
@@ -184,19 +185,24 @@ class TokenBudget(Strategy):
     sized_by_budget = True
     reads = ("max_tokens_per_batch", "bundle_tokens", "long_docs")
 
-    def bundle_cap(self, s, row_cap: int) -> int:
-        """Pieces up to this many tokens are bundled, for rows of at most ``row_cap`` tokens: auto = a fifth
-        of the budget (bundles under two fifths, so a batch holds two or more), and never more than half a
-        row, so that a bundle fits one. A fifth: on oasst-threads at 8,192, batches then hold 0.85 of the
-        budget in real tokens (a quarter: 0.82, an eighth: 0.88), while batches of two tasks of different
-        lengths stay mixed (homogeneity 0.07; an eighth: 0.38)."""
+    @staticmethod
+    def row_cap(s) -> int:
+        """The longest row (and piece) a plan lays out: the budget rounded down to ``pad_to_multiple_of``, so that
+        one row's padded slots fit the budget. Longer documents are split or truncated to it."""
+        return s.max_tokens_per_batch // s.pad_to_multiple_of * s.pad_to_multiple_of
+
+    def bundle_cap(self, s, lengths: np.ndarray) -> int:
+        """Pieces up to this many tokens are bundled: auto = a fifth of the budget (bundles under two fifths, so
+        a batch holds two or more), and never more than half a row (``row_cap``), so that a bundle fits one. A
+        fifth: on oasst-threads at 8,192, batches then hold 0.85 of the budget in real tokens (a quarter: 0.82,
+        an eighth: 0.88), while batches of two tasks of different lengths stay mixed (homogeneity 0.07; an
+        eighth: 0.38)."""
         cap = s.max_tokens_per_batch // 5 if s.bundle_tokens == "auto" else int(s.bundle_tokens)
-        return min(cap, row_cap // 2)
+        return min(cap, self.row_cap(s) // 2)
 
     def plan(self, lengths, s, rng) -> Plan:
-        cap = s.max_tokens_per_batch // s.pad_to_multiple_of * s.pad_to_multiple_of
-        pc = cut_long(lengths, cap, s.long_docs)
-        bundled = self.bundle_cap(s, cap)
+        pc = cut_long(lengths, self.row_cap(s), s.long_docs)
+        bundled = self.bundle_cap(s, lengths)
         items = bundle(pc.plen, bundled, rng, fillers=0.0) if bundled else None
         ilen = pc.plen if items is None else items.length
         order = desc_random_ties(ilen, rng) if items is None else desc_stable(ilen)  # items come shuffled
@@ -204,10 +210,10 @@ class TokenBudget(Strategy):
         n = len(sorted_len)
         widest = s.max_tokens_per_batch // max(1, int(sorted_len[-1])) if n else 0  # DP window of the shortest
         if n <= _EXACT_TOKEN_BUDGET_MAX and n * min(n, widest) <= _EXACT_TOKEN_BUDGET_WORK:
-            r = _round_up(sorted_len, s.pad_to_multiple_of)
+            r = round_up(sorted_len, s.pad_to_multiple_of)
             cuts = exact_cuts(r, s.max_tokens_per_batch // r)
         else:
-            h = np.bincount(_round_up(ilen, s.pad_to_multiple_of))[::-1]  # runs of equal rounded length
+            h = np.bincount(round_up(ilen, s.pad_to_multiple_of))[::-1]  # runs of equal rounded length
             vals = np.arange(len(h) - 1, -1, -1)[h > 0]
             cuts = greedy_cuts(np.cumsum(h[h > 0]), s.max_tokens_per_batch // vals)
         bperm = rng.permutation(len(cuts) - 1)
@@ -222,28 +228,26 @@ class TokenBudget(Strategy):
         return Plan(*pc.take(pieces, pc.plen[pieces]), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
 
     def longest_row(self, s, longest_doc: int) -> Row:
-        budget = _budget(s)
-        if budget is None:
+        if _budget(s) is None:
             return int(longest_doc), None
-        return min(int(longest_doc), budget), "max_tokens_per_batch"
+        return min(int(longest_doc), self.row_cap(s)), "max_tokens_per_batch"
 
     def truncation_cap(self, s) -> Row | None:
-        budget = _budget(s)
-        if s.long_docs != "truncate" or budget is None:
+        if s.long_docs != "truncate" or _budget(s) is None:
             return None
-        return budget // s.pad_to_multiple_of * s.pad_to_multiple_of, "max_tokens_per_batch"
+        return self.row_cap(s), "max_tokens_per_batch"
 
     def budget_range(self, s, lengths) -> tuple[int, int, int]:
         """From one longest document to all documents at once."""
         m = s.pad_to_multiple_of
-        longest = _up(np.asarray(lengths, np.int64).max(), m)
+        longest = int(round_up(np.asarray(lengths, np.int64).max(), m))
         return m, longest, longest * len(lengths)
 
     def worst_batches(self, plan, lengths, s) -> list[tuple[list, int]]:
         """Also ``budget // longest`` rows of the longest documents: which long documents meet in one batch
         changes with the budget and the epoch; this bound holds for every epoch."""
         order = np.argsort(-lengths, kind="stable")  # documents, longest first
-        n = max(1, s.max_tokens_per_batch // _up(lengths.max(), s.pad_to_multiple_of))
+        n = max(1, s.max_tokens_per_batch // int(round_up(lengths.max(), s.pad_to_multiple_of)))
         return [*super().worst_batches(plan, lengths, s), ([[(int(d), 0, int(lengths[d]))] for d in order[:n]], 0)]
 
 
@@ -271,17 +275,16 @@ class Packed(Strategy):
             )
         if _budget(s) is not None and self.rows_per_batch(s) < 1:
             raise ValueError(
-                f"max_tokens_per_batch: expected at least one packed row of {_round_up(s.seq_len, s.pad_to_multiple_of)} "
+                f"max_tokens_per_batch: expected at least one packed row of {round_up(s.seq_len, s.pad_to_multiple_of)} "
                 f"slots (seq_len rounded up to pad_to_multiple_of); got {s.max_tokens_per_batch}"
             )
 
     @staticmethod
     def rows_per_batch(s) -> int:
-        return s.max_tokens_per_batch // _round_up(s.seq_len, s.pad_to_multiple_of)
+        return s.max_tokens_per_batch // round_up(s.seq_len, s.pad_to_multiple_of)
 
-    @staticmethod
-    def bundle_cap(s) -> int:
-        """Pieces up to this many tokens are bundled before packing (0: none are)."""
+    def bundle_cap(self, s, lengths: np.ndarray) -> int:
+        """Pieces up to this many tokens are bundled before packing (0: none are): auto = a quarter of a row."""
         return s.seq_len // 4 if s.bundle_tokens == "auto" else int(s.bundle_tokens)
 
     def plan(self, lengths, s, rng) -> Plan:
@@ -289,12 +292,13 @@ class Packed(Strategy):
         pc = cut_long(lengths, S, s.long_docs)
         plen = pc.plen
         rows = self.rows_per_batch(s)
-        if self.bundle_cap(s) < 1:
+        cap = self.bundle_cap(s, lengths)
+        if cap < 1:
             order = desc_random_ties(plen, rng)
             groups = best_fit_decreasing(np.bincount(plen, minlength=S + 1), S)
             src, src_len, row_ptr, batch_ptr = layout_rows(groups, order=order, seq_len=S, rows_per_batch=rows, rng=rng)
             return Plan(*pc.take(src, src_len), row_ptr, batch_ptr, s.pad_to_multiple_of, pc.split, pc.truncated)
-        items = bundle(plen, self.bundle_cap(s), rng)
+        items = bundle(plen, cap, rng)
         order = desc_stable(items.length)  # bundles and single pieces come shuffled: ties need no more randomness
         groups = best_fit_decreasing(np.bincount(items.length, minlength=S + 1), S)
         src, _, item_row_ptr, batch_ptr = layout_rows(groups, order=order, seq_len=S, rows_per_batch=rows, rng=rng)
@@ -310,12 +314,12 @@ class Packed(Strategy):
 
     def eval_settings(self, s, longest: int):
         """Rows at least as long as the longest document, and a budget that holds one such row."""
-        row = _up(max(s.seq_len, int(longest)), s.pad_to_multiple_of)
+        row = int(round_up(max(s.seq_len, int(longest)), s.pad_to_multiple_of))
         return replace(s, seq_len=row, max_tokens_per_batch=max(s.max_tokens_per_batch, row))
 
     def budget_range(self, s, lengths) -> tuple[int, int, int]:
         """Whole rows, from one row to every token at once."""
-        unit = _up(s.seq_len, s.pad_to_multiple_of)
+        unit = int(round_up(s.seq_len, s.pad_to_multiple_of))
         return unit, unit, unit * (int(np.asarray(lengths, np.int64).sum()) // unit + len(lengths) // 8 + 2)
 
 

@@ -103,6 +103,12 @@ def cache_key(cfg: DataConfig, tok: Tokenizer, after: list[str] | tuple[str, ...
         "shard_tokens",
     ):
         settings.pop(k)
+    if cfg.pairs is True:  # pairs: one more setting and three more fields; documents keep the keys they had
+        settings["pairs"] = True
+    else:
+        settings.pop("pairs")
+        for k in ("prompt", "chosen", "rejected"):
+            settings["fields"].pop(k)
     if cfg.path is not None:
         settings.pop("default")
         settings["format"] = detect_format(cfg.path, cfg.format)

@@ -153,6 +153,17 @@ def generate_records(num_records: int = 6000, seed: int = 1234) -> list[dict]:
     return records
 
 
+_ANSWERS = {"key": ("yes", "no"), "color": _COLORS, "upper": ("yes", "no"), "parity": ("even", "odd")}
+
+
+def as_pair(record: dict, index: int, seed: int) -> dict:
+    """``record`` as a preference pair (``data.pairs``): its answer chosen, a wrong answer of its task rejected
+    (the other one, or another color drawn from (seed, index)); instruction and input stay the prompt."""
+    wrong = [a for a in _ANSWERS[record["task"]] if a != record["output"]]
+    rejected = wrong[0] if len(wrong) == 1 else random.Random(f"{seed}:{index}").choice(wrong)
+    return {**record, "chosen": record["output"], "rejected": rejected}
+
+
 def check_answer(record: dict, generated_text: str) -> bool:
     """Exact match of the generated answer (up to an end-of-text marker, whitespace stripped)."""
     answer = generated_text.split("<|endoftext|>", 1)[0]

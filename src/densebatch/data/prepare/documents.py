@@ -24,6 +24,8 @@ from densebatch.data.prepare import default_dataset
 from densebatch.data.prepare.chat_template import ChatTemplate
 from densebatch.data.prepare.clean import Cleaner
 from densebatch.data.prepare.dedupe import Signer, dedupe_mode, text_key
+from densebatch.data.prepare.pair_documents import RenderedPair, answer_loss, finish_pair, tokenize_pairs
+from densebatch.data.prepare.pairs import pair_segments
 from densebatch.data.prepare.row_ranges import RowRange, read_range
 from densebatch.data.prepare.sources import BadRecord, LineRange, iter_records, read_jsonl_range
 from densebatch.data.prepare.summary import PrepareSummary
@@ -68,6 +70,7 @@ class Builder:
         self.bad_records: list[BadRecord] | None = [] if collect_bad else None
         # the tokenizer's own chat template (a ConfigError at once when it has none)
         self.chat = ChatTemplate.of(tok) if cfg.template == "chat_template" else None
+        self.pairs = cfg.pairs is True  # records are preference pairs (data.pairs, resolved by the run)
 
     def bad(self, b: BadRecord) -> None:
         if self.bad_records is not None:
@@ -99,7 +102,7 @@ class Builder:
             d = self.cfg.default
             for i, r in enumerate(default_dataset.generate_records(d.num_records, d.seed)):
                 self.s.records_read += 1
-                yield f"default dataset: record {i}", r
+                yield f"default dataset: record {i}", default_dataset.as_pair(r, i, d.seed) if self.pairs else r
             return
         first = True
         chunked = fmt == "text" and self.cfg.text_split == "chunks"  # blocks of running text (text_blocks.py)
@@ -124,9 +127,10 @@ class Builder:
     def documents(self, items: list[tuple[str, dict]], pretokenized_ok: bool = True) -> list[Doc]:
         """Render, clean, filter and tokenize ``items`` (in order); bad ones are reported."""
         rendered: list[tuple[int, dict, list, tuple]] = []
+        paired: list[RenderedPair] = []
         docs: list[tuple[int, Doc]] = []
         for pos, (where, rec) in enumerate(items):
-            if pretokenized_ok and self.cfg.fields.input_ids in rec:
+            if pretokenized_ok and self.cfg.fields.input_ids in rec and not self.pairs:
                 try:
                     docs.append((pos, self._pretokenized(rec)))
                 except RecordError as e:
@@ -134,7 +138,11 @@ class Builder:
                 continue
             self.cleaner.start_record()
             try:
-                segments = render(rec, self.cfg, self.cleaner.transform, self.chat)
+                if self.pairs:  # a preference pair: its prompt and two answers (pairs.py)
+                    pair = pair_segments(rec, self.cfg, self.cleaner.transform, self.chat)
+                    segments = [*pair.prompt, *pair.chosen, *pair.rejected]
+                else:
+                    segments = render(rec, self.cfg, self.cleaner.transform, self.chat)
             except RecordError as e:
                 self.bad(BadRecord(where, e.reason, e.message))
                 continue
@@ -146,8 +154,20 @@ class Builder:
             text = "".join(t for t, _ in segments)
             if self.cleaner.keep(text):
                 signed = self.signer.sign("\n".join(self.cleaner.values)) if self.signer is not None else None
-                rendered.append((pos, rec, segments, (text_key(text), *(signed or (None, None)))))
+                keys = (text_key(text), *(signed or (None, None)))
+                if self.pairs:
+                    paired.append(RenderedPair(pos, where, rec, pair, keys))
+                else:
+                    rendered.append((pos, rec, segments, keys))
         docs += self._tokenize(rendered)
+        if paired:
+            made, bad = tokenize_pairs(self.tok, paired, self.cfg)
+            for b in bad:
+                self.bad(b)
+            by_pos = {it.pos: it for it in paired}
+            docs += [
+                (pos, Doc(record_key(by_pos[pos].record), t, m, by_pos[pos].record, *by_pos[pos].keys)) for pos, (t, m) in made
+            ]
         docs.sort(key=lambda x: x[0])  # input order, pre-tokenised records among the others
         return [d for _, d in docs]
 
@@ -240,6 +260,14 @@ class Builder:
 
 def finish_one(d: Doc, cfg: DataConfig) -> int:
     """Apply the overlong policy to ``d`` (in place) and say what became of it (``KEPT`` ... ``DROPPED_NO_LOSS``)."""
+    if cfg.pairs is True:  # a pair (pair_documents.py): its first token is a prompt token, never a target
+        finished = finish_pair(d.tokens, d.mask, cfg)
+        if finished is None:
+            return DROPPED_OVERLONG
+        d.tokens, d.mask, truncated = finished
+        if 0 in answer_loss(d.mask):
+            return DROPPED_NO_LOSS
+        return TRUNCATED if truncated else KEPT
     d.mask[0] = 0  # the first token is never a target
     if len(d.tokens) > cfg.max_seq_len:
         if cfg.overlong == "drop":

@@ -37,7 +37,7 @@ from densebatch.data.prepare.summary import PrepareSummary, percentiles
 from densebatch.data.store.formats import datatrove, litdata, mds, megatron
 from densebatch.data.store.formats.mapped import map_part
 from densebatch.data.store.formats.view import ForeignStore, SplitWriter
-from densebatch.data.store.joined import JoinedArray
+from densebatch.data.store.joined import read_as_one
 from densebatch.data.store.store import marker_ok, read_ranges, room_for_files, staged_store, write_marker
 from densebatch.errors import DataError
 
@@ -99,7 +99,7 @@ def _read(fmt: str, p: Path, cfg: DataConfig) -> Input:
     if fmt in ("litdata", "mds"):
         column, dtype = cfg.fields.input_ids, cfg.bytes_dtype  # mds: which column holds the ids, and a bytes column's dtype
         c = litdata.read_chunk(p) if fmt == "litdata" else mds.read_shard(p, column=column, bytes_dtype=dtype)
-        tokens = _joined([map_part(x) for x in c.parts])
+        tokens = read_as_one([map_part(x) for x in c.parts])
         return Input(c.path, (c.path,), tokens, c.doc_starts, c.doc_lengths, None, tuple(dict(x, loss=None) for x in c.parts))
     d = datatrove.read_shard(p)
     loss_file = d.files[-1] if d.loss is not None else None
@@ -234,14 +234,6 @@ def _loss_tokens(mask: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> n
     return out
 
 
-def _joined(arrays: list[np.ndarray]):
-    if len(arrays) == 1:
-        return arrays[0]
-    joined = JoinedArray(list(arrays))
-    joined.dtype = np.result_type(*[a.dtype for a in arrays])  # the widest: no id is cut when read as one
-    return joined
-
-
 def _build(tmp: Path, *, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[Path], evals: list[Path]) -> PrepareSummary:
     s = PrepareSummary(source=str(cfg.path), format=fmt, tokenizer=tok.name, template="none (token ids as written)")
     s.eval_repeats_train = -1  # not checked: no text (summary: "not checked")
@@ -334,7 +326,7 @@ def _tokens_of(files: list[dict], final: Path):
         if size != f["size"]:
             raise DataError(f"{p}: {size} bytes, {f['size']} when {final} was made: the corpus changed")
         arrays.append(map_part(f))
-    return _joined(arrays)
+    return read_as_one(arrays)
 
 
 def _open(final: Path, tok, t0: float, hit: bool) -> tuple[ForeignStore, ForeignStore | None, object, PrepareSummary, Path]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from densebatch.config import DataConfig
+from densebatch.data.prepare.pairs import pair_text
 from densebatch.data.prepare.templates import EmptiedByCleaning, RecordError, render
 from densebatch.data.prepare.tokenizers import HFTokenizer, PendingBPE, Tokenizer
 from densebatch.data.prepare.vocab import Added, utf8
@@ -61,7 +62,7 @@ def learn_bpe(sources: Iterable[tuple[Iterable[tuple[str, dict]], DataConfig]], 
                     found += 1
                 elif first is None:  # once one is found, the rest is only counted for the message
                     try:
-                        text = "".join(t for t, _ in render(rec, cfg))
+                        text = pair_text(rec, cfg) if cfg.pairs is True else "".join(t for t, _ in render(rec, cfg))
                     except (RecordError, EmptiedByCleaning):
                         continue  # reported when the documents are built
                     rendered += 1

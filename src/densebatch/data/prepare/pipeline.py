@@ -118,6 +118,7 @@ def _meta(tok: Tokenizer, cfg: DataConfig, split: str) -> dict:
         "tokenizer": tok.describe(),
         "template": cfg.template,
         "loss_on": cfg.loss_on,
+        **({"pairs": True} if cfg.pairs is True else {}),  # each document a preference pair (data/store/pair_layout.py)
     }
 
 
@@ -348,6 +349,11 @@ def prepare(cfg: DataConfig) -> Prepared:
     per-source ``share`` (of an epoch's tokens, a plan's) is filled in by the caller that prints it (``run/``)."""
     t0 = time.perf_counter()
     tok = load_data_tokenizer(cfg)
+    if cfg.pairs is True and (foreign_format(cfg) is not None or mixes_foreign(cfg)):
+        raise DataError(
+            f"data.pairs: a corpus of token ids another engine wrote ({foreign_format(cfg) or 'in data.sources'}) holds "
+            "documents, not preference pairs: give the pairs as records (prompt, chosen, rejected)"
+        )
     if foreign_format(cfg) is not None:  # a corpus another engine tokenised: read in place (data/store/formats)
         prepared = Prepared(*prepare_foreign(cfg, tok, lambda split: _meta(tok, cfg, split), t0))
     elif mixes_foreign(cfg):  # a mixture holding such a corpus: each source its own entry, read as one store

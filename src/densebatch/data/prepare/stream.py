@@ -58,6 +58,7 @@ from densebatch.data.prepare.row_ranges import RowRange, cut
 from densebatch.data.prepare.sources import LineRange, jsonl_ranges
 from densebatch.data.prepare.summary import PrepareSummary
 from densebatch.data.prepare.tokenizers import Tokenizer
+from densebatch.data.store.pair_layout import loss_bit
 from densebatch.errors import DataError
 
 CHUNK_FILES = "chunk-{:06d}"
@@ -133,7 +134,7 @@ def write_chunk(b: Builder, *, stage_dir: Path, index: int, docs: list, info: di
         "has_text_key": np.array([d.text_key is not None for d in docs], bool),
         "outcome": outcomes,
         "lengths": np.array([len(d.tokens) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32),
-        "loss": np.array([int(d.mask.sum()) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32),
+        "loss": np.array([int(loss_bit(d.mask).sum()) if o <= TRUNCATED else 0 for d, o in zip(docs, outcomes)], np.uint32),
         "tokens": np.concatenate([d.tokens for d in kept]).astype(np.int32) if kept else np.zeros(0, np.int32),
         "mask": np.concatenate([d.mask for d in kept]).astype(np.uint8) if kept else np.zeros(0, np.uint8),
     }

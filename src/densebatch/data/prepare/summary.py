@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from densebatch.data.store.pair_layout import loss_bit
+
 
 def percentiles(lengths: np.ndarray) -> dict:
     if len(lengths) == 0:
@@ -75,8 +77,8 @@ class PrepareSummary:
         self.train_documents, self.eval_documents = len(train_docs), len(eval_docs)
         self.train_tokens = int(sum(len(d.tokens) for d in train_docs))
         self.eval_tokens = int(sum(len(d.tokens) for d in eval_docs))
-        self.train_loss_tokens = int(sum(int(d.mask.sum()) for d in train_docs))
-        self.eval_loss_tokens = int(sum(int(d.mask.sum()) for d in eval_docs))
+        self.train_loss_tokens = int(sum(int(loss_bit(d.mask).sum()) for d in train_docs))
+        self.eval_loss_tokens = int(sum(int(loss_bit(d.mask).sum()) for d in eval_docs))
         self.lengths = percentiles(np.array([len(d.tokens) for d in train_docs]))
 
     @property

@@ -180,6 +180,8 @@ NAMES = (*TEMPLATES, "chat_template")
 def template_fields(cfg: DataConfig) -> list[tuple[str, str, bool]]:
     """The record fields ``cfg.template`` reads: ``(name, the setting that names it, required)``."""
     f, t = cfg.fields, cfg.template
+    if cfg.pairs is True:  # preference pairs (pairs.py): the answers; the prompt may be implicit in them
+        return [(f.chosen, "data.fields.chosen", True), (f.rejected, "data.fields.rejected", True), (f.prompt, "data.fields.prompt", False)]  # fmt: skip
     if t == "alpaca":
         return [(f.instruction, "data.fields.instruction", True), (f.output, "data.fields.output", True), (f.input, "data.fields.input", False)]  # fmt: skip
     if t in ("chatml", "chat_template"):

@@ -94,6 +94,21 @@ class JoinedArray:
         return np.array(a, np.int64), np.array(b, np.int64)
 
 
+def read_as_one(arrays: list, dtype=None):
+    """``arrays`` end to end, read as one (``JoinedArray``: each part by its own reads, a part may itself be
+    joined; a single array as it is when it already has the dtype), in ``dtype``: by default the widest integer
+    type of the parts, so no id is cut, and int64 where numpy's rule would give float64 (uint64 beside a signed
+    type: token ids fit int64)."""
+    if dtype is None:
+        dtype = np.result_type(*[a.dtype for a in arrays])
+        dtype = np.dtype(np.int64) if dtype.kind == "f" else dtype
+    if len(arrays) == 1 and arrays[0].dtype == dtype:
+        return arrays[0]
+    out = JoinedArray(list(arrays))
+    out.dtype = np.dtype(dtype)
+    return out
+
+
 def _sliced(part: np.ndarray, starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
     return np.concatenate([np.asarray(part[a:b]) for a, b in zip(starts.tolist(), stops.tolist())])
 

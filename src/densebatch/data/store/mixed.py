@@ -23,19 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from densebatch.data.store.joined import JoinedArray
+from densebatch.data.store.joined import read_as_one
 from densebatch.data.store.store import DocumentStore
-
-
-def _joined(arrays: list, dtype=None) -> JoinedArray:
-    """The parts' arrays read as one (each part's own reads: a part may itself be joined), in ``dtype``
-    (default the widest integer type of the parts: no id is cut when read as one)."""
-    out = JoinedArray(list(arrays))
-    if dtype is None:
-        dtype = np.result_type(*[a.dtype for a in arrays])
-        dtype = np.dtype(np.int64) if dtype.kind == "f" else dtype  # uint64 beside a signed type: ids fit int64
-    out.dtype = np.dtype(dtype)
-    return out
 
 
 class MixedStore(DocumentStore):
@@ -50,10 +39,10 @@ class MixedStore(DocumentStore):
         self.parts = stores
         self._doc_base = np.concatenate([[0], np.cumsum([len(s) for s in stores])]).astype(np.int64)
         self._token_base = np.concatenate([[0], np.cumsum([len(s.tokens) for s in stores])]).astype(np.int64)
-        self.tokens = _joined([s.tokens for s in stores])
-        self.loss_mask = _joined([s.loss_mask for s in stores], np.uint8)
-        self.lengths = _joined([s.lengths for s in stores], np.uint32)
-        self.__dict__["doc_loss_tokens"] = _joined([s.doc_loss_tokens for s in stores], np.uint32)
+        self.tokens = read_as_one([s.tokens for s in stores])
+        self.loss_mask = read_as_one([s.loss_mask for s in stores], np.uint8)
+        self.lengths = read_as_one([s.lengths for s in stores], np.uint32)
+        self.__dict__["doc_loss_tokens"] = read_as_one([s.doc_loss_tokens for s in stores], np.uint32)
         k = max(len(meta.get("sources") or [0]), 1 + ids[-1])
         counts = np.bincount(ids, weights=[len(s) for s in stores], minlength=k).astype(np.int64)
         self._source_starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)

@@ -116,8 +116,8 @@ def marker_ok(directory: Path) -> bool:
 
 
 def document_loss_tokens(offsets: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """(n,) uint32: the loss tokens of each whole document (the mask's ones at its targets: every token but
-    the first). Read window by window: memory is one window, not the corpus."""
+    """(n,) uint32: the loss tokens of each whole document (the mask's loss bits at its targets: every token
+    but the first; a pair's mask also holds its parts, ``pair_layout.py``). Read window by window: memory is one window, not the corpus."""
     offsets = np.asarray(offsets, np.int64)
     n = len(offsets) - 1
     out = np.zeros(n, np.uint32)
@@ -126,7 +126,7 @@ def document_loss_tokens(offsets: np.ndarray, loss_mask: np.ndarray) -> np.ndarr
         e = max(d + 1, int(np.searchsorted(offsets, offsets[d] + WINDOW_TOKENS, side="right")) - 1)
         e = min(e, n)
         a, b = int(offsets[d]), int(offsets[e])
-        c = np.concatenate([[0], np.cumsum(read_window(loss_mask, a, b), dtype=np.int64)])
+        c = np.concatenate([[0], np.cumsum(read_window(loss_mask, a, b) & 1, dtype=np.int64)])  # the loss bit (pair_layout)
         ends = offsets[d + 1 : e + 1]
         out[d:e] = c[ends - a] - c[np.minimum(offsets[d:e] + 1, ends) - a]  # targets: every token but the first
         d = e

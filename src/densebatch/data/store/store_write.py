@@ -30,7 +30,9 @@ def token_dtype(meta: dict) -> np.dtype:
     return np.dtype(np.uint16) if isinstance(vocab, int) and 0 < vocab <= 1 << 16 else np.dtype(np.int32)
 
 
-def _header(dtype: np.dtype, n: int) -> bytes:
+def npy_header(dtype: np.dtype, n: int) -> bytes:
+    """The version-1.0 ``.npy`` header of a 1-D array of ``n`` ``dtype`` items: 128 bytes for any ``n``, so a file
+    written as its items come gets its final header written over the first."""
     buf = io.BytesIO()
     np.lib.format.write_array_header_1_0(
         buf, {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (n,)}
@@ -49,7 +51,7 @@ class _Shard:
         self.dtypes = dict(zip(self.FILES, (tok_dtype, np.dtype(np.uint8), np.dtype(np.uint32), np.dtype(np.uint32))))
         self.files = {n: open(directory / f"{n}.npy", "wb") for n in self.FILES}  # noqa: SIM115
         for n, f in self.files.items():
-            f.write(_header(self.dtypes[n], 0))
+            f.write(npy_header(self.dtypes[n], 0))
         self.documents = self.tokens = self.loss_tokens = self.max_length = 0
 
     def add(self, tokens: np.ndarray, mask: np.ndarray, lengths: np.ndarray) -> None:
@@ -66,8 +68,8 @@ class _Shard:
     def close(self) -> dict:
         counts = {"tokens": self.tokens, "loss_mask": self.tokens, "lengths": self.documents, "doc_loss": self.documents}
         for name, f in self.files.items():
-            head = _header(self.dtypes[name], counts[name])
-            assert len(head) == len(_header(self.dtypes[name], 0)), "a .npy header changed its size"
+            head = npy_header(self.dtypes[name], counts[name])
+            assert len(head) == len(npy_header(self.dtypes[name], 0)), "a .npy header changed its size"
             f.seek(0)
             f.write(head)
             f.close()

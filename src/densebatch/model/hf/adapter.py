@@ -52,7 +52,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from densebatch.batch import IGNORE_INDEX, Batch
+from densebatch.batch import IGNORE_INDEX, Batch, RowShard
 from densebatch.errors import ConfigError
 from densebatch.model.attention import pick_backend, plan_attention, rows_hold_one_document
 from densebatch.model.hf.attention import NAME as DENSEBATCH
@@ -149,15 +149,20 @@ class HFCausalLM(nn.Module):
         single_doc_rows: bool,
         cu_seqlens: Tensor | None = None,
         max_seqlen: int | None = None,
+        branches: Tensor | None = None,
+        shard: RowShard | None = None,
     ) -> AbstractContextManager[dict]:
         """The model's keyword inputs, as a context (densebatch's attention plan is published while it runs).
         Positions count from 0 in each document; a model whose position table starts after its padding
-        row (RoBERTa: ``padding_idx + 1``) gets them shifted, as it shifts its own."""
+        row (RoBERTa: ``padding_idx + 1``) gets them shifted, as it shifts its own. ``shard``: rows split over
+        context ranks, ``input_ids`` / ``positions`` this rank's columns (their true positions: rotary and
+        position tables read them as they are); the plan is the whole rows' (``Batch.shard``)."""
         given = positions + self.position_offset if self.position_offset else positions
         if self.attn_implementation == DENSEBATCH:
             # The plan is built once here and reaches every layer's attention call as a keyword
             # (transformers forwards unknown keywords to the attention interface), no mask at all.
-            backend = pick_backend(self.attention, input_ids.device, torch.is_grad_enabled(), positions.shape[-1])
+            whole = positions if shard is None else shard.positions
+            backend = pick_backend(self.attention, input_ids.device, torch.is_grad_enabled(), whole.shape[-1])
             plan = plan_attention(
                 positions,
                 backend=backend,
@@ -166,17 +171,22 @@ class HFCausalLM(nn.Module):
                 cu_seqlens=cu_seqlens,
                 max_seqlen=max_seqlen,
                 causal=self.causal,
+                branches=branches,
+                shard=shard,
             )
             return planned(plan, input_ids=input_ids, position_ids=given, use_cache=False)
-        if single_doc_rows and self.causal:
+        if shard is not None:  # the run layer refuses it up front
+            raise ConfigError(f"model.attn_implementation: {self.attn_implementation} cannot attend across context ranks")
+        if single_doc_rows and self.causal and branches is None:
             # One document per row, starting at column 0: its positions are the model's default, and
             # padding only follows it. Passing no position_ids matters: transformers >= 4.56 reads the
             # restart of positions at the padding run as a second packed sequence and builds a 4-D mask,
             # where no mask lets SDPA run its causal kernel.
             return nullcontext(dict(input_ids=input_ids, use_cache=False))
         mask = hf_document_mask(
-            positions, windows=self._windows, how=ALLOWED[self.attn_implementation], dtype=self.dtype, causal=self.causal
-        )
+            positions, windows=self._windows, how=ALLOWED[self.attn_implementation], dtype=self.dtype, causal=self.causal,
+            branches=branches,
+        )  # fmt: skip
         return nullcontext(dict(input_ids=input_ids, position_ids=given, attention_mask=mask, use_cache=False))
 
     def forward(self, input_ids: Tensor, positions: Tensor, single_doc_rows: bool = False) -> Tensor:
@@ -195,8 +205,10 @@ class HFCausalLM(nn.Module):
         single = rows_hold_one_document(batch)
         eps = self.label_smoothing if self.training else 0.0  # evaluation reports the plain cross-entropy
         plan_inputs = dict(
-            positions=batch.positions, single_doc_rows=single, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen
-        )
+            positions=batch.positions, single_doc_rows=single, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen,
+            branches=None if batch.pairs is None else batch.pairs.branches,
+            shard=batch.shard,
+        )  # fmt: skip
         with self._inputs(batch.input_ids, **plan_inputs) as inputs:
             if not self._hidden_path:
                 logits = self.lm(**inputs).logits  # (rows, T, vocab)

@@ -220,3 +220,16 @@ def model_class(model_type: str, task: str = "causal") -> str | None:
     except ImportError:
         raise ConfigError("model.kind hf needs transformers: pip install 'densebatch[hf]'") from None
     return getattr(modeling_auto, TASKS[task][1]).get(model_type)
+
+
+def attention_heads(config) -> tuple[int, int]:
+    """(query heads, key/value heads) of a transformers ``config``'s attention layers, from the fields the
+    architectures spell them with: GPT-2's ``n_head``, Falcon's ``num_kv_heads`` (its new architecture) and
+    ``multi_query`` (one key/value head: Falcon, GPTBigCode), else ``num_key_value_heads`` (as many as query
+    heads when absent)."""
+    heads = getattr(config, "num_attention_heads", None) or config.n_head
+    if getattr(config, "new_decoder_architecture", False):
+        return heads, config.num_kv_heads
+    if getattr(config, "multi_query", False):
+        return heads, 1
+    return heads, getattr(config, "num_key_value_heads", None) or heads

@@ -18,12 +18,19 @@ from densebatch.model.attention import document_mask
 
 
 def hf_document_mask(
-    positions: Tensor, *, windows: dict[str, int | None], how: str, dtype: torch.dtype, causal: bool = True
+    positions: Tensor,
+    *,
+    windows: dict[str, int | None],
+    how: str,
+    dtype: torch.dtype,
+    causal: bool = True,
+    branches: Tensor | None = None,
 ) -> Tensor | dict[str, Tensor]:
     """The document mask of ``positions`` (rows, T) as (rows, 1, T, T): boolean (``how`` "bool": True may
     attend) or additive (``how`` "additive": 0 or the dtype's minimum, in ``dtype``, the hidden states'
-    dtype outside autocast: eager adds the mask to the scores); per layer type of ``windows``."""
-    mask = document_mask(positions, causal)  # (rows, 1, T, T) bool
+    dtype outside autocast: eager adds the mask to the scores); per layer type of ``windows``; with a pair
+    batch's ``branches``, no rejected-branch query sees a chosen-branch key."""
+    mask = document_mask(positions, causal, branches)  # (rows, 1, T, T) bool
     T = positions.shape[-1]
     out = {}
     for layer_type, window in windows.items():

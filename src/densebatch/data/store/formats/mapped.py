@@ -4,7 +4,7 @@ litdata's chunks and MDS shards put each document's ids after a per-item header,
 file may begin at any byte: 8-byte ids 4 bytes off their alignment (litdata), or ids of another dtype
 in each sample (MDS's ``ndarray`` column). Such a file is memory-mapped once per (dtype, byte offset
 modulo the id size) its documents need, the mappings read end to end as one token space (as
-``foreign._joined`` joins them), and each document placed in the mapping its first byte falls on::
+``joined.read_as_one`` joins them), and each document placed in the mapping its first byte falls on::
 
     parts          [{"file", "dtype", "offset" (bytes), "tokens", "size" (the file's)}, ...]: the mappings, in order
     doc_starts     (documents,) int64: each document's first token in those mappings end to end

@@ -28,7 +28,7 @@ import numpy as np
 from densebatch.data.store.joined import JoinedArray
 from densebatch.data.store.store import DocumentStore
 from densebatch.data.store.store_io import read_ranges, take, windows
-from densebatch.data.store.store_write import _header
+from densebatch.data.store.store_write import npy_header
 
 SPLIT_FILES = ("starts", "lengths", "doc_loss")
 _EVERY = 64  # document starts between two that FirstTokenMask holds in memory (1/8 byte a document)
@@ -102,7 +102,7 @@ class SplitWriter:
         self.directory, self.meta = directory, meta
         self.files = {n: open(directory / f"{n}.npy", "wb") for n in SPLIT_FILES}  # noqa: SIM115
         for n, f in self.files.items():
-            f.write(_header(self.DTYPES[n], 0))
+            f.write(npy_header(self.DTYPES[n], 0))
         self.documents = self.tokens = self.loss_tokens = self.longest = 0
         self.last_start, self.ascending, self.blocks = -1, True, []
 
@@ -120,8 +120,8 @@ class SplitWriter:
 
     def close(self) -> None:
         for n, f in self.files.items():
-            head = _header(self.DTYPES[n], self.documents)
-            assert len(head) == len(_header(self.DTYPES[n], 0)), "a .npy header changed its size"
+            head = npy_header(self.DTYPES[n], self.documents)
+            assert len(head) == len(npy_header(self.DTYPES[n], 0)), "a .npy header changed its size"
             f.seek(0)
             f.write(head)
             f.close()
@@ -144,7 +144,7 @@ class SplitWriter:
         starts = np.load(self.directory / "starts.npy", mmap_mode="r")
         path = self.directory / "first_tokens.npy"
         with open(path, "wb") as f:
-            f.write(_header(self.DTYPES["starts"], self.documents))
+            f.write(npy_header(self.DTYPES["starts"], self.documents))
             at, last = 0, -1
             for n in self.blocks:
                 block = np.sort(starts[at : at + n])

@@ -1,5 +1,5 @@
 """``python hf_trainer_driver.py OUT BASE ACCUM [local]``: 3 steps of Hugging Face ``Trainer`` with ``densebatch.dense_batches``
-on a tiny model, ``ACCUM`` batches a step; run by tests/test_hf_trainer.py alone and under torchrun (2 processes).
+on a tiny model, ``ACCUM`` batches a step; run by tests/integrations/test_hf_trainer.py alone and under torchrun (2 processes).
 Writes ``OUT/rank-N.json`` per process (not stdout, where two ranks' lines can interleave): its rank, the world
 size, the logged losses and the trained weights' sums. ``local``: ``average_tokens_across_devices=False`` (the
 trainer then counts each rank's loss tokens alone; densebatch's loss path counts the step's over all ranks)."""

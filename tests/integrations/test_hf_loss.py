@@ -1,4 +1,4 @@
-"""densebatch's loss path inside Hugging Face ``Trainer`` (``dense_batches(trainer)``, hf_trainer_loss.py): exact
+"""densebatch's loss path inside Hugging Face ``Trainer`` (``dense_batches(trainer)``, integrations/hf_loss.py): exact
 against densebatch's own loop and the trainer's own loss, and never a (tokens, vocabulary) tensor."""
 
 from __future__ import annotations
@@ -288,15 +288,21 @@ def mixture():
     return datasets.Dataset.from_dict({"input_ids": ids, "labels": labels, "source": [s for _, s in lengths]})
 
 
-def test_sources_weigh_the_loss_as_densebatch_loop_does(base, mixture, tmp_path):
+def test_sources_weigh_the_loss_as_densebatch_loop_does(base, mixture, tmp_path, monkeypatch):
     """dense_batches(source_column=...): the factors are batch_balance's over a store of the same documents laid
     out source after source (what densebatch train computes for train.source_balance: batches), and the first
     step's loss and gradients (two packed micro-batches) equal densebatch's own weighted loss on the same batches
-    (weighted_losses over the step's summed weights, train/per_source.py) within 1e-6 in fp32."""
+    (weighted_losses over the step's summed weights, train/per_source.py) within 1e-6 in fp32. The weights go into
+    the fused head (token_weights), so its backward never projects the head again."""
+    from densebatch.model import loss_head
+
+    second_passes = []
+    recompute = loss_head._weighted_head_grads
+    monkeypatch.setattr(loss_head, "_weighted_head_grads", lambda *a, **k: second_passes.append(1) or recompute(*a, **k))
     from densebatch.data.plan.source_balance import batch_balance
     from densebatch.data.store.store import DocumentStore
     from densebatch.data.torch_loader import Documents
-    from densebatch.hf_trainer import source_factors
+    from densebatch.integrations.sources import source_factors
     from densebatch.model.hf.adapter import HFCausalLM
     from densebatch.train.per_source import SourceWeights, step_loss_tokens, weighted_losses
 
@@ -313,6 +319,7 @@ def test_sources_weigh_the_loss_as_densebatch_loop_does(base, mixture, tmp_path)
     densebatch.dense_batches(fused, **PACKED, source_column="source")
     assert "sources weighted" in fused.densebatch_loss
     loss, grads = _step_gradients(fused)
+    assert second_passes == []
 
     model = HFCausalLM(base, loss_head="fused").train()
     weights = SourceWeights(factors, getattr(model, "weighs_losses", False))
