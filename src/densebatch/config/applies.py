@@ -79,16 +79,35 @@ TEMPLATE_FIELDS = {  # template -> the data.fields keys it reads
     "custom": ("output",),
 }
 PRETOKENISED = ("input_ids", "labels")  # pre-tokenised records, under any template
+PAIR_FIELDS = ("prompt", "chosen", "rejected")  # preference pairs (data.pairs), under any template
+PREFERENCE = ("dpo", "simpo", "orpo")  # the objectives that train on pairs
 
 
-def reads_field(r: Reader, name: str) -> bool:
-    """Whether documents read by ``r`` use ``data.fields.<name>``."""
+def _pairs(cfg: RunConfig) -> bool:
+    """Whether the records are read as preference pairs (``data.pairs``, auto: a preference objective)."""
+    return cfg.data.pairs is True or (cfg.data.pairs == "auto" and cfg.train.objective in PREFERENCE)
+
+
+def reads_field(r: Reader, name: str, pairs: bool = False) -> bool:
+    """Whether documents read by ``r`` use ``data.fields.<name>`` (``pairs``: the records are preference pairs)."""
     if r.foreign:
         return r.format == "mds" and name == "input_ids"  # mds: the column of token ids
+    if name in PAIR_FIELDS:
+        return pairs
     return name in PRETOKENISED or name in TEMPLATE_FIELDS[r.effective_template]
 
 
 def _field_rule(name: str) -> Rule:
+    if name in PAIR_FIELDS:
+        return Rule(
+            lambda cfg, _: _pairs(cfg) and any(reads_field(r, name, True) for r in _taking(cfg, "fields")),
+            "records read as preference pairs (data.pairs true, or auto with train.objective dpo, simpo or orpo)",
+            lambda cfg: f"data.pairs is {cfg.data.pairs} and train.objective {cfg.train.objective}",
+            False,
+            {"train.objective": "dpo"},
+            {},
+            "set train.objective (dpo, simpo or orpo) to train on pairs",
+        )
     if name in PRETOKENISED:
         needs, on, off = "data.format of records (not a megatron/datatrove/litdata corpus of token ids)", {}, CORPUS
     else:
@@ -122,6 +141,12 @@ def _own_data(needs: str = "data.path or data.sources (files of your own)") -> R
 
 def _default_only(needs: str = "data.path null (the embedded default dataset)", inert: tuple = ()) -> Rule:
     return Rule(lambda cfg, _: _default_data(cfg), needs, _data_now, True, {}, {"data.path": "x.json"}, inert=inert)
+
+
+def _objective(*names: str) -> Rule:
+    """Read by these objectives only; beside another one a note (a file keeps an objective's settings while the
+    command line compares objectives)."""
+    return when("train.objective", *names, harmless=True, off={"train.objective": "sft"})
 
 
 def _group_floor(group: str) -> Rule:
@@ -245,6 +270,7 @@ APPLIES: dict[str, Rule] = {
         for k in ("num_proc", "chunk_records", "shard_tokens", "on_bad_record")
     },
     "data.cache_dir": ALWAYS,
+    "data.pairs": ALWAYS,
     "data.verify_inputs": _own_data(),
     "data.default.num_records": _default_only(),
     "data.default.seed": _default_only(),
@@ -271,9 +297,7 @@ APPLIES: dict[str, Rule] = {
     "batching.shard_docs": ALWAYS,
     # ---------------------------------------------------------------------------- model
     "model.kind": ALWAYS,
-    "model.path": when(
-        "model.kind", "hf", off={"model.kind": "gpt"}, fix="set model.kind: hf to train the model in that directory"
-    ),
+    "model.path": ALWAYS,  # hf: the model's directory; gpt: a saved reference GPT (model/__init__.saved_gpt)
     **{
         f"model.{k}": when("model.kind", "gpt", harmless=True, off=HF)  # the model directory's config.json sets it
         for k in ("n_layer", "n_head", "n_embd", "block_size", "dropout", "vocab_size")
@@ -360,7 +384,13 @@ APPLIES: dict[str, Rule] = {
         "set one of the two",
     ),
     "train.loss_tokens_per_step": ALWAYS,
-    "train.label_smoothing": ALWAYS,
+    "train.label_smoothing": ALWAYS,  # sft: label smoothing; dpo, simpo: the share of flipped preferences
+    "train.objective": ALWAYS,
+    "train.beta": _objective(*PREFERENCE),
+    "train.reference": _objective("dpo"),
+    "train.simpo_gamma": _objective("simpo"),
+    "train.cpo_alpha": _objective("simpo"),
+    "train.context_parallel": ALWAYS,  # under torchrun (config/checks.py refuses it where it cannot run)
     "train.source_balance": STRATEGY,  # reweighs a mixture's budget-sized batches only (data/plan/rules.unread_notes)
     "train.grad_clip": ALWAYS,
     "train.grad_clip_mode": above("train.grad_clip"),
