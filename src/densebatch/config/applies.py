@@ -1,4 +1,4 @@
-"""Where each configuration key takes effect (one concept, 450 lines: a declaration for each of the ~170 keys, which stay together so that a key's neighbours show how to declare it).
+"""Where each configuration key takes effect (one concept, 480 lines: a declaration for each of the ~180 keys, which stay together so that a key's neighbours show how to declare it).
 
 ``APPLIES`` holds a ``Rule`` (``config/applicability.py``) for every key ``densebatch config --keys``
 lists; ``SOURCE_APPLIES`` one for each key of a ``data.sources`` item, judged on that source.
