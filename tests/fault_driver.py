@@ -171,7 +171,7 @@ TINY = {
     "seed": 0,
     # 120 generated records → ~87 short training documents: an epoch is ~20 batches, so 24 steps cross it.
     "data": {"default": {"num_records": 120}, "max_seq_len": 256},
-    "batching": {"strategy": "packed", "max_tokens_per_batch": 1024, "seq_len": 256, "rows_per_batch": 4},
+    "batching": {"strategy": "packed", "max_tokens_per_batch": 1024, "seq_len": 256},
     "model": {"n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 256},
     "train": {"max_steps": 12, "lr": 3e-3, "warmup_steps": 2, "progress": False, "device": "cpu"},
     "eval": {"accuracy_samples": 0},

@@ -105,3 +105,17 @@ def test_read_lengths_text_and_npy(tmp_path):
         read_lengths(tmp_path / "nope.txt")
     with pytest.raises(UserError, match="strategy"):
         analyze_main(LENGTHS, settings=S, strategies=["fast"])
+
+
+def test_strategy_limits_the_output_to_that_strategy(tmp_path, capsys):
+    """`densebatch analyze --strategy S --json`: S alone, as the README's command shows (it printed all four)."""
+    from densebatch.cli import main
+
+    f = tmp_path / "lengths.txt"
+    f.write_text("\n".join(map(str, LENGTHS)))
+    assert main(["analyze", "--lengths", str(f), "--json", "--strategy", "packed", f"--dump-plan={tmp_path / 'p.json'}"]) == 0
+    assert list(json.loads(capsys.readouterr().out)) == ["packed"]
+    assert main(["analyze", "--lengths", str(f), "--strategy", "random"]) == 0
+    rows = capsys.readouterr().out.splitlines()
+    table = [r.split()[0] for r in rows if r and r.split()[0] in (*STRATEGIES, "strategy")]
+    assert table == ["strategy", "random"], rows

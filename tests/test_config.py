@@ -32,6 +32,7 @@ def test_overrides_apply_with_types():
             "--batching.strategy=token_budget",
             "--train.lr=3e-4",
             "--data.clean.nfkc=true",
+            "--model.kind=hf",
             "--model.path=x/y",
             "--seed=7",
         ],

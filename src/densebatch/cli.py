@@ -2,7 +2,7 @@
 
     densebatch prepare  [CONFIG] [--section.key=value ...]
     densebatch inspect  [CONFIG] [--num N] [--split train|eval]
-    densebatch analyze  [CONFIG | --lengths FILE] [--json] [--dump-plan FILE --strategy S] [--plot FILE]
+    densebatch analyze  [CONFIG | --lengths FILE] [--json] [--strategy S] [--dump-plan FILE] [--plot FILE]
     densebatch train    [CONFIG] [--resume | --overwrite]
     densebatch find-lr  [CONFIG]     (learning-rate range test: output_dir/lr_finder.png and .json)
     densebatch find-batch [CONFIG]   (largest max_tokens_per_batch the memory holds, and throughput)
@@ -18,6 +18,7 @@ With no CONFIG, the embedded default (a built-in instruction dataset and a small
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import fields
 
@@ -71,7 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     sp = with_config("analyze", "Compare batching strategies (fill rate, batches, planning time) on a dataset's lengths.")
     sp.add_argument("--lengths", metavar="FILE", help="document lengths: text (one integer per line) or .npy")
     sp.add_argument("--json", action="store_true", help="print one JSON object keyed by strategy")
-    sp.add_argument("--strategy", help="strategy for --dump-plan (default: batching.strategy)")
+    sp.add_argument(
+        "--strategy",
+        help="analyze this strategy only (and write its plan with --dump-plan; default: every strategy, batching.strategy's plan)",
+    )
     sp.add_argument("--dump-plan", metavar="FILE", help="write the plan as JSON: batches → rows → document indices")
     sp.add_argument("--plot", metavar="FILE", help="write a PNG histogram of lengths with each strategy's fill rate")
 
@@ -159,8 +163,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def threads_wait_asleep() -> None:
+    """Let torch's CPU threads (OpenMP: libgomp in torch's Linux builds) sleep while they wait for each other,
+    unless the user chose (``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``). By default a waiting thread spins first;
+    on a machine whose cores other processes also use, the partner it waits for is often descheduled, and the
+    spinning made steps many times slower (docs/benchmarks.md, "CPU threads on a shared machine"). libgomp
+    reads the setting when torch loads, so it is set only before torch's import."""
+    if "torch" not in sys.modules and not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    threads_wait_asleep()
     try:
         rest, overrides = _split_overrides(argv)
         args = _parser().parse_args(rest)

@@ -103,12 +103,15 @@ def test_analyze_lengths_json_and_dump_plan(tmp_path, capsys):
         == 0
     )
     results = json.loads(capsys.readouterr().out)
-    assert set(results) == {"random", "length_grouped", "token_budget", "packed"}
+    assert set(results) == {"token_budget"}  # --strategy: that strategy alone
     plan = json.loads(plan_file.read_text())
     seen = sorted(d for batch in plan for row in batch for d in row)
     assert seen == list(range(len(lengths)))  # every document exactly once
     for batch in plan:  # rows x longest row within the budget
         assert len(batch) * max(lengths[row[0]] for row in batch) <= 8192
+    assert main(["analyze", "--lengths", str(tmp_path / "lengths.txt"), "--json", "--batching.seq_len=2048"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert set(results) == {"random", "length_grouped", "token_budget", "packed"}  # no --strategy: every one
     assert results["packed"]["fill_rate"] >= 0.99
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from cli_args import TINY
+from cli_args import TINY, tiny
 from support import shared_data_dir
 
 from densebatch.cli import main
@@ -32,8 +32,9 @@ class Case:
     needs: tuple[str, ...] = field(default=())  # "transformers", "shared"
 
 
-def _run_args(d: Path) -> list[str]:
-    return [*TINY, f"--output_dir={d / 'run'}", f"--data.cache_dir={d / 'cache'}"]
+def _run_args(d: Path, **leave_out: bool) -> list[str]:
+    """``cli_args.tiny(**leave_out)``, into ``d``: a key set where it has no effect would add a note line."""
+    return [*tiny(**leave_out), f"--output_dir={d / 'run'}", f"--data.cache_dir={d / 'cache'}"]
 
 
 def _write(rel: str, text: str) -> Callable[[Path], None]:
@@ -110,7 +111,7 @@ CASES = [
         "a token budget below the longest document, truncated",
         lambda d: [
             "train",
-            *_run_args(d),
+            *_run_args(d, packed=False),
             "--batching.strategy=token_budget",
             "--batching.long_docs=truncate",
             "--batching.max_tokens_per_batch=16",
@@ -132,7 +133,7 @@ CASES = [
         "truncation of the instruction data to 64 tokens",
         lambda d: [
             "train",
-            *_run_args(d),
+            *_run_args(d, default_data=False),
             f"--data.path={shared_data_dir() / INSTRUCTIONS}",
             "--batching.long_docs=truncate",
             "--batching.seq_len=64",
@@ -145,26 +146,32 @@ CASES = [
     # -- models: refused before any data is prepared
     Case(
         "a BERT directory",
-        lambda d: ["train", *_run_args(d), "--model.kind=hf", f"--model.path={d / 'bert'}"],
+        lambda d: ["train", *_run_args(d, gpt=False), "--model.kind=hf", f"--model.path={d / 'bert'}"],
         "BertForMaskedLM",
         setup=_hf_model("bert"),
         needs=("transformers",),
     ),
     Case(
         "a T5 directory",
-        lambda d: ["train", *_run_args(d), "--model.kind=hf", f"--model.path={d / 't5'}"],
+        lambda d: ["train", *_run_args(d, gpt=False), "--model.kind=hf", f"--model.path={d / 't5'}"],
         "encoder-decoder",
         setup=_hf_model("t5"),
         needs=("transformers",),
     ),
     Case(
         "a model directory that does not exist",
-        lambda d: ["train", *_run_args(d), "--model.kind=hf", f"--model.path={d / 'nowhere'}"],
+        lambda d: ["train", *_run_args(d, gpt=False), "--model.kind=hf", f"--model.path={d / 'nowhere'}"],
         "nowhere",
     ),
     Case(
         "a tokenizer larger than the model's vocabulary",
-        lambda d: ["train", *_run_args(d), "--model.kind=hf", f"--model.path={d / 'small'}", "--data.tokenizer=default"],
+        lambda d: [
+            "train",
+            *_run_args(d, gpt=False),
+            "--model.kind=hf",
+            f"--model.path={d / 'small'}",
+            "--data.tokenizer=default",
+        ],
         "embedding rows",
         setup=_hf_model("small"),
         may_create=("cache",),  # checked when the model is built: after the documents, before the first step

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from cli_args import TINY
+from cli_args import TINY, tiny
 
 from densebatch.cli import main
 
@@ -125,7 +125,13 @@ def test_a_model_that_is_not_a_causal_lm_is_refused_before_any_data_is_prepared(
         transformers.T5ForConditionalGeneration(cfg).save_pretrained(d)
     capsys.readouterr()  # transformers' own save progress
     cache = tmp_path / "cache"
-    args = [*TINY, "--model.kind=hf", f"--model.path={d}", f"--output_dir={tmp_path / 'out'}", f"--data.cache_dir={cache}"]
+    args = [
+        *tiny(gpt=False),
+        "--model.kind=hf",
+        f"--model.path={d}",
+        f"--output_dir={tmp_path / 'out'}",
+        f"--data.cache_dir={cache}",
+    ]
     for command in ("train", "find-lr"):
         assert main([command, *args]) == 2
         err = capsys.readouterr().err.strip()

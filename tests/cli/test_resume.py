@@ -80,8 +80,11 @@ def _assert_clean(out):
 CASES = {
     # strategy: extra config sections (each case also exercises a different part of the step machinery)
     "packed": {"batching": {"max_tokens_per_batch": 2048}},  # ~11 batches an epoch: the run crosses into epoch 1
-    "random": {"model": {"dropout": 0.1}},  # dropout draws from torch's RNG: the RNG restore matters
-    "length_grouped": {"batching": {"strategy": "length_grouped", "mega_batch_mult": 4}},
+    "random": {
+        "model": {"dropout": 0.1},
+        "batching": {"rows_per_batch": 4},
+    },  # dropout draws from torch's RNG: the RNG restore matters
+    "length_grouped": {"batching": {"strategy": "length_grouped", "mega_batch_mult": 4, "rows_per_batch": 4}},
     "token_budget": {"train": {"grad_accum_batches": 2}},  # two batches per step; crosses into epoch 1 at step ~11
 }
 

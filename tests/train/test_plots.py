@@ -141,3 +141,16 @@ def test_on_a_log_axis_a_loss_falling_by_decades_is_smoothed_on_that_axis():
     assert on_log[80:220] == pytest.approx(loss[80:220], rel=1e-3)
     assert all(s > v * 1.02 for s, v in zip(linear[50:250], loss[50:250]))  # an arithmetic mean sits above it
     assert smooth_on([2.0, 0.0, math.nan, 2.0], log=True)[::3] == pytest.approx([2.0, 2.0])  # no log(0) error
+
+
+def test_the_memory_plot_draws_the_summarys_whole_run_peak(tmp_path):
+    """The step records' peak RSS stops at the last step; the summary's is the run record's, which also counts the
+    final evaluation (0.67 against 0.98 GB once): the plot draws that figure too, each labelled with what it is."""
+    recs = [_train(s, 1.0, mem_rss_gb=0.5, mem_peak_rss_gb=0.6 + s / 100) for s in range(1, 5)]
+    recs.append({"kind": "run", "step": 4, "memory_peak": [{"mem_peak_rss_gb": 0.98}, {"mem_peak_rss_gb": 1.5}]})
+    d = extract(recs)
+    assert d.run_peak == {"mem_peak_rss_gb": 0.98} and max(d.series("mem_peak_rss_gb").values) == 0.64  # rank 0's
+    assert "memory.png" in [p.name for p in plot_run(_run(tmp_path, recs))]
+    from densebatch.train.observe.plots import MEMORY_KEYS, RUN_PEAK_KEYS
+
+    assert "up to the step" in MEMORY_KEYS["mem_peak_rss_gb"] and "whole run" in RUN_PEAK_KEYS["mem_peak_rss_gb"]

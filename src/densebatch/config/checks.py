@@ -39,11 +39,6 @@ def _check(cfg: RunConfig) -> None:
             raise ConfigError("data.prompt_format: required when data.template is custom, e.g. 'Question: {question}\\nAnswer: '")
         prompt_fields(d.prompt_format)
     _check_sources(d)
-    if m.kind == "hf" and m.attn_implementation != "densebatch" and m.attention not in ("auto", "masked"):
-        raise ConfigError(
-            f"model.attention: {m.attention!r} applies to model.attn_implementation densebatch; under "
-            f"{m.attn_implementation} transformers' kernel takes a 4-D document mask (use auto or masked)"
-        )
     if not 0.0 <= d.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction: expected a number in [0, 1); got {d.eval_fraction}")
     if not 0.5 <= d.clean.near_threshold <= 1.0:
@@ -102,15 +97,7 @@ def _check_objective(cfg: RunConfig) -> None:
 
 
 def _check_hf_model(m: ModelConfig) -> None:
-    """Keys that only Hugging Face models read, and what LoRA and the weights' dtype allow."""
-    if m.kind == "gpt":
-        for key, value, default in (("attn_implementation", m.attn_implementation, "densebatch"), ("dtype", m.dtype, "float32")):
-            if value != default:
-                raise ConfigError(
-                    f"model.{key}: applies to model.kind hf; the reference GPT takes {default} (see model.attention)"
-                )
-        if m.lora.r:
-            raise ConfigError("model.lora.r: LoRA adapts Hugging Face models (model.kind hf); set it to 0 for the reference GPT")
+    """What LoRA and the weights' dtype allow (which keys only Hugging Face models read: ``config/applies.py``)."""
     if not 0.0 <= m.lora.dropout < 1.0:
         raise ConfigError(f"model.lora.dropout: expected a probability in [0, 1); got {m.lora.dropout}")
     if m.lora.r and m.lora.alpha <= 0:

@@ -7,13 +7,17 @@ import dataclasses
 import difflib
 import json
 import math
+import os
+import sys
 import types
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from densebatch.config.applies import check_applicability
 from densebatch.config.checks import _check
 from densebatch.config.field import key_of
 from densebatch.config.moved import refuse_moved, upgrade_saved
@@ -173,9 +177,16 @@ def parse_override(arg: str) -> tuple[list[str], Any]:
     return key.split("."), value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), saved: bool = False) -> RunConfig:
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    saved: bool = False,
+    *,
+    defaults: Sequence[str] = (),
+) -> RunConfig:
     """Read ``path`` (YAML; None = defaults), apply overrides, validate. Raises ``ConfigError``. ``saved``:
-    a configuration a run wrote (see ``config_from_dict``)."""
+    a configuration a run wrote (see ``config_from_dict``). ``defaults``: overrides applied first that count
+    as defaults where a key set with no effect is judged (the demo's settings: the user did not set them)."""
     data: dict = {}
     if path is not None:
         p = Path(path)
@@ -187,7 +198,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: expected a mapping of sections at the top level")
-    return config_from_dict(with_overrides(data, overrides), saved)
+    base = _build(RunConfig, with_overrides({}, list(defaults)), "") if defaults else None
+    return config_from_dict(with_overrides(data, [*defaults, *overrides]), saved, base=base)
 
 
 def _read_yaml(text: str, where: str) -> Any:
@@ -250,12 +262,22 @@ def with_overrides(data: dict, overrides: list[str] | tuple[str, ...] = ()) -> d
     return data
 
 
-def config_from_dict(data: dict, saved: bool = False) -> RunConfig:
+def config_from_dict(data: dict, saved: bool = False, *, base: RunConfig | None = None) -> RunConfig:
     """Validate a plain dict (a parsed YAML file, or a config stored in a checkpoint). ``saved``: written by
-    a run (a checkpoint's, ``output_dir/config.yaml``), whose moved keys are read at their new place."""
+    a run (a checkpoint's, ``output_dir/config.yaml``), whose moved keys are read at their new place. ``base``:
+    whose values count as defaults where keys set with no effect are judged (``load_config``'s ``defaults``)."""
     cfg = _build(RunConfig, upgrade_saved(data) if saved else _mlm_targets(data), "")
     _check(cfg)
+    if not saved:  # a saved run's keys were judged when it started (and older runs predate the rule)
+        for line in check_applicability(cfg, base):
+            note(line)
     return cfg
+
+
+def note(line: str) -> None:
+    """A one-line note on stderr (once under torchrun: rank 0's)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"densebatch: note: {line}", file=sys.stderr, flush=True)
 
 
 def _mlm_targets(data: dict) -> dict:

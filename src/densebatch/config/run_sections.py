@@ -266,8 +266,8 @@ class FinderConfig:
     smoothing: float = _f(0.8, "Range test: weight of the loss's exponential moving average, in [0, 1).", minimum=0.0)
     diverge: float = _f(
         4.0,
-        "Range test: stop when the smoothed loss exceeds this times its minimum (or, after falling by a quarter, its start); "
-        "not judged in the first tenth of the steps.",
+        "Range test: stop when the smoothed loss exceeds this times its minimum (or, after falling by a quarter, its start; "
+        "or, without such a fall, 1.5 times its start); not judged in the first tenth of the steps.",
         minimum=1.0,
     )
     heldout_batches: int = _f(

@@ -17,6 +17,20 @@ def save_model(model: nn.Module, path: str | Path) -> None:
     model.save(path)
 
 
+def check_saved_gpt(path: str | Path) -> None:
+    """``ConfigError`` naming ``model.path`` and ``model.kind`` unless ``path`` holds a reference GPT ``save_model``
+    wrote, which ``model.kind: gpt`` trains from (a run's ``final/``): checked before any data is prepared, so an
+    empty directory or a Hugging Face model's, given without ``model.kind: hf``, is one line, not a run."""
+    cfg_file = Path(path) / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(
+            f"model.path: {path} holds no saved reference GPT (no config.json), which model.kind gpt trains from (a "
+            "run's final/); for a Hugging Face model directory set model.kind: hf"
+        )
+    if read_json_object(cfg_file, "a model configuration").get("densebatch_kind") != KIND:
+        raise ConfigError(f"model.path: {path} holds a Hugging Face model, and model.kind is gpt: set model.kind: hf to train it")
+
+
 def load_model(path: str | Path, attn_implementation: str = "sdpa") -> nn.Module:
     """Rebuild a model saved by ``save_model``: the kind is read from ``config.json``.
 

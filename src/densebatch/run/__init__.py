@@ -46,7 +46,7 @@ def dispatch(args, overrides: list[str]) -> int:
         return find_batch_command(args.config, overrides)
     if cmd == "eval":  # CONFIG is optional: the run's own configuration decides what it owns
         return commands.eval_command(args, overrides)
-    cfg = resolve_config(args.config, overrides)
+    cfg = resolve_config(args.config, overrides, one_strategy=cmd != "analyze")  # analyze plans with every strategy
     if cmd == "analyze":  # it plans batches: an `auto` budget is the one a run found
         cfg = resolved_budget(cfg)
     handlers = {

@@ -40,6 +40,7 @@ from densebatch.model.attention import resolve_backend
 from densebatch.model.hf.checks import check_model_dir
 from densebatch.model.hf.lora import lora_summary
 from densebatch.model.hf.weights import fill_from_files, missing_weights, weight_files
+from densebatch.model.io import check_saved_gpt
 from densebatch.run.configure import resolve_config  # noqa: F401 - where the commands that build models find it
 from densebatch.run.context import context_mesh
 from densebatch.run.data_commands import prepare_data
@@ -312,6 +313,8 @@ def setup(cfg: RunConfig, dist: Distributed, on_meta: bool = False) -> Setup:
     device = training_device(cfg, dist)
     if cfg.model.kind == "hf":  # a wrong model.path is refused before the data is prepared
         check_model_dir(cfg.model.path, cfg.batching.mode)
+    elif cfg.model.path:  # the reference GPT from a saved one: an empty or Hugging Face directory is a mistake
+        check_saved_gpt(cfg.model.path)
     context = context_mesh(cfg, dist)  # train.context_parallel: refused in one line now, or the ranks' mesh
     problem = None
     if dist.is_main:  # train holds its lock there already; the finders write their results there at the end

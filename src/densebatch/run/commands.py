@@ -36,6 +36,8 @@ from densebatch.train.evaluate import evaluate as evaluate_batches
 def analyze_command(cfg: RunConfig, args) -> int:
     settings = PlanSettings.from_config(cfg.batching)
     kw = dict(json_out=args.json, dump_plan=args.dump_plan, strategy=args.strategy, plot=args.plot)
+    if args.strategy:  # that strategy alone (and the plan --dump-plan writes)
+        kw["strategies"] = [args.strategy]
     if args.lengths:
         print(analyze_main(read_lengths(args.lengths), settings=settings, seed=cfg.seed, **kw))
     else:  # prepared documents: per source too, with the mixture's weights
@@ -49,6 +51,10 @@ One YAML file per run maps onto nested dataclasses (`src/densebatch/config/`, ea
 in place). Any key can be overridden on the command line as `--section.key=value`; unknown keys,
 wrong types and invalid values stop the run with a message naming the key (exit code 2).
 `densebatch config --keys` prints this table; `densebatch config CONFIG` prints a resolved configuration.
+No key is silently ignored: each declares the settings under which it takes effect
+(`src/densebatch/config/applies.py`), and one set away from its default where it has none is refused in one
+line naming it and the key it depends on (`model.path` with `model.kind: gpt`), or, where ignoring it is
+harmless (the settings of a feature switched off, another batching strategy's knob), noted on stderr.
 With no config, `densebatch train` runs the embedded default (`configs/default.yaml` writes it out).
 This page is generated: `densebatch config --keys --markdown > docs/configuration.md`.
 """

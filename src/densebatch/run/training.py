@@ -21,6 +21,7 @@ import torch
 from densebatch.config import RunConfig, save_config, to_dict
 from densebatch.data.accuracy import AccuracyCheck
 from densebatch.data.load.loader import StepLoader
+from densebatch.data.prepare.parts import check_inputs
 from densebatch.data.prepare.pipeline import Prepared
 from densebatch.errors import ConfigError
 from densebatch.model import generate_batch
@@ -49,6 +50,7 @@ from densebatch.train.session import Session
 
 def train(path: str | None, overrides: list[str], resume: bool = False, overwrite: bool = False) -> int:
     requested = resolve_config(path, overrides)
+    check_inputs(requested.data)  # before the output directory's checks: a missing file is named as that
     if not str(requested.output_dir).strip():  # before the lock, which would be taken in the current directory
         raise ConfigError("output_dir: empty; name the run's directory (an empty one would be the current directory)")
     dist = Distributed.from_environment(requested.train.device)

@@ -92,6 +92,21 @@ def test_tokenizer_json_file_and_model_dir(tmp_path):
     assert load_tokenizer(str(tmp_path / "saved")).eos_id == 3
 
 
+def test_a_tokenizer_that_encodes_text_to_no_ids_is_refused(tmp_path):
+    """What transformers 5.25's GPT2TokenizerFast(vocab_file=..., merges_file=...).save_pretrained wrote: a
+    byte-level BPE with an empty vocabulary, its end-of-text an added token; datatrove then wrote each document
+    as its end-of-text alone."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="encodes text to no ids") as e:
+        load_tokenizer(str(tmp_path / "tokenizer.json"))
+    assert "\n" not in str(e.value)
+
+
 def test_tokenizer_json_without_eos_is_a_config_error(tmp_path):
     from tokenizers import Tokenizer, models
 

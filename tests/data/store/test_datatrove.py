@@ -30,9 +30,10 @@ def _section() -> str:
 
 
 def docs_blocks() -> tuple[str, str]:
-    """The python and bash blocks of data.md's datatrove section."""
+    """The python block of data.md's datatrove section, and its bash block that trains."""
     sec = _section()
-    return re.search(r"```python\n(.*?)```", sec, re.S).group(1), re.search(r"```bash\n(.*?)```", sec, re.S).group(1)
+    train = next(b for b in re.findall(r"```bash\n(.*?)```", sec, re.S) if b.startswith("densebatch train"))
+    return re.search(r"```python\n(.*?)```", sec, re.S).group(1), train
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def written(tmp_path_factory, gpt2_dir):
     code, _ = docs_blocks()
     with pytest.MonkeyPatch.context() as m:
         m.chdir(d)
-        exec(compile(code, str(DOCS), "exec"), {"__name__": "docs"})
+        exec(compile(code, str(DOCS), "exec"), {"__name__": "__main__"})  # as a script: its guarded work runs
     return d
 
 
@@ -132,3 +133,10 @@ def test_bad_shards_are_one_line_naming_the_file(tmp_path, capsys):
     ds = _shard(tmp_path, [[1, 2, 400]])
     assert f"{ds}: token id 400 at token 2" in _one_line(capsys, ds, tmp_path)
     assert "matches no datatrove shard" in _one_line(capsys, tmp_path / "none*.ds", tmp_path)
+
+
+def test_a_corpus_of_one_token_documents_is_refused_in_one_line(tmp_path, capsys):
+    """What datatrove writes with a tokenizer that encodes no text: each document its end-of-text alone."""
+    ds = _shard(tmp_path, [[0]] * 40)
+    line = _one_line(capsys, ds, tmp_path)
+    assert "each of its 40 documents is one token or none" in line and "encoded no text" in line, line

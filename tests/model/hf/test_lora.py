@@ -232,9 +232,12 @@ def test_missing_peft_is_a_config_error(bases, monkeypatch):
 @pytest.mark.parametrize(
     ("model", "message"),
     [
-        ({"lora": {"r": 4}}, "model.lora.r: LoRA adapts Hugging Face models"),
-        ({"dtype": "bfloat16"}, "model.dtype: applies to model.kind hf"),
-        ({"attn_implementation": "eager"}, "model.attn_implementation: applies to model.kind hf"),
+        ({"lora": {"r": 4}}, r"model.lora.r \(4\) has no effect: it applies under model.kind hf, .* LoRA adapts Hugging Face"),
+        ({"dtype": "bfloat16"}, r"model.dtype \('bfloat16'\) has no effect: it applies under model.kind hf"),
+        (
+            {"attn_implementation": "eager"},
+            r"model.attn_implementation \('eager'\) has no effect: it applies under model.kind hf",
+        ),
         ({"kind": "hf", "path": "x", "dtype": "float16"}, "model.dtype: float16 weights cannot be trained"),
         ({"kind": "hf", "path": "x", "lora": {"r": 4, "dropout": 1.0}}, "model.lora.dropout: expected a probability"),
         ({"kind": "hf", "path": "x", "attn_implementation": "flash_attention_2"}, "model.attn_implementation"),

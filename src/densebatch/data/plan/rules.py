@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from densebatch.config import BatchingConfig
 from densebatch.data.plan.planner import PlanSettings, plan_epoch
 from densebatch.data.plan.strategies import STRATEGIES
 from densebatch.data.store.store import read_ranges, windows
@@ -36,6 +37,40 @@ def check_batching(b) -> None:
             f"batching.max_tokens_per_batch: auto sizes token_budget and packed batches; {b.strategy} batches hold "
             "batching.rows_per_batch rows: set a number, or use batching.strategy token_budget or packed"
         )
+
+
+STRATEGY_KEYS = tuple(sorted({k for s in STRATEGIES.values() for k in s.reads}))  # read by some strategies, not all
+
+
+def unread_keys(b, *, weighed: bool, base=None) -> list[str]:
+    """The keys of ``b`` (a ``BatchingConfig``) that only some strategies read, set away from their defaults (or
+    from ``base``'s values), that its strategy does not read (``Strategy.reads``; ``weighed``: a mixture's sources
+    are weighted as random batches of ``rows_per_batch`` documents, which a budget-sized strategy then reads too)."""
+    strategy = STRATEGIES[b.strategy]
+    reads = set(strategy.reads) | ({"rows_per_batch"} if weighed and strategy.sized_by_budget else set())
+    defaults = base or BatchingConfig()
+    return [k for k in STRATEGY_KEYS if k not in reads and getattr(b, k) != getattr(defaults, k)]
+
+
+def unread_notes(b, *, sources: int, source_balance: str, base=None) -> list[str]:
+    """One note line for each key of the run that its batching strategy makes ignore (``unread_keys``; ``base``:
+    whose values count as defaults, the demo's), and for ``train.source_balance`` set where nothing is
+    reweighted (one source, or batches not sized by a budget)."""
+    weighed = sources > 1 and source_balance == "batches"
+    lines = []
+    for key in unread_keys(b, weighed=weighed, base=base):
+        readers = " or ".join(s.name for s in STRATEGIES.values() if key in s.reads)
+        lines.append(
+            f"batching.{key} ({getattr(b, key)!r}) has no effect: it applies under batching.strategy {readers}, "
+            f"and batching.strategy is {b.strategy}: ignored"
+        )
+    if source_balance != "batches" and not (sources > 1 and STRATEGIES[b.strategy].sized_by_budget):
+        budgeted = " or ".join(s.name for s in STRATEGIES.values() if s.sized_by_budget)
+        lines.append(
+            f"train.source_balance ({source_balance!r}) has no effect: it applies to 2 or more data.sources under "
+            f"batching.strategy {budgeted}, and data.sources holds {sources}, batching.strategy is {b.strategy}: ignored"
+        )
+    return lines
 
 
 def longest_row(settings, longest: int) -> tuple[int, str | None]:

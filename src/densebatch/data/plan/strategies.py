@@ -52,6 +52,10 @@ class Strategy:
     name: str
     seed_tag: int  # the third word of every plan's seed: (seed, epoch, seed_tag); never reused
     sized_by_budget = False  # batches sized by max_tokens_per_batch (the budget finder's strategies)
+    # The batching keys its plan reads of those only some strategies read (rules.unread_keys: a key set for
+    # another strategy is noted, not silently ignored); sized_by_budget strategies also read rows_per_batch
+    # where a mixture's sources are weighted as random batches of that many documents (train.source_balance).
+    reads: tuple[str, ...] = ("rows_per_batch",)
 
     def check(self, s) -> None:
         """``ValueError`` (the setting's name first) when ``s``'s numbers cannot work for this strategy."""
@@ -110,6 +114,7 @@ class Random(Strategy):
     """``rows_per_batch`` documents a batch, in a random order, one per row."""
 
     name, seed_tag = "random", 0
+    reads = ("rows_per_batch", "drop_last")
 
     def plan(self, lengths, s, rng) -> Plan:
         return _one_item_per_row(rng.permutation(len(lengths)), lengths, s)
@@ -134,6 +139,7 @@ class LengthGrouped(Strategy):
     group by length, while a bundle's documents are a random sample of the epoch."""
 
     name, seed_tag = "length_grouped", 1
+    reads = ("rows_per_batch", "mega_batch_mult", "bundle_tokens", "drop_last")
 
     def bundle_cap(self, s, lengths: np.ndarray) -> int:
         """Documents up to this many tokens are bundled (0: none are). auto = the 90th percentile of the
@@ -177,6 +183,7 @@ class TokenBudget(Strategy):
 
     name, seed_tag = "token_budget", 2
     sized_by_budget = True
+    reads = ("max_tokens_per_batch", "bundle_tokens", "long_docs")
 
     @staticmethod
     def row_cap(s) -> int:
@@ -258,6 +265,7 @@ class Packed(Strategy):
 
     name, seed_tag = "packed", 3
     sized_by_budget = True
+    reads = ("max_tokens_per_batch", "seq_len", "bundle_tokens", "long_docs")
 
     def check(self, s) -> None:
         if s.bundle_tokens != "auto" and int(s.bundle_tokens) > s.seq_len // 2:

@@ -279,6 +279,12 @@ def _build(tmp: Path, *, cfg: DataConfig, fmt: str, tok, meta_of, inputs: list[P
         setattr(s, f"{split}_loss_tokens", w.loss_tokens)
     if "train" in writers and writers["train"].documents:
         s.lengths = percentiles(np.load(tmp / "train" / "lengths.npy", mmap_mode="r"))
+    if not s.train_documents and s.records_read and s.dropped_no_target == s.records_read:
+        raise DataError(
+            f"{cfg.path}: each of its {s.records_read} documents is one token or none (the end-of-text alone?): the "
+            "tokenizer that wrote it encoded no text, as a tokenizer.json with an empty vocabulary does; write the corpus "
+            "again with one that encodes (docs/data.md)"
+        )
     if not s.train_documents:
         raise DataError(f"{cfg.path}: no document of 2 tokens or more to train on")
     (tmp / "corpus.json").write_text(json.dumps(corpus, indent=1), encoding="utf-8")

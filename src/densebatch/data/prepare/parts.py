@@ -18,6 +18,7 @@ within one file.
 from __future__ import annotations
 
 import dataclasses
+import glob
 from pathlib import Path
 
 from densebatch.config import DataConfig
@@ -51,6 +52,22 @@ def resolved(cfg: DataConfig) -> tuple[DataConfig, str]:
     if fmt == "text":
         cfg = dataclasses.replace(cfg, template="raw", fields=dataclasses.replace(cfg.fields, text="text"))
     return cfg, fmt
+
+
+def check_inputs(cfg: DataConfig) -> None:
+    """``DataError`` naming the first input ``cfg`` names that is not there (each source's path and eval path: a
+    file, a folder, a Megatron prefix, or a glob pattern that matches something), before a command checks
+    or writes anything else: a missing data file is reported as that, not as whatever was checked first."""
+    for i, (_, c) in enumerate(source_configs(cfg)):
+        for key, p in (("path", c.path), ("eval_path", c.eval_path)):
+            name = f"data.sources[{i}].{key}" if cfg.sources else f"data.{key}"
+            if p is None:
+                continue
+            if is_pattern(p):
+                if not glob.glob(str(p), recursive=True):
+                    raise DataError(f"{p}: no file matches this pattern ({name})")
+            elif not (Path(p).exists() or (c.format == "megatron" and any(Path(f"{p}{x}").exists() for x in (".idx", ".bin")))):
+                raise DataError(f"{p}: file not found ({name})")
 
 
 def source_parts(cfg: DataConfig) -> list[Part]:

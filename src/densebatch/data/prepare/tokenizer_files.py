@@ -1,5 +1,6 @@
-"""Hugging Face tokenizer files: what a directory's config says (special tokens, chat template), and
-writing every densebatch tokenizer so that ``transformers.AutoTokenizer.from_pretrained`` loads it.
+"""Hugging Face tokenizer files: what a directory's config says (special tokens, chat template), whether a
+``tokenizer.json`` encodes text at all, and writing every densebatch tokenizer so that
+``transformers.AutoTokenizer.from_pretrained`` loads it.
 
 A saved directory holds ``tokenizer.json`` (the ``tokenizers`` library's file: vocabulary, merges,
 added tokens), ``tokenizer_config.json`` (``eos_token``, ``pad_token``, ``mask_token``, the chat
@@ -19,6 +20,24 @@ from densebatch.errors import ConfigError, read_json_object
 
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _DROPPED_KEYS = ("added_tokens_decoder", "chat_template", "auto_map")  # rewritten or meaningless once saved here
+
+
+PROBE = "The quick brown fox jumps over the lazy dog, 12 times."  # any tokenizer of text gives it ids
+
+
+def check_encodes(tok, name: str) -> None:
+    """``ConfigError`` when ``tok`` turns text into no ids: every document would be its end-of-text alone (a
+    ``tokenizer.json`` written with an empty vocabulary: transformers' ``GPT2TokenizerFast(vocab_file=...,
+    merges_file=...).save_pretrained`` once wrote one)."""
+    try:
+        ids = tok.encode(PROBE, add_special_tokens=False).ids
+    except Exception:  # a word-level vocabulary without an unknown token: it encodes what it knows
+        return
+    if not ids:
+        raise ConfigError(
+            f"data.tokenizer: {name} encodes text to no ids (its vocabulary holds {tok.get_vocab_size()}): every "
+            "document would be its end-of-text alone; make it again (from GPT-2's vocab.json + merges.txt: docs/data.md)"
+        )
 
 
 def token_text(value) -> str | None:

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from densebatch.data.prepare.tokenizer_files import (
     byte_level_tokenizer,
+    check_encodes,
     read_chat_template,
     read_config,
     read_saved_meta,
@@ -197,6 +198,7 @@ class HFTokenizer(Tokenizer):
         if eos is None:
             raise ConfigError(f"data.tokenizer: {name}: end-of-text token {eos_token!r} is not in the vocabulary")
         self.eos_id = int(eos)
+        check_encodes(tok, name)
         self.base_vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
         self.added = []
         for content, special in unique_tokens(added):  # one at a time: new ids follow the order given

@@ -20,7 +20,7 @@ fastest), the **minimum ÷ 10** (the classic rule; too low on the same grid) and
 train). docs/finders.md compares them with grids of training runs.
 
 ``diagnose`` reads the curve for the step size: loss noise at small rates, where the weights barely
-move, is batch-to-batch noise (steps too small); a smooth curve that falls little before diverging
+move, is batch-to-batch noise (steps too small); a smooth curve that falls little to its lowest point
 suggests steps larger than needed.
 """
 
@@ -159,9 +159,9 @@ def diagnose(losses: list[float], smoothed: list[float]) -> dict:
         )
     elif noise < 0.02 and fall < SLOW:
         verdict = (
-            f"smooth but slow: {noise:.1%} noise at small rates and the loss fell only {fall:.0%} before diverging; "
+            f"smooth but slow: {noise:.1%} noise at small rates and the smoothed loss fell only {fall:.0%} to its lowest; "
             "steps look larger than needed (fewer tokens per step give more updates for the same data)"
         )
     else:
-        verdict = f"balanced: {noise:.1%} step-to-step noise at small rates, the loss fell {fall:.0%} before diverging"
+        verdict = f"balanced: {noise:.1%} step-to-step noise at small rates, the smoothed loss fell {fall:.0%} to its lowest"
     return {"verdict": verdict, "noise": noise, "fall": fall, "head_steps": int(len(head))}

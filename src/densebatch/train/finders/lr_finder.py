@@ -57,6 +57,7 @@ from densebatch.train.observe.plots import plot_lr_finder
 
 LR_FINDER_JSON, LR_FINDER_PNG = "lr_finder.json", "lr_finder.png"
 FELL = 0.25  # the range test stops when the loss is back above its start after falling by this share
+ROSE = 0.5  # ... or when it rises this share above its start without such a fall (a model at chance with a large vocabulary)
 
 
 class TrainerSnapshot:
@@ -114,7 +115,11 @@ class LRFinderResult:
             f"batch size: {d.get('verdict', 'n/a')}",
         ]
         if (at := lowest(h := self.heldout_losses)) is not None:
-            lines.insert(3, f"  held-out loss: {h[0]:.4g} at the first rate, lowest {h[at]:.4g} at {self.lrs[at]:.3g}")
+            lines.insert(
+                3,
+                f"  held-out loss: {h[0]:.4g} at the first rate, lowest {h[at]:.4g} at {self.lrs[at]:.3g}, "
+                f"{h[-1]:.4g} at the last ({self.lrs[len(h) - 1]:.3g})",
+            )
         if self.trials:
             tried = ", ".join(f"{t['lr']:.3g}: {t['heldout_loss']:.4g}" for t in self.trials)
             lines.insert(2, f"  short trials ({self.trials[0]['steps']} steps each; lr: held-out loss): {tried}")
@@ -141,7 +146,7 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
     t0 = time.perf_counter()
     snap = TrainerSnapshot(trainer)
     rates, losses, lrs, held = schedule(finder), [], [], []
-    stop = f"reached lr_end {finder.lr_end:g} without diverging"
+    stop = None
     data = trainer.data
     data.set_step_fraction(None)  # full-size steps: a batch-size ramp would shrink the first ones
     data.max_epochs = None  # cycle the data: the test may need more steps than an epoch holds
@@ -171,14 +176,17 @@ def lr_range_test(trainer: TrainerHost, finder: FinderConfig, log: Callable[[str
                             heldout=held[-1] if held else None,
                         )
                     )
-                if trainer.dist.agree(diverged(losses, finder)):
-                    stop = f"stopped at lr {lr:.2e}: the smoothed loss diverged (above {finder.diverge:g}x its minimum, or back above its start)"
+                why = running_divergence(losses, finder)  # the same on every rank: the losses are all-reduced
+                if trainer.dist.agree(why is not None):
+                    stop = f"stopped at lr {lr:.2e}: diverged: {why}"
                     break
     finally:
         snap.restore(trainer)
     smoothed = centred([x if math.isfinite(x) else math.inf for x in losses], finder.smoothing)
     warm = baseline_steps(finder)
     head = [x for x in losses[:warm] if math.isfinite(x)]
+    if stop is None and lrs:
+        stop = ending(lrs, smoothed=smoothed, start=float(np.mean(head)) if head else math.nan, held=held, finder=finder)
     noise = float(np.std(head)) if len(head) > 1 else 0.0  # the batch noise: rates too small to move the weights
     candidates = suggest(lrs, smoothed, noise, warm, held)
     if not candidates:
@@ -245,19 +253,64 @@ def baseline_steps(finder: FinderConfig) -> int:
     return max(5, finder.lr_steps // 10)
 
 
-def diverged(losses: list[float], finder: FinderConfig) -> bool:
-    """Whether the test stops after ``losses``: the last is not finite, or (past the baseline steps)
-    the smoothed loss is above ``diverge`` x its minimum, or back above the start after falling by a
-    quarter (a clipped loss may saturate near ln(vocabulary) instead of blowing up). The minimum is
-    taken from the end of the baseline on: before it the average holds too few steps to be one."""
+def divergence(curve: list[float], *, start: float, warm: int, diverge: float, what: str) -> str | None:
+    """Why ``curve`` (a loss, smoothed or held out) has diverged at its last point, in words with its numbers;
+    None when it has not. Past the first ``warm`` points: above ``diverge`` x its lowest since them, back above
+    ``start`` (its level at the smallest rates) after falling by a quarter (a clipped loss may saturate near
+    ln(vocabulary) instead of blowing up), or risen half above ``start`` (a model at chance with a large
+    vocabulary: its loss can neither fall a quarter nor grow 4x). The lowest point is taken from the end of
+    the first ``warm`` on: before it an average holds too few steps to be one."""
+    now = curve[-1]
+    if not math.isfinite(now):
+        return f"{what} is not finite"
+    if len(curve) <= warm:
+        return None
+    best = min(curve[warm - 1 :])
+    if now > diverge * best:
+        return f"{what} {now:.4g} is above {diverge:g}x its lowest {best:.4g}"
+    if best < (1 - FELL) * start and now > start:
+        return f"{what} {now:.4g} is back above its start {start:.4g} after falling to {best:.4g}"
+    if now > (1 + ROSE) * start:
+        return f"{what} {now:.4g} rose above {1 + ROSE:g}x its start {start:.4g}"
+    return None
+
+
+def running_divergence(losses: list[float], finder: FinderConfig) -> str | None:
+    """Why the test stops after ``losses`` (None: it goes on), judged as it runs: the last loss is not finite, or
+    (past the baseline steps, whose mean loss is the start) the running average of the loss diverged
+    (``divergence``). Within the baseline only a non-finite loss stops it: there batch noise rules."""
     if not math.isfinite(losses[-1]):
-        return True
+        return f"the loss is not finite ({losses[-1]})"
     warm = baseline_steps(finder)
     if len(losses) <= warm:
-        return False
-    smoothed = smooth(losses, finder.smoothing)
-    best, start = min(smoothed[warm - 1 :]), float(np.mean(losses[:warm]))
-    return smoothed[-1] > finder.diverge * best or (best < (1 - FELL) * start and smoothed[-1] > start)
+        return None
+    start = float(np.mean(losses[:warm]))
+    return divergence(
+        smooth(losses, finder.smoothing), start=start, warm=warm, diverge=finder.diverge, what="the running average of the loss"
+    )
+
+
+def diverged(losses: list[float], finder: FinderConfig) -> bool:
+    """Whether the test stops after ``losses`` (``running_divergence``)."""
+    return running_divergence(losses, finder) is not None
+
+
+def ending(lrs: list[float], *, smoothed: list[float], start: float, held: list[float], finder: FinderConfig) -> str:
+    """How a test that ran to ``lr_end`` ended, judged on the curves it plots: the smoothed train loss (lag-free)
+    and the held-out loss (from its first value) by ``divergence``'s rules, each with where it was lowest."""
+    said = []
+    warm = baseline_steps(finder)
+    for curve, first, what, skip in (
+        (smoothed, start, "the smoothed loss", warm),
+        (held, held[0] if held else 0.0, "the held-out loss", 1),
+    ):
+        why = divergence(curve, start=first, warm=skip, diverge=finder.diverge, what=what) if curve else None
+        if why is not None:
+            at = lowest(curve[skip - 1 :])
+            said.append(why + ("" if at is None else f" (lowest at lr {lrs[skip - 1 + at]:.3g})"))
+    if not said:
+        return f"reached lr_end {finder.lr_end:g} without diverging"
+    return f"reached lr_end {finder.lr_end:g}, diverged on the way: " + "; ".join(said)
 
 
 def _step(trainer: TrainerHost, it, lr: float) -> float | None:

@@ -310,10 +310,12 @@ def format_summary(s: dict) -> str:
         if "cuda_peak_allocated_gb" in peak:
             lines.append(
                 f"peak memory      rank {rank}: {peak['cuda_peak_allocated_gb']:.2f} GB allocated, "
-                f"{peak['cuda_peak_reserved_gb']:.2f} GB reserved (CUDA, whole run)"
+                f"{peak['cuda_peak_reserved_gb']:.2f} GB reserved (CUDA, whole run, the final evaluation included)"
             )
         elif peak.get("mem_peak_rss_gb") is not None:
-            lines.append(f"peak memory      rank {rank}: {peak['mem_peak_rss_gb']:.2f} GB resident (whole run)")
+            lines.append(
+                f"peak memory      rank {rank}: {peak['mem_peak_rss_gb']:.2f} GB resident (whole run, the final evaluation included)"
+            )
     for what, calls in (s.get("attention") or {}).items():  # the kernels the layers ran, and any fallback's reason
         lines.append(f"attention        {what} ({calls} layer calls)")
     lines.append(f"outputs          {s['output_dir']}  (metrics: {METRICS_FILE})")

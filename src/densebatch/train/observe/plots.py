@@ -8,7 +8,8 @@
 - ``lr.png``: learning rate (linear: warm-up and decay read best on a linear axis).
 - ``grad_norm.png``: gradient norm before clipping (log scale) and the clip limit (``clip_limit``).
 - ``throughput.png``: real tokens/s (raw and smoothed) over the fill rate.
-- ``memory.png``: whichever memory figures the records carry (GB).
+- ``memory.png``: whichever memory figures the step records carry (GB), and the run record's whole-run peak
+  (the summary's "peak memory", which also counts the final evaluation) as a dashed line.
 - ``step_time.png``: seconds per step split into data wait, forward+backward and optimizer.
 
 A file is written only when its data exist (a run with eval only gets ``loss.png`` alone).
@@ -34,9 +35,14 @@ from densebatch.train.observe.monitor import METRICS_FILE, read_metrics
 PLOTS_DIR = "plots"
 MEMORY_KEYS = {  # record field -> legend
     "mem_rss_gb": "process resident memory (RSS)",
-    "mem_peak_rss_gb": "peak RSS",
+    "mem_peak_rss_gb": "peak RSS up to the step",
     "cuda_max_allocated_gb": "CUDA peak allocated in the step",
     "cuda_max_reserved_gb": "CUDA peak reserved in the step",
+}
+RUN_PEAK_KEYS = {  # the run record's (rank 0's) whole-run peaks -> legend: the summary's "peak memory" line
+    "mem_peak_rss_gb": "peak RSS of the whole run (final evaluation included; the summary's)",
+    "cuda_peak_allocated_gb": "CUDA peak allocated, whole run (the summary's)",
+    "cuda_peak_reserved_gb": "CUDA peak reserved, whole run (the summary's)",
 }
 TIME_KEYS = {"data_wait_s": "data wait", "fwd_bwd_s": "forward + backward", "optimizer_s": "optimizer"}  # field -> legend
 APPLIED = ("ok", "applied", None)  # outcomes of a step whose update was applied
@@ -74,6 +80,7 @@ class RunData:
     eval_loss: Series = field(default_factory=Series)
     skipped: list[tuple[int, str, float]] = field(default_factory=list)  # (step, why, loss or NaN)
     rollbacks: list[int] = field(default_factory=list)  # steps at which a rollback happened
+    run_peak: dict[str, float] = field(default_factory=dict)  # the run record's peaks of rank 0 (after its last step)
 
     def series(self, key: str) -> Series:
         return self.train.get(key, Series())
@@ -117,6 +124,10 @@ def extract(records: list[dict], name: str = "run") -> RunData:
             data.eval_loss.add(step, rec["loss"])
         elif kind == "rollback" and step not in data.rollbacks:
             data.rollbacks.append(step)
+        elif kind == "run" and rec.get("memory_peak"):
+            data.run_peak = {
+                k: float(v) for k, v in rec["memory_peak"][0].items() if k in RUN_PEAK_KEYS and math.isfinite(_value(v))
+            }
     return data
 
 
@@ -253,6 +264,8 @@ def _memory(data: RunData, path: Path) -> Path:
     for key, label in MEMORY_KEYS.items():
         if s := data.series(key):
             ax.plot(s.steps, s.values, label=label)
+    for key, gb in data.run_peak.items():  # the summary's figure: it also counts what came after the last step
+        ax.axhline(gb, color="black", linestyle="--", linewidth=1, label=f"{RUN_PEAK_KEYS[key]}: {gb:.2f} GB")
     ax.set(title=f"{data.name}: memory", xlabel=STEP_LABEL, ylabel="GB")
     ax.set_ylim(bottom=0)
     ax.grid(True, alpha=0.3)
